@@ -1,0 +1,71 @@
+"""AttentionSite: one matched softmax attention, described without reference to ONNX or FX.
+
+Frontends reduce whatever they matched to this form; passes decide from it alone whether
+and how they can replace the attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class MaskKind(str, enum.Enum):
+    NONE = "none"
+    KEY_PADDING = "key_padding"
+    CAUSAL = "causal"
+    CAUSAL_KEY_PADDING = "causal+key_padding"
+    BIAS = "bias"  # an arbitrary additive term no linear method can express
+
+    @property
+    def causal(self) -> bool:
+        return self in (MaskKind.CAUSAL, MaskKind.CAUSAL_KEY_PADDING)
+
+    @property
+    def key_padding(self) -> bool:
+        return self in (MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING)
+
+
+@dataclasses.dataclass
+class AttentionSite:
+    """softmax(scale * q @ k^T + mask) @ v, with q [..., Nq, Dh], k [..., Nk, Dh], v [..., Nk, Dv].
+
+    ``num_heads`` is set only when the layout is known to be [batch, heads, seq, head_dim];
+    for [batch*heads, seq, head_dim] it is None and methods that merge heads work per head.
+    """
+
+    name: str
+    scale: float = 1.0
+    mask: MaskKind = MaskKind.NONE
+    rank: int | None = None
+    num_heads: int | None = None
+    head_dim: int | None = None
+    value_dim: int | None = None
+    dtype: str = "float32"
+    layer: int | None = None
+    # Why this site must be left alone; None when it is rewritable (by some method).
+    skip_reason: str | None = None
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def layout(self) -> str:
+        if self.rank == 4 and self.num_heads is not None:
+            return "[batch, heads, seq, head_dim]"
+        if self.rank is not None:
+            return f"rank {self.rank}, heads folded into batch"
+        return "unknown"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "value_dim": self.value_dim,
+            "layout": self.layout,
+            "scale": self.scale,
+            "mask": self.mask.value,
+            "dtype": self.dtype,
+            "skip_reason": self.skip_reason,
+        }

@@ -1,0 +1,65 @@
+"""One module per linearization. Each module provides:
+
+- ``NAME``: the method's name on the command line (``--to NAME``);
+- ``Options``: a dataclass of the method's settings (every method takes ``seed``);
+- ``supports(site, options) -> None | reason``: why a site cannot be replaced, if it cannot;
+- ``torch_module(site, options)``: an nn.Module ``forward(q, k, v, key_keep=None)``, the FX
+  lowering and the numeric reference (``key_keep``: 1.0 for keys to attend to, 0.0 for padding,
+  broadcastable to [..., Nk, 1]);
+- ``onnx_lowering(site, options, opset_version) -> OnnxLowering``: model-local functions in
+  domain ``attnrewrite`` with the same inputs, plus the constants (random features,
+  projections) they read.
+
+Adding a method means adding a module here and listing it in ``_METHODS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+
+from passes import hydra, linear
+
+_METHODS = (linear, hydra)
+PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
+
+
+class OptionError(ValueError):
+    pass
+
+
+def get_pass(name: str) -> types.ModuleType:
+    try:
+        return PASSES[name]
+    except KeyError:
+        raise OptionError(f"unknown method {name!r}; choose one of: {', '.join(PASSES)}") from None
+
+
+def make_options(method: types.ModuleType, **values):
+    """Build ``method.Options`` from keyword values, converting strings (from the CLI)."""
+    fields = {f.name: f for f in dataclasses.fields(method.Options)}
+    hints = typing.get_type_hints(method.Options)
+    converted = {}
+    for key, value in values.items():
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            raise OptionError(f"method {method.NAME!r} has no option {key!r} (options: {known})")
+        converted[key] = _convert(key, value, hints[key])
+    return method.Options(**converted)
+
+
+def _convert(key: str, value, hint):
+    if not isinstance(value, str):
+        return value
+    target = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    try:
+        if target is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if target in (int, float):
+            return target(value)
+    except ValueError:
+        raise OptionError(f"option {key}={value!r} is not a valid {target.__name__}") from None
+    return value

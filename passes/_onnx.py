@@ -1,0 +1,38 @@
+"""What the ONNX lowerings share: the opset objects their onnxscript bodies are written against."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnxscript.values import Opset
+
+DOMAIN = "attnrewrite"
+DOMAIN_VERSION = 1
+ATTNREWRITE = Opset(DOMAIN, DOMAIN_VERSION)
+MIN_OPSET = 18  # bodies pass reduction axes as inputs (ReduceMax, ReduceSumSquare: opset 18)
+
+FLOAT = onnx.TensorProto.FLOAT
+
+
+def standard_opset(version: int) -> Opset:
+    """The default-domain opset a function body must use to sit in a model importing `version`."""
+    return Opset("", max(version, MIN_OPSET))
+
+
+@dataclasses.dataclass
+class OnnxLowering:
+    """One replacement node: call `function` with (q, k, v[, key_keep], *constants).
+
+    ``functions`` holds the entry function last and every function it calls before it.
+    ``constants`` are stored as initializers (random features, projections): fixed at rewrite
+    time, never redrawn at inference.
+    """
+
+    functions: list[onnx.FunctionProto]
+    constants: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def op_type(self) -> str:
+        return self.functions[-1].name

@@ -1,0 +1,83 @@
+"""Linear attention with the elu+1 feature map (Katharopoulos et al., 2020).
+
+softmax(q k^T) is replaced by the kernel phi(q) phi(k)^T with phi(x) = elu(x) + 1, evaluated in
+the reassociated order phi(Q) (phi(K)^T V): O(N) in sequence length. The logits' scale is not
+applied: elu+1 is the kernel the method defines, not an estimate of exp(scale * q.k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from onnxscript import script
+
+from attnrewrite.site import AttentionSite
+from passes import kernels
+from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from passes._torch import Module, torch
+
+NAME = "linear"
+
+
+@dataclasses.dataclass
+class Options:
+    chunk: int = 64  # causal prefix-sum block length
+    seed: int = 0  # unused: the method draws nothing at random; accepted for a uniform interface
+
+
+def supports(site: AttentionSite, options: Options) -> str | None:
+    if site.mask is site.mask.BIAS:
+        return "an additive attention bias cannot be expressed by a kernel feature map"
+    return None
+
+
+class LinearAttention(Module):
+    def __init__(self, causal: bool, chunk: int):
+        super().__init__()
+        self.causal = causal
+        self.chunk = chunk
+
+    def forward(self, q, k, v, key_keep=None):
+        phi_q = torch.nn.functional.elu(q.float()) + 1
+        phi_k = torch.nn.functional.elu(k.float()) + 1
+        if key_keep is not None:
+            phi_k = phi_k * key_keep  # padded keys leave numerator and denominator
+        if self.causal:
+            out = kernels.causal_linear_attention(phi_q, phi_k, v.float(), self.chunk)
+        else:
+            out = kernels.linear_attention(phi_q, phi_k, v.float())
+        return out.to(v.dtype)
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, chunk={self.chunk}"
+
+
+def torch_module(site: AttentionSite, options: Options) -> LinearAttention:
+    return LinearAttention(site.mask.causal, options.chunk)
+
+
+def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+    op = standard_opset(opset_version)
+    if site.mask.causal:
+        kernel = kernels.causal_linear_attention_function(opset_version, options.chunk)
+    else:
+        kernel = kernels.linear_attention_function(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LinearAttention(q, k, v, key_keep):
+        one = op.Constant(value_float=1.0)
+        phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
+        phi_k = (op.Elu(op.Cast(k, to=FLOAT)) + one) * key_keep
+        rows = op.Constant(value_ints=[-1])
+        out = kernel(
+            op.Reshape(phi_q, op.Concat(rows, op.Shape(q, start=-2), axis=0)),
+            op.Reshape(phi_k, op.Concat(rows, op.Shape(k, start=-2), axis=0)),
+            op.Reshape(op.Cast(v, to=FLOAT), op.Concat(rows, op.Shape(v, start=-2), axis=0)),
+        )
+        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+        return op.CastLike(op.Reshape(out, out_shape), v)
+
+    fn = LinearAttention.to_function_proto()
+    if site.mask.causal:
+        fn.name = "CausalLinearAttention"
+    return OnnxLowering([kernel.to_function_proto(), fn])
