@@ -1,0 +1,80 @@
+"""What a rewrite did, kept with its output (ONNX metadata_props, GraphModule.meta) and printed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from attnrewrite.site import AttentionSite
+
+METADATA_KEY = "attnrewrite"
+
+
+@dataclasses.dataclass
+class SiteOutcome:
+    site: AttentionSite
+    rewritten: bool
+    reason: str | None = None  # why the site was left alone
+    replacement: str | None = None  # e.g. "attnrewrite.Hydra"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.site.describe(),
+            "status": "rewritten" if self.rewritten else "skipped",
+            "reason": self.reason,
+            "replacement": self.replacement,
+        }
+
+
+@dataclasses.dataclass
+class RewriteRecord:
+    method: str
+    options: dict[str, Any]
+    outcomes: list[SiteOutcome] = dataclasses.field(default_factory=list)
+
+    @property
+    def rewritten(self) -> list[SiteOutcome]:
+        return [o for o in self.outcomes if o.rewritten]
+
+    @property
+    def skipped(self) -> list[SiteOutcome]:
+        return [o for o in self.outcomes if not o.rewritten]
+
+    def as_dict(self) -> dict[str, Any]:
+        from attnrewrite import __version__
+
+        return {
+            "tool": f"attnrewrite {__version__}",
+            "method": self.method,
+            "options": self.options,
+            "seed": self.options.get("seed"),
+            "sites_found": len(self.outcomes),
+            "sites_rewritten": len(self.rewritten),
+            "sites": [o.as_dict() for o in self.outcomes],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    def table(self) -> str:
+        """The short human-readable table the CLI prints."""
+        header = ("site", "layer", "heads", "mask", "result")
+        rows = [
+            (
+                o.site.name,
+                "-" if o.site.layer is None else str(o.site.layer),
+                "-" if o.site.num_heads is None else str(o.site.num_heads),
+                o.site.mask.value,
+                o.replacement if o.rewritten else f"skipped: {o.reason}",
+            )
+            for o in self.outcomes
+        ]
+        return format_table(header, rows)
+
+
+def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    # the last column is free text: do not pad it
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1]) for r in [header, *rows]]
+    return "\n".join(line.rstrip() for line in lines)
