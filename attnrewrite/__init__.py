@@ -2,3 +2,7 @@
 linearized attention, and prove the result."""
 
 __version__ = "0.1.0"
+
+from attnrewrite.api import find_sites, rewrite  # noqa: E402
+
+__all__ = ["find_sites", "rewrite", "__version__"]

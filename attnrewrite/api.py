@@ -1,0 +1,69 @@
+"""The Python API: ``rewrite`` and ``find_sites`` for ONNX models and torch graphs alike."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.rewrite import find_sites as _find_onnx_sites
+from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.onnx.validate import validate as _validate
+from attnrewrite.record import METADATA_KEY
+from attnrewrite.site import AttentionSite
+
+
+def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool = True, **options):
+    """Replace every attention site it can prove it understands with method ``to``.
+
+    ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model``, a path to an ONNX file (an
+    ``onnx.ModelProto`` is returned), or a torch ``nn.Module`` / ``GraphModule`` /
+    ``ExportedProgram`` (a ``GraphModule`` is returned). ``options`` are the method's
+    (``passes.<method>.Options``). The record of what was done is in the ONNX model's
+    ``metadata_props["attnrewrite"]`` or the GraphModule's ``meta["attnrewrite"]``. When nothing
+    can be rewritten the model comes back unchanged, with that record.
+    """
+    if _is_onnx(model):
+        ir_model, record = rewrite_model(_to_ir(model), to, layers=layers, **options)
+        if not record.rewritten and isinstance(model, onnx.ModelProto):
+            return _with_record(model, ir_model)
+        if validate and record.rewritten:
+            _validate(ir_model)
+        return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
+    from attnrewrite.fx import rewrite_graph_module
+
+    return rewrite_graph_module(model, to, layers=layers, **options)
+
+
+def find_sites(model: Any) -> list[AttentionSite]:
+    """Every attention site in the model, rewritable or not (``skip_reason`` says why not)."""
+    if _is_onnx(model):
+        return _find_onnx_sites(_to_ir(model))
+    from attnrewrite.fx import find_fx_sites
+
+    return find_fx_sites(model)
+
+
+def _with_record(original: onnx.ModelProto, rewritten: ir.Model) -> onnx.ModelProto:
+    """The original proto untouched but for the record (an existing record is kept as is)."""
+    if any(p.key == METADATA_KEY for p in original.metadata_props):
+        return original
+    copy = onnx.ModelProto()
+    copy.CopyFrom(original)
+    onnx.helper.set_model_props(copy, {**{p.key: p.value for p in copy.metadata_props}, METADATA_KEY: rewritten.metadata_props[METADATA_KEY]})
+    return copy
+
+
+def _is_onnx(model: Any) -> bool:
+    return isinstance(model, (onnx.ModelProto, ir.Model, str, os.PathLike))
+
+
+def _to_ir(model) -> ir.Model:
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return onnx_io.from_proto(model)
+    return onnx_io.load_model(model)

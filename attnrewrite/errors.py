@@ -1,0 +1,13 @@
+"""Errors a user can act on. The CLI prints ``str(error)`` as its one line; anything else is a bug."""
+
+
+class AttnRewriteError(Exception):
+    """Bad input or an output that failed a validation gate; the message is one clear line."""
+
+
+class NothingToRewrite(AttnRewriteError):
+    """No site could be rewritten; carries the record so callers can say why."""
+
+    def __init__(self, message: str, record):
+        super().__init__(message)
+        self.record = record

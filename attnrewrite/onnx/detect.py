@@ -1,0 +1,375 @@
+"""Find softmax attention in an ONNX graph and reduce each match to an AttentionSite.
+
+Detection anchors at Softmax, walks back through scale / mask / Cast nodes to the logits
+MatMul (q @ k^T), and forward through NaN guards, Cast and Dropout to the MatMul with V.
+The standard ``Attention`` operator (opset 23) is accepted as an already-fused site. Mask
+kinds are not decided here: masks.py probes them numerically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+import onnx_ir as ir
+
+from attnrewrite.onnx.constants import constant_array, constant_scalar
+from attnrewrite.site import AttentionSite, MaskKind
+
+# An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
+MASKED_BELOW = -1e3
+
+
+class MaskForm(str, enum.Enum):
+    ADDITIVE = "additive"  # logits + m; m is 0 (keep) or <= MASKED_BELOW
+    KEEP_WHERE_TRUE = "keep_where_true"  # Where(cond, logits, fill) or a bool attn_mask
+    KEEP_WHERE_FALSE = "keep_where_false"  # Where(cond, fill, logits): masked_fill
+
+
+@dataclasses.dataclass
+class MaskTerm:
+    value: ir.Value
+    form: MaskForm
+    rank: int | None = None  # learned when the mask is evaluated (masks.py)
+
+
+@dataclasses.dataclass
+class OnnxSite:
+    """An AttentionSite plus the graph values a replacement node reads and writes."""
+
+    site: AttentionSite
+    q: ir.Value
+    k_transposed: ir.Value | None  # the logits MatMul's right operand, [..., Dh, Nk]
+    k: ir.Value | None  # [..., Nk, Dh], when the graph has it (fused Attention)
+    v: ir.Value
+    output: ir.Value
+    masks: list[MaskTerm]
+    nodes: list[ir.Node]
+    causal_by_attribute: bool = False
+
+
+class Unsupported(Exception):
+    """The subgraph looks like attention but cannot be proven to be one we can replace."""
+
+
+def find_onnx_sites(graph: ir.Graph) -> list[OnnxSite]:
+    sites = []
+    for node in graph:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Softmax":
+            sites.append(_match_softmax(node, index=len(sites)))
+        elif node.op_type == "Attention":
+            sites.append(_match_fused_attention(node, index=len(sites)))
+    return sites
+
+
+# --- Softmax-anchored attention -----------------------------------------------------------------
+
+
+def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
+    site = AttentionSite(name=softmax.name or f"Softmax_{index}", layer=index)
+    logits = softmax.inputs[0]
+    placeholder = OnnxSite(site, logits, None, None, logits, softmax.outputs[0], [], [softmax])
+    try:
+        _check_softmax_axis(softmax)
+        walk = _LogitsWalk()
+        matmul = walk.back_to_matmul(logits)
+        q, q_scale = _strip_scalar_scale(matmul.inputs[0], walk.nodes)
+        k_t, k_scale = _strip_scalar_scale(matmul.inputs[1], walk.nodes)
+        v, output, forward_nodes = _forward_to_value_matmul(softmax)
+    except Unsupported as reason:
+        site.skip_reason = str(reason)
+        return placeholder
+
+    site.scale = walk.scale * q_scale * k_scale
+    _describe_shapes(site, q, v, softmax.inputs[0])
+    nodes = [*walk.nodes, matmul, softmax, *forward_nodes]
+    site.provenance = {"nodes": [n.name for n in nodes]}
+    return OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes)
+
+
+def _check_softmax_axis(softmax: ir.Node) -> None:
+    attr = softmax.attributes.get("axis")
+    axis = -1 if attr is None else attr.as_int()
+    rank = _rank(softmax.inputs[0])
+    if axis == -1 or (rank is not None and axis == rank - 1):
+        return
+    where = f"axis {axis}" + ("" if rank is None else f" of a rank-{rank} tensor")
+    raise Unsupported(f"softmax over {where}, not the key axis (the last)")
+
+
+class _LogitsWalk:
+    """Walks from the softmax input back to the q @ k^T MatMul, folding scales, collecting masks."""
+
+    def __init__(self):
+        self.scale = 1.0
+        self.masks: list[MaskTerm] = []
+        self.nodes: list[ir.Node] = []
+
+    def back_to_matmul(self, value: ir.Value) -> ir.Node:
+        for _ in range(16):
+            node = value.producer()
+            if node is None:
+                raise Unsupported("the softmax input is not computed from a MatMul of q and k")
+            if node.domain not in ("", "ai.onnx"):
+                raise Unsupported(f"unexpected {node.domain}.{node.op_type} between q @ k^T and softmax")
+            if node.op_type == "MatMul":
+                return node
+            self.nodes.append(node)
+            value = self._step(node)
+        raise Unsupported("too many nodes between q @ k^T and softmax")
+
+    def _step(self, node: ir.Node) -> ir.Value:
+        op = node.op_type
+        if op in ("Cast", "Identity"):
+            return node.inputs[0]
+        if op in ("Mul", "Div"):
+            for i, other in ((0, 1), (1, 0)):
+                c = constant_scalar(node.inputs[other])
+                if c is not None and not (op == "Div" and other == 0):
+                    self.scale *= c if op == "Mul" else 1.0 / c
+                    return node.inputs[i]
+            raise Unsupported(f"logits scaled by a non-constant tensor ({node.name})")
+        if op == "Add":
+            return self._additive_mask(node)
+        if op == "Where":
+            return self._where_mask(node)
+        raise Unsupported(f"{op} node {node.name!r} between q @ k^T and softmax is not understood")
+
+    def _additive_mask(self, node: ir.Node) -> ir.Value:
+        a, b = node.inputs
+        logits_side = _which_leads_to_matmul(a, b)
+        if logits_side is None:
+            raise Unsupported(f"cannot tell the logits from the mask in {node.name!r}")
+        mask = b if logits_side is a else a
+        self.masks.append(MaskTerm(mask, MaskForm.ADDITIVE))
+        return logits_side
+
+    def _where_mask(self, node: ir.Node) -> ir.Value:
+        cond, x, y = node.inputs
+        for logits, fill, form in ((x, y, MaskForm.KEEP_WHERE_TRUE), (y, x, MaskForm.KEEP_WHERE_FALSE)):
+            fill_value = constant_scalar(fill)
+            if fill_value is not None and fill_value <= MASKED_BELOW:
+                self.masks.append(MaskTerm(cond, form))
+                return logits
+        raise Unsupported(f"Where {node.name!r} on the logits does not fill with a masking constant")
+
+
+def _which_leads_to_matmul(a: ir.Value, b: ir.Value) -> ir.Value | None:
+    """The operand of an Add that is the logits path (reaches a MatMul through scale/mask ops)."""
+    hits = [v for v in (a, b) if _reaches_matmul(v, depth=8)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _reaches_matmul(value: ir.Value, depth: int) -> bool:
+    node = value.producer()
+    if node is None or depth == 0:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    if node.op_type in ("Cast", "Identity", "Mul", "Div", "Add", "Where"):
+        data_inputs = node.inputs[1:] if node.op_type == "Where" else node.inputs
+        return any(v is not None and _reaches_matmul(v, depth - 1) for v in data_inputs)
+    return False
+
+
+def _strip_scalar_scale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
+    """Fold Mul/Div by scalar constants on an operand of the logits MatMul (dynamo splits
+    1/sqrt(d) as sqrt on q and on k^T)."""
+    scale = 1.0
+    while (node := value.producer()) is not None and node.op_type in ("Mul", "Div"):
+        c = constant_scalar(node.inputs[1])
+        if c is not None:
+            scale *= c if node.op_type == "Mul" else 1.0 / c
+            nodes.append(node)
+            value = node.inputs[0]
+            continue
+        c = constant_scalar(node.inputs[0])
+        if c is not None and node.op_type == "Mul":
+            scale *= c
+            nodes.append(node)
+            value = node.inputs[1]
+            continue
+        break
+    return value, scale
+
+
+def _forward_to_value_matmul(softmax: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node]]:
+    """Follow the probabilities to the MatMul with V; they must not be used anywhere else."""
+    probs = softmax.outputs[0]
+    nodes: list[ir.Node] = []
+    for _ in range(8):
+        _check_not_graph_output(probs)
+        users = {use.node for use in probs.uses()}
+        guard = _nan_guard(probs, users)
+        if guard is not None:
+            nodes.extend(users)
+            probs = guard.outputs[0]
+            continue
+        if len(users) != 1:
+            names = ", ".join(sorted(f"{u.op_type} {u.name!r}" for u in users)) or "nothing"
+            raise Unsupported(f"attention probabilities are used by {names}, not only by the V MatMul")
+        (user,) = users
+        if user.op_type == "MatMul" and user.inputs[0] is probs and user.inputs[1] is not probs:
+            return user.inputs[1], user.outputs[0], [*nodes, user]
+        if user.op_type in ("Cast", "Identity") or (
+            user.op_type == "Dropout" and not _dropout_mask_used(user)
+        ):
+            nodes.append(user)
+            probs = user.outputs[0]
+            continue
+        raise Unsupported(f"attention probabilities flow into {user.op_type} {user.name!r}, not a MatMul with V")
+    raise Unsupported("too many nodes between softmax and the V MatMul")
+
+
+def _check_not_graph_output(probs: ir.Value) -> None:
+    if probs.is_graph_output():
+        raise Unsupported(f"attention probabilities are a graph output ({probs.name!r})")
+
+
+def _nan_guard(probs: ir.Value, users: set[ir.Node]) -> ir.Node | None:
+    """The dynamo exporter's Where(IsNaN(p), 0, p): returns the Where when `users` is exactly it."""
+    if len(users) != 2:
+        return None
+    by_op = {u.op_type: u for u in users}
+    is_nan, where = by_op.get("IsNaN"), by_op.get("Where")
+    if is_nan is None or where is None:
+        return None
+    cond, fill, data = where.inputs
+    if cond is not is_nan.outputs[0] or data is not probs or constant_scalar(fill) != 0.0:
+        return None
+    if len(is_nan.outputs[0].uses()) != 1:
+        return None
+    return where
+
+
+def _dropout_mask_used(dropout: ir.Node) -> bool:
+    return len(dropout.outputs) > 1 and bool(dropout.outputs[1].uses())
+
+
+# --- fused Attention (opset 23) -----------------------------------------------------------------
+
+
+def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
+    site = AttentionSite(name=node.name or f"Attention_{index}", layer=index)
+    inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
+    q, k, v, attn_mask, past_key, past_value = inputs[:6]
+    onnx_site = OnnxSite(site, q, None, k, v, node.outputs[0], [], [node], causal_by_attribute=False)
+    site.provenance = {"nodes": [node.name]}
+    reason = _fused_attention_limits(node, q, past_key, past_value)
+    if reason:
+        site.skip_reason = reason
+        return onnx_site
+    attrs = node.attributes
+    onnx_site.causal_by_attribute = bool(attrs["is_causal"].as_int()) if "is_causal" in attrs else False
+    if attn_mask is not None:
+        form = MaskForm.KEEP_WHERE_TRUE if attn_mask.dtype == ir.DataType.BOOL else MaskForm.ADDITIVE
+        onnx_site.masks.append(MaskTerm(attn_mask, form))
+    _describe_shapes(site, q, v, None)
+    site.num_heads = _static(q.shape[1])  # the operator defines 4-D inputs as [B, H, N, D]
+    if "scale" in attrs:
+        site.scale = attrs["scale"].as_float()
+    elif site.head_dim is not None:
+        site.scale = site.head_dim**-0.5
+    else:
+        site.skip_reason = "Attention without a scale attribute and with an unknown head size"
+    return onnx_site
+
+
+def _fused_attention_limits(node, q, past_key, past_value) -> str | None:
+    attrs = node.attributes
+    if past_key is not None or past_value is not None:
+        return "Attention with a KV cache (past_key/past_value) is not supported"
+    if any(out is not None and out.uses() or (out is not None and out.is_graph_output()) for out in node.outputs[1:]):
+        return "Attention's present key/value or qk outputs are used"
+    if "softcap" in attrs and attrs["softcap"].as_float() != 0.0:
+        return "Attention with softcap is not expressible by linear methods"
+    if _rank(q) != 4:
+        return "Attention with 3-D inputs (heads packed into features) is not supported; 4-D expected"
+    if q.shape is not None and node.inputs[1].shape is not None:
+        qh, kh = q.shape[1], node.inputs[1].shape[1]
+        if isinstance(qh, int) and isinstance(kh, int) and qh != kh:
+            return f"grouped-query Attention ({qh} query heads, {kh} key heads) is not supported"
+    return None
+
+
+# --- shapes ----------------------------------------------------------------------------------
+
+
+def _rank(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
+
+
+def _static(dim) -> int | None:
+    return dim if isinstance(dim, int) else None
+
+
+def _describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.Value | None) -> None:
+    site.rank = _rank(q) or _rank(logits)
+    if q.shape is not None:
+        site.head_dim = _static(q.shape[-1])
+        if site.rank == 4:
+            site.num_heads = _heads_of_split_layout(q)
+    if v.shape is not None:
+        site.value_dim = _static(v.shape[-1])
+    if q.dtype is not None:
+        site.dtype = q.dtype.name.lower()
+
+
+def _heads_of_split_layout(q: ir.Value) -> int | None:
+    """Heads, when q is [batch, heads, seq, head_dim] by the usual head split: a
+    Transpose(perm=[0, 2, 1, 3]) of [batch, seq, heads, head_dim], possibly scaled after. Any
+    other producer could put batch elsewhere, so heads stay unknown."""
+    node = q.producer()
+    while node is not None and node.op_type in ("Mul", "Div", "Cast"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Transpose":
+        return None
+    perm = node.attributes.get("perm")
+    if perm is None or list(perm.as_ints()) != [0, 2, 1, 3]:
+        return None
+    if q.shape is not None and isinstance(q.shape[1], int):
+        return q.shape[1]
+    return _reshape_target_dim(node.inputs[0], axis=2)
+
+
+def _reshape_target_dim(value: ir.Value, axis: int) -> int | None:
+    """A static dim of a Reshape's 4-D target shape, also when the shape is Concat'ed from
+    pieces (the legacy exporter builds [Shape(x)[0], Shape(x)[1], -1 or heads, head_dim])."""
+    node = value.producer()
+    if node is None or node.op_type != "Reshape":
+        return None
+    target = _target_shape_pieces(node.inputs[1])
+    if target is None or len(target) != 4:
+        return None
+    dim = target[axis]
+    if dim == -1:  # inferred: the other dims divide the input's features
+        features = node.inputs[0].shape[-1] if node.inputs[0].shape is not None else None
+        others = [d for i, d in enumerate(target) if i not in (0, 1, axis)]
+        if isinstance(features, int) and all(d is not None and d > 0 for d in others):
+            return features // int(np.prod(others))
+        return None
+    return dim if dim is not None and dim > 0 else None
+
+
+def _target_shape_pieces(target: ir.Value) -> list[int | None] | None:
+    array = constant_array(target)
+    if array is not None:
+        return [int(d) for d in array.reshape(-1)]
+    concat = target.producer()
+    if concat is None or concat.op_type != "Concat":
+        return None
+    pieces = []
+    for piece in concat.inputs:
+        piece_array = constant_array(piece)
+        pieces.append(int(piece_array.reshape(-1)[0]) if piece_array is not None and piece_array.size == 1 else None)
+    return pieces
+
+
+def mark_unsupported_masks(sites: list[OnnxSite]) -> None:
+    """Fill the mask kind of sites without masks; others are classified by masks.py."""
+    for s in sites:
+        if s.site.skip_reason is None and not s.masks:
+            s.site.mask = MaskKind.CAUSAL if s.causal_by_attribute else MaskKind.NONE

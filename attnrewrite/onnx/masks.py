@@ -1,0 +1,118 @@
+"""Classify attention masks by evaluating them, not by reading their shape.
+
+Exporters build the same key-padding or causal mask from very different subgraphs (expanded
+[B, 1, N, N] tensors, sliced triangle buffers, vmap'd index comparisons). Instead of matching
+each spelling, the subgraph that computes a mask is cut out, run on generated inputs (padded
+integer inputs, two sequence lengths) and the result compared with a key-only broadcast and a
+causal triangle. Anything else, or an additive term that is not 0 / a large negative, is a bias.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, OnnxSite, Unsupported
+from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.site import MaskKind
+
+PROBE_LENGTHS = (6, 9)  # two lengths, so a mask that is causal only at one size is caught
+PROBE_BATCH = 2
+
+
+def classify_masks(model: ir.Model, sites: list[OnnxSite]) -> None:
+    """Set ``site.mask`` (or ``site.skip_reason``) for every site that has mask terms."""
+    pending = [s for s in sites if s.site.skip_reason is None and s.masks]
+    if not pending:
+        return
+    values = list({id(t.value): t.value for s in pending for t in s.masks}.values())
+    try:
+        probes = [_evaluate(model, values, seq) for seq in PROBE_LENGTHS]
+    except Exception as error:  # a mask we cannot run is a mask we do not understand
+        for s in pending:
+            s.site.skip_reason = f"could not evaluate the attention mask to classify it ({_first_line(error)})"
+        return
+    for s in pending:
+        try:
+            kinds = {_classify_site(s, arrays, seq) for arrays, seq in zip(probes, PROBE_LENGTHS)}
+        except Unsupported as reason:
+            s.site.skip_reason = str(reason)
+            s.site.mask = MaskKind.BIAS
+            continue
+        if len(kinds) != 1:
+            s.site.skip_reason = "the mask behaves differently at different sequence lengths"
+            continue
+        s.site.mask = kinds.pop()
+
+
+def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> MaskKind:
+    keep = None
+    for term in s.masks:
+        term.rank = arrays[id(term.value)].ndim
+        term_keep = keep_matrix(arrays[id(term.value)], term.form)
+        keep = term_keep if keep is None else np.logical_and(keep, term_keep)
+    kind = classify_keep_matrix(keep, seq)
+    if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
+        kind = {MaskKind.NONE: MaskKind.CAUSAL, MaskKind.KEY_PADDING: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
+    return kind
+
+
+def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
+    """True where a key is attended to."""
+    if form is MaskForm.ADDITIVE:
+        if not np.all((array == 0) | (array <= MASKED_BELOW)):
+            raise Unsupported("the additive term on the logits is an attention bias, not a mask (values other than 0 and large negatives)")
+        return array == 0
+    keep = array.astype(bool)
+    return keep if form is MaskForm.KEEP_WHERE_TRUE else ~keep
+
+
+def classify_keep_matrix(keep: np.ndarray, seq: int) -> MaskKind:
+    keep = keep.reshape((1,) * max(0, 2 - keep.ndim) + keep.shape)
+    rows, keys = keep.shape[-2:]
+    if keys != seq or rows not in (1, seq):
+        raise Unsupported(f"mask of shape {list(keep.shape)} does not line up with {seq} queries x {seq} keys")
+    slices = keep.reshape(-1, rows, keys)
+    last_row = slices[:, -1:, :]
+    if np.array_equal(np.broadcast_to(last_row, slices.shape), slices):
+        return MaskKind.NONE if slices.all() else MaskKind.KEY_PADDING
+    triangle = np.tril(np.ones((seq, seq), dtype=bool))
+    if np.array_equal(slices, np.broadcast_to(triangle, slices.shape)):
+        return MaskKind.CAUSAL
+    if np.array_equal(slices, triangle & last_row):
+        return MaskKind.CAUSAL_KEY_PADDING
+    raise Unsupported("the mask is neither key padding nor causal (e.g. a sliding window or a mask on queries)")
+
+
+def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np.ndarray]:
+    graph = model.graph
+    inputs = _graph_inputs_reaching(values)
+    names = [v.name for v in inputs]
+    sub = ir.convenience.extract(graph, inputs=inputs, outputs=values)
+    probe = ir.Model(sub, ir_version=model.ir_version, functions=list(model.functions.values()))
+    session = ort.InferenceSession(
+        ir.serde.serialize_model(probe).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
+    outputs = session.run(None, feeds)
+    return {id(v): out for v, out in zip(values, outputs)}
+
+
+def _graph_inputs_reaching(values: list[ir.Value]) -> list[ir.Value]:
+    found, seen, stack = {}, set(), list(values)
+    while stack:
+        value = stack.pop()
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.is_graph_input() and not value.is_initializer():
+            found[id(value)] = value
+        node = value.producer()
+        if node is not None:
+            stack.extend(node.inputs)
+    return list(found.values())
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

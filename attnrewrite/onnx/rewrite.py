@@ -1,0 +1,81 @@
+"""The ONNX frontend's pipeline: find and classify sites, splice replacements, record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import onnx_ir as ir
+
+import passes
+from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
+from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
+from attnrewrite.onnx.masks import classify_masks
+from attnrewrite.onnx.splice import Splicer
+from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
+from attnrewrite.site import AttentionSite
+from passes._onnx import DOMAIN
+
+
+def analyze(model: ir.Model) -> list[OnnxSite]:
+    """Every attention site in the model's main graph, with its mask classified."""
+    sites = find_onnx_sites(model.graph)
+    mark_unsupported_masks(sites)
+    classify_masks(model, sites)
+    return sites
+
+
+def find_sites(model: ir.Model) -> list[AttentionSite]:
+    return [s.site for s in analyze(infer_shapes(model))]
+
+
+def rewritten_sites(model: ir.Model) -> list[ir.Node]:
+    """Replacement nodes an earlier run left (their record says how they were made)."""
+    return [n for n in model.graph if n.domain == DOMAIN]
+
+
+def rewrite_model(
+    model: ir.Model, to: str, layers: list[int] | None = None, **options
+) -> tuple[ir.Model, RewriteRecord]:
+    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model."""
+    method = passes.get_pass(to)
+    opts = passes.make_options(method, **options)
+    model = infer_shapes(model)
+    sites = analyze(model)
+    decisions = [_decide(s, method, opts, layers) for s in sites]
+    if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
+        model = infer_shapes(upgrade_opset(model))
+        sites = analyze(model)
+        decisions = [_decide(s, method, opts, layers) for s in sites]
+
+    record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
+    splicer = Splicer(model) if any(reason is None for reason in decisions) else None
+    for s, reason in zip(sites, decisions):
+        if reason is None:
+            try:
+                splicer.check(s)
+            except Unsupported as why:
+                reason = str(why)
+        if reason is not None:
+            record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
+            continue
+        lowering = method.onnx_lowering(s.site, opts, default_opset(model))
+        replacement = splicer.splice(s, lowering)
+        record.outcomes.append(SiteOutcome(s.site, rewritten=True, replacement=replacement))
+    if record.rewritten or METADATA_KEY not in model.metadata_props:
+        model.metadata_props[METADATA_KEY] = record.to_json()
+    return model, record
+
+
+def read_record(model: ir.Model) -> dict | None:
+    text = model.metadata_props.get(METADATA_KEY)
+    return json.loads(text) if text else None
+
+
+def _decide(s: OnnxSite, method, opts, layers: list[int] | None) -> str | None:
+    """None when the site is to be rewritten, else the reason it is left alone."""
+    if s.site.skip_reason:
+        return s.site.skip_reason
+    if layers is not None and s.site.layer not in layers:
+        return "not selected (--layers)"
+    return method.supports(s.site, opts)

@@ -1,0 +1,42 @@
+"""Validation gates every rewritten model passes before it is written (DESIGN.md):
+the full ONNX check, an onnxruntime session, and a run on inputs of the original signature."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.io import saved_copy
+
+
+def validate(model: ir.Model, seq: int = 16) -> list[np.ndarray]:
+    """Raise AttnRewriteError naming the failed gate; return the outputs of the test run."""
+    with saved_copy(model) as path:
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except Exception as error:
+            raise AttnRewriteError(f"rewritten model fails the ONNX checker: {_first_line(error)}") from error
+        try:
+            session = make_session(str(path))
+        except Exception as error:
+            raise AttnRewriteError(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
+        try:
+            return session.run(None, generate_inputs(model.graph, seq=seq))
+        except Exception as error:
+            raise AttnRewriteError(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
+
+
+def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(model_or_path, options, providers=list(providers))
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
