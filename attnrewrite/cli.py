@@ -1,0 +1,183 @@
+"""Command line: ``attnrewrite model.onnx --to hydra -o out.onnx`` and ``attnrewrite model.onnx --list``.
+
+Every failure is one line on stderr and a non-zero exit (2: bad input or usage; 1: nothing
+could be rewritten or the output failed a validation gate); the output file is written only
+after the gates pass, so a failed run leaves whatever was there untouched. ``-v`` adds the
+traceback for bug reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import passes
+from attnrewrite.errors import AttnRewriteError, NothingToRewrite
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
+from attnrewrite.onnx.validate import validate
+from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_BUG = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnrewrite",
+        description="Find softmax attention in an ONNX model and replace it with linearized attention.",
+    )
+    parser.add_argument("model", help="the ONNX model to read (never modified)")
+    parser.add_argument("--to", choices=list(passes.PASSES), help="the replacement method")
+    parser.add_argument("-o", "--output", help="where to write the rewritten model")
+    parser.add_argument("--list", action="store_true", help="only report the attention sites found")
+    parser.add_argument("--layers", type=parse_layers, help="sites to rewrite, by index: 0,2,5-7 (default: all)")
+    parser.add_argument(
+        "-O", "--option", action="append", default=[], metavar="KEY=VALUE",
+        help="a method option, e.g. -O features=256 -O seed=1 (see --list-options)",
+    )
+    parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
+    parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
+    return parser
+
+
+def parse_layers(text: str) -> list[int]:
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            layers.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid layer list {text!r} (expected e.g. 0,2,5-7)") from None
+    return layers
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise AttnRewriteError(f"option {pair!r} is not KEY=VALUE")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        return _run(argv)
+    except (AttnRewriteError, passes.OptionError) as error:
+        return _fail(str(error), EXIT_FAILED if getattr(error, "record", None) else EXIT_BAD_INPUT, verbose)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_FAILED, verbose)
+    except Exception as error:  # a bug: still one line, the traceback on request
+        text = str(error).strip().splitlines()
+        return _fail(
+            f"internal error: {type(error).__name__}: {text[0] if text else ''} (run with -v for the traceback)",
+            EXIT_BUG,
+            verbose,
+        )
+
+
+def _fail(message: str, code: int, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exc()
+    print(f"attnrewrite: error: {message}", file=sys.stderr)
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_options:
+        return _print_options(args)
+    model = onnx_io.load_model(args.model)
+    if args.list:
+        return _list_sites(model, args)
+    _check_rewrite_arguments(args)
+    options = parse_options(args.option)
+    model, record = rewrite_model(model, args.to, layers=args.layers, **options)
+    if record.outcomes:
+        print(record.table())
+    _write_report(args.report, record)
+    if not record.rewritten:
+        raise _nothing_to_rewrite(record, model)
+    validate(model)
+    onnx_io.save_model(model, args.output)
+    print(f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}")
+    return 0
+
+
+def _check_rewrite_arguments(args) -> None:
+    if not args.to:
+        raise AttnRewriteError("choose a method with --to (or --list to only report)")
+    if not args.output:
+        raise AttnRewriteError("give the output path with -o")
+    output = Path(args.output)
+    if output.exists() and output.resolve() == Path(args.model).resolve():
+        raise AttnRewriteError(f"{args.output}: the output would overwrite the input model")
+    if output.is_dir():
+        raise AttnRewriteError(f"{args.output}: is a directory")
+    folder = output.parent if str(output.parent) else Path(".")
+    if not folder.is_dir():
+        raise AttnRewriteError(f"{args.output}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise AttnRewriteError(f"{args.output}: not writable")
+
+
+def _nothing_to_rewrite(record: RewriteRecord, model) -> AttnRewriteError:
+    if not record.outcomes:
+        done = len(rewritten_sites(model))
+        if done:
+            return NothingToRewrite(f"no softmax attention left: {done} sites were already rewritten; nothing written", record)
+        return NothingToRewrite("no softmax attention found; nothing written", record)
+    return NothingToRewrite(f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written", record)
+
+
+def _list_sites(model, args) -> int:
+    sites = analyze(onnx_io.infer_shapes(model))
+    record = RewriteRecord("none", {}, [SiteOutcome(s.site, rewritten=False, reason=s.site.skip_reason) for s in sites])
+    header = ("site", "layer", "heads", "head_dim", "mask", "scale", "status")
+    rows = [
+        (
+            s.site.name,
+            str(s.site.layer),
+            "-" if s.site.num_heads is None else str(s.site.num_heads),
+            "-" if s.site.head_dim is None else str(s.site.head_dim),
+            s.site.mask.value,
+            f"{s.site.scale:.4g}",
+            "rewritable" if s.site.skip_reason is None else f"unsupported: {s.site.skip_reason}",
+        )
+        for s in sites
+    ]
+    print(format_table(header, rows))
+    print(f"{len(sites)} attention sites, {sum(s.site.skip_reason is None for s in sites)} rewritable")
+    _write_report(args.report, record)
+    return 0
+
+
+def _print_options(args) -> int:
+    import dataclasses
+
+    if not args.to:
+        raise AttnRewriteError("--list-options needs --to METHOD")
+    method = passes.get_pass(args.to)
+    for field in dataclasses.fields(method.Options):
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        print(f"{field.name}={default}")
+    return 0
+
+
+def _write_report(path: str | None, record: RewriteRecord) -> None:
+    if path:
+        Path(path).write_text(json.dumps(record.as_dict(), indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The command line on the shipped sample: what it prints, writes and refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from attnrewrite.cli import main
+
+SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_reports_both_layers(capsys):
+    code, out, _ = run(capsys, SAMPLE, "--list")
+    assert code == 0
+    assert "2 attention sites, 2 rewritable" in out
+    assert out.count("key_padding") == 2
+
+
+@pytest.mark.parametrize("method,op_type", [("hydra", "Hydra"), ("linear", "LinearAttention")])
+def test_rewrite_writes_a_model_that_runs(tmp_path, capsys, method, op_type):
+    output = tmp_path / "out.onnx"
+    report = tmp_path / "report.json"
+    code, out, _ = run(capsys, SAMPLE, "--to", method, "-o", output, "--report", report)
+    assert code == 0, out
+    assert f"2 of 2 attention sites replaced by {method}" in out
+    model = onnx.load(output)
+    assert [n.op_type for n in model.graph.node].count(op_type) == 2
+    assert "Softmax" not in {n.op_type for n in model.graph.node}
+    record = json.loads({p.key: p.value for p in model.metadata_props}["attnrewrite"])
+    assert record["method"] == method and record["sites_rewritten"] == 2
+    assert json.loads(report.read_text())["sites_found"] == 2
+    session = ort.InferenceSession(str(output))
+    feeds = {"input_ids": np.arange(20).reshape(2, 10), "attention_mask": np.ones((2, 10), np.int64)}
+    assert np.isfinite(session.run(None, feeds)[0]).all()
+
+
+def test_layers_selects_sites(tmp_path, capsys):
+    code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path / "o.onnx", "--layers", "1")
+    assert code == 0
+    assert "skipped: not selected (--layers)" in out
+    assert "1 of 2 attention sites" in out
+
+
+def test_already_rewritten_model_is_refused_and_nothing_written(tmp_path, capsys):
+    first = tmp_path / "first.onnx"
+    assert run(capsys, SAMPLE, "--to", "hydra", "-o", first)[0] == 0
+    second = tmp_path / "second.onnx"
+    code, _, err = run(capsys, first, "--to", "hydra", "-o", second)
+    assert code == 1
+    assert err.strip() == (
+        "attnrewrite: error: no softmax attention left: 2 sites were already rewritten; nothing written"
+    )
+    assert not second.exists()
+
+
+@pytest.mark.parametrize(
+    "make_input,message",
+    [
+        (lambda d: d / "missing.onnx", "{p}: no such file"),
+        (lambda d: d, "{p}: is a directory, not an ONNX file"),
+        (lambda d: _write(d / "empty.onnx", b""), "{p}: is empty"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, capsys, make_input, message):
+    path = make_input(tmp_path)
+    code, out, err = run(capsys, path, "--to", "hydra", "-o", tmp_path / "out.onnx")
+    assert code == 2
+    assert err.strip() == "attnrewrite: error: " + message.format(p=path)
+    assert "Traceback" not in err + out
+
+
+def test_random_bytes_are_not_a_model(tmp_path, capsys):
+    path = _write(tmp_path / "noise.onnx", np.random.default_rng(0).bytes(4096))
+    code, _, err = run(capsys, path, "--list")
+    assert code == 2
+    assert err.startswith(f"attnrewrite: error: {path}: not an ONNX model")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_output_equal_to_input_is_refused(tmp_path, capsys):
+    model = shutil.copy(SAMPLE, tmp_path / "m.onnx")
+    before = Path(model).read_bytes()
+    code, _, err = run(capsys, model, "--to", "hydra", "-o", model)
+    assert code == 2
+    assert "the output would overwrite the input model" in err
+    assert Path(model).read_bytes() == before
+
+
+def test_failed_run_leaves_existing_output_untouched(tmp_path, capsys):
+    output = _write(tmp_path / "out.onnx", b"precious")
+    code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "-O", "features=3")
+    assert code == 2
+    assert err.strip() == "attnrewrite: error: method 'hydra' has no option 'features' (options: eps, seed)"
+    assert output.read_bytes() == b"precious"
+
+
+def test_missing_output_folder(tmp_path, capsys):
+    target = tmp_path / "nope" / "out.onnx"
+    code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", target)
+    assert code == 2
+    assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
