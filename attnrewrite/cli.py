@@ -1,4 +1,6 @@
-"""Command line: ``attnrewrite model.onnx --to hydra -o out.onnx`` and ``attnrewrite model.onnx --list``.
+"""Command line: ``attnrewrite model.onnx --to hydra -o out.onnx`` and ``attnrewrite model.onnx --list``,
+plus the subcommands ``attnrewrite check ORIGINAL REWRITTEN`` and ``attnrewrite bench MODEL --to M``
+(chosen by the first argument; a model file literally named ``check`` or ``bench`` is ``./check``).
 
 Every failure is one line on stderr and a non-zero exit (2: bad input or usage; 1: nothing
 could be rewritten or the output failed a validation gate); the output file is written only
@@ -16,6 +18,8 @@ import traceback
 from pathlib import Path
 
 import passes
+from attnrewrite import check as check_mod
+from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
@@ -31,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnrewrite",
         description="Find softmax attention in an ONNX model and replace it with linearized attention.",
+        epilog="subcommands: 'attnrewrite check ORIGINAL REWRITTEN' compares outputs, "
+        "'attnrewrite bench MODEL --to METHOD' sweeps latency and memory over sequence length "
+        "(each with -h for its options)",
     )
     parser.add_argument("model", help="the ONNX model to read (never modified)")
     parser.add_argument("--to", choices=list(passes.PASSES), help="the replacement method")
@@ -43,8 +50,89 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
     parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
+    parser.add_argument("--check", action="store_true", help="compare the rewritten outputs with the original's before writing")
+    _add_fidelity_arguments(parser, gate_help="with --check: write nothing and fail if an output's cosine similarity is below X")
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
     return parser
+
+
+def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate_help: str) -> None:
+    parser.add_argument("--min-cosine", type=parse_cosine, metavar="X", help=gate_help)
+    parser.add_argument("--inputs", metavar="FILE.npz", help="inputs to compare on, by input name (default: generated from the signature)")
+    parser.add_argument("--seq", type=parse_positive, default=check_mod.DEFAULT_SEQ, help="sequence length of generated inputs (default: %(default)s)")
+
+
+def build_check_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnrewrite check",
+        description="Run two models on the same inputs and report, per output, how far the second is from the first.",
+    )
+    parser.add_argument("original", help="the reference model")
+    parser.add_argument("rewritten", help="the model to compare with it")
+    _add_fidelity_arguments(parser, gate_help="fail (exit 1) if an output's cosine similarity is below X")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
+    return parser
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    from attnrewrite import bench
+
+    parser = argparse.ArgumentParser(
+        prog="attnrewrite bench",
+        description="Latency and peak memory over sequence length: the original model, the rewritten one, "
+        "and the identity-attention bound (each attention replaced by its values). "
+        "Each configuration runs in a fresh process.",
+    )
+    parser.add_argument("model", help="the ONNX model (never modified)")
+    parser.add_argument("--to", required=True, choices=list(passes.PASSES), help="the replacement method")
+    parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
+    parser.add_argument("--lengths", type=parse_lengths, default=bench.DEFAULT_LENGTHS,
+                        help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling)")
+    parser.add_argument("--batch", type=parse_positive, default=1, help="batch size (default: 1)")
+    parser.add_argument("--budget-seconds", type=float, default=bench.DEFAULT_BUDGET_SECONDS,
+                        help="stop a series once one run takes longer (default: %(default)s)")
+    parser.add_argument("--budget-gb", type=float, default=None,
+                        help="stop a series once a process's peak memory exceeds this (default: 3/4 of RAM)")
+    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
+    parser.add_argument("--fp16", action="store_true", help="convert the models to float16 (CUDA only)")
+    parser.add_argument("--threads", type=parse_positive, default=None, help="onnxruntime intra-op threads")
+    parser.add_argument("--repeats", type=parse_positive, default=bench.DEFAULT_REPEATS, help="timed runs after warm-up (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=bench.DEFAULT_WARMUP, help="untimed runs first (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw latency and memory vs length (needs matplotlib)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
+    return parser
+
+
+def parse_positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        lengths = []
+    if not lengths or lengths[0] < 1:
+        raise argparse.ArgumentTypeError(f"invalid length list {text!r} (expected e.g. 128,256,512)")
+    return lengths
+
+
+def parse_cosine(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not -1.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a cosine similarity is between -1 and 1, got {text!r}")
+    return value
 
 
 def parse_layers(text: str) -> list[int]:
@@ -72,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
     try:
-        return _run(argv)
+        return _dispatch(argv)
     except (AttnRewriteError, passes.OptionError) as error:
-        return _fail(str(error), EXIT_FAILED if getattr(error, "record", None) else EXIT_BAD_INPUT, verbose)
+        failed_gate = getattr(error, "record", None) or isinstance(error, FidelityBelowThreshold)
+        return _fail(str(error), EXIT_FAILED if failed_gate else EXIT_BAD_INPUT, verbose)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_FAILED, verbose)
     except Exception as error:  # a bug: still one line, the traceback on request
@@ -93,6 +182,14 @@ def _fail(message: str, code: int, verbose: bool) -> int:
     return code
 
 
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] == "check":
+        return _check_command(build_check_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "bench":
+        return _bench_command(build_bench_parser().parse_args(argv[1:]))
+    return _run(argv)
+
+
 def _run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.list_options:
@@ -102,6 +199,9 @@ def _run(argv: list[str]) -> int:
         return _list_sites(model, args)
     _check_rewrite_arguments(args)
     options = parse_options(args.option)
+    checking = args.check or args.min_cosine is not None or args.inputs is not None
+    # from the original's signature, before the rewrite changes the model in place
+    inputs = check_mod.prepare_inputs(model.graph, args.inputs, seq=args.seq) if checking else None
     model, record = rewrite_model(model, args.to, layers=args.layers, **options)
     if record.outcomes:
         print(record.table())
@@ -109,8 +209,41 @@ def _run(argv: list[str]) -> int:
     if not record.rewritten:
         raise _nothing_to_rewrite(record, model)
     validate(model)
+    if checking:
+        report = check_mod.check(args.model, model, inputs)
+        print(report.table())
+        try:
+            report.gate(args.min_cosine)
+        except FidelityBelowThreshold as error:
+            raise FidelityBelowThreshold(f"{error}; nothing written") from None
     onnx_io.save_model(model, args.output)
     print(f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}")
+    return 0
+
+
+def _check_command(args) -> int:
+    report = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    report.gate(args.min_cosine)
+    return 0
+
+
+def _bench_command(args) -> int:
+    from attnrewrite import bench
+
+    config = bench.BenchConfig(
+        model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths,
+        batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
+        provider=args.provider, fp16=args.fp16, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+    )
+    result = bench.run(config)
+    print(result.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    if args.plot:
+        bench.plot(result, args.plot)
     return 0
 
 

@@ -1,0 +1,524 @@
+"""Latency and peak memory over sequence length: the original model, the rewritten one, and the
+identity-attention bound.
+
+The bound is the same model with every rewritten attention replaced by a node that returns its
+values v. It is spliced exactly like a real replacement (same q/k/v/key_keep plumbing, same
+sites), so it costs what the rest of the model costs: the fastest any attention replacement can
+be.
+
+Every (model, length) runs in a fresh process (bench_worker.py). Memory is that process's peak
+resident set (VmHWM): it counts everything the run needs — onnxruntime's arena,
+allocations outside it, the weights — and it is the same measure for the torch peers in bench/,
+which onnxruntime's arena statistics would not be. A fresh process per configuration is what
+makes a peak per configuration honest: allocators never give back all they took, so a process
+reused across lengths would report the largest length so far. On CUDA the device memory is read
+with nvidia-smi after the runs (the CUDA arena keeps its high-water mark).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+import passes
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.rewrite import analyze, rewrite_model
+from attnrewrite.onnx.splice import Splicer
+from attnrewrite.onnx.validate import validate
+from attnrewrite.record import format_table
+from passes._onnx import DOMAIN, MIN_OPSET, OnnxLowering
+
+DEFAULT_LENGTHS = [128 * 2**i for i in range(8)]  # 128 .. 16384
+DEFAULT_BUDGET_SECONDS = 10.0
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 1
+SCHEMA = "attnrewrite.bench/1"
+WORKER = Path(__file__).with_name("bench_worker.py")
+VARIANTS = ("original", "rewritten", "identity")
+# A run that sends no sign of life for this long past the time budget is killed.
+WATCHDOG_SLACK_SECONDS = 30.0
+_POLL_SECONDS = 0.02
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    model: str
+    method: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lengths: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_LENGTHS))
+    batch: int = 1
+    budget_seconds: float = DEFAULT_BUDGET_SECONDS
+    budget_gb: float | None = None  # None: 3/4 of physical memory
+    provider: str = "cpu"
+    fp16: bool = False
+    threads: int | None = None
+    repeats: int = DEFAULT_REPEATS
+    warmup: int = DEFAULT_WARMUP
+
+    @property
+    def budget_bytes(self) -> int:
+        gb = self.budget_gb if self.budget_gb is not None else 0.75 * physical_memory_bytes() / 2**30
+        return int(gb * 2**30)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One (model, length) in its own process. status: ok | over_time | over_memory | failed."""
+
+    variant: str
+    n: int
+    status: str
+    times_s: list[float] = dataclasses.field(default_factory=list)
+    peak_rss_bytes: int | None = None
+    loaded_rss_bytes: int | None = None  # after loading the model and inputs, before the first run
+    gpu_memory_bytes: int | None = None
+    detail: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.times_s) if self.times_s else None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The memory the run needed on its device: GPU memory on CUDA, peak RSS on CPU."""
+        return self.gpu_memory_bytes if self.gpu_memory_bytes is not None else self.peak_rss_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "median_s": self.median_s}
+
+
+@dataclasses.dataclass
+class BenchResult:
+    config: BenchConfig
+    measurements: list[Measurement]
+    stopped: dict[str, str]  # variant -> why its series stopped early
+    sites: int
+    machine: dict[str, Any]
+
+    def series(self, variant: str) -> list[Measurement]:
+        return [m for m in self.measurements if m.variant == variant]
+
+    def crossover(self) -> int | None:
+        """The smallest length from which on the rewritten model is faster than the original at
+        every length both answered (a length the original could not finish within its budget
+        counts as faster); None if it never is."""
+        original = {m.n: m for m in self.series("original")}
+        rewritten = {m.n: m for m in self.series("rewritten") if m.status == "ok"}
+        original_over_budget = any(m.status in ("over_time", "over_memory") for m in original.values())
+        answer = None
+        for n in self.config.lengths:
+            if n not in rewritten:
+                continue
+            base = original.get(n)
+            if base is None or base.status != "ok":
+                if not (original_over_budget and (base is None or base.status != "failed")):
+                    continue  # the original failed for another reason: no comparison here
+                faster = True
+            else:
+                faster = rewritten[n].median_s < base.median_s
+            answer = (answer or n) if faster else None
+        return answer
+
+    def table(self) -> str:
+        label = {"original": "original", "rewritten": self.config.method, "identity": "identity"}
+        header = ("N", *[f"{label[v]} ms" for v in VARIANTS], *[f"{label[v]} MB" for v in VARIANTS], "speedup", "vs bound")
+        cells = {(m.variant, m.n): m for m in self.measurements}
+        rows = []
+        for n in self.config.lengths:
+            got = [cells.get((v, n)) for v in VARIANTS]
+            if not any(got):
+                continue
+            original, rewritten, identity = (_median(m) for m in got)
+            rows.append((
+                str(n),
+                *[_time_cell(m) for m in got],
+                *[_memory_cell(m) for m in got],
+                _ratio(original, rewritten, "x"),
+                _ratio(rewritten, identity, "x"),
+            ))
+        lines = [
+            f"{self.config.model}: {self.sites} attention sites -> {self.config.method}; "
+            f"{self.config.provider}{' fp16' if self.config.fp16 else ''}, batch {self.config.batch}, "
+            f"threads {self.config.threads or 'default'}, median of {self.config.repeats} after {self.config.warmup} warm-up",
+            format_table(header, rows),
+        ]
+        lines += [f"{label[v]}: stopped: {why}" for v, why in self.stopped.items()]
+        crossover = self.crossover()
+        lines.append(
+            f"crossover: {self.config.method} is faster than the original from N = {crossover} on"
+            if crossover else f"crossover: {self.config.method} is not faster than the original at any measured length"
+        )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "config": dataclasses.asdict(self.config) | {"budget_bytes": self.config.budget_bytes},
+            "machine": self.machine,
+            "sites": self.sites,
+            "series": {v: [m.as_dict() for m in self.series(v)] for v in VARIANTS},
+            "stopped": self.stopped,
+            "crossover": self.crossover(),
+        }
+
+
+# --- the sweep ----------------------------------------------------------------------------------
+
+
+def run(config: BenchConfig, progress=None) -> BenchResult:
+    """Sweep ``config.lengths`` for the original, rewritten and identity-bound models."""
+    check_provider(config)
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-bench-") as folder:
+        models, sites = prepare_models(config, Path(folder))
+        original_graph = onnx_io.load_model(config.model).graph
+
+        def inputs_for(n: int) -> Path:
+            path = Path(folder) / f"inputs-{n}.npz"
+            np.savez(path, **generate_inputs(original_graph, batch=config.batch, seq=n))
+            return path
+
+        runners = {variant: onnx_runner(path, config) for variant, path in models.items()}
+        measurements, stopped = sweep(runners, config, inputs_for, progress)
+    return BenchResult(config, measurements, stopped, sites, machine_description(config.threads))
+
+
+Runner = Callable[[int, Path], "Measurement"]
+
+
+def sweep(
+    runners: dict[str, Runner], config: BenchConfig, inputs_for: Callable[[int], Path], progress=None
+) -> tuple[list[Measurement], dict[str, str]]:
+    """Measure every runner at every length, interleaved by length so that all of them see the
+    same machine conditions; a runner's series stops at its first length over budget (or that
+    fails). ``inputs_for(n)`` writes the inputs for length n (removed after that length)."""
+    progress = progress or Progress(sys.stderr)
+    measurements: list[Measurement] = []
+    stopped: dict[str, str] = {}
+    total = len(config.lengths) * len(runners)
+    for i, n in enumerate(config.lengths):
+        inputs = inputs_for(n)
+        for j, (label, runner) in enumerate(runners.items()):
+            if label in stopped:
+                continue
+            progress.step(i * len(runners) + j, total, f"{label} N={n}")
+            m = runner(n, inputs)
+            m.variant = label
+            measurements.append(m)
+            why = stop_reason(m, config)
+            if why:
+                stopped[label] = why
+                progress.note(f"{label}: series stopped: {why}")
+        inputs.unlink(missing_ok=True)
+    progress.done(total)
+    return measurements, stopped
+
+
+def onnx_runner(model: Path, config: BenchConfig) -> Runner:
+    def run_onnx(n: int, inputs: Path) -> Measurement:
+        spec = {
+            "model": str(model), "inputs": str(inputs), "provider": config.provider, "threads": config.threads,
+            "warmup": config.warmup, "repeats": config.repeats, "budget_seconds": config.budget_seconds,
+        }
+        return measure_worker([sys.executable, str(WORKER), json.dumps(spec)], config, n)
+
+    return run_onnx
+
+
+def stop_reason(m: Measurement, config: BenchConfig) -> str | None:
+    if m.status == "over_time":
+        return f"N = {m.n}: a run took {m.times_s[-1]:.2f} s > budget {config.budget_seconds:g} s"
+    if m.status == "over_memory" or (m.peak_bytes or 0) > config.budget_bytes:
+        return f"N = {m.n}: {_gb(m.peak_bytes)} > memory budget {_gb(config.budget_bytes)}"
+    if m.status == "failed":
+        return f"N = {m.n}: failed: {_short(m.detail)}"
+    return None
+
+
+def check_provider(config: BenchConfig) -> None:
+    import onnxruntime as ort
+
+    if config.fp16 and config.provider != "cuda":
+        raise AttnRewriteError("--fp16 needs --provider cuda (onnxruntime's CPU kernels are float32)")
+    if config.provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise AttnRewriteError(
+            "--provider cuda: this onnxruntime has no CUDA execution provider "
+            f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu"
+        )
+
+
+def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], int]:
+    """Write the original, rewritten and identity-bound models into ``folder``."""
+    rewritten, record = rewrite_model(onnx_io.load_model(config.model), config.method, **config.options)
+    if not record.rewritten:
+        raise AttnRewriteError(f"{config.model}: no attention site can be rewritten by {config.method}; nothing to benchmark")
+    validate(rewritten)
+    sites = [o.site.name for o in record.rewritten]
+    models = {
+        "original": onnx_io.load_model(config.model),
+        "rewritten": rewritten,
+        "identity": identity_attention(onnx_io.load_model(config.model), sites),
+    }
+    paths = {}
+    for variant, model in models.items():
+        if config.fp16:
+            model = to_fp16(model)
+        paths[variant] = folder / f"{variant}.onnx"
+        onnx_io.save_model(model, paths[variant])
+    return paths, len(sites)
+
+
+def identity_attention(model: ir.Model, site_names: list[str]) -> ir.Model:
+    """The model with each named attention site replaced by its values v."""
+    if onnx_io.default_opset(model) < MIN_OPSET:  # as rewrite_model does, so the graphs match
+        model = onnx_io.upgrade_opset(model)
+    model = onnx_io.infer_shapes(model)
+    wanted = set(site_names)
+    sites = [s for s in analyze(model) if s.site.name in wanted]
+    splicer = Splicer(model)
+    lowering = identity_lowering(onnx_io.default_opset(model))
+    for s in sites:
+        splicer.check(s)
+        splicer.splice(s, lowering)
+    return model
+
+
+def identity_lowering(opset: int) -> OnnxLowering:
+    """A replacement with the interface of every pass's (q, k, v, key_keep) that returns v."""
+    body = onnx.helper.make_node("Identity", ["v"], ["out"])
+    function = onnx.helper.make_function(
+        DOMAIN, "IdentityAttention", ["q", "k", "v", "key_keep"], ["out"], [body],
+        [onnx.helper.make_opsetid("", opset)],
+    )
+    return OnnxLowering([function])
+
+
+def to_fp16(model: ir.Model) -> ir.Model:
+    """float16 weights and activations; the attnrewrite nodes stay float32 (their bodies keep
+    sums and normalizers in fp32 anyway), with casts around them."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    proto = ir.serde.serialize_model(model)
+    replaced = sorted({n.op_type for n in proto.graph.node if n.domain == DOMAIN})
+    converted = convert_float_to_float16(proto, keep_io_types=False, op_block_list=[*DEFAULT_OP_BLOCK_LIST, *replaced])
+    return onnx_io.from_proto(converted)
+
+
+# --- one configuration in its own process -------------------------------------------------------
+
+
+def measure_worker(argv: list[str], config: BenchConfig, n: int, env: dict | None = None) -> Measurement:
+    """One configuration: a worker process speaking bench_worker's protocol."""
+    outcome = run_worker(argv, config.budget_bytes, config.budget_seconds, env)
+    return Measurement(
+        "", n, outcome.get("status", "failed"), outcome.get("times_s", []),
+        outcome.get("peak_rss_bytes"), outcome.get("loaded_rss_bytes"), outcome.get("gpu_memory_bytes"),
+        outcome.get("error") or outcome.get("detail"),
+    )
+
+
+def run_worker(argv: list[str], budget_bytes: int, budget_seconds: float, env: dict | None = None) -> dict:
+    """Run a worker speaking bench_worker's protocol; kill it when its resident memory passes
+    ``budget_bytes`` or when it goes quiet for longer than a run may take. Returns its result
+    dict (status over_memory / over_time / failed when it had to be stopped or died)."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    last_sign = [time.monotonic()]
+    reader = threading.Thread(target=_read_lines, args=(process.stdout, lines, last_sign), daemon=True)
+    reader.start()
+    peak, verdict = 0, None
+    try:
+        while process.poll() is None:
+            rss = _process_rss(process.pid)
+            peak = max(peak, rss)
+            if rss > budget_bytes:
+                verdict = {"status": "over_memory", "peak_rss_bytes": peak, "detail": f"killed at {_gb(rss)}"}
+            elif time.monotonic() - last_sign[0] > budget_seconds + WATCHDOG_SLACK_SECONDS and any(
+                line.startswith("ready") for line in lines
+            ):
+                quiet = time.monotonic() - last_sign[0]
+                verdict = {"status": "over_time", "times_s": [quiet], "detail": f"killed after {quiet:.0f} s in one run"}
+            if verdict:
+                process.kill()
+                break
+            time.sleep(_POLL_SECONDS)
+    finally:
+        process.wait()
+        reader.join(timeout=5)
+        stderr = process.stderr.read()
+        process.stderr.close()
+    if verdict:
+        return verdict
+    result = next((line[len("result "):] for line in reversed(lines) if line.startswith("result ")), None)
+    if result is None:
+        return {"status": "failed", "detail": _death(process.returncode, stderr, peak)}
+    return json.loads(result)
+
+
+def _read_lines(stream, lines: list[str], last_sign: list[float]) -> None:
+    for line in stream:
+        lines.append(line.rstrip("\n"))
+        last_sign[0] = time.monotonic()
+
+
+def _death(code: int, stderr: str, peak: int) -> str:
+    if code in (-9, 137):
+        return f"killed by the system (out of memory?) at {_gb(peak)}"
+    tail = [line for line in stderr.strip().splitlines() if line.strip()]
+    return f"worker exited with {code}: {tail[-1][:200] if tail else 'no message'}"
+
+
+def _process_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+# --- what the machine is ------------------------------------------------------------------------
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(threads: int | None) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(physical_memory_bytes() / 2**30, 1),
+        "load_average": list(os.getloadavg()),
+        "threads": threads,
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        "providers": ort.get_available_providers(),
+    }
+
+
+# --- progress, formatting, plot -----------------------------------------------------------------
+
+
+class Progress:
+    """A one-line bar on a terminal; one line per step otherwise (logs stay readable)."""
+
+    WIDTH = 24
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.started = time.monotonic()
+
+    def step(self, i: int, total: int, label: str) -> None:
+        filled = self.WIDTH * i // max(total, 1)
+        elapsed = time.monotonic() - self.started
+        text = f"bench [{'#' * filled}{'.' * (self.WIDTH - filled)}] {i + 1}/{total} {label} ({elapsed:.0f} s)"
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self.stream.write(("\r\033[K" if self.tty else "") + f"bench: {text}\n")
+        self.stream.flush()
+
+    def done(self, total: int) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(f"bench: {total} configurations in {time.monotonic() - self.started:.0f} s\n")
+        self.stream.flush()
+
+
+def plot(result: BenchResult, path: str | os.PathLike) -> None:
+    """Latency and memory vs N, log-log, one line per variant (measured points only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise AttnRewriteError("--plot needs matplotlib: pip install 'attnrewrite[bench]'") from None
+    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": "identity bound"}
+    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for variant in VARIANTS:
+        points = [m for m in result.series(variant) if m.status == "ok"]
+        if points:
+            latency.plot([m.n for m in points], [m.median_s * 1e3 for m in points], marker="o", label=labels[variant])
+            memory.plot([m.n for m in points], [m.peak_bytes / 2**20 for m in points], marker="o", label=labels[variant])
+    for axes, unit in ((latency, "median latency (ms)"), (memory, "peak memory (MiB)")):
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("sequence length N")
+        axes.set_ylabel(unit)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.suptitle(f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _median(m: Measurement | None) -> float | None:
+    return m.median_s if m is not None and m.status == "ok" else None
+
+
+def _time_cell(m: Measurement | None) -> str:
+    if m is None:
+        return "-"
+    if m.status == "ok":
+        return f"{m.median_s * 1e3:.1f}"
+    if m.status == "over_time" and m.times_s:
+        return f">{m.times_s[-1] * 1e3:.0f} (budget)"
+    return m.status.replace("_", " ")
+
+
+def _memory_cell(m: Measurement | None) -> str:
+    if m is None or m.peak_bytes is None:
+        return "-"
+    return f"{m.peak_bytes / 2**20:.0f}" + ("" if m.status == "ok" else "+")
+
+
+def _ratio(numerator: float | None, denominator: float | None, unit: str) -> str:
+    if numerator is None or denominator is None or denominator == 0:
+        return "-"
+    return f"{numerator / denominator:.2f}{unit}"
+
+
+def _short(text: str | None, limit: int = 160) -> str:
+    text = (text or "no message").replace("[ONNXRuntimeError] : ", "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _gb(value: int | None) -> str:
+    return "?" if value is None else f"{value / 2**30:.2f} GB"

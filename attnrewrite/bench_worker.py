@@ -1,0 +1,143 @@
+"""One benchmark configuration, run in a fresh process: ``python bench_worker.py SPEC_JSON``.
+
+It imports only numpy and onnxruntime (never the attnrewrite package, whose graph libraries would
+count in the process's memory), loads the model and the inputs, runs it, and reports on stdout:
+``ready`` once loaded, ``ran SECONDS`` after each run (the parent's watchdog), and finally
+``result JSON``. Peers (torch modules in bench/) reuse ``time_runs`` and ``memory`` with the same
+protocol, loading this file by path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+
+def emit(kind: str, payload="") -> None:
+    print(f"{kind} {payload}".rstrip(), flush=True)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water resident set. VmHWM, not getrusage's ru_maxrss: Linux carries
+    ru_maxrss over fork and exec, so a worker would report its parent's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB; no /proc
+
+
+def time_runs(run_once, *, warmup: int, repeats: int, budget_seconds: float) -> dict:
+    """Untimed warm-up runs, then timed ones; stops at the first run over the budget (the
+    series stops there, so there is no point in repeating it)."""
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        run_once()
+        elapsed = time.perf_counter() - start
+        emit("ran", f"{elapsed:.6f}")
+        if elapsed > budget_seconds:
+            return {"status": "over_time", "times_s": [elapsed]}
+        if i >= warmup:
+            times.append(elapsed)
+    return {"status": "ok", "times_s": times}
+
+
+def memory(loaded_rss: int) -> dict:
+    return {"loaded_rss_bytes": loaded_rss, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def gpu_memory_bytes() -> int | None:
+    """This process's device memory as nvidia-smi reports it. onnxruntime's CUDA arena keeps
+    what it has grown to, so after the runs this is the peak; None when unknown."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            return int(used.strip()) * 2**20
+    return None
+
+
+_NUMPY_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
+
+
+def run_onnx(spec: dict) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if spec.get("threads"):
+        options.intra_op_num_threads = spec["threads"]
+        options.inter_op_num_threads = 1
+    if spec.get("profile"):
+        options.enable_profiling = True
+        options.profile_file_prefix = spec["profile"]
+    cuda = spec["provider"] == "cuda"
+    session = ort.InferenceSession(spec["model"], options, providers=["CUDAExecutionProvider" if cuda else "CPUExecutionProvider"])
+    with np.load(spec["inputs"]) as archive:
+        # the fp16 model's float inputs are float16; ids and masks keep their type
+        feeds = {
+            i.name: archive[i.name].astype(_NUMPY_TYPES.get(i.type, archive[i.name].dtype), copy=False)
+            for i in session.get_inputs()
+        }
+    if cuda:
+        run_once = _bound_cuda_run(session, feeds, ort)
+    else:
+        def run_once():
+            session.run(None, feeds)
+    loaded = rss_bytes()
+    emit("ready")
+    result = time_runs(run_once, warmup=spec["warmup"], repeats=spec["repeats"], budget_seconds=spec["budget_seconds"])
+    result.update(memory(loaded))
+    if cuda:
+        result["gpu_memory_bytes"] = gpu_memory_bytes()
+    if spec.get("profile"):
+        result["profile"] = session.end_profiling()
+    return result
+
+
+def _bound_cuda_run(session, feeds, ort):
+    """IOBinding: inputs copied to the device once, outputs left there, so only the model's
+    own work is timed."""
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda")
+
+    def run_once():
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    return run_once
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    try:
+        result = run_onnx(spec)
+    except Exception as error:  # reported to the parent as this configuration's failure
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        result = {"status": "failed", "error": f"{type(error).__name__}: {text}"}
+    emit("result", json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
