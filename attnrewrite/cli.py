@@ -11,19 +11,22 @@ traceback for bug reports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import passes
 from attnrewrite import check as check_mod
 from attnrewrite.check import FidelityBelowThreshold
-from attnrewrite.errors import AttnRewriteError, NothingToRewrite
+from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
-from attnrewrite.onnx.validate import validate
+from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
 
 EXIT_FAILED = 1
@@ -160,12 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
     try:
-        return _dispatch(argv)
+        with _quiet_libraries(verbose):
+            return _dispatch(argv)
     except (AttnRewriteError, passes.OptionError) as error:
-        failed_gate = getattr(error, "record", None) or isinstance(error, FidelityBelowThreshold)
+        failed_gate = getattr(error, "record", None) or isinstance(error, (FidelityBelowThreshold, RewriteFailed))
         return _fail(str(error), EXIT_FAILED if failed_gate else EXIT_BAD_INPUT, verbose)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_FAILED, verbose)
+    except MemoryError:
+        return _fail("out of memory", EXIT_FAILED, verbose)
+    except OSError as error:  # the environment (disk full, a file vanished), not a bug
+        where = f"{error.filename}: " if error.filename else ""
+        return _fail(f"{where}{error.strerror or error}", EXIT_FAILED, verbose)
     except Exception as error:  # a bug: still one line, the traceback on request
         text = str(error).strip().splitlines()
         return _fail(
@@ -173,6 +182,26 @@ def main(argv: list[str] | None = None) -> int:
             EXIT_BUG,
             verbose,
         )
+
+
+@contextlib.contextmanager
+def _quiet_libraries(verbose: bool):
+    """The libraries' warnings and log lines (onnx_ir, onnxruntime, numpy) are detail: without
+    -v a failure is exactly one line on stderr, and a success prints only our own output."""
+    if verbose:
+        yield
+        return
+    import onnxruntime
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    onnxruntime.set_default_logger_severity(3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def _fail(message: str, code: int, verbose: bool) -> int:
@@ -195,9 +224,10 @@ def _run(argv: list[str]) -> int:
     if args.list_options:
         return _print_options(args)
     model = onnx_io.load_model(args.model)
+    _check_report_argument(args, model)
     if args.list:
         return _list_sites(model, args)
-    _check_rewrite_arguments(args)
+    _check_rewrite_arguments(args, model)
     options = parse_options(args.option)
     checking = args.check or args.min_cosine is not None or args.inputs is not None
     # from the original's signature, before the rewrite changes the model in place
@@ -208,15 +238,16 @@ def _run(argv: list[str]) -> int:
     _write_report(args.report, record)
     if not record.rewritten:
         raise _nothing_to_rewrite(record, model)
-    validate(model)
-    if checking:
-        report = check_mod.check(args.model, model, inputs)
-        print(report.table())
-        try:
-            report.gate(args.min_cosine)
-        except FidelityBelowThreshold as error:
-            raise FidelityBelowThreshold(f"{error}; nothing written") from None
-    onnx_io.save_model(model, args.output)
+    # The gates run on the staged file itself, renamed into place only when all pass.
+    with onnx_io.staged_save(model, args.output) as staged:
+        validate_saved(staged, model.graph)
+        if checking:
+            report = check_mod.check(args.model, model, inputs)
+            print(report.table())
+            try:
+                report.gate(args.min_cosine)
+            except FidelityBelowThreshold as error:
+                raise FidelityBelowThreshold(f"{error}; nothing written") from None
     print(f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}")
     return 0
 
@@ -247,21 +278,22 @@ def _bench_command(args) -> int:
     return 0
 
 
-def _check_rewrite_arguments(args) -> None:
+def _check_rewrite_arguments(args, model) -> None:
     if not args.to:
         raise AttnRewriteError("choose a method with --to (or --list to only report)")
     if not args.output:
         raise AttnRewriteError("give the output path with -o")
-    output = Path(args.output)
-    if output.exists() and output.resolve() == Path(args.model).resolve():
-        raise AttnRewriteError(f"{args.output}: the output would overwrite the input model")
-    if output.is_dir():
-        raise AttnRewriteError(f"{args.output}: is a directory")
-    folder = output.parent if str(output.parent) else Path(".")
-    if not folder.is_dir():
-        raise AttnRewriteError(f"{args.output}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
-        raise AttnRewriteError(f"{args.output}: not writable")
+    onnx_io.check_output_path(args.output, args.model, reads=onnx_io.files_read_by(model))
+
+
+def _check_report_argument(args, model) -> None:
+    """Before any work: a report path that cannot be written, or would replace an input or
+    the output, fails the run as bad input."""
+    if not args.report:
+        return
+    onnx_io.check_output_path(args.report, args.model, reads=onnx_io.files_read_by(model), what="report")
+    if args.output and not args.list and os.path.realpath(args.report) == os.path.realpath(args.output):
+        raise AttnRewriteError(f"{args.report}: the report and the output are the same file")
 
 
 def _nothing_to_rewrite(record: RewriteRecord, model) -> AttnRewriteError:
@@ -309,7 +341,7 @@ def _print_options(args) -> int:
 
 def _write_report(path: str | None, record: RewriteRecord) -> None:
     if path:
-        Path(path).write_text(json.dumps(record.as_dict(), indent=2, sort_keys=True) + "\n")
+        onnx_io.write_text(path, json.dumps(record.as_dict(), indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,3 +11,8 @@ class NothingToRewrite(AttnRewriteError):
     def __init__(self, message: str, record):
         super().__init__(message)
         self.record = record
+
+
+class RewriteFailed(AttnRewriteError):
+    """The input was fine but the result is not: the rewritten model failed a validation gate,
+    or writing it failed part-way. Nothing was written (exit 1, not 2)."""

@@ -1,39 +1,308 @@
-"""Loading ONNX models with clear errors, and writing them only whole (temp file + rename)."""
+"""Loading ONNX models with clear errors, and writing them only whole (temp folder + rename).
+
+Users point the tool at models they did not write. Every way a file can fail to be a model the
+tool can handle ends in one AttnRewriteError whose message names the file and the problem:
+not a file, empty, not a protobuf, a protobuf that is not a model, versions the libraries
+cannot handle, a model the ONNX checker rejects, and external data that is missing, truncated
+or outside the model's folder. External data locations are checked before anything opens
+them: a location is any string the model's author chose, and reading ``../../etc/passwd`` or
+a symlink out of the folder is how CVE-2024-27318/27319 leaked files through ONNX itself.
+
+Weights stay where they are: the model is parsed without its external data, which onnx_ir
+memory-maps on first use (only the small tensors detection reads are ever touched), and saving
+copies external tensors file to file, so a multi-GiB model is never held in memory.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import logging
+import math
 import os
+import shutil
+import stat
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from google.protobuf.message import DecodeError
 
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, RewriteFailed
 from passes._onnx import MIN_OPSET
 
-OLDEST_CONVERTIBLE_OPSET = 7
-TWO_GIB = 2**31
+OLDEST_CONVERTIBLE_OPSET = 7  # onnx's version converter starts there
+TWO_GIB = 2**31  # protobuf's limit for one serialized message
+# Big tensors at 64 KiB offsets in the data file: onnxruntime then memory-maps them instead of
+# reading them into its own buffers (and 64 KiB is also Windows' mapping granularity).
+EXTERNAL_DATA_ALIGNMENT = 65536
+# Versions of onnxruntime that fail on an IR version only do so above this one.
+_IR_VERSION_SURELY_LOADABLE = 10
+
+_SUB_BYTE_TYPES = {"int4", "uint4", "float4e2m1", "int2", "uint2", "float6e2m3", "float6e3m2"}
+
+
+# --- loading ---------------------------------------------------------------------------------
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
+    """The model at `path`, its external data checked and mapped lazily, or AttnRewriteError."""
     path = Path(path)
-    if not path.exists():
-        raise AttnRewriteError(f"{path}: no such file")
-    if path.is_dir():
-        raise AttnRewriteError(f"{path}: is a directory, not an ONNX file")
-    if path.stat().st_size == 0:
-        raise AttnRewriteError(f"{path}: is empty")
+    _check_input_file(path)
+    proto = _parse(path)
+    has_external = bool(check_external_data(proto, path))
+    _check_versions(proto, path)
+    _check_with_onnx_checker(proto, path, has_external)
     try:
-        model = ir.load(path)
-    except (DecodeError, RuntimeWarning, ValueError, TypeError) as error:
-        raise AttnRewriteError(f"{path}: not an ONNX model ({_short(error)})") from error
-    if model.graph.num_nodes() == 0 and not model.graph.outputs:
-        raise AttnRewriteError(f"{path}: not an ONNX model (no graph)")
+        model = ir.serde.deserialize_model(proto)
+    except Exception as error:  # the checker passed it: a form onnx_ir cannot represent
+        raise AttnRewriteError(f"{path}: cannot read the model's graph ({_short(error)})") from error
+    del proto
+    # External tensors resolve against the model's folder, absolute so a later chdir is harmless.
+    ir.external_data.set_base_dir(model.graph, os.path.abspath(path.parent))
     return model
+
+
+def _check_input_file(path: Path) -> None:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise AttnRewriteError(f"{path}: no such file") from None
+    except OSError as error:
+        raise AttnRewriteError(f"{path}: cannot read it ({error.strerror or error})") from error
+    if stat.S_ISDIR(info.st_mode):
+        raise AttnRewriteError(f"{path}: is a directory, not an ONNX file")
+    if not stat.S_ISREG(info.st_mode):
+        raise AttnRewriteError(f"{path}: not a regular file")
+    if info.st_size == 0:
+        raise AttnRewriteError(f"{path}: is empty")
+    if info.st_size >= TWO_GIB:
+        raise AttnRewriteError(
+            f"{path}: is {info.st_size / 2**30:.1f} GiB; one ONNX protobuf cannot exceed 2 GiB "
+            "(save the weights as external data)"
+        )
+    if not os.access(path, os.R_OK):
+        raise AttnRewriteError(f"{path}: permission denied")
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    try:
+        proto = onnx.load_model(str(path), load_external_data=False)
+    except OSError as error:
+        raise AttnRewriteError(f"{path}: cannot read it ({error.strerror or error})") from error
+    except Exception as error:  # DecodeError, RuntimeWarning, text-format errors...
+        raise AttnRewriteError(
+            f"{path}: not an ONNX model (it does not parse as an ONNX protobuf: truncated or another format)"
+        ) from error
+    # Protobuf parses many byte strings, other ONNX messages among them (a TensorProto, a
+    # GraphProto), as a ModelProto with unknown fields; a model has at least these two.
+    if proto.ir_version <= 0 or not proto.HasField("graph"):
+        raise AttnRewriteError(f"{path}: not an ONNX model (a protobuf message without an IR version and a graph)")
+    return proto
+
+
+def _check_versions(proto: onnx.ModelProto, path: Path) -> None:
+    newest_ir = onnx.IR_VERSION
+    if proto.ir_version > newest_ir:
+        raise AttnRewriteError(f"{path}: IR version {proto.ir_version} is newer than onnx {onnx.__version__} knows ({newest_ir})")
+    loadable = _runtime_max_ir_version(proto.ir_version)
+    if loadable is not None:
+        import onnxruntime
+
+        raise AttnRewriteError(
+            f"{path}: IR version {proto.ir_version} is newer than onnxruntime {onnxruntime.__version__} "
+            f"can load ({loadable} at most)"
+        )
+    versions = {o.domain: o.version for o in proto.opset_import}
+    opset = versions.get("", versions.get("ai.onnx"))
+    if opset is None:
+        return  # no standard operators at all: nothing to find, and the checker says if that is wrong
+    if opset < OLDEST_CONVERTIBLE_OPSET:
+        raise AttnRewriteError(f"{path}: opset {opset} is too old to handle (need {OLDEST_CONVERTIBLE_OPSET} or newer)")
+    newest = onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise AttnRewriteError(f"{path}: opset {opset} is newer than onnx {onnx.__version__} knows ({newest})")
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_max_ir_version(ir_version: int) -> int | None:
+    """None when onnxruntime loads models of `ir_version`, else the newest IR version it loads.
+    Found by loading a one-node model: the runtime has no API that says it."""
+    if ir_version <= _IR_VERSION_SURELY_LOADABLE or _runtime_loads(ir_version):
+        return None
+    lower = ir_version - 1
+    while lower > _IR_VERSION_SURELY_LOADABLE and not _runtime_loads(lower):
+        lower -= 1
+    return lower
+
+
+def _runtime_loads(ir_version: int) -> bool:
+    import onnxruntime as ort
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    model = onnx.helper.make_model(graph, ir_version=ir_version, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as error:
+        return "IR version" not in str(error)  # only a version refusal counts
+    return True
+
+
+def _check_with_onnx_checker(proto: onnx.ModelProto, path: Path, has_external: bool) -> None:
+    # The checker resolves external data against the model's folder only when given the path
+    # (given the proto it looks in the working directory); the locations are safe by now.
+    try:
+        onnx.checker.check_model(str(path) if has_external else proto, full_check=True)
+    except Exception as error:  # ValidationError, InferenceError, or anything the C++ side raises
+        raise AttnRewriteError(f"{path}: fails the ONNX checker: {_short(error)}") from error
+
+
+# --- external data ---------------------------------------------------------------------------
+
+
+def check_external_data(proto: onnx.ModelProto, model_path: str | os.PathLike) -> list[str]:
+    """Check every tensor stored outside `model_path` before anything reads it; returns the
+    resolved paths of the data files. Refuses absolute locations, locations that leave the
+    model's folder by ``..`` or through a symlink, files with other hard links (a hard link can
+    alias a file outside the folder, and onnx_ir refuses them too), missing files, and files too
+    short for the tensor."""
+    model_path = Path(model_path)
+    folder = os.path.abspath(model_path.parent)
+    real_folder = os.path.realpath(folder)
+    files: dict[str, int] = {}
+    for tensor in _tensor_protos(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        what = f"{model_path}: external data of tensor {tensor.name!r}"
+        if not location:
+            raise AttnRewriteError(f"{what} names no file")
+        if "\0" in location:
+            raise AttnRewriteError(f"{what} names an invalid file ({location!r})")
+        if os.path.isabs(location) or location.startswith(("/", "\\")) or location[1:2] == ":":
+            raise AttnRewriteError(f"{what} is at an absolute path ({location}); only files in the model's folder are read")
+        joined = os.path.normpath(os.path.join(folder, location))
+        if not _inside(joined, folder):
+            raise AttnRewriteError(f"{what} ({location}) is outside the model's folder")
+        real = os.path.realpath(joined)
+        if not _inside(real, real_folder):
+            raise AttnRewriteError(f"{what} ({location}) is a link to {real}, outside the model's folder")
+        try:
+            info_stat = os.stat(real)
+        except FileNotFoundError:
+            raise AttnRewriteError(f"{what}: file {location} not found beside the model") from None
+        except OSError as error:
+            raise AttnRewriteError(f"{what}: cannot read {location} ({error.strerror or error})") from error
+        if not stat.S_ISREG(info_stat.st_mode):
+            raise AttnRewriteError(f"{what}: {location} is not a regular file")
+        if info_stat.st_nlink > 1:
+            raise AttnRewriteError(
+                f"{what}: {location} has {info_stat.st_nlink} hard links; refusing it, as a hard link "
+                "can alias a file outside the model's folder"
+            )
+        _check_extent(tensor, info, what, location, info_stat.st_size)
+        files[real] = info_stat.st_size
+    return sorted(files)
+
+
+def _check_extent(tensor: onnx.TensorProto, info: dict[str, str], what: str, location: str, size: int) -> None:
+    try:
+        offset = int(info.get("offset", "0"))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise AttnRewriteError(f"{what} has an offset or length that is not an integer") from None
+    if offset < 0 or (length is not None and length < 0):
+        raise AttnRewriteError(f"{what} has a negative offset or length")
+    expected = _tensor_nbytes(tensor)
+    if length is not None and expected is not None and length != expected:
+        raise AttnRewriteError(f"{what} is {length} bytes long, but its type and shape take {expected}")
+    needed = length if length is not None else expected
+    if needed is not None and offset + needed > size:
+        raise AttnRewriteError(
+            f"{what} lies past the end of {location} (bytes {offset}..{offset + needed} of a {size}-byte file)"
+        )
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int | None:
+    if any(d < 0 for d in tensor.dims):
+        return None
+    try:
+        dtype = ir.DataType(tensor.data_type)
+        bits = dtype.bitwidth
+    except Exception:  # strings, unknown types: no fixed size
+        return None
+    count = math.prod(tensor.dims)
+    if dtype.name.lower() in _SUB_BYTE_TYPES:
+        return (count * bits + 7) // 8
+    return count * (bits // 8)
+
+
+def _inside(path: str, folder: str) -> bool:
+    folder = folder.rstrip(os.sep) + os.sep
+    return path.startswith(folder)
+
+
+def _tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto of the model: initializers, sparse ones, tensor attributes, in the main
+    graph, its subgraphs, the model's functions and training graphs."""
+    graphs: list[onnx.GraphProto] = [proto.graph]
+    graphs += [g for info in proto.training_info for g in (info.initialization, info.algorithm)]
+    node_lists = [f.node for f in proto.functions]
+    while graphs or node_lists:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield sparse.values
+                yield sparse.indices
+            node_lists.append(graph.node)
+            continue
+        for node in node_lists.pop():
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
+                    yield sparse.values
+                    yield sparse.indices
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+
+
+def files_read_by(model: ir.Model) -> list[str]:
+    """Resolved paths of the external data files the model's tensors read."""
+    return sorted({os.path.realpath(t.path) for t in _external_tensors(model)})
+
+
+def _external_tensors(model: ir.Model) -> Iterator[ir.ExternalTensor]:
+    for tensor in _all_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            yield tensor
+
+
+def _all_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                yield value.const_value
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR and attr.value is not None:
+                    yield attr.value
+                elif attr.type == ir.AttributeType.TENSORS:
+                    yield from (t for t in attr.value or () if t is not None)
+
+
+# --- shapes and opsets -----------------------------------------------------------------------
 
 
 def from_proto(proto: onnx.ModelProto) -> ir.Model:
@@ -41,11 +310,21 @@ def from_proto(proto: onnx.ModelProto) -> ir.Model:
 
 
 def infer_shapes(model: ir.Model) -> ir.Model:
-    """Shapes let detection know ranks and head counts; a model ONNX cannot infer still works."""
+    """Shapes let detection know ranks and head counts; a model ONNX cannot infer still works.
+    Strict inference stops at the first node it cannot type and infers nothing; the lenient
+    pass after it still infers the rest."""
+    quiet = logging.getLogger(common_passes.ShapeInferencePass.__module__)
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # it logs a traceback when inference fails; advisory here
     try:
-        return common_passes.ShapeInferencePass()(model).model
-    except Exception:  # shape inference is advisory here
+        result = common_passes.ShapeInferencePass()(model)
+        if not result.modified:
+            result = common_passes.ShapeInferencePass(strict_mode=False)(model)
+        return result.model
+    except Exception:
         return model
+    finally:
+        quiet.setLevel(level)
 
 
 def default_opset(model: ir.Model) -> int:
@@ -62,50 +341,160 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
     from onnx import version_converter
 
     try:
-        converted = version_converter.convert_version(ir.serde.serialize_model(model), MIN_OPSET)
+        converted = from_proto(version_converter.convert_version(ir.serde.serialize_model(model), MIN_OPSET))
     except Exception as error:
         raise AttnRewriteError(f"could not convert opset {version} to {MIN_OPSET}: {_short(error)}") from error
-    return from_proto(converted)
+    # Serialized external tensors keep their locations but not the folder they are relative to.
+    folders = {t.base_dir for t in _external_tensors(model)}
+    if len(folders) == 1:
+        ir.external_data.set_base_dir(converted.graph, folders.pop())
+    return converted
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def check_output_path(path: str | os.PathLike, model_path: str | os.PathLike, reads: Iterable[str] = (), what: str = "output") -> None:
+    """Refuse, before any work, an output that cannot be written or would destroy an input:
+    the model itself (under any spelling, symlink or hard link) or the data files it reads."""
+    path = Path(path)
+    if path.is_dir():
+        raise AttnRewriteError(f"{path}: is a directory")
+    folder = path.parent
+    if not folder.is_dir():
+        raise AttnRewriteError(f"{path}: folder {folder} does not exist")
+    if _same_file(path, model_path):
+        raise AttnRewriteError(f"{path}: the {what} would overwrite the input model")
+    data_file = path.with_name(f"{path.name}.data")
+    for source in reads:
+        if _same_file(path, source):
+            raise AttnRewriteError(f"{path}: the {what} would overwrite the input model's external data")
+        if what == "output" and _same_file(data_file, source):
+            raise AttnRewriteError(f"{path}: its external data file {data_file.name} would overwrite the input model's")
+    if not _can_create_in(folder):
+        raise AttnRewriteError(f"{path}: folder {folder} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise AttnRewriteError(f"{path}: not writable")
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Try it: permission bits do not tell (root, read-only mounts, ACLs)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".attnrewrite-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def save_model(model: ir.Model, path: str | os.PathLike) -> None:
-    """Write `path` (and `<name>.data` for weights too large for one protobuf) atomically:
-    everything goes to temporary files in the same folder, renamed into place only when
-    complete, so a failure leaves whatever was at `path` untouched."""
+    """Write `path` (and `<name>.data` for weights too large for one protobuf) atomically."""
+    with staged_save(model, path):
+        pass
+
+
+@contextlib.contextmanager
+def staged_save(model: ir.Model, path: str | os.PathLike) -> Iterator[Path]:
+    """Write the model into a temporary folder beside `path` and yield the staged file; when
+    the with-block ends without an exception, rename it (and its `<name>.data`) into place.
+    On any failure `path` is left as it was. Validating the staged file rather than another
+    copy means a multi-GiB model is written once."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent
     if not folder.is_dir():
         raise AttnRewriteError(f"{path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise AttnRewriteError(f"{path}: folder {folder} is not writable")
     data_name = f"{path.name}.data" if _needs_external_data(model) else None
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".attnrewrite-") as staging:
-        staged = Path(staging) / path.name
-        ir.save(model, staged, external_data=data_name)
-        if data_name:
-            os.replace(Path(staging) / data_name, folder / data_name)
-        os.replace(staged, path)
+    try:
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=".attnrewrite-"))
+    except OSError as error:
+        raise AttnRewriteError(f"{path}: folder {folder} is not writable ({error.strerror or error})") from error
+    try:
+        staged = staging / path.name
+        _write(model, staged, data_name, path)
+        yield staged
+        try:
+            if data_name:
+                os.replace(staging / data_name, folder / data_name)
+            os.replace(staged, path)
+        except OSError as error:
+            raise RewriteFailed(f"{path}: cannot write it ({error.strerror or error})") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def saved_copy(model: ir.Model) -> Iterator[Path]:
+    """The model saved to a temporary folder (for tools that need a path, like >2 GiB checks)."""
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-") as folder:
+        path = Path(folder) / "model.onnx"
+        _write(model, path, "model.onnx.data" if _needs_external_data(model) else None, path)
+        yield path
+
+
+def _write(model: ir.Model, path: Path, data_name: str | None, shown: Path) -> None:
+    _inline_external_attributes(model)
+    try:
+        if data_name is None:
+            ir.save(model, path)
+        else:
+            ir.save(model, path, external_data=data_name, **_ALIGNED)
+    except OSError as error:
+        raise RewriteFailed(f"{shown}: cannot write it ({error.strerror or error})") from error
+
+
+# onnx_ir >= 1.1 packs external data densely unless asked to align; older versions align big
+# tensors by default and have no such argument.
+_ALIGNED = {"alignment": EXTERNAL_DATA_ALIGNMENT} if "alignment" in inspect.signature(ir.save).parameters else {}
+
+
+def _inline_external_attributes(model: ir.Model) -> None:
+    """ir.save moves initializers to the new data file but leaves tensor attributes (Constant
+    nodes) pointing at the input's files, relative to a folder the output is not in; such
+    attributes are small, so they go into the protobuf."""
+    for graph in model.graphs():
+        for node in graph:
+            for name, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    node.attributes[name] = ir.AttrTensor(name, ir.tensor(attr.value.numpy().copy(), name=attr.value.name))
 
 
 def _needs_external_data(model: ir.Model) -> bool:
     total = 0
-    for value in model.graph.initializers.values():
-        if value.const_value is not None:
-            total += value.const_value.nbytes
-            if isinstance(value.const_value, ir.ExternalTensor) or total > TWO_GIB // 2:
-                return True
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                total += value.const_value.nbytes
+                if isinstance(value.const_value, ir.ExternalTensor) or total > TWO_GIB // 2:
+                    return True
     return False
 
 
-@contextlib.contextmanager
-def saved_copy(model: ir.Model):
-    """The model saved to a temporary folder (for tools that need a path, like >2 GiB checks)."""
-    with tempfile.TemporaryDirectory(prefix="attnrewrite-") as folder:
-        path = Path(folder) / "model.onnx"
-        ir.save(model, path, external_data="model.onnx.data" if _needs_external_data(model) else None)
-        yield path
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """A small text file (the JSON report), written whole or not at all."""
+    path = Path(path)
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".attnrewrite-", delete=False) as file:
+            file.write(text)
+        os.chmod(file.name, 0o666 & ~_umask())  # a temporary file is private; a report is not
+        os.replace(file.name, path)
+    except OSError as error:
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(file.name)
+        raise RewriteFailed(f"{path}: cannot write it ({error.strerror or error})") from error
 
 
-def _short(error: Exception) -> str:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _short(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
+    return text[0][:300] if text else type(error).__name__

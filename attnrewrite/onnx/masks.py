@@ -10,6 +10,7 @@ causal triangle. Anything else, or an additive term that is not 0 / a large nega
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -19,6 +20,7 @@ from attnrewrite.site import MaskKind
 
 PROBE_LENGTHS = (6, 9)  # two lengths, so a mask that is causal only at one size is caught
 PROBE_BATCH = 2
+MAX_INLINED_BYTES = 64 * 2**20  # masks read small buffers; never copy a weight into a probe
 
 
 def classify_masks(model: ir.Model, sites: list[OnnxSite]) -> None:
@@ -30,6 +32,10 @@ def classify_masks(model: ir.Model, sites: list[OnnxSite]) -> None:
     try:
         probes = [_evaluate(model, values, seq) for seq in PROBE_LENGTHS]
     except Exception as error:  # a mask we cannot run is a mask we do not understand
+        if len(pending) > 1:  # ... but it must not hide the masks of the other sites
+            for s in pending:
+                classify_masks(model, [s])
+            return
         for s in pending:
             s.site.skip_reason = f"could not evaluate the attention mask to classify it ({_first_line(error)})"
         return
@@ -90,13 +96,30 @@ def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np
     inputs = _graph_inputs_reaching(values)
     names = [v.name for v in inputs]
     sub = ir.convenience.extract(graph, inputs=inputs, outputs=values)
-    probe = ir.Model(sub, ir_version=model.ir_version, functions=list(model.functions.values()))
-    session = ort.InferenceSession(
-        ir.serde.serialize_model(probe).SerializeToString(), providers=["CPUExecutionProvider"]
+    probe = ir.serde.serialize_model(
+        ir.Model(sub, ir_version=model.ir_version, functions=list(model.functions.values()))
     )
+    _inline_external_data(probe, sub)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
     outputs = session.run(None, feeds)
     return {id(v): out for v, out in zip(values, outputs)}
+
+
+def _inline_external_data(probe: onnx.ModelProto, graph) -> None:
+    """A session built from bytes cannot resolve external data (a causal triangle buffer saved
+    beside a big model): the probe carries the bytes of the few small tensors a mask reads."""
+    for proto in probe.graph.initializer:
+        if proto.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        tensor = graph.initializers[proto.name].const_value
+        if tensor.nbytes > MAX_INLINED_BYTES:
+            raise ValueError(f"the mask reads {proto.name!r}, {tensor.nbytes} bytes of external data")
+        proto.raw_data = tensor.tobytes()
+        proto.data_location = onnx.TensorProto.DEFAULT
+        del proto.external_data[:]
 
 
 def _graph_inputs_reaching(values: list[ir.Value]) -> list[ir.Value]:

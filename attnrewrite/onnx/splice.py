@@ -26,6 +26,9 @@ class Splicer:
         self.graph = model.graph
         self._key_keep_cache: dict[tuple, ir.Value] = {}
         self._keep_all: ir.Value | None = None
+        # old output -> its replacement: a site's q, k or v may be an earlier site's output
+        # (attention feeding attention), captured before that site was spliced
+        self._successor: dict[int, ir.Value] = {}
         model.opset_imports[DOMAIN] = DOMAIN_VERSION
 
     def check(self, s: OnnxSite) -> None:
@@ -38,14 +41,15 @@ class Splicer:
     def splice(self, s: OnnxSite, lowering: OnnxLowering) -> str:
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
-        k = s.k if s.k is not None else self._untranspose(s.k_transposed, new_nodes)
+        q, v = self._current(s.q), self._current(s.v)
+        k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
         key_keep = self._key_keep(s, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
         constants = [self._initializer(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
             op_type,
-            [s.q, k, s.v, key_keep, *constants],
+            [q, k, v, key_keep, *constants],
             name=f"{s.site.name}/{op_type}",
             num_outputs=1,
         )
@@ -85,7 +89,7 @@ class Splicer:
     def _last_row_keep(self, term: MaskTerm, new_nodes: list[ir.Node]) -> ir.Value:
         """Which keys the last query may attend to: for key padding every row says the same,
         and under a causal mask the last row sees every position."""
-        mask = term.value
+        mask = self._current(term.value)
         if term.rank >= 2:
             row = self._node(
                 new_nodes,
@@ -110,7 +114,13 @@ class Splicer:
 
     # -- graph surgery ------------------------------------------------------------------------
 
+    def _current(self, value: ir.Value) -> ir.Value:
+        while id(value) in self._successor:
+            value = self._successor[id(value)]
+        return value
+
     def _take_over(self, old: ir.Value, new: ir.Value) -> None:
+        self._successor[id(old)] = new
         name = old.name
         old.replace_all_uses_with(new, replace_graph_outputs=True)
         old.name = f"{name}/replaced"

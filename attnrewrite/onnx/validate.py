@@ -8,26 +8,33 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import RewriteFailed
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.io import saved_copy
 
 
 def validate(model: ir.Model, seq: int = 16) -> list[np.ndarray]:
-    """Raise AttnRewriteError naming the failed gate; return the outputs of the test run."""
+    """Raise RewriteFailed naming the failed gate; return the outputs of the test run."""
     with saved_copy(model) as path:
-        try:
-            onnx.checker.check_model(str(path), full_check=True)
-        except Exception as error:
-            raise AttnRewriteError(f"rewritten model fails the ONNX checker: {_first_line(error)}") from error
-        try:
-            session = make_session(str(path))
-        except Exception as error:
-            raise AttnRewriteError(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
-        try:
-            return session.run(None, generate_inputs(model.graph, seq=seq))
-        except Exception as error:
-            raise AttnRewriteError(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
+        return validate_saved(path, model.graph, seq)
+
+
+def validate_saved(path, graph: ir.Graph, seq: int = 16) -> list[np.ndarray]:
+    """The gates on a model already written to `path` (the CLI's staged output: checking the
+    file that will be renamed into place, and writing big weights only once); `graph` is the
+    in-memory graph it was written from, for the input signature."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as error:
+        raise RewriteFailed(f"rewritten model fails the ONNX checker: {_first_line(error)}") from error
+    try:
+        session = make_session(str(path))
+    except Exception as error:
+        raise RewriteFailed(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
+    try:
+        return session.run(None, generate_inputs(graph, seq=seq))
+    except Exception as error:
+        raise RewriteFailed(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
 
 
 def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
