@@ -1,0 +1,184 @@
+"""attnrewrite bench: the identity-attention bound, the JSON and plot of a tiny sweep, budgets,
+the crossover, and the CUDA paths on a machine without CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from attnrewrite import bench
+from attnrewrite.check import cosine_similarity
+from attnrewrite.cli import main
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.inputs import generate_inputs
+
+SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def attention_model(path: Path) -> Path:
+    """softmax(q k^T / 2) v on q, k, v of shape [1, 2, n, 4]."""
+    qkv = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 2, "n", 4]) for name in "qkv"]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 2, "n", 4])
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["k_t"], perm=[0, 1, 3, 2], name="k_t"),
+        helper.make_node("MatMul", ["q", "k_t"], ["logits"], name="qk"),
+        helper.make_node("Mul", ["logits", "scale"], ["scaled"], name="scale"),
+        helper.make_node("Softmax", ["scaled"], ["probs"], axis=-1, name="softmax"),
+        helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
+    ]
+    graph = helper.make_graph(nodes, "attention", qkv, [out], [numpy_helper.from_array(np.array(0.5, np.float32), "scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.save(model, path)
+    return path
+
+
+def test_identity_bound_returns_the_values(tmp_path):
+    model = bench.identity_attention(onnx_io.load_model(attention_model(tmp_path / "a.onnx")), ["softmax"])
+    onnx_io.save_model(model, tmp_path / "bound.onnx")
+    assert "Softmax" not in {n.op_type for n in model.graph}
+    assert [n.op_type for n in model.graph if n.domain == "attnrewrite"] == ["IdentityAttention"]
+    feeds = {name: np.random.default_rng(i).standard_normal((1, 2, 5, 4)).astype(np.float32) for i, name in enumerate("qkv")}
+    [out] = ort.InferenceSession(str(tmp_path / "bound.onnx")).run(None, feeds)
+    np.testing.assert_array_equal(out, feeds["v"])
+
+
+def test_identity_bound_replaces_only_the_named_sites():
+    model = bench.identity_attention(onnx_io.load_model(SAMPLE), ["/model/encoder/layer.1/attention/self/Softmax"])
+    assert [n.op_type for n in model.graph].count("Softmax") == 1
+    assert [n.op_type for n in model.graph].count("IdentityAttention") == 1
+
+
+def test_tiny_sweep_json_table_and_plot(tmp_path, capsys):
+    report, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    code, out, err = run(
+        capsys, "bench", SAMPLE, "--to", "hydra", "--lengths", "32,16", "--repeats", "1", "--threads", "1",
+        "--json", report, "--plot", picture,
+    )
+    assert code == 0, err
+    data = json.loads(report.read_text())
+    assert data["schema"] == "attnrewrite.bench/1"
+    assert data["sites"] == 2 and data["config"]["method"] == "hydra" and data["config"]["lengths"] == [16, 32]
+    assert set(data["machine"]) >= {"cpu", "cores", "onnxruntime", "load_average"}
+    assert set(data["series"]) == {"original", "rewritten", "identity"}
+    for series in data["series"].values():
+        assert [m["n"] for m in series] == [16, 32]
+        for m in series:
+            assert m["status"] == "ok" and len(m["times_s"]) == 1 and m["median_s"] > 0
+            assert m["peak_rss_bytes"] >= m["loaded_rss_bytes"] > 10 * 2**20
+    assert data["stopped"] == {} and (data["crossover"] is None or data["crossover"] in (16, 32))
+    assert picture.read_bytes()[:8] == PNG_MAGIC
+    assert "original ms" in out and "hydra ms" in out and "crossover:" in out
+    assert "bench [" in err  # progress on stderr
+
+
+def _config(**overrides) -> bench.BenchConfig:
+    settings = dict(model=str(SAMPLE), method="linear", lengths=[16, 32], repeats=1, threads=1)
+    return bench.BenchConfig(**{**settings, **overrides})
+
+
+def test_time_budget_stops_every_series_and_says_so():
+    result = bench.run(_config(budget_seconds=1e-9))
+    assert {m.n for m in result.measurements} == {16}  # nothing measured past the first length
+    assert all(m.status == "over_time" for m in result.measurements)
+    assert set(result.stopped) == set(bench.VARIANTS)
+    assert "budget 1e-09 s" in result.stopped["original"]
+    assert "stopped: N = 16: a run took" in result.table()
+
+
+def test_memory_budget_kills_the_process():
+    result = bench.run(_config(budget_gb=0.005))  # 5 MB: less than the interpreter needs
+    assert all(m.status == "over_memory" for m in result.measurements)
+    assert "> memory budget 0.00 GB" in result.stopped["rewritten"]
+
+
+def test_a_model_that_fails_at_a_length_stops_with_the_reason():
+    result = bench.run(_config(lengths=[16, 1024, 2048]))  # the sample has 512 positions
+    assert [m.status for m in result.series("original")] == ["ok", "failed"]
+    assert "failed: InvalidArgument" in result.stopped["original"]
+
+
+def _m(variant, n, seconds, status="ok"):
+    return bench.Measurement(variant, n, status, [seconds], 1, 1)
+
+
+@pytest.mark.parametrize(
+    "original,rewritten,expected",
+    [
+        ([3, 5, 9, 20], [4, 6, 8, 10], 64),  # slower at first, faster from 64 on
+        ([3, 5, 9, 20], [2, 6, 8, 10], 64),  # an early win that does not last does not count
+        ([3, 5, 9, 20], [4, 6, 10, 30], None),
+        ([3, 5, None, None], [4, 6, 8, 10], 64),  # the original ran out of budget at 64
+    ],
+)
+def test_crossover(original, rewritten, expected):
+    lengths = [16, 32, 64, 128]
+    measurements = [_m("rewritten", n, t) for n, t in zip(lengths, rewritten)]
+    for n, t in zip(lengths, original):
+        if t is not None:
+            measurements.append(_m("original", n, t))
+        elif not any(m.variant == "original" and m.status != "ok" for m in measurements):
+            measurements.append(_m("original", n, 99.0, status="over_time"))
+    result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra", lengths=lengths), measurements, {}, 2, {})
+    assert result.crossover() == expected
+
+
+def test_fp16_model_runs_and_agrees_with_float32(tmp_path):
+    """Checked on CPU: with float16 q, k, v but float32 key_keep (the bodies compute in
+    float32), the converted graph passes the full checker, types included, and agrees."""
+    rewritten = tmp_path / "linear.onnx"
+    assert main([str(SAMPLE), "--to", "linear", "-o", str(rewritten)]) == 0
+    onnx_io.save_model(bench.to_fp16(onnx_io.load_model(rewritten)), tmp_path / "half.onnx")
+    onnx.checker.check_model(str(tmp_path / "half.onnx"), full_check=True)
+    feeds = generate_inputs(onnx_io.load_model(SAMPLE).graph, seq=16)
+    [half] = ort.InferenceSession(str(tmp_path / "half.onnx")).run(None, feeds)
+    [full] = ort.InferenceSession(str(rewritten)).run(None, feeds)
+    assert half.dtype == np.float16
+    assert cosine_similarity(half, full) > 0.999
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CUDA is available: the refusal cannot happen")
+def test_cuda_without_a_cuda_provider_is_a_clear_error(capsys):
+    code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--provider", "cuda", "--lengths", "16")
+    assert code == 2
+    assert err.startswith("attnrewrite: error: --provider cuda: this onnxruntime has no CUDA execution provider")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in out + err
+
+
+def test_fp16_needs_cuda(capsys):
+    code, _, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--fp16", "--lengths", "16")
+    assert code == 2
+    assert err.strip() == "attnrewrite: error: --fp16 needs --provider cuda (onnxruntime's CPU kernels are float32)"
+
+
+def test_cuda_sweep_with_iobinding(tmp_path, capsys):
+    if not HAS_CUDA:
+        pytest.skip("no CUDA execution provider")
+    report = tmp_path / "cuda.json"
+    code, _, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--provider", "cuda", "--fp16", "--lengths", "64",
+                       "--repeats", "2", "--json", report)
+    assert code == 0, err
+    series = json.loads(report.read_text())["series"]
+    assert all(m["status"] == "ok" for s in series.values() for m in s)
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra"), [], {}, 0, {})
+    with pytest.raises(AttnRewriteError, match=r"--plot needs matplotlib: pip install 'attnrewrite\[bench\]'"):
+        bench.plot(result, tmp_path / "x.png")

@@ -1,0 +1,157 @@
+"""attnrewrite check / --check / --min-cosine: the fidelity numbers on models whose difference
+is known, and the gate's exit code and refusal to write."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from attnrewrite.check import argmax_agreement, check, compare_outputs, cosine_similarity
+from attnrewrite.cli import main
+
+SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def linear_model(path: Path, weight: np.ndarray) -> Path:
+    """logits = x @ W: a model whose output difference under a weight change is known exactly."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, weight.shape[0]])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 8, weight.shape[1]])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["logits"])], "linear", [x], [y],
+        [numpy_helper.from_array(weight.astype(np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10  # what the installed onnxruntime loads
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hydra_sample(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("hydra") / "tiny_bert.hydra.onnx"
+    assert main([str(SAMPLE), "--to", "hydra", "-o", str(output)]) == 0
+    return output
+
+
+def test_a_rewrite_compared_with_itself_is_exact(hydra_sample):
+    report = check(hydra_sample, hydra_sample)
+    [output] = report.outputs
+    assert output.name == "last_hidden_state" and output.shape == (2, 64, 64)
+    assert output.max_abs_error == 0 and output.relative_error == 0
+    assert output.cosine == pytest.approx(1.0, abs=1e-12)
+    assert output.argmax_agreement == 1.0
+    assert report.input_source == "generated (batch 2, seq 64, seed 0)"
+
+
+def test_perturbed_weight_gives_the_expected_error(tmp_path):
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((16, 10)).astype(np.float32)
+    delta = np.zeros_like(weight)
+    delta[3, 7] = 0.5  # one weight moved: only logits column 7 changes, by 0.5 * x[..., 3]
+    x = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    np.savez(tmp_path / "inputs.npz", x=x)
+    original = linear_model(tmp_path / "a.onnx", weight)
+    perturbed = linear_model(tmp_path / "b.onnx", weight + delta)
+
+    report = check(original, perturbed, tmp_path / "inputs.npz")
+
+    a, b = x.astype(np.float64) @ weight, x.astype(np.float64) @ (weight + delta)
+    [out] = report.outputs
+    assert out.max_abs_error == pytest.approx(0.5 * np.abs(x[..., 3]).max(), rel=1e-5)
+    assert out.relative_error == pytest.approx(np.linalg.norm(a - b) / np.linalg.norm(a), rel=1e-5)
+    assert out.cosine == pytest.approx(np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b), abs=1e-6)
+    assert out.argmax_agreement == pytest.approx(np.mean(a.argmax(-1) == b.argmax(-1)))
+    assert out.cosine < 0.9999  # the change is large enough to be seen
+    assert report.input_source.endswith("inputs.npz")
+
+
+def test_metric_edge_cases():
+    assert cosine_similarity(np.zeros(4), np.zeros(4)) == 1.0
+    assert cosine_similarity(np.zeros(4), np.ones(4)) == 0.0
+    assert cosine_similarity(np.array([1.0, 0.0]), np.array([0.0, 2.0])) == 0.0
+    assert cosine_similarity(np.array([1.0, 2.0]), np.array([-1.0, -2.0])) == pytest.approx(-1.0)
+    assert argmax_agreement(np.ones(5, np.float32), np.ones(5, np.float32)) is None  # rank 1
+    assert argmax_agreement(np.ones((3, 1), np.float32), np.ones((3, 1), np.float32)) is None  # one class
+    assert argmax_agreement(np.arange(6).reshape(3, 2), np.arange(6).reshape(3, 2)) is None  # ints
+    nan = compare_outputs("y", np.ones((2, 3), np.float32), np.full((2, 3), np.nan, np.float32))
+    assert nan.nonfinite == 6 and math.isnan(nan.cosine)
+
+
+def test_check_command_writes_json_and_gates(tmp_path, capsys, hydra_sample):
+    report_path = tmp_path / "check.json"
+    code, out, err = run(capsys, "check", SAMPLE, hydra_sample, "--json", report_path, "--min-cosine", "0.5")
+    assert code == 0, err
+    assert "last_hidden_state" in out and "cosine" in out
+    report = json.loads(report_path.read_text())
+    [output] = report["outputs"]
+    assert set(output) == {"name", "shape", "max_abs_error", "relative_error", "cosine", "argmax_agreement", "nonfinite"}
+    assert 0.5 < output["cosine"] < 1.0 and output["max_abs_error"] > 0
+    assert report["inputs"] == {"input_ids": [2, 64], "attention_mask": [2, 64]}
+
+    code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--min-cosine", "1", "--json", report_path)
+    assert code == 1
+    assert err.startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has cosine 0.")
+    assert err.strip().endswith("< --min-cosine 1") and len(err.strip().splitlines()) == 1
+    assert json.loads(report_path.read_text())["outputs"][0]["cosine"] < 1  # the report is still written
+
+
+def test_rewrite_with_check_prints_the_table_and_writes(tmp_path, capsys):
+    output = tmp_path / "out.onnx"
+    code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "--check", "--seq", "32")
+    assert code == 0
+    assert "argmax_agree" in out and "generated (batch 2, seq 32, seed 0)" in out
+    assert output.exists()
+
+
+def test_min_cosine_gate_fails_and_writes_nothing(tmp_path, capsys):
+    output = tmp_path / "out.onnx"
+    output.write_bytes(b"precious")
+    code, out, err = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "--min-cosine", "0.999999")
+    assert code == 1
+    assert "cosine" in out  # the table is shown before the verdict
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state'")
+    assert lines[0].endswith("< --min-cosine 0.999999; nothing written")
+    assert output.read_bytes() == b"precious"
+
+
+def test_inputs_npz_is_used_and_checked(tmp_path, capsys, hydra_sample):
+    ids = np.arange(24, dtype=np.int32).reshape(1, 24)  # int32 ids for an int64 input: cast
+    np.savez(tmp_path / "ok.npz", input_ids=ids, attention_mask=np.ones((1, 24), np.int64))
+    code, out, _ = run(capsys, "check", SAMPLE, hydra_sample, "--inputs", tmp_path / "ok.npz")
+    assert code == 0 and "1x24x64" in out
+
+    np.savez(tmp_path / "floats.npz", input_ids=ids, attention_mask=np.ones((1, 24)))
+    code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--inputs", tmp_path / "floats.npz")
+    assert code == 2
+    assert err.strip().endswith("input 'attention_mask' is float64, the model wants int64")
+
+    np.savez(tmp_path / "missing.npz", input_ids=ids)
+    code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--inputs", tmp_path / "missing.npz")
+    assert code == 2 and err.strip().endswith("no array for input 'attention_mask'")
+
+    np.savez(tmp_path / "typo.npz", input_ids=ids, attention_mask=ids, attn_mask=ids)
+    code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--inputs", tmp_path / "typo.npz")
+    assert code == 2 and "'attn_mask' is not an input of the model" in err
+
+
+def test_check_errors_are_one_line(tmp_path, capsys, hydra_sample):
+    code, out, err = run(capsys, "check", SAMPLE, tmp_path / "missing.onnx")
+    assert code == 2
+    assert err.strip() == f"attnrewrite: error: {tmp_path / 'missing.onnx'}: no such file"
+    other = linear_model(tmp_path / "other.onnx", np.ones((16, 10)))
+    code, _, err = run(capsys, "check", SAMPLE, other)
+    assert code == 2 and "the rewritten model has no input 'attention_mask': the models' signatures differ" in err
+    assert "Traceback" not in out + err
