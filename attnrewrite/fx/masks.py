@@ -1,0 +1,271 @@
+"""Attention masks: how a mask enters the logits, what kind it is, and the key_keep it implies.
+
+A mask enters the logits in one of four encodings (``MaskEncoding``). Its kind is decided by
+running the nodes that build it on made-up inputs (DESIGN.md: "probe the mask's subgraph"):
+
+- built from constants and sizes only: run it and compare with "nothing masked" and with a
+  causal triangle, at the graph's own sizes (or at two made-up sequence lengths when the graph
+  has no shapes);
+- built from an input tensor: the input must have no query axis ([batch, keys] or
+  [batch, 1, 1, keys], so no value of it can express more than a per-key mask), and the mask
+  must behave like key padding (plus, maybe, a causal triangle) on two probes, "all keys kept"
+  and "the last keys of each row padded", for a 1 = keep or a 0 = keep convention.
+
+Anything else is an additive bias (MaskKind.BIAS) that no linear method can express; the
+reason says why. At run time ``key_keep_from_mask`` turns the mask tensor of the graph into
+the pass modules' ``key_keep`` [..., Nk, 1]: the last query row sees every key a causal
+triangle allows, so it holds exactly the padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from attnrewrite.fx import evaluate, ops
+from attnrewrite.fx.facts import GraphFacts
+
+# An additive mask value at or below this removes the key (exp(-1000) underflows to 0 in fp32);
+# the same threshold as the ONNX frontend's MASKED_BELOW, so both classify masks alike.
+DROPPED_AT = -1e3
+# Sequence lengths of made-up inputs when the graph does not record its shapes.
+PROBE_LENGTHS = (5, 7)
+PROBE_BATCH = 2
+
+
+class MaskEncoding(str, enum.Enum):
+    ADDITIVE = "additive"  # logits + mask: 0 keeps, large negative drops
+    KEEP = "keep"  # boolean, True = attend (where(mask, logits, -inf); SDPA bool masks)
+    DROP = "drop"  # boolean, True = masked (masked_fill(mask, -inf); nn.MultiheadAttention)
+    SDPA = "sdpa"  # SDPA attn_mask: boolean keep or additive, by dtype
+    MHA = "mha"  # nn.MultiheadAttention attn_mask / key_padding_mask: boolean drop or additive
+
+
+@dataclasses.dataclass
+class MaskUse:
+    """One mask tensor entering the logits of a site."""
+
+    tensor: Node
+    encoding: MaskEncoding
+
+
+@dataclasses.dataclass
+class MaskClass:
+    causal: bool = False
+    key_padding: bool = False
+    bias_reason: str | None = None  # set when the mask is not provably causal/key padding
+
+
+# --- run time -----------------------------------------------------------------------------------
+
+
+def key_keep_from_mask(mask: torch.Tensor, encoding: str) -> torch.Tensor:
+    """float [..., Nk, 1]: 1.0 for keys the mask lets the last query attend to, else 0.0."""
+    if mask.dim() < 2:
+        mask = mask.reshape(1, -1)
+    last_row = mask[..., -1:, :]
+    encoding = MaskEncoding(encoding)
+    if encoding in (MaskEncoding.SDPA, MaskEncoding.MHA) and last_row.dtype == torch.bool:
+        encoding = MaskEncoding.KEEP if encoding is MaskEncoding.SDPA else MaskEncoding.DROP
+    if encoding is MaskEncoding.KEEP:
+        keep = last_row.bool()
+    elif encoding is MaskEncoding.DROP:
+        keep = ~last_row.bool()
+    else:
+        keep = last_row > DROPPED_AT
+    return keep.transpose(-1, -2).to(torch.float32)
+
+
+def dropped(value: torch.Tensor, encoding: MaskEncoding) -> torch.Tensor | str:
+    """Boolean "this logit is removed" for a probed mask value, or why the value is no mask."""
+    if encoding in (MaskEncoding.SDPA, MaskEncoding.MHA):
+        if value.dtype == torch.bool:
+            encoding = MaskEncoding.KEEP if encoding is MaskEncoding.SDPA else MaskEncoding.DROP
+        else:
+            encoding = MaskEncoding.ADDITIVE
+    if encoding is MaskEncoding.KEEP:
+        return ~value.bool()
+    if encoding is MaskEncoding.DROP:
+        return value.bool()
+    if value.dtype == torch.bool or not value.dtype.is_floating_point:
+        return "an integer or boolean tensor is added to the logits"
+    drop = value <= DROPPED_AT
+    if not bool(((value == 0) | drop).all()):
+        return "the additive mask holds values other than 0 and large negatives"
+    return drop
+
+
+# --- classification -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Inputs:
+    data: list[Node]  # inputs whose values the mask reads
+    shape_only: list[Node]  # nodes whose shape (not values) the mask reads
+
+
+def _mask_inputs(facts: GraphFacts, mask: Node) -> _Inputs:
+    data: list[Node] = []
+    shape_only: list[Node] = []
+    read_for_values: set[Node] = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in read_for_values:
+            continue
+        read_for_values.add(node)
+        if node.op == "placeholder":
+            data.append(node)
+            continue
+        source = ops.shape_only_source(node)
+        if source is not None:
+            shape_only.append(source)
+            stack.extend(n for n in node.all_input_nodes if n is not source)
+            continue
+        stack.extend(node.all_input_nodes)
+    # a node also read for its values is computed (or probed), not made up
+    return _Inputs(data, [n for n in dict.fromkeys(shape_only) if n not in read_for_values])
+
+
+def _causal_pattern(drop: torch.Tensor) -> bool | None:
+    """True: a causal triangle in every leading slice; False: nothing dropped; None: other."""
+    if not bool(drop.any()):
+        return False
+    nq, nk = drop.shape[-2:]
+    if nq != nk:
+        return None
+    triangle = torch.ones(nq, nk, dtype=torch.bool).triu(1)
+    return True if bool((drop == triangle).all()) else None
+
+
+def _made_up(facts: GraphFacts, node: Node, length: int, rank: int) -> torch.Tensor:
+    """A zero tensor shaped like node: unknown sizes are ``length``, an unknown rank ``rank``."""
+    shape = facts.shape(node) or (None,) * rank
+    dtype = facts.dtype(node) or facts.default_dtype or torch.float32
+    return torch.zeros([length if d is None else d for d in shape], dtype=dtype)
+
+
+def _key_axis_input_shape(facts: GraphFacts, node: Node, length: int) -> tuple[int, ...] | str:
+    """Shape of a data input of the mask; it must have no query axis."""
+    shape = facts.shape(node)
+    if shape is None:
+        return (PROBE_BATCH, length)
+    shape = tuple(length if d is None else d for d in shape)
+    inner = [d for d in shape[1:-1] if d != 1]
+    if not shape or inner:
+        return f"mask input {node.name!r} of shape {list(shape)} is not a [batch, keys] key mask"
+    return shape
+
+
+def _padding_pattern(shape: tuple[int, ...]) -> torch.Tensor:
+    """keep[b, j]: row b keeps all but its last (b % (Nk-1)) + 1 keys (at least one kept)."""
+    batch = shape[0] if len(shape) > 1 else 1
+    keys = shape[-1]
+    if keys < 2:
+        raise ValueError("needs at least two keys")
+    padded = torch.tensor([b % (keys - 1) + 1 for b in range(batch)])
+    keep = torch.arange(keys)[None, :] < (keys - padded)[:, None]
+    return keep.reshape(shape)
+
+
+def _matches_padding(static: torch.Tensor, keep: torch.Tensor, probed: torch.Tensor) -> bool:
+    """Whether probed == static OR "key padded in this batch row", batch-major on the first axis.
+
+    ``static`` is the drop pattern with every key kept (nothing or a causal triangle, the same in
+    every leading slice), ``keep`` the probe input, ``probed`` the drop pattern it produced.
+    """
+    keys = keep.shape[-1]
+    keep = keep.reshape(-1, keys)
+    batch = keep.shape[0]
+    if probed.dim() < 2 or probed.shape[-1] != keys:
+        return False
+    if probed.dim() == 2:
+        if batch != 1:
+            return False
+        probed = probed[None, None]
+    elif probed.shape[0] % batch:
+        return False
+    probed = probed.reshape(batch, -1, *probed.shape[-2:])
+    pattern = static.reshape(-1, *static.shape[-2:])[0] if static.dim() >= 2 else static.reshape(1, -1)
+    expected = pattern[None, None] | ~keep[:, None, None, :]
+    try:
+        return bool((probed == expected.expand_as(probed)).all())
+    except RuntimeError:
+        return False
+
+
+def classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
+    """Decide what a mask is by probing the nodes that build it."""
+    inputs = _mask_inputs(facts, use.tensor)
+    needs_lengths = any(facts.shape(n) is None or None in facts.shape(n) for n in inputs.shape_only + inputs.data)
+    lengths = PROBE_LENGTHS if needs_lengths else (None,)
+    # a tensor read only for its sizes may have an unknown rank: all its sizes are the probe
+    # length, so any rank its size reads accept will do
+    ranks = (4, 3, 2, 1) if any(facts.shape(n) is None for n in inputs.shape_only) else (0,)
+    verdicts = []
+    for length in lengths:
+        for rank in ranks:
+            verdict = _classify_at(facts, use, inputs, length or PROBE_LENGTHS[0], rank)
+            if not (verdict.bias_reason or "").startswith(_UNEVALUATED):
+                break
+        if verdict.bias_reason:
+            return verdict
+        verdicts.append((verdict.causal, verdict.key_padding))
+    if len(set(verdicts)) > 1:
+        return MaskClass(bias_reason="the mask changes kind with the sequence length")
+    causal, key_padding = verdicts[0]
+    return MaskClass(causal, key_padding)
+
+
+_UNEVALUATED = "the mask could not be evaluated"
+
+
+def _classify_at(facts: GraphFacts, use: MaskUse, inputs: _Inputs, length: int, rank: int) -> MaskClass:
+    env: dict[Node, Any] = {node: _made_up(facts, node, length, rank) for node in inputs.shape_only}
+    shapes = {}
+    for node in inputs.data:
+        shape = _key_axis_input_shape(facts, node, length)
+        if isinstance(shape, str):
+            return MaskClass(bias_reason=shape)
+        shapes[node] = shape
+
+    def probe(keep_value: bool, padded: bool, dtype: torch.dtype):
+        for node, shape in shapes.items():
+            keep = _padding_pattern(shape) if padded else torch.ones(shape, dtype=torch.bool)
+            env[node] = (keep if keep_value else ~keep).to(dtype)
+        with torch.no_grad():
+            return dropped(evaluate.run_slice(facts.gm, use.tensor, env), use.encoding)
+
+    if not shapes:
+        try:
+            static = probe(True, False, torch.bool)
+        except Exception as error:  # noqa: BLE001 - any failure means "not understood"
+            return MaskClass(bias_reason=f"{_UNEVALUATED} ({type(error).__name__}: {error})")
+        if isinstance(static, str):
+            return MaskClass(bias_reason=static)
+        causal = _causal_pattern(static)
+        if causal is None:
+            return MaskClass(bias_reason="a constant mask that is neither empty nor a causal triangle")
+        return MaskClass(causal=causal)
+
+    known = {facts.dtype(n) for n in shapes}
+    dtypes = [known.pop()] if len(known) == 1 and None not in known else [torch.bool, torch.int64, torch.float32]
+    keep = _padding_pattern(next(iter(shapes.values())))
+    for dtype in dtypes:
+        for keep_value in (True, False):
+            try:
+                static = probe(keep_value, False, dtype)
+                padded = probe(keep_value, True, dtype)
+            except Exception:  # noqa: BLE001 - this convention does not fit; try the next
+                continue
+            if isinstance(static, str) or isinstance(padded, str):
+                continue
+            causal = _causal_pattern(static)
+            if causal is not None and _matches_padding(static, keep, padded):
+                return MaskClass(causal=causal, key_padding=True)
+    names = ", ".join(repr(n.name) for n in shapes)
+    return MaskClass(bias_reason=f"the mask built from input {names} is not a key-padding (or causal) mask")

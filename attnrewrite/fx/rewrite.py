@@ -1,0 +1,219 @@
+"""Rewriting a GraphModule: every understood attention site calls the pass's torch module.
+
+Graph sites (softmax chains, SDPA calls) are spliced: a ``call_module`` of the pass module takes
+q, k, v (and key_keep, computed in the graph from the site's key-padding mask) and replaces the
+node that held ``probabilities @ v``; what only fed the old attention is then dead and erased.
+nn.MultiheadAttention sites are module swaps (see modules.py); the graph is unchanged.
+The input model is never modified: the rewrite works on a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.passes.shape_prop import ShapeProp
+
+import passes
+from attnrewrite.fx.detect import FxMatch, find_matches
+from attnrewrite.fx.facts import GraphFacts, live_nodes
+from attnrewrite.fx.masks import key_keep_from_mask
+from attnrewrite.fx.modules import LinearizedMultiheadAttention, slow_path_container
+from attnrewrite.fx import ops
+from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
+from attnrewrite.site import AttentionSite
+
+
+def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphModule:
+    """A GraphModule copy of an nn.Module (symbolic_trace), a GraphModule or an ExportedProgram."""
+    if isinstance(model, torch.export.ExportedProgram):
+        gm = copy.deepcopy(model.module())
+    elif isinstance(model, GraphModule):
+        gm = copy.deepcopy(model)
+    elif isinstance(model, nn.Module):
+        gm = _trace(model, example_inputs)
+    else:
+        raise TypeError(f"expected an nn.Module, GraphModule or ExportedProgram, not {type(model).__name__}")
+    if example_inputs is not None and not _has_shapes(gm):
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)
+    return gm
+
+
+def _trace(model: nn.Module, example_inputs: tuple | None) -> GraphModule:
+    try:
+        return torch.fx.symbolic_trace(copy.deepcopy(model))
+    except Exception as error:  # noqa: BLE001 - symbolic_trace fails in many ways on dynamic code
+        if example_inputs is None:
+            raise TypeError(
+                f"torch.fx.symbolic_trace cannot trace {type(model).__name__} ({type(error).__name__}: {error}); "
+                "pass example_inputs=(...) to trace it with torch.export, or pass an ExportedProgram"
+            ) from error
+    return torch.export.export(copy.deepcopy(model), tuple(example_inputs)).module()
+
+
+def _has_shapes(gm: GraphModule) -> bool:
+    return any("val" in n.meta or "tensor_meta" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def find_fx_sites(model: Any, example_inputs: tuple | None = None) -> list[AttentionSite]:
+    """Every attention site of the model; skipped ones carry ``skip_reason``."""
+    gm = to_graph_module(model, example_inputs)
+    return [match.site for match in find_matches(GraphFacts(gm))]
+
+
+def rewrite_graph_module(
+    model: Any,
+    to: str,
+    layers: list[int] | None = None,
+    *,
+    example_inputs: tuple | None = None,
+    **options: Any,
+) -> GraphModule:
+    """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
+
+    ``model``: an nn.Module (traced with symbolic_trace), a GraphModule, or an ExportedProgram.
+    ``layers``: rewrite only sites of these layer indices. ``example_inputs``: optional inputs,
+    used for shapes when the graph has none (and to export models symbolic_trace cannot trace).
+    ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
+    """
+    method = passes.get_pass(to)
+    method_options = passes.make_options(method, **options)
+    gm = to_graph_module(model, example_inputs)
+    facts = GraphFacts(gm)
+    record = RewriteRecord(method.NAME, dataclasses.asdict(method_options))
+    splicer = _Splicer(gm, method.NAME)
+    containers: dict[str, bool] = {}
+    replaced: set[Node] = set()
+
+    for match in find_matches(facts):
+        reason = _refusal(match.site, method, method_options, layers)
+        if reason is not None:
+            record.outcomes.append(SiteOutcome(match.site, rewritten=False, reason=reason))
+            continue
+        module = method.torch_module(match.site, method_options).to(_device(gm))
+        if match.attention_path is not None:
+            where = _swap_multihead_attention(gm, match, module)
+            if match.container is not None:
+                containers[match.container.target] = match.site.mask.causal
+        else:
+            where = splicer.splice(match, module)
+            replaced.update(match.probability_path)
+        record.outcomes.append(
+            SiteOutcome(match.site, rewritten=True, replacement=f"{type(module).__name__} at {where}")
+        )
+
+    for path, causal in containers.items():
+        _set_submodule(gm, path, slow_path_container(gm.get_submodule(path), causal))
+    _erase_dead_code(gm, replaced)
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta[METADATA_KEY] = record.as_dict()
+    return gm
+
+
+def _refusal(site: AttentionSite, method: types.ModuleType, options: Any, layers: list[int] | None) -> str | None:
+    if site.skip_reason is not None:
+        return site.skip_reason
+    if layers is not None:
+        if site.layer is None:
+            return "no layer index, so not among the selected layers"
+        if site.layer not in layers:
+            return f"layer {site.layer} is not selected"
+    reason = method.supports(site, options)
+    if reason is not None and site.provenance.get("mask_detail"):
+        reason = f"{reason} ({site.provenance['mask_detail']})"
+    return reason
+
+
+def _device(gm: GraphModule) -> torch.device:
+    for tensor in (*gm.parameters(), *gm.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent_path) if parent_path else root, name, module)
+
+
+def _swap_multihead_attention(gm: GraphModule, match: FxMatch, module: nn.Module) -> str:
+    mha = gm.get_submodule(match.attention_path)
+    _set_submodule(gm, match.attention_path, LinearizedMultiheadAttention(mha, module))
+    return f"{match.attention_path}.attention"
+
+
+class _Splicer:
+    """Adds the pass modules to the GraphModule and routes each site's output through one."""
+
+    def __init__(self, gm: GraphModule, method_name: str):
+        self.gm = gm
+        self.method_name = method_name
+        self.replaced: dict[Node, Node] = {}  # old output -> new call, for sites that feed sites
+
+    def _current(self, node: Node) -> Node:
+        while node in self.replaced:
+            node = self.replaced[node]
+        return node
+
+    def _free_name(self, owner_path: str | None) -> str:
+        if owner_path:
+            try:
+                self.gm.get_submodule(owner_path)
+            except AttributeError:
+                owner_path = None
+        prefix = f"{owner_path}." if owner_path else ""
+        base = f"{prefix}{self.method_name}_attention"
+        name, suffix = base, 1
+        while _has_submodule(self.gm, name):
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        return name
+
+    def splice(self, match: FxMatch, module: nn.Module) -> str:
+        graph = self.gm.graph
+        name = self._free_name(match.site.provenance.get("module"))
+        self.gm.add_submodule(name, module)
+        output = match.output
+        q, v = self._current(match.q), self._current(match.v)
+        with graph.inserting_before(output):
+            if match.k is not None:
+                k = self._current(match.k)
+            else:
+                k = graph.call_function(torch.transpose, (self._current(match.k_transposed), -2, -1))
+            key_keep = None
+            for use in match.key_padding:
+                keep = graph.call_function(key_keep_from_mask, (self._current(use.tensor), use.encoding.value))
+                key_keep = keep if key_keep is None else graph.call_function(operator.mul, (key_keep, keep))
+            call = graph.call_module(name, (q, k, v, key_keep))
+        call.meta["attnrewrite_site"] = match.site.name
+        if "nn_module_stack" in output.meta:
+            call.meta["nn_module_stack"] = output.meta["nn_module_stack"]
+        output.replace_all_uses_with(call)
+        self.replaced[output] = call
+        return name
+
+
+def _has_submodule(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _erase_dead_code(gm: GraphModule, replaced: set[Node]) -> None:
+    """Erase what no longer reaches the output: the replaced attention's logits, softmax and
+    masks, export's metadata asserts on them, and its attention dropout (impure to torch, but
+    replaced). Other nodes with side effects stay."""
+    live = live_nodes(gm, not_roots=replaced)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in live or node.op in ("placeholder", "output") or node.users:
+            continue
+        if node in replaced or ops.is_bookkeeping(node) or not node.is_impure():
+            gm.graph.erase_node(node)
