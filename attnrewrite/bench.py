@@ -514,7 +514,16 @@ class Progress:
 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> None:
-    """Latency and memory vs N, log-log, one line per variant (measured points only)."""
+    """Latency and memory vs N, log-log: original, rewritten and the identity bound."""
+    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": "identity bound"}
+    series = {labels[v]: result.series(v) for v in VARIANTS}
+    title = f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})"
+    plot_series(series, path, title)
+
+
+def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, title: str) -> None:
+    """One line per label on two log-log panels (median latency, peak memory); measured points
+    only, so a series that stopped at its budget ends there."""
     try:
         import matplotlib
 
@@ -522,21 +531,20 @@ def plot(result: BenchResult, path: str | os.PathLike) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise AttnRewriteError("--plot needs matplotlib: pip install 'attnrewrite[bench]'") from None
-    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": "identity bound"}
     figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for variant in VARIANTS:
-        points = [m for m in result.series(variant) if m.status == "ok"]
+    for label, measurements in series.items():
+        points = [m for m in measurements if m.status == "ok"]
         if points:
-            latency.plot([m.n for m in points], [m.median_s * 1e3 for m in points], marker="o", label=labels[variant])
-            memory.plot([m.n for m in points], [m.peak_bytes / 2**20 for m in points], marker="o", label=labels[variant])
+            latency.plot([m.n for m in points], [m.median_s * 1e3 for m in points], marker="o", label=label)
+            memory.plot([m.n for m in points], [m.peak_bytes / 2**20 for m in points], marker="o", label=label)
     for axes, unit in ((latency, "median latency (ms)"), (memory, "peak memory (MiB)")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("sequence length N")
         axes.set_ylabel(unit)
         axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
-    figure.suptitle(f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})")
+        axes.legend(fontsize="small")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

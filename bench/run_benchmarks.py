@@ -1,0 +1,479 @@
+"""The standard sweep: every registered method on a BERT-base shaped encoder layer, the peers on
+the same attention shapes, and a long-sequence memory check. Writes bench/RESULTS.md.
+
+    python bench/run_benchmarks.py                     # the full run (tens of minutes on 2 cores)
+    python bench/run_benchmarks.py --quick             # 128..1024, 2 repeats: to try the script
+
+Everything runs on CPU, fp32, batch 1, ``--threads`` intra-op threads (2), each configuration
+in a fresh process (see attnrewrite/bench.py for why and how memory is measured):
+
+1. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072, Q/K/V/output projections) on hidden
+   states: softmax (as exported), the identity-attention bound, and each method in passes.PASSES;
+2. attention only, q, k, v of [1, 12, N, 64]: our ONNX graphs (softmax and each method) beside
+   performer-pytorch FastAttention (FAVOR+), fast-transformers LinearAttention (elu + 1) and
+   torch's scaled_dot_product_attention;
+3. a 6-layer, 384-wide encoder rewritten with hydra at N = 32768 (and its softmax original),
+   peak memory against an 8 GB budget.
+
+Where a target of the issue is missed, the configuration is profiled with onnxruntime's
+profiler and the nodes that take the time are listed. A hand-written analysis between the
+ANALYSIS markers of an existing RESULTS.md is kept when the file is regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # models.py, peers.py
+
+import models  # noqa: E402
+import passes  # noqa: E402
+from attnrewrite import bench  # noqa: E402
+from attnrewrite.errors import AttnRewriteError  # noqa: E402
+from attnrewrite.onnx import io as onnx_io  # noqa: E402
+from attnrewrite.onnx.inputs import generate_inputs  # noqa: E402
+from attnrewrite.onnx.rewrite import rewrite_model  # noqa: E402
+
+LAYER = dict(hidden=768, heads=12, layers=1)
+ATTENTION = dict(heads=12, head_dim=64)
+STACK = dict(hidden=384, heads=12, layers=6)
+STACK_N = 32768
+STACK_BUDGET_GB = 8.0
+FEATURES = 256  # favor's m, performer's nb_features, linformer's k
+
+ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"
+
+
+def method_options(method: str, lengths: list[int]) -> dict:
+    """The settings the issue's targets name; a Linformer projection must cover the longest N."""
+    return {
+        "favor": {"features": FEATURES},
+        "linformer": {"proj_dim": FEATURES, "max_len": max(lengths)},
+    }.get(method, {})
+
+
+# --- building what is measured ------------------------------------------------------------------
+
+
+def rewritten_variants(
+    original: Path, folder: Path, lengths: list[int], with_bound: bool = True
+) -> tuple[dict[str, Path], dict[str, str]]:
+    """softmax, the identity bound and one model per registered method; methods that cannot
+    rewrite this model are reported, not fatal."""
+    paths, refused, sites = {"softmax": original}, {}, None
+    for method in passes.PASSES:
+        try:
+            model, record = rewrite_model(onnx_io.load_model(original), method, **method_options(method, lengths))
+        except (AttnRewriteError, passes.OptionError, ValueError) as error:
+            refused[method] = str(error)
+            continue
+        except Exception as error:  # a pass still being written must not stop the other methods
+            refused[method] = f"the rewrite failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            continue
+        if not record.rewritten:
+            refused[method] = "; ".join(sorted({o.reason for o in record.skipped})) or "no site"
+            continue
+        sites = [o.site.name for o in record.rewritten]
+        paths[method] = folder / f"{original.stem}.{method}.onnx"
+        onnx_io.save_model(model, paths[method])
+    if sites and with_bound:
+        paths["identity"] = folder / f"{original.stem}.identity.onnx"
+        onnx_io.save_model(bench.identity_attention(onnx_io.load_model(original), sites), paths["identity"])
+    order = ["softmax", "identity", *passes.PASSES]
+    return {k: paths[k] for k in order if k in paths}, refused
+
+
+def inputs_writer(model: Path, folder: Path, batch: int = 1):
+    graph = onnx_io.load_model(model).graph
+
+    def inputs_for(n: int) -> Path:
+        path = folder / f"inputs-{model.stem}-{n}.npz"
+        np.savez(path, **generate_inputs(graph, batch=batch, seq=n))
+        return path
+
+    return inputs_for
+
+
+def peer_runner(peer: str, config: bench.BenchConfig):
+    def run_peer(n: int, inputs: Path) -> bench.Measurement:
+        spec = {"peer": peer, "n": n, "features": FEATURES, "threads": config.threads, "warmup": config.warmup,
+                "repeats": config.repeats, "budget_seconds": config.budget_seconds, **ATTENTION}
+        return bench.measure_worker([sys.executable, str(HERE / "peers.py"), json.dumps(spec)], config, n)
+
+    return run_peer
+
+
+def peer_availability() -> dict[str, str | None]:
+    """None when the peer can run here, else why not."""
+    status = {}
+    for peer, module in (("performer", "performer_pytorch"), ("fast_transformers", "fast_transformers.attention")):
+        try:
+            __import__(module)
+            status[peer] = None
+        except Exception as error:  # an ImportError, or a build that imports but cannot load
+            status[peer] = f"{type(error).__name__}: {error}"
+    status["sdpa"] = None
+    return status
+
+
+PEER_LABELS = {
+    "performer": f"performer FastAttention (m={FEATURES})",
+    "fast_transformers": "fast-transformers LinearAttention",
+    "sdpa": "torch SDPA (softmax)",
+}
+
+
+# --- profiling ----------------------------------------------------------------------------------
+
+
+def profile(model: Path, inputs: Path, threads: int, folder: Path) -> list[tuple[str, float, float]]:
+    """(op type, ms per run, share) from onnxruntime's profiler, largest first."""
+    spec = {"model": str(model), "inputs": str(inputs), "provider": "cpu", "threads": threads, "warmup": 0,
+            "repeats": 2, "budget_seconds": 1e9, "profile": str(folder / f"profile-{model.stem}")}
+    outcome = bench.run_worker([sys.executable, str(bench.WORKER), json.dumps(spec)], 2**62, 1e9)
+    if outcome.get("status") != "ok":
+        return []
+    events = json.loads(Path(outcome["profile"]).read_text())
+    by_op: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            by_op[event["args"].get("op_name", "?")] += event["dur"] / 1e3 / 2  # µs over 2 runs
+    total = sum(by_op.values()) or 1.0
+    return sorted(((op, ms, ms / total) for op, ms in by_op.items()), key=lambda r: -r[1])
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Section:
+    title: str
+    lengths: list[int]
+    measurements: list[bench.Measurement]
+    stopped: dict[str, str]
+    labels: dict[str, str]  # runner key -> column title
+
+    def cell(self, key: str, n: int) -> bench.Measurement | None:
+        return next((m for m in self.measurements if m.variant == key and m.n == n), None)
+
+    def median_ms(self, key: str, n: int) -> float | None:
+        m = self.cell(key, n)
+        return m.median_s * 1e3 if m is not None and m.status == "ok" else None
+
+
+def run_section(title, runners, labels, config, inputs_for) -> Section:
+    print(f"== {title}", file=sys.stderr)
+    measurements, stopped = bench.sweep(runners, config, inputs_for)
+    return Section(title, config.lengths, measurements, stopped, labels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="128..1024, 2 repeats, no N = 32768 run")
+    parser.add_argument("--lengths", type=lambda t: sorted(int(x) for x in t.split(",")), default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget-seconds", type=float, default=60.0)
+    parser.add_argument("--budget-gb", type=float, default=12.0)
+    parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--skip-stack", action="store_true", help="leave out the 6-layer N = 32768 run")
+    args = parser.parse_args(argv)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    lengths = args.lengths or ([128, 256, 512, 1024] if args.quick else bench.DEFAULT_LENGTHS)
+    config = bench.BenchConfig(
+        model="", method="", lengths=lengths, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
+        threads=args.threads, repeats=2 if args.quick else args.repeats,
+    )
+    started = machine_state()
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-standard-") as tmp:
+        folder = Path(tmp)
+        layer = models.export_encoder(folder / "layer.onnx", **LAYER)
+        attention = models.export_attention(folder / "attention.onnx", **ATTENTION)
+
+        layer_paths, layer_refused = rewritten_variants(layer, folder, lengths)
+        layer_labels = {k: ("softmax (exported)" if k == "softmax" else "identity bound" if k == "identity" else k) for k in layer_paths}
+        runners = {k: bench.onnx_runner(p, config) for k, p in layer_paths.items()}
+        layer_section = run_section("one BERT-base encoder layer", runners, layer_labels, config, inputs_writer(layer, folder))
+
+        # attention only: no bound (it would be zero work)
+        attention_paths, attention_refused = rewritten_variants(attention, folder, lengths, with_bound=False)
+        peers = peer_availability()
+        runners = {k: bench.onnx_runner(p, config) for k, p in attention_paths.items()}
+        runners.update({peer: peer_runner(peer, config) for peer, why in peers.items() if why is None})
+        labels = {k: ("softmax (ORT)" if k == "softmax" else k) for k in attention_paths} | {
+            p: PEER_LABELS[p] for p in peers if peers[p] is None
+        }
+        attention_section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
+
+        stack = None if (args.quick or args.skip_stack) else run_stack(folder, config)
+        targets = evaluate_targets(layer_section, attention_section, stack)
+        profiles = {}
+        for target in targets:
+            if target.reached is False and target.profile:
+                model_key, n, section_name = target.profile
+                paths = layer_paths if section_name == "layer" else attention_paths
+                if model_key in paths:
+                    writer = inputs_writer(layer if section_name == "layer" else attention, folder)
+                    print(f"== profiling {model_key} at N = {n} ({section_name})", file=sys.stderr)
+                    profiles[(model_key, n, section_name)] = profile(paths[model_key], writer(n), args.threads, folder)
+        ended = machine_state()
+        plots = {
+            "layer.png": (layer_section, "one BERT-base encoder layer (d=768, 12 heads), CPU, 2 threads"),
+            "attention.png": (attention_section, "attention only, [1, 12, N, 64], CPU, 2 threads"),
+        }
+        for name, (section, title) in plots.items():
+            series = {section.labels[k]: [m for m in section.measurements if m.variant == k] for k in section.labels}
+            bench.plot_series(series, args.output.parent / name, title)
+        report = render(
+            started, ended, config, layer_section, attention_section, stack, targets, profiles, peers,
+            {**layer_refused, **{f"{k} (attention only)": v for k, v in attention_refused.items()}},
+            previous_analysis(args.output), list(plots),
+        )
+        args.output.write_text(report)
+        raw = {
+            "machine": {"start": started, "end": ended},
+            "config": dataclasses.asdict(config),
+            "sections": {s.title: [m.as_dict() for m in s.measurements] for s in (layer_section, attention_section)},
+            "stopped": {s.title: s.stopped for s in (layer_section, attention_section)},
+            "stack": stack,
+            "targets": [dataclasses.asdict(t) for t in targets],
+        }
+        (args.output.parent / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def run_stack(folder: Path, config: bench.BenchConfig) -> dict:
+    """The 6-layer, 384-wide encoder at N = 32768: hydra within 8 GB, and what softmax needs."""
+    print(f"== 6-layer 384-wide encoder at N = {STACK_N}", file=sys.stderr)
+    original = models.export_encoder(folder / "stack.onnx", **STACK)
+    model, record = rewrite_model(onnx_io.load_model(original), "hydra")
+    hydra = folder / "stack.hydra.onnx"
+    onnx_io.save_model(model, hydra)
+    inputs = inputs_writer(original, folder)(STACK_N)
+    stack_config = dataclasses.replace(config, budget_gb=STACK_BUDGET_GB, repeats=3, budget_seconds=600.0)
+    result = {"n": STACK_N, "budget_gb": STACK_BUDGET_GB, "sites_rewritten": len(record.rewritten)}
+    for key, path in (("hydra", hydra), ("softmax", original)):
+        m = bench.onnx_runner(path, stack_config)(STACK_N, inputs)
+        m.variant = key
+        result[key] = m.as_dict()
+        print(f"   {key}: {m.status}, peak {(m.peak_bytes or 0) / 2**30:.2f} GB", file=sys.stderr)
+    return result
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Target:
+    text: str
+    measured: str
+    reached: bool | None  # None: could not be measured
+    profile: tuple[str, int, str] | None = None  # (model, N, "layer" | "attention") to profile when missed
+
+
+def evaluate_targets(layer: Section, attention: Section, stack: dict | None) -> list[Target]:
+    targets = []
+    for method in ("hydra", "linear"):
+        ratios = []
+        for n in (n for n in layer.lengths if n >= 4096):
+            ours, bound = layer.median_ms(method, n), layer.median_ms("identity", n)
+            if ours is not None and bound is not None:
+                ratios.append((n, ours, bound, ours / bound))
+        measured = "; ".join(f"N={n}: {o:.0f} / {b:.0f} ms = {r:.2f}x" for n, o, b, r in ratios) or "not measured"
+        worst = max(ratios, key=lambda r: r[3]) if ratios else None
+        targets.append(Target(
+            f"{method} within 1.1x of the identity bound at N >= 4096 (layer)", measured,
+            None if not ratios else all(r[3] <= 1.1 for r in ratios),
+            (method, worst[0], "layer") if worst else None,
+        ))
+    targets.append(speedup_target(layer, "favor", "softmax", 4096, 3.0, f"favor (m={FEATURES}) >= 3x faster than softmax at N=4096 (layer)", "layer"))
+    targets.append(speedup_target(layer, "linformer", "softmax", 4096, 3.0, f"linformer (k={FEATURES}) >= 3x faster than softmax at N=4096 (layer)", "layer"))
+    targets.append(speedup_target(layer, "lsh", "softmax", 8192, 1.5, "lsh >= 1.5x faster than softmax at N=8192 (layer)", "layer"))
+    targets.append(speedup_target(attention, "favor", "performer", 4096, 1.5, f"our FAVOR+ graph >= 1.5x faster than performer FastAttention at N=4096, m={FEATURES} (attention only)", "attention"))
+    if stack is None:
+        targets.append(Target(f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak", "not run", None))
+    else:
+        m = stack["hydra"]
+        peak = m["peak_rss_bytes"]
+        measured = f"{m['status']}, peak RSS {peak / 2**30:.2f} GB" + (f", median {m['median_s']:.1f} s" if m["median_s"] else "")
+        targets.append(Target(
+            f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak", measured,
+            m["status"] == "ok" and peak <= STACK_BUDGET_GB * 2**30,
+        ))
+    return targets
+
+
+def speedup_target(section: Section, method: str, baseline: str, n: int, factor: float, text: str, where: str) -> Target:
+    ours, base = section.median_ms(method, n), section.median_ms(baseline, n)
+    if ours is None:
+        return Target(text, f"{method} not measured at N={n}", None)
+    if base is None:
+        cell = section.cell(baseline, n)
+        why = "not measured" if cell is None else cell.status.replace("_", " ")
+        return Target(text, f"{method} {ours:.0f} ms; {baseline} {why} at N={n}", None)
+    speedup = base / ours
+    return Target(
+        text, f"{baseline} {base:.0f} ms / {method} {ours:.0f} ms = {speedup:.2f}x",
+        speedup >= factor, (method, n, where),
+    )
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def machine_state() -> dict:
+    import onnxruntime
+    import torch
+
+    versions = {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "numpy": np.__version__}
+    for name, module in (("performer-pytorch", "performer_pytorch"), ("pytorch-fast-transformers", "fast_transformers")):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:
+            versions[name] = None
+    return {
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": bench.cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(bench.physical_memory_bytes() / 2**30, 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": sys.version.split()[0],
+        "versions": versions,
+    }
+
+
+def previous_analysis(path: Path) -> str | None:
+    if not path.exists():
+        return None
+    text = path.read_text()
+    if ANALYSIS_START in text and ANALYSIS_END in text:
+        return text[text.index(ANALYSIS_START): text.index(ANALYSIS_END) + len(ANALYSIS_END)]
+    return None
+
+
+def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> str:
+    rule = "---:" if numeric else "---"
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _time(m: bench.Measurement | None) -> str:
+    if m is None:
+        return ""
+    if m.status == "ok":
+        return f"{m.median_s * 1e3:.1f}"
+    if m.status == "over_time" and m.times_s:
+        return f">{m.times_s[-1] * 1e3:.0f} (over budget)"
+    return m.status.replace("_", " ")
+
+
+def _memory(m: bench.Measurement | None) -> str:
+    if m is None or m.peak_bytes is None:
+        return ""
+    return f"{m.peak_bytes / 2**20:.0f}" + ("" if m.status == "ok" else " (killed)" if m.status == "over_memory" else "")
+
+
+def section_tables(section: Section, ratio_to: str | None) -> str:
+    keys = list(section.labels)
+    header = ["N", *[section.labels[k] for k in keys]]
+    rows_time, rows_memory = [], []
+    for n in section.lengths:
+        cells = [section.cell(k, n) for k in keys]
+        if not any(cells):
+            continue
+        row = [str(n)]
+        for k, m in zip(keys, cells):
+            text = _time(m)
+            base = section.median_ms(ratio_to, n) if ratio_to else None
+            if base and m is not None and m.status == "ok" and k != ratio_to:
+                text += f" ({base / (m.median_s * 1e3):.2f}x)"
+            row.append(text)
+        rows_time.append(row)
+        rows_memory.append([str(n), *[_memory(m) for m in cells]])
+    stopped = "\n".join(f"- {section.labels.get(k, k)}: stopped at {why}" for k, why in section.stopped.items())
+    return (
+        f"Median latency, ms (in parentheses: speedup over {section.labels.get(ratio_to, ratio_to)})\n\n"
+        f"{_table(header, rows_time)}\n\nPeak memory (RSS of the process), MiB\n\n{_table(header, rows_memory)}\n\n"
+        + (f"Series stopped early:\n\n{stopped}\n" if stopped else "")
+    )
+
+
+def render(started, ended, config, layer, attention, stack, targets, profiles, peers, refused, analysis, plots) -> str:
+    idle = max(started["load_average"][0], ended["load_average"][0]) < 0.5 * (started["cores"] or 1)
+    versions = started["versions"]
+    out = [
+        "# Benchmark results",
+        "",
+        f"Written by `python bench/run_benchmarks.py` ({started['time']} to {ended['time']}). Numbers are",
+        "benchmarks, not tests: rerun the script on your machine.",
+        "",
+        "## Machine and method",
+        "",
+        f"- CPU: {started['cpu']}, {started['cores']} cores, {started['memory_gb']} GB memory; Python {started['python']}",
+        f"- onnxruntime {versions['onnxruntime']}, torch {versions['torch']}, numpy {versions['numpy']}, "
+        f"performer-pytorch {versions['performer-pytorch'] or 'not installed'}, "
+        f"pytorch-fast-transformers {versions['pytorch-fast-transformers'] or 'not installed'}",
+        f"- load average (1, 5, 15 min) at start {started['load_average']}, at end {ended['load_average']}: "
+        + ("the machine was otherwise idle." if idle else "the machine was NOT idle (shared with other work); timings are noisy."),
+        f"- fp32, batch 1, {config.threads} intra-op threads (onnxruntime and torch alike); median of {config.repeats} runs "
+        f"after {config.warmup} warm-up; each (model, N) in a fresh process; memory = that process's peak resident set "
+        "(VmHWM), interpreter and weights included; a series stops at its first run over "
+        f"{config.budget_seconds:g} s or {config.budget_gb:g} GB.",
+        f"- methods as registered: {', '.join(passes.PASSES)}; options: "
+        + ", ".join(f"{m} {method_options(m, config.lengths)}" for m in passes.PASSES if method_options(m, config.lengths)),
+        "",
+    ]
+    if refused:
+        out += ["Not measured (the method refused the model):", ""] + [f"- {k}: {v}" for k, v in refused.items()] + [""]
+    unavailable = {p: why for p, why in peers.items() if why}
+    if unavailable:
+        out += ["Peers not measured:", ""] + [f"- {PEER_LABELS[p]}: {why}" for p, why in unavailable.items()] + [""]
+    out += ["## Targets", "", _table(["target", "measured", "result"], [
+        [t.text, t.measured, {True: "**reached**", False: "**missed**", None: "not measured"}[t.reached]] for t in targets
+    ], numeric=False), ""]
+    out += [
+        "## One BERT-base encoder layer (d = 768, 12 heads, FFN 3072, with projections)", "",
+        "Hidden states [1, N, 768] in and out. `identity bound`: every attention replaced by its values v,",
+        "spliced like a real replacement: the fastest any attention replacement can be.", "",
+        section_tables(layer, "softmax"),
+        "## Attention only, q, k, v of [1, 12, N, 64]", "",
+        "No projections: these rows compare attention implementations, not layers. Ours are ONNX",
+        "graphs on onnxruntime; the peers are torch modules (torch SDPA is exact softmax attention).", "",
+        section_tables(attention, "softmax"),
+    ]
+    if stack:
+        rows = []
+        for key in ("hydra", "softmax"):
+            m = stack[key]
+            median = f"{m['median_s']:.2f} s" if m["median_s"] else "-"
+            rows.append([key, m["status"].replace("_", " "), median, f"{(m['peak_rss_bytes'] or 0) / 2**30:.2f}", m["detail"] or ""])
+        out += [f"## 6-layer, 384-wide encoder at N = {STACK_N}", "",
+                f"Budget {STACK_BUDGET_GB:g} GB (the process is killed past it).", "",
+                _table(["model", "status", "median", "peak GB", "detail"], rows, numeric=False), ""]
+    if profiles:
+        out += ["## Profiles of missed targets", "", "onnxruntime's profiler, kernel time per run by op type (top 8).", ""]
+        for (key, n, where), rows in profiles.items():
+            out += [f"### {key} at N = {n} ({where})", ""]
+            out += [_table(["op", "ms per run", "share"], [[op, f"{ms:.1f}", f"{share:.0%}"] for op, ms, share in rows[:8]]) if rows else "profile failed", ""]
+    out += ["## Analysis", "", analysis or f"{ANALYSIS_START}\n(to be written after a full run)\n{ANALYSIS_END}", ""]
+    out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
