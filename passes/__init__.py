@@ -19,9 +19,9 @@ import dataclasses
 import types
 import typing
 
-from passes import hydra, linear
+from passes import favor, hydra, linear
 
-_METHODS = (linear, hydra)
+_METHODS = (linear, hydra, favor)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 
 

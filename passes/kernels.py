@@ -8,12 +8,18 @@ of the O(N*F*Dv) of a per-position prefix sum.
 
 from __future__ import annotations
 
+import onnx
 from onnxscript import script
 
 from passes._onnx import ATTNREWRITE, standard_opset
 from passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
+# "No key yet" in running maxima of log scales: finite, so differences of two stay NaN-free
+# (-inf - -inf is NaN) while exp of any difference with a real scale is still 0.
+LOWEST_LOG_SCALE = -3.0e38
+
+BOOL = onnx.TensorProto.BOOL
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -43,6 +49,58 @@ def causal_linear_attention(phi_q, phi_k, v, chunk: int, eps: float = DENOMINATO
     scores = torch.tril(q4 @ k4t)
     numerator = q4 @ state + scores @ v4
     denominator = (q4 * key_sum).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
+    out = (numerator / (denominator + eps)).reshape(-1, chunks * chunk, dv)[:, :n]
+    return out.reshape(*lead, n, dv)
+
+
+def causal_rescaled_linear_attention(
+    phi_q, phi_k, key_log_scale, v, chunk: int, eps: float = DENOMINATOR_EPS
+):
+    """Causal kernel attention whose key j has features phi_k[j] * exp(key_log_scale[j]).
+
+    exp(key_log_scale) may lie far outside the float range (FAVOR+ stabilizes each key by its own
+    max), so no key is ever multiplied by it. Query i weighs key j <= i by
+    exp(key_log_scale[j] - r[i]) <= 1, with r[i] the running max of key_log_scale over keys
+    0..i: the dropped factor exp(r[i]) is one constant for every term of row i's numerator and
+    denominator, so it cancels exactly, and r[i] reads no key after i. Across chunks the carried
+    state is re-referenced from one chunk's running max to the next with a (chunks x chunks)
+    lower-triangular matrix of factors <= 1 (no CumSum can rescale), so compute grows as
+    (N/chunk)^2 * F * Dv for that part; memory stays that of causal_linear_attention.
+    Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE (they must not raise r).
+    """
+    *lead, n, f = phi_q.shape
+    dv = v.shape[-1]
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n
+
+    def blocks(x, fill=0.0):
+        x = torch.nn.functional.pad(x.reshape(-1, n, x.shape[-1]), (0, 0, 0, pad), value=fill)
+        return x.reshape(x.shape[0], chunks, chunk, x.shape[-1])
+
+    q4, k4, v4 = blocks(phi_q), blocks(phi_k), blocks(v)
+    s = blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]  # [G, chunks, chunk]
+    seen = torch.cummax(s, dim=-1).values  # running max inside each chunk
+    upto = torch.cummax(seen[..., -1], dim=-1).values  # through the end of each chunk
+    before = torch.cat([torch.full_like(upto[:, :1], LOWEST_LOG_SCALE), upto[:, :-1]], dim=1)
+    ref = torch.maximum(seen, before.unsqueeze(-1))  # r[i]
+    # Inside a chunk: (q_i . k_j) exp(s_j - r_i), j <= i; above the diagonal the clamp only keeps
+    # exp finite before tril drops those entries.
+    decay = torch.exp(torch.clamp_max(s.unsqueeze(-2) - ref.unsqueeze(-1), 0.0))
+    scores = torch.tril((q4 @ k4.transpose(-2, -1)) * decay)
+    # Each chunk's keys relative to its own end-of-chunk max, then moved to each later chunk's
+    # starting max: exp(upto[c'] - before[c]) <= 1 for c' < c.
+    k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
+    kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
+    carry = torch.tril(
+        torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1
+    )
+    state = (carry @ kv.flatten(2)).reshape(kv.shape)
+    key_sum = carry @ k_rel.sum(dim=2)  # [G, chunks, F]
+    into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)  # from before[c] to r[i], <= 1
+    numerator = into * (q4 @ state) + scores @ v4
+    denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(
+        -1, keepdim=True
+    )
     out = (numerator / (denominator + eps)).reshape(-1, chunks * chunk, dv)[:, :n]
     return out.reshape(*lead, n, dv)
 
@@ -111,3 +169,72 @@ def causal_linear_attention_function(opset_version: int, chunk: int, eps: float 
         return op.Slice(out, zero, n, op.Constant(value_ints=[1]))
 
     return CausalKernelAttention
+
+
+def causal_rescaled_linear_attention_functions(
+    opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS
+):
+    """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RunningMax(x, lower):
+        # ONNX has no CumMax: max over a lower-triangular mask of the last axis ([..., L] x [L, L]).
+        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
+        masked = op.Where(lower, op.Unsqueeze(x, op.Constant(value_ints=[-2])), lowest)
+        return op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LowerTriangle(size):
+        ones = op.Expand(op.Constant(value_float=1.0), op.Concat(size, size, axis=0))
+        return op.Cast(op.Trilu(ones, upper=0), to=BOOL)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalRescaledKernelAttention(phi_q, phi_k, key_log_scale, v):
+        # phi_q, phi_k [G, N, F], key_log_scale [G, N, 1], v [G, N, Dv].
+        n = op.Shape(v, start=1, end=2)
+        f = op.Shape(phi_q, start=2)
+        dv = op.Shape(v, start=2)
+        c = op.Constant(value_ints=[chunk])
+        zero = op.Constant(value_ints=[0])
+        one = op.Constant(value_ints=[1])
+        minus_one = op.Constant(value_ints=[-1])
+        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
+        no_more = op.Constant(value_float=0.0)
+        chunks = op.Div(n + c - one, c)
+        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
+        q4 = op.Reshape(op.Pad(phi_q, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
+        s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
+        seen = RunningMax(s, LowerTriangle(c))
+        upto = RunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2), LowerTriangle(chunks))
+        before = op.Pad(
+            op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest
+        )
+        ref = op.Max(seen, op.Unsqueeze(before, minus_one))
+        pairs = op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one)
+        decay = op.Exp(op.Min(pairs, no_more))
+        k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
+        scores = op.Trilu(op.MatMul(q4, k4t) * decay, upper=0)
+        k_rel = k4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(upto, minus_one)), minus_one)
+        kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
+        moves = op.Unsqueeze(upto, one) - op.Unsqueeze(before, op.Constant(value_ints=[2]))
+        carry = op.Trilu(op.Exp(op.Min(moves, no_more)), op.Constant(value_int=-1), upper=0)
+        flat_kv = op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))
+        state = op.Reshape(op.MatMul(carry, flat_kv), op.Shape(kv))
+        key_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        into = op.Unsqueeze(op.Exp(op.Unsqueeze(before, minus_one) - ref), minus_one)
+        last_axis = op.Constant(value_ints=[3])
+        numerator = into * op.MatMul(q4, state) + op.MatMul(scores, v4)
+        denominator = into * op.ReduceSum(
+            q4 * op.Unsqueeze(key_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
+        ) + op.ReduceSum(scores, last_axis, keepdims=1)
+        out = op.Reshape(
+            numerator / (denominator + op.Constant(value_float=eps)),
+            op.Concat(minus_one, chunks * c, dv, axis=0),
+        )
+        return op.Slice(out, zero, n, one)
+
+    return [RunningMax, LowerTriangle, CausalRescaledKernelAttention]
+

@@ -1,0 +1,294 @@
+"""FAVOR+: positive orthogonal random features (Choromanski et al., "Rethinking Attention with
+Performers", ICLR 2021).
+
+softmax(scale * q k^T) weighs key j for query i by SM(x_i, y_j) = exp(x_i . y_j) with
+x = q * scale^(1/2) and y = k * scale^(1/2). For rows w_l of W ~ N(0, I_d),
+E[exp(w.x - |x|^2/2) exp(w.y - |y|^2/2)] = exp(x.y), so phi(x) = exp(W x - |x|^2/2) / sqrt(m)
+estimates SM without bias and with positive features only (no cancellation where SM is small,
+unlike sin/cos features). The ``hyperbolic`` variant uses exp(+w.x) and exp(-w.x) halves.
+Attention is then phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j)): O(N * m * d).
+
+W is drawn once, at rewrite time, from ``numpy.random.default_rng(seed)``: rows orthogonal in
+blocks of d (QR of a Gaussian, Haar-distributed), row lengths chi(d)-distributed like a
+Gaussian's (or fixed at sqrt(d): the regularized kernel). It is an initializer / a buffer and is
+never redrawn.
+
+Stabilizers (exp(w.x - |x|^2/2) overflows or underflows for large inputs): output row i is
+num_i / den_i with num_i = sum_j (phi(x_i).phi(y_j)) v_j and den_i the same sum without v_j.
+Dividing phi(x_i) by any constant of row i divides both sums by it, so it cancels: queries use
+their own max over features (of the whole exponent w.x - |x|^2/2, so each row's largest feature
+is exactly 1/sqrt(m): nothing overflows and never all of a row underflows). A key constant cancels
+only if it is the same for every key in row i's sum; a per-key max would reweigh the keys.
+Bidirectional sites use one max over all kept keys and features of a head. Causal sites divide
+each key by its own max (which reads nothing after it) and hand that max to the kernel as the
+key's log scale; the kernel weighs key j in row i by exp(its max - r_i), r_i the running max over
+keys 0..i (kernels.causal_rescaled_linear_attention): exp(r_i) is one constant for row i, so it
+cancels, and r_i never looks at the future. All of this runs in float32, whatever the model's
+dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from onnxscript import script
+
+from attnrewrite.site import AttentionSite
+from passes import kernels
+from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from passes._torch import Module, torch
+
+NAME = "favor"
+VARIANTS = ("positive", "hyperbolic")
+NORMS = ("chi", "fixed")
+# Only keeps rows whose keys are all masked at 0 rather than 0/0. Stabilized denominators are in
+# units of exp(-stabilizers) and can be legitimately tiny, so kernels.DENOMINATOR_EPS (1e-6) would
+# bias them; 1e-30 is still a normal float32, and a denominator near it has underflowed anyway.
+EPS = 1e-30
+LOWEST = kernels.LOWEST_LOG_SCALE
+
+
+@dataclasses.dataclass
+class Options:
+    features: int | None = None  # m random features; None: round(d ln d) for head_dim d
+    seed: int = 0  # numpy default_rng seed W is drawn from
+    variant: str = "positive"  # "positive": exp(w.x); "hyperbolic": exp(+w.x), exp(-w.x) halves
+    orthogonal: bool = True  # rows orthogonal in blocks of d; False: independent rows
+    norms: str = "chi"  # row lengths: "chi" (as a Gaussian's) or "fixed" at sqrt(d)
+    chunk: int = 64  # causal prefix-sum block length
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"favor variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.norms not in NORMS:
+            raise ValueError(f"favor norms must be one of {NORMS}, got {self.norms!r}")
+        if self.features is not None and self.features < 1:
+            raise ValueError(f"favor features must be >= 1, got {self.features}")
+        if self.chunk < 1:
+            raise ValueError(f"favor chunk must be >= 1, got {self.chunk}")
+
+
+def supports(site: AttentionSite, options: Options) -> str | None:
+    if site.mask is site.mask.BIAS:
+        return "an additive attention bias cannot be expressed by a kernel feature map"
+    if not site.scale > 0:
+        return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
+    if site.head_dim is None:
+        return "the head dimension is unknown, and W [features, head_dim] is drawn at rewrite time"
+    return None
+
+
+# --- random features -------------------------------------------------------------------------
+
+
+def default_features(head_dim: int) -> int:
+    """The paper's O(d log d) features: enough for the estimator, few enough to stay cheap."""
+    return max(1, round(head_dim * math.log(head_dim)))
+
+
+def draw_projection(
+    head_dim: int, features: int, seed: int, orthogonal: bool = True, norms: str = "chi"
+) -> np.ndarray:
+    """W [features, head_dim] float32; the same arguments give the same bytes."""
+    rng = np.random.default_rng(seed)
+    if orthogonal:
+        blocks = [_haar_orthogonal(rng, head_dim) for _ in range(-(-features // head_dim))]
+        directions = np.concatenate(blocks)[:features]
+    else:
+        gaussian = rng.standard_normal((features, head_dim))
+        directions = gaussian / np.linalg.norm(gaussian, axis=1, keepdims=True)
+    if norms == "chi":
+        # Direction and length of a Gaussian vector are independent, so unit rows times chi(d)
+        # lengths keep every row's marginal N(0, I_d): the estimator stays unbiased.
+        lengths = np.sqrt(rng.chisquare(head_dim, size=features))
+    else:
+        lengths = np.full(features, math.sqrt(head_dim))
+    return (directions * lengths[:, None]).astype(np.float32)
+
+
+def _haar_orthogonal(rng: np.random.Generator, d: int) -> np.ndarray:
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    # QR leaves each column's sign to LAPACK; fixing it by R's diagonal makes Q Haar-distributed.
+    return q * np.sign(np.diag(r))
+
+
+def projection_for(site: AttentionSite, options: Options) -> np.ndarray:
+    features = options.features or default_features(site.head_dim)
+    return draw_projection(site.head_dim, features, options.seed, options.orthogonal, options.norms)
+
+
+def feature_count(projection: np.ndarray, variant: str) -> int:
+    """Features per token: m, or 2m for the hyperbolic variant's two halves."""
+    return projection.shape[0] * (2 if variant == "hyperbolic" else 1)
+
+
+# --- torch -----------------------------------------------------------------------------------
+
+
+def log_features(x, projection, hyperbolic: bool = False):
+    """log phi(x) + log sqrt(m): w.x - |x|^2/2 per feature, before any stabilizer."""
+    wx = x @ projection.transpose(0, 1)
+    if hyperbolic:
+        wx = torch.cat([wx, -wx], dim=-1)
+    return wx - x.square().sum(dim=-1, keepdim=True) / 2
+
+
+def query_features(log_phi, norm: float):
+    # Row max: a constant of the query row, it cancels between numerator and denominator.
+    return torch.exp(log_phi - log_phi.amax(dim=-1, keepdim=True)) * norm
+
+
+def key_features(log_phi, key_keep, norm: float):
+    """Bidirectional: one max over the head's kept keys and features, shared by every key."""
+    kept = log_phi if key_keep is None else torch.where(key_keep > 0, log_phi, LOWEST)
+    head_max = kept.amax(dim=(-2, -1), keepdim=True)
+    # Kept entries are <= head_max already; the clamp only keeps padded keys' exp finite.
+    phi = torch.exp(torch.clamp_max(log_phi - head_max, 0.0)) * norm
+    return phi if key_keep is None else phi * key_keep
+
+
+def causal_key_features(log_phi, key_keep, norm: float):
+    """Causal: each key over its own max, plus that max as the key's log scale for the kernel."""
+    row_max = log_phi.amax(dim=-1, keepdim=True)
+    phi = torch.exp(log_phi - row_max) * norm
+    if key_keep is None:
+        return phi, row_max
+    # A padded key leaves the sums and must not raise the running max either.
+    return phi * key_keep, torch.where(key_keep > 0, row_max, LOWEST)
+
+
+class FavorAttention(Module):
+    def __init__(self, projection, scale: float, causal: bool, chunk: int, variant: str):
+        super().__init__()
+        self.register_buffer("projection", projection)  # fixed at rewrite time, saved with it
+        self.root_scale = math.sqrt(scale)
+        self.causal = causal
+        self.chunk = chunk
+        self.variant = variant
+        self.norm = 1 / math.sqrt(feature_count(projection, variant))
+
+    def forward(self, q, k, v, key_keep=None):
+        w = self.projection.float()  # stays float32 even if the module was .half()-ed
+        hyperbolic = self.variant == "hyperbolic"
+        keep = None if key_keep is None else key_keep.float()
+        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
+        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        phi_q = query_features(log_q, self.norm)
+        if self.causal:
+            phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
+            out = kernels.causal_rescaled_linear_attention(
+                phi_q, phi_k, log_scale, v.float(), self.chunk, EPS
+            )
+        else:
+            phi_k = key_features(log_k, keep, self.norm)
+            out = kernels.linear_attention(phi_q, phi_k, v.float(), EPS)
+        return out.to(v.dtype)
+
+    def extra_repr(self) -> str:
+        m, d = self.projection.shape
+        return (
+            f"features={m}, head_dim={d}, variant={self.variant}, causal={self.causal}, "
+            f"chunk={self.chunk}"
+        )
+
+
+def torch_module(site: AttentionSite, options: Options) -> FavorAttention:
+    projection = torch.from_numpy(projection_for(site, options))
+    return FavorAttention(projection, site.scale, site.mask.causal, options.chunk, options.variant)
+
+
+# --- ONNX ------------------------------------------------------------------------------------
+
+
+def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+    op = standard_opset(opset_version)
+    projection = projection_for(site, options)
+    root_scale = math.sqrt(site.scale)
+    norm = 1 / math.sqrt(feature_count(projection, options.variant))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PositiveLogFeatures(x, projection):
+        wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
+        half_square = op.ReduceSumSquare(x, op.Constant(value_ints=[-1]), keepdims=1)
+        return wx - half_square * op.Constant(value_float=0.5)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HyperbolicLogFeatures(x, projection):
+        wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
+        half_square = op.ReduceSumSquare(x, op.Constant(value_ints=[-1]), keepdims=1)
+        return op.Concat(wx, op.Neg(wx), axis=-1) - half_square * op.Constant(value_float=0.5)
+
+    hyperbolic = options.variant == "hyperbolic"
+    log_features_fn = HyperbolicLogFeatures if hyperbolic else PositiveLogFeatures
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorQueryFeatures(log_phi):
+        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
+        return op.Exp(log_phi - row_max) * op.Constant(value_float=norm)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorKeyFeatures(log_phi, keep):
+        kept = op.Greater(keep, op.Constant(value_float=0.0))
+        lowest = op.Constant(value_float=LOWEST)
+        head_max = op.ReduceMax(
+            op.Where(kept, log_phi, lowest), op.Constant(value_ints=[-2, -1]), keepdims=1
+        )
+        stabilized = op.Min(log_phi - head_max, op.Constant(value_float=0.0))
+        return op.Exp(stabilized) * op.Constant(value_float=norm) * keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorCausalKeyFeatures(log_phi, keep):
+        kept = op.Greater(keep, op.Constant(value_float=0.0))
+        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
+        phi = op.Exp(log_phi - row_max) * op.Constant(value_float=norm) * keep
+        log_scale = op.Where(kept, row_max, op.Constant(value_float=LOWEST))
+        return phi, log_scale
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorFeatures(q, k, projection):
+        # Both in float32; scale^(1/2) on each side so that x.y are the original logits.
+        w = op.Cast(projection, to=FLOAT)
+        root = op.Constant(value_float=root_scale)
+        log_q = log_features_fn(op.Cast(q, to=FLOAT) * root, w)
+        log_k = log_features_fn(op.Cast(k, to=FLOAT) * root, w)
+        return FavorQueryFeatures(log_q), log_k
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FlattenHeads(x):
+        # [..., N, F] -> [G, N, F]: the kernels are written for rank 3.
+        return op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-2), axis=0))
+
+    if site.mask.causal:
+        *kernel_helpers, kernel = kernels.causal_rescaled_linear_attention_functions(
+            opset_version, options.chunk, EPS
+        )
+
+        @script(ATTNREWRITE, default_opset=op)
+        def CausalFavor(q, k, v, key_keep, projection):
+            phi_q, log_k = FavorFeatures(q, k, projection)
+            phi_k, log_scale = FavorCausalKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
+            v_rows = FlattenHeads(op.Cast(v, to=FLOAT))
+            out = kernel(FlattenHeads(phi_q), FlattenHeads(phi_k), FlattenHeads(log_scale), v_rows)
+            out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+            return op.CastLike(op.Reshape(out, out_shape), v)
+
+        key_fn, entry = FavorCausalKeyFeatures, CausalFavor
+    else:
+        kernel_helpers, kernel = [], kernels.linear_attention_function(opset_version, EPS)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def Favor(q, k, v, key_keep, projection):
+            phi_q, log_k = FavorFeatures(q, k, projection)
+            phi_k = FavorKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
+            v_rows = FlattenHeads(op.Cast(v, to=FLOAT))
+            out = kernel(FlattenHeads(phi_q), FlattenHeads(phi_k), v_rows)
+            out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+            return op.CastLike(op.Reshape(out, out_shape), v)
+
+        key_fn, entry = FavorKeyFeatures, Favor
+
+    callees = [log_features_fn, FavorQueryFeatures, FavorFeatures, key_fn, FlattenHeads]
+    functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
+    return OnnxLowering(functions, constants={"projection": projection})
