@@ -42,7 +42,7 @@ class FxMatch:
     v: Node | None = None
     output: Node | None = None
     key_padding: list[MaskUse] = dataclasses.field(default_factory=list)
-    # softmax .. output: erased once unused even where torch calls them impure (dropout)
+    # softmax .. output: erased once unused even where torch calls them impure (dropout, SDPA)
     probability_path: list[Node] = dataclasses.field(default_factory=list)
     # module sites: the nn.MultiheadAttention at attention_path is swapped, the graph unchanged
     attention_path: str | None = None
@@ -485,7 +485,9 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
     scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
     enable_gqa = node.kwargs.get("enable_gqa", False)
 
-    match = FxMatch(_new_site(facts, node, "scaled_dot_product_attention"), q=q, k=k, v=v, output=node)
+    match = FxMatch(
+        _new_site(facts, node, "scaled_dot_product_attention"), q=q, k=k, v=v, output=node, probability_path=[node]
+    )
     site = match.site
     k_shape = facts.shape(k)
     _fill_shapes(facts, site, q, k_shape, v)

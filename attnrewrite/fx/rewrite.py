@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import operator
 import types
 from typing import Any
@@ -47,6 +48,8 @@ def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphMod
 
 
 def _trace(model: nn.Module, example_inputs: tuple | None) -> GraphModule:
+    if torch.fx.Tracer().is_leaf_module(model, ""):
+        return _call_of_leaf(model)
     try:
         return torch.fx.symbolic_trace(copy.deepcopy(model))
     except Exception as error:  # noqa: BLE001 - symbolic_trace fails in many ways on dynamic code
@@ -56,6 +59,23 @@ def _trace(model: nn.Module, example_inputs: tuple | None) -> GraphModule:
                 "pass example_inputs=(...) to trace it with torch.export, or pass an ExportedProgram"
             ) from error
     return torch.export.export(copy.deepcopy(model), tuple(example_inputs)).module()
+
+
+def _call_of_leaf(model: nn.Module) -> GraphModule:
+    """A graph that calls a torch.nn module (nn.TransformerEncoder, ...) as ``module``:
+    symbolic_trace would try to trace its forward, which it cannot. The graph takes the
+    module's required arguments; optional ones (masks) keep their defaults."""
+    graph = torch.fx.Graph()
+    required = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+    ]
+    call = graph.call_module("module", tuple(graph.placeholder(name) for name in required))
+    graph.output(call)
+    root = nn.Module()
+    root.module = copy.deepcopy(model)
+    return GraphModule(root, graph, class_name=type(model).__name__)
 
 
 def _has_shapes(gm: GraphModule) -> bool:
