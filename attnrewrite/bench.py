@@ -406,7 +406,8 @@ def run_worker(argv: list[str], budget_bytes: int, budget_seconds: float, env: d
                 line.startswith("ready") for line in lines
             ):
                 quiet = time.monotonic() - last_sign[0]
-                verdict = {"status": "over_time", "times_s": [quiet], "detail": f"killed after {quiet:.0f} s in one run"}
+                verdict = {"status": "over_time", "times_s": [quiet], "peak_rss_bytes": peak,
+                           "detail": f"killed after {quiet:.0f} s in one run"}
             if verdict:
                 process.kill()
                 break
