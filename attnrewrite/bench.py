@@ -72,6 +72,14 @@ class BenchConfig:
     repeats: int = DEFAULT_REPEATS
     warmup: int = DEFAULT_WARMUP
 
+    def __post_init__(self):
+        if self.repeats < 1 or self.warmup < 0 or self.batch < 1 or self.budget_seconds <= 0:
+            raise AttnRewriteError("bench needs repeats >= 1, warmup >= 0, batch >= 1 and a positive time budget")
+        if self.budget_gb is not None and self.budget_gb <= 0:
+            raise AttnRewriteError("--budget-gb must be positive")
+        if not self.lengths or min(self.lengths) < 1:
+            raise AttnRewriteError("bench needs at least one positive length")
+
     @property
     def budget_bytes(self) -> int:
         gb = self.budget_gb if self.budget_gb is not None else 0.75 * physical_memory_bytes() / 2**30
@@ -127,12 +135,12 @@ class BenchResult:
             if n not in rewritten:
                 continue
             base = original.get(n)
-            if base is None or base.status != "ok":
-                if not (original_over_budget and (base is None or base.status != "failed")):
-                    continue  # the original failed for another reason: no comparison here
-                faster = True
-            else:
+            if base is not None and base.status == "ok":
                 faster = rewritten[n].median_s < base.median_s
+            elif original_over_budget and (base is None or base.status != "failed"):
+                faster = True  # the original ran out of budget by this length
+            else:
+                continue  # the original failed for another reason: nothing to compare
             answer = (answer or n) if faster else None
         return answer
 
@@ -199,7 +207,7 @@ def run(config: BenchConfig, progress=None) -> BenchResult:
     return BenchResult(config, measurements, stopped, sites, machine_description(config.threads))
 
 
-Runner = Callable[[int, Path], "Measurement"]
+Runner = Callable[[int, Path], Measurement]  # (N, inputs file) -> one measurement
 
 
 def sweep(
