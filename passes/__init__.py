@@ -19,9 +19,9 @@ import dataclasses
 import types
 import typing
 
-from passes import favor, hydra, linear
+from passes import favor, hydra, linear, linformer, lsh
 
-_METHODS = (linear, hydra, favor)
+_METHODS = (linear, hydra, favor, linformer, lsh)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 
 

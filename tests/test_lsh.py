@@ -1,0 +1,441 @@
+"""LSH attention: ONNX lowering == torch reference == the definition; exactness, masks, fidelity,
+and a sequence whose N x N attention matrix would not fit in memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, numpy_helper
+
+import attnrewrite
+from attnrewrite.record import METADATA_KEY
+from attnrewrite.site import AttentionSite, MaskKind
+from passes import get_pass, lsh, make_options
+
+SCALE = 0.3
+D, DV = 8, 6
+
+
+def onnx_session(lowering, rank: int, keep_rank=None):
+    """One attnrewrite node reading graph inputs q, k, v (rank ``rank``), key_keep (rank
+    ``keep_rank``, default ``rank``), every dim dynamic, and the lowering's constants as
+    initializers."""
+    names = list(lowering.constants)
+    node = helper.make_node(
+        lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
+    )
+
+    def value(name, rank=rank):
+        return helper.make_tensor_value_info(
+            name, onnx.TensorProto.FLOAT, [f"{name}{i}" for i in range(rank)]
+        )
+
+    graph = helper.make_graph(
+        [node],
+        "attention",
+        [value("q"), value("k"), value("v"), value("key_keep", keep_rank or rank)],
+        [value("out")],
+        initializer=[
+            numpy_helper.from_array(array, name) for name, array in lowering.constants.items()
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        functions=lowering.functions,
+        ir_version=10,
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)],
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def inputs(n: int, lead=(2, 3), nq=None, pad=True, seed=0):
+    rng = np.random.default_rng(seed)
+    nq = n if nq is None else nq
+    q = rng.standard_normal((*lead, nq, D)).astype(np.float32)
+    k = rng.standard_normal((*lead, n, D)).astype(np.float32)
+    v = rng.standard_normal((*lead, n, DV)).astype(np.float32)
+    keep = np.ones((lead[0], *[1] * (len(lead) - 1), n, 1), np.float32)
+    if pad:  # right padding of a different length per batch row, never every key
+        for b in range(lead[0]):
+            keep[b, ..., max(1, n - 1 - 3 * b) :, :] = 0.0
+    return q, k, v, keep
+
+
+def softmax_attention(q, k, v, keep, causal=False, scale=SCALE):
+    logits = scale * torch.as_tensor(q) @ torch.as_tensor(k).transpose(-2, -1)
+    hidden = torch.as_tensor(keep).transpose(-2, -1) == 0
+    if causal:
+        hidden = hidden | torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1)
+    return (
+        torch.softmax(logits.masked_fill(hidden, float("-inf")), -1) @ torch.as_tensor(v)
+    ).numpy()
+
+
+def run_torch(module, q, k, v, keep):
+    with torch.no_grad():
+        return module(
+            *(None if x is None else torch.from_numpy(x) for x in (q, k, v, keep))
+        ).numpy()
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def site(mask=MaskKind.KEY_PADDING, rank=4, head_dim=D, scale=SCALE):
+    return AttentionSite(
+        "layer0", scale=scale, mask=mask, rank=rank, head_dim=head_dim, value_dim=DV
+    )
+
+
+def lsh_by_definition(q, k, v, keep, rotations, n_buckets, chunk, causal, dedup, scale=SCALE):
+    """The keys each query sees per round, written out with loops over positions: sort by
+    (bucket, position, query first), chunks of 2*chunk items, own and previous chunk; padded
+    keys sort last; causal: keys at earlier positions plus the own one. Then a softmax over
+    the union of those keys (dedup), or over every (round, key) pair."""
+    nq, nk = len(q), len(k)
+    seen = [[] for _ in range(nq)]  # per query, the keys of every round
+    for r in range(rotations.shape[0]):
+
+        def bucket(x):
+            if n_buckets == 1:
+                return 0
+            rotated = x @ rotations[r]
+            return int(np.argmax(np.concatenate([rotated, -rotated])))
+
+        items = [(bucket(scale * q[i]), i, 0) for i in range(nq)]
+        items += [(bucket(k[j]) if keep[j] else n_buckets, j, 1) for j in range(nk)]
+        chunk_of = {
+            (pos, kind): rank // (2 * chunk) for rank, (_, pos, kind) in enumerate(sorted(items))
+        }
+        for i in range(nq):
+            for j in range(nk):
+                window = chunk_of[(i, 0)] - chunk_of[(j, 1)] in (0, 1)
+                if keep[j] and (window and (not causal or j < i) or causal and j == i):
+                    seen[i].append(j)
+    out = np.zeros((nq, v.shape[-1]))
+    for i, keys in enumerate(seen):
+        keys = sorted(set(keys)) if dedup else keys
+        if keys:
+            logits = scale * k[keys] @ q[i]
+            weights = np.exp(logits - logits.max())
+            out[i] = weights @ v[keys] / weights.sum()
+    return out
+
+
+MASKS = [MaskKind.NONE, MaskKind.KEY_PADDING, MaskKind.CAUSAL, MaskKind.CAUSAL_KEY_PADDING]
+CONFIGS = [
+    (1, 1, 64, False),
+    (8, 3, 4, False),
+    (4, 2, 5, True),
+]  # n_buckets, n_hashes, chunk, dedup
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_onnx_matches_torch_for_every_length(mask, config):
+    n_buckets, n_hashes, chunk, dedup = config
+    options = lsh.Options(n_buckets=n_buckets, n_hashes=n_hashes, chunk=chunk, dedup=dedup, seed=1)
+    s = site(mask)
+    session = onnx_session(lsh.onnx_lowering(s, options, 20), 4)
+    module = lsh.torch_module(s, options)
+    for n in (1, 9, 33):  # below, at odd multiples of, and not dividing the chunk
+        nq = n if mask.causal else n + 2  # non-causal: queries and keys may differ in number
+        q, k, v, keep = inputs(n, nq=nq, pad=mask.key_padding, seed=n)
+        out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+        assert out.shape == (2, 3, nq, DV)
+        assert rel_err(out, run_torch(module, q, k, v, keep)) < 1e-5, n
+
+
+def test_onnx_runs_rank_3_with_a_keep_all_tensor():
+    options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
+    s = site(MaskKind.CAUSAL, rank=3)
+    session = onnx_session(lsh.onnx_lowering(s, options, 20), 3, keep_rank=2)
+    q, k, v, _ = inputs(21, lead=(5,), pad=False)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
+    assert rel_err(out, run_torch(lsh.torch_module(s, options), q, k, v, None)) < 1e-5
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
+@pytest.mark.parametrize("n_hashes, dedup", [(1, False), (3, False), (3, True)])
+def test_one_bucket_and_one_chunk_is_softmax_attention(mask, n_hashes, dedup):
+    # Everything in one chunk: nothing missed, nothing counted twice within a round (the first
+    # chunk has no previous chunk); across identical rounds, either counting gives the same.
+    n = 40
+    options = lsh.Options(n_buckets=1, n_hashes=n_hashes, chunk=n, dedup=dedup)
+    q, k, v, keep = inputs(n, pad=mask.key_padding)
+    expected = softmax_attention(q, k, v, keep, causal=mask.causal)
+    assert rel_err(run_torch(lsh.torch_module(site(mask), options), q, k, v, keep), expected) < 1e-5
+    session = onnx_session(lsh.onnx_lowering(site(mask), options, 20), 4)
+    assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-5
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
+@pytest.mark.parametrize("dedup", [False, True])
+def test_matches_the_definition_written_with_loops(mask, dedup):
+    options = lsh.Options(n_buckets=4, n_hashes=3, chunk=3, dedup=dedup, seed=2)
+    q, k, v, keep = inputs(19, lead=(1, 1), pad=mask.key_padding, seed=3)
+    out = run_torch(lsh.torch_module(site(mask), options), q, k, v, keep)[0, 0]
+    one_head = (q[0, 0], k[0, 0], v[0, 0], keep[0, 0, :, 0], lsh.rotations(options, D), 4, 3)
+    assert rel_err(out, lsh_by_definition(*one_head, mask.causal, dedup)) < 1e-5
+    # Neither trivially exact nor blind to the counting:
+    assert rel_err(out, softmax_attention(q, k, v, keep, mask.causal)[0, 0]) > 1e-2
+    assert rel_err(out, lsh_by_definition(*one_head, mask.causal, not dedup)) > 1e-3
+
+
+def clustered(n, clusters, seed, query_clusters=None):
+    """Queries and keys near a few directions (separate noise, separate norms), values near a
+    per-cluster vector: attention should stay within a cluster."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 32
+    centers = torch.nn.functional.normalize(torch.randn(clusters, dim, generator=g), dim=-1)
+    cluster_values = torch.randn(clusters, DV, generator=g)
+    of_key = torch.randint(clusters, (n,), generator=g)
+    of_query = torch.randint(query_clusters or clusters, (n,), generator=g)
+    q = 4 * (centers[of_query] + 0.15 * torch.randn(n, dim, generator=g))
+    k = 3 * (centers[of_key] + 0.15 * torch.randn(n, dim, generator=g))
+    v = cluster_values[of_key] + 0.3 * torch.randn(n, DV, generator=g)
+    return q[None], k[None], v[None], of_key, cluster_values
+
+
+def test_error_on_clustered_inputs_falls_with_more_hashes():
+    q, k, v, _, _ = clustered(512, 8, seed=0)
+    s = site(MaskKind.NONE, rank=3, head_dim=32, scale=1.0)
+    expected = torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+    errors = []
+    for n_hashes in (1, 2, 4, 8):
+        trials = [
+            lsh.torch_module(s, lsh.Options(n_buckets=16, n_hashes=n_hashes, chunk=16, seed=seed))(
+                q, k, v
+            )
+            for seed in range(3)
+        ]
+        errors.append(np.mean([float((out - expected).norm() / expected.norm()) for out in trials]))
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.5 * errors[0], errors
+
+
+def test_queries_find_keys_of_their_bucket_when_queries_and_keys_differ():
+    # All queries come from cluster 0, keys from 4 clusters: cluster 0's buckets hold 4x more
+    # queries than keys. Sorting queries and keys separately would pair most queries with other
+    # clusters' keys; the joint sort keeps them next to their own cluster's keys.
+    q, k, v, of_key, cluster_values = clustered(256, 4, seed=1, query_clusters=1)
+    v = torch.nn.functional.one_hot(of_key, 4).float()[None]  # output = attention mass per cluster
+    s = site(MaskKind.NONE, rank=3, head_dim=32, scale=1.0)
+    out = lsh.torch_module(s, lsh.Options(n_buckets=8, n_hashes=2, chunk=16))(q, k, v)
+    exact = torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+    assert exact[0, :, 0].min() > 0.95
+    # (Sorting separately, measured on this input: worst query 0.0, mean 0.92.)
+    assert out[0, :, 0].min() > 0.85 and out[0, :, 0].mean() > 0.99, out[0, :, 0]
+
+
+def test_hash_depends_on_direction_only():
+    options = lsh.Options(n_buckets=8, n_hashes=2)
+    rotations = torch.from_numpy(lsh.rotations(options, D))
+    x = torch.randn(1, 50, D)
+    scales = torch.rand(1, 50, 1) * 10 + 0.1
+    assert torch.equal(
+        lsh.hash_buckets(x, rotations, 8), lsh.hash_buckets(x * scales, rotations, 8)
+    )
+    assert not torch.equal(lsh.hash_buckets(x, rotations, 8), lsh.hash_buckets(-x, rotations, 8))
+
+
+def test_padded_keys_do_not_contribute():
+    options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
+    session = onnx_session(lsh.onnx_lowering(site(), options, 20), 4)
+    q, k, v, keep = inputs(30)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+    garbage = np.random.default_rng(1).standard_normal(k.shape).astype(np.float32) * 100
+    k2 = np.where(keep == 0, garbage, k)
+    v2 = np.where(keep[..., :1] == 0, garbage[..., :DV], v)
+    assert np.array_equal(session.run(None, dict(q=q, k=k2, v=v2, key_keep=keep))[0], out)
+
+
+def test_causal_rows_ignore_later_values_and_the_first_row_is_exact():
+    options = lsh.Options(n_buckets=8, n_hashes=2, chunk=4)
+    session = onnx_session(lsh.onnx_lowering(site(MaskKind.CAUSAL), options, 20), 4)
+    q, k, v, keep = inputs(30, pad=False)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+    later = v.copy()
+    later[..., 15:, :] += 10.0  # keys (and so the sort) unchanged
+    changed = session.run(None, dict(q=q, k=k, v=later, key_keep=keep))[0]
+    assert np.array_equal(changed[..., :15, :], out[..., :15, :])
+    assert not np.allclose(changed[..., 15:, :], out[..., 15:, :])
+    np.testing.assert_allclose(out[..., 0, :], v[..., 0, :], rtol=1e-6)  # sees only itself
+
+
+def test_row_without_a_visible_key_is_zero_not_nan():
+    options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
+    session = onnx_session(lsh.onnx_lowering(site(), options, 20), 4)
+    q, k, v, keep = inputs(12)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.zeros_like(keep)))[0]
+    assert np.array_equal(out, np.zeros_like(out))
+
+
+@pytest.mark.slow
+def test_runs_where_the_attention_matrix_would_not_fit():
+    # N = 40000, one head of D = 16: softmax attention's N x N fp32 logits alone are 6.4 GB.
+    # Run in a fresh process so its peak memory is this op's alone.
+    script = textwrap.dedent(
+        """
+        import json, resource, sys, time
+        import numpy as np, onnxruntime as ort
+        sys.path.insert(0, sys.argv[1])
+        from test_lsh import onnx_session, site
+        from attnrewrite.site import MaskKind
+        from passes import lsh
+        n = 40000
+        options = lsh.Options(n_buckets=64, n_hashes=2, chunk=32)
+        lowering = lsh.onnx_lowering(site(MaskKind.CAUSAL, head_dim=16), options, 20)
+        session = onnx_session(lowering, 4, keep_rank=2)
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 1, n, 16)).astype(np.float32) for _ in range(3))
+        start = time.perf_counter()
+        out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
+        print(json.dumps({"seconds": time.perf_counter() - start, "shape": out.shape,
+                          "finite": bool(np.isfinite(out).all()),
+                          "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        """
+    )
+    tests_dir = __file__.rsplit("/", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-c", script, tests_dir], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["shape"] == [1, 1, 40000, 16] and result["finite"]
+    assert result["peak_mb"] < 2500, result  # the whole process, far below one N x N matrix
+
+
+def test_supports_and_options():
+    options = lsh.Options()
+    for mask in MASKS:
+        assert lsh.supports(site(mask), options) is None
+    assert "bias" in lsh.supports(site(MaskKind.BIAS), options)
+    assert "head dimension" in lsh.supports(site(head_dim=None), options)
+    assert get_pass("lsh") is lsh
+    parsed = make_options(lsh, n_buckets="16", n_hashes="2", chunk="32", seed="5")
+    assert (parsed.n_buckets, parsed.n_hashes, parsed.chunk, parsed.seed) == (16, 2, 32, 5)
+    with pytest.raises(ValueError, match="n_buckets"):
+        lsh.Options(n_buckets=3)
+
+
+def test_rotations_are_seeded_constants_shared_by_both_lowerings():
+    options = lsh.Options(n_buckets=8, n_hashes=3, seed=7)
+    lowering = lsh.onnx_lowering(site(), options, 20)
+    module = lsh.torch_module(site(), options)
+    assert lowering.constants["rotations"].shape == (3, D, 4)
+    assert np.array_equal(lowering.constants["rotations"], module.rotations.numpy())
+    assert not np.array_equal(
+        lowering.constants["rotations"],
+        lsh.rotations(lsh.Options(n_buckets=8, n_hashes=3, seed=8), D),
+    )
+    assert lowering.op_type == "LSHAttention"
+    assert lsh.onnx_lowering(site(MaskKind.CAUSAL), options, 20).op_type == "CausalLSHAttention"
+
+
+# --- whole models, through the ONNX frontend -------------------------------------------------
+
+SAMPLE_BERT = (
+    Path(__file__).resolve().parents[1] / "samples" / "tiny_bert.onnx"
+)  # 2 layers, 4 heads
+
+
+def text_feed(n: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((2, n), np.int64)
+    mask[1, n - 2 :] = 0  # the second row padded
+    return {"input_ids": rng.integers(0, vocab, (2, n)), "attention_mask": mask}
+
+
+def sites_of(model: onnx.ModelProto) -> list[dict]:
+    return json.loads({p.key: p.value for p in model.metadata_props}[METADATA_KEY])["sites"]
+
+
+def export_tiny_gpt2(path: Path) -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    feed = {name: torch.from_numpy(x) for name, x in text_feed(8, 100).items()}
+    dynamic = {0: "batch", 1: "sequence"}
+    torch.onnx.export(
+        LastHiddenState(GPT2Model(config).eval()),
+        (feed["input_ids"], feed["attention_mask"]),
+        path,
+        dynamo=False,
+        opset_version=18,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["out"],
+        dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "out": dynamic},
+    )
+
+
+def check_rewritten_model(original, vocab, op_type, exact_options, lengths=(5, 13, 40)):
+    """Approximate options rewrite every site and run; degenerate ones leave the model's
+    outputs as they were."""
+    before = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    approximate = attnrewrite.rewrite(original, to="lsh", n_buckets=4, n_hashes=2, chunk=4)
+    exact = attnrewrite.rewrite(original, to="lsh", **exact_options)
+    for model in (approximate, exact):
+        sites = sites_of(model)
+        assert len(sites) == 2 and all(
+            s["status"] == "rewritten" and s["replacement"] == op_type for s in sites
+        )
+    approximate = ort.InferenceSession(
+        approximate.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    exact = ort.InferenceSession(exact.SerializeToString(), providers=["CPUExecutionProvider"])
+    for n in lengths:
+        feed = text_feed(n, vocab, seed=n)
+        expected = before.run(None, feed)[0]
+        out = approximate.run(None, feed)[0]
+        assert out.shape == expected.shape and np.isfinite(out).all()
+        assert np.abs(exact.run(None, feed)[0] - expected).max() < 1e-5, n
+    assert np.abs(out - expected).max() > 1e-4  # at N = 40 the buckets do leave keys out
+
+
+def test_exported_bert_rewrites_and_runs():
+    check_rewritten_model(
+        onnx.load(SAMPLE_BERT),
+        1000,
+        "attnrewrite.LSHAttention",
+        dict(n_buckets=1, n_hashes=2, chunk=40),
+    )
+
+
+def test_exported_gpt2_rewrites_to_causal_lsh_and_runs(tmp_path):
+    export_tiny_gpt2(tmp_path / "gpt2.onnx")
+    original = onnx.load(tmp_path / "gpt2.onnx")
+    assert [s.mask for s in attnrewrite.find_sites(original)] == [MaskKind.CAUSAL_KEY_PADDING] * 2
+    check_rewritten_model(
+        original, 100, "attnrewrite.CausalLSHAttention", dict(n_buckets=1, n_hashes=1, chunk=40)
+    )
