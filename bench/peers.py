@@ -45,7 +45,7 @@ def fast_transformers(heads: int, head_dim: int, features: int):
         lengths = LengthMask(torch.full((batch,), n, dtype=torch.long), max_len=n)
         # the layout change is part of using this library on [batch, heads, N, dim] tensors
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        return attention(q, k, v, FullMask(n, n), lengths, lengths)
+        return attention(q, k, v, FullMask(n, n), lengths, lengths).transpose(1, 2)
 
     return run
 
