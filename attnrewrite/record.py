@@ -21,7 +21,8 @@ class SiteOutcome:
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.site.describe(),
-            "status": "rewritten" if self.rewritten else "skipped",
+            # a site left alone without a reason is one --list found and could rewrite
+            "status": "rewritten" if self.rewritten else "skipped" if self.reason else "rewritable",
             "reason": self.reason,
             "replacement": self.replacement,
         }

@@ -84,7 +84,7 @@ def _check_input_file(path: Path) -> None:
             f"{path}: is {info.st_size / 2**30:.1f} GiB; one ONNX protobuf cannot exceed 2 GiB "
             "(save the weights as external data)"
         )
-    if not os.access(path, os.R_OK):
+    if not _access(path, os.R_OK):
         raise AttnRewriteError(f"{path}: permission denied")
 
 
@@ -156,12 +156,28 @@ def _runtime_loads(ir_version: int) -> bool:
 
 
 def _check_with_onnx_checker(proto: onnx.ModelProto, path: Path, has_external: bool) -> None:
-    # The checker resolves external data against the model's folder only when given the path
-    # (given the proto it looks in the working directory); the locations are safe by now.
     try:
-        onnx.checker.check_model(str(path) if has_external else proto, full_check=True)
+        onnx.checker.check_model(_without_external_initializers(proto) if has_external else proto, full_check=True)
     except Exception as error:  # ValidationError, InferenceError, or anything the C++ side raises
         raise AttnRewriteError(f"{path}: fails the ONNX checker: {_short(error)}") from error
+
+
+def _without_external_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose external initializers are typed graph inputs instead: check_model given a
+    proto looks for external data in the working directory, and given the path it refuses
+    every symlink, even one inside the model's folder. check_external_data has checked the
+    files; the checker checks the graph."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    kept = []
+    for tensor in copy.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            copy.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            kept.append(tensor)
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    return copy
 
 
 # --- external data ---------------------------------------------------------------------------
@@ -373,8 +389,15 @@ def check_output_path(path: str | os.PathLike, model_path: str | os.PathLike, re
             raise AttnRewriteError(f"{path}: its external data file {data_file.name} would overwrite the input model's")
     if not _can_create_in(folder):
         raise AttnRewriteError(f"{path}: folder {folder} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
+    if path.exists() and not _access(path, os.W_OK):
         raise AttnRewriteError(f"{path}: not writable")
+
+
+def _access(path: Path, mode: int) -> bool:
+    """Whether this process (its effective ids, as for opening) may read or write `path`."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)
 
 
 def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:

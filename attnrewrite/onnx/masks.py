@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, OnnxSite, Unsupported
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.site import MaskKind
@@ -100,10 +101,14 @@ def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np
         ir.Model(sub, ir_version=model.ir_version, functions=list(model.functions.values()))
     )
     _inline_external_data(probe, sub)
+    # the CPU provider has no bfloat16 arithmetic (a bf16 model's mask is (1 - m) * min in bf16)
+    as_float32 = bfloat16.as_float32(probe)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
+    if as_float32:
+        feeds = {name: a.astype(np.float32) if a.dtype == bfloat16.ml_dtypes.bfloat16 else a for name, a in feeds.items()}
     outputs = session.run(None, feeds)
     return {id(v): out for v, out in zip(values, outputs)}
 

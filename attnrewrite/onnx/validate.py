@@ -9,6 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.errors import RewriteFailed
+from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.io import saved_copy
 
@@ -32,7 +33,7 @@ def validate_saved(path, graph: ir.Graph, seq: int = 16) -> list[np.ndarray]:
     except Exception as error:
         raise RewriteFailed(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
     try:
-        return session.run(None, generate_inputs(graph, seq=seq))
+        return bfloat16.run(session, generate_inputs(graph, seq=seq))
     except Exception as error:
         raise RewriteFailed(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
 
