@@ -419,3 +419,39 @@ def test_exported_gpt2_causal_sites_are_skipped_with_the_reason(tmp_path):
             AttentionSite("x", mask=MaskKind(s["mask"])), linformer.Options()
         )
     assert not any(node.domain == "attnrewrite" for node in model.graph.node)
+
+
+def exported_tiny_bert():
+    """(model, ExportedProgram) of a 2-layer eager BERT traced at batch 2, 24 tokens."""
+    from transformers import BertConfig, BertModel
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    model = LastHiddenState(BertModel(config, add_pooling_layer=False)).eval()
+    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100).values())
+    return model, torch.export.export(model, args)
+
+
+def test_fx_rewrite_of_bert():
+    model, program = exported_tiny_bert()
+    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100, seed=1).values())
+    with torch.no_grad():
+        expected = model(*args)
+        exact = attnrewrite.rewrite(program, to="linformer", proj_dim=24)  # N <= k
+        assert exact.meta["attnrewrite"]["sites_rewritten"] == 2
+        assert (exact(*args) - expected).abs().max() < 1e-5
+        learned = attnrewrite.rewrite(program, to="linformer", proj_dim=8, projection="learned")
+        assert (learned(*args) - expected).abs().max() > 1e-4
+    projections = [name for name, _ in learned.named_parameters() if name.endswith((".e", ".f"))]
+    assert len(projections) == 4  # E and F of both layers, trainable

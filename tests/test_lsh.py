@@ -439,3 +439,32 @@ def test_exported_gpt2_rewrites_to_causal_lsh_and_runs(tmp_path):
     check_rewritten_model(
         original, 100, "attnrewrite.CausalLSHAttention", dict(n_buckets=1, n_hashes=1, chunk=40)
     )
+
+
+def test_fx_rewrite_of_gpt2_with_one_bucket_keeps_outputs():
+    from transformers import GPT2Config, GPT2Model
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+        eos_token_id=0, attn_implementation="eager",
+    )  # fmt: skip
+    model = LastHiddenState(GPT2Model(config).eval())
+    trace_args = tuple(torch.from_numpy(x) for x in text_feed(24, 100).values())
+    program = torch.export.export(model, trace_args)
+    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100, seed=1).values())
+    with torch.no_grad():
+        expected = model(*args)
+        exact = attnrewrite.rewrite(program, to="lsh", n_buckets=1, n_hashes=2, chunk=24)
+        assert exact.meta["attnrewrite"]["sites_rewritten"] == 2
+        assert (exact(*args) - expected).abs().max() < 1e-5
+        bucketed = attnrewrite.rewrite(program, to="lsh", n_buckets=4, n_hashes=2, chunk=4)
+        assert (bucketed(*args) - expected).abs().max() > 1e-4
