@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_array, constant_scalar
 from attnrewrite.site import AttentionSite, MaskKind
+from passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
 
 # An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
 MASKED_BELOW = -1e3
@@ -47,6 +48,9 @@ class OnnxSite:
     masks: list[MaskTerm]
     nodes: list[ir.Node]
     causal_by_attribute: bool = False
+    # (queries, keys) when shape inference knows them: a model exported at a fixed sequence
+    # length keeps its masks at that length whatever length the mask probe asks for
+    static_lengths: tuple[int | None, int | None] = (None, None)
 
 
 class Unsupported(Exception):
@@ -55,13 +59,20 @@ class Unsupported(Exception):
 
 def find_onnx_sites(graph: ir.Graph) -> list[OnnxSite]:
     sites = []
+    layer = 0  # attention layers in graph order, counting those an earlier run replaced
     for node in graph:
+        if node.domain == REPLACEMENT_DOMAIN:
+            # keeps layer numbers (and so --layers) stable when a model is rewritten in steps
+            layer += 1
+            continue
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Softmax":
-            sites.append(_match_softmax(node, index=len(sites)))
+            sites.append(_match_softmax(node, index=layer))
+            layer += 1
         elif node.op_type == "Attention":
-            sites.append(_match_fused_attention(node, index=len(sites)))
+            sites.append(_match_fused_attention(node, index=layer))
+            layer += 1
     return sites
 
 
@@ -87,7 +98,8 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     _describe_shapes(site, q, v, softmax.inputs[0])
     nodes = [*walk.nodes, matmul, softmax, *forward_nodes]
     site.provenance = {"nodes": [n.name for n in nodes]}
-    return OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes)
+    lengths = _static_dims(softmax.inputs[0], -2, -1)
+    return OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes, static_lengths=lengths)
 
 
 def _check_softmax_axis(softmax: ir.Node) -> None:
@@ -192,8 +204,16 @@ def _strip_scalar_scale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value
             nodes.append(node)
             value = node.inputs[1]
             continue
+        if any(_is_scalar(v) for v in node.inputs):
+            # a scale computed at run time: taking the scaled tensor for q or k would silently
+            # change what every method that reads q and k (or the scale) computes
+            raise Unsupported(f"q or k^T is scaled by a scalar that is not a compile-time constant ({node.name!r})")
         break
     return value, scale
+
+
+def _is_scalar(value: ir.Value) -> bool:
+    return value.shape is not None and all(d == 1 for d in value.shape)
 
 
 def _forward_to_value_matmul(softmax: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node]]:
@@ -269,6 +289,7 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
         onnx_site.masks.append(MaskTerm(attn_mask, form))
     _describe_shapes(site, q, v, None)
     site.num_heads = _static(q.shape[1])  # the operator defines 4-D inputs as [B, H, N, D]
+    onnx_site.static_lengths = (_static_dims(q, -2)[0], _static_dims(k, -2)[0])
     if "scale" in attrs:
         site.scale = attrs["scale"].as_float()
     elif site.head_dim is not None:
@@ -306,6 +327,12 @@ def _static(dim) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
+def _static_dims(value: ir.Value, *axes: int) -> tuple[int | None, ...]:
+    if value.shape is None:
+        return (None,) * len(axes)
+    return tuple(_static(value.shape[axis]) for axis in axes)
+
+
 def _describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.Value | None) -> None:
     site.rank = _rank(q) or _rank(logits)
     if q.shape is not None:
@@ -315,7 +342,7 @@ def _describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.V
     if v.shape is not None:
         site.value_dim = _static(v.shape[-1])
     if q.dtype is not None:
-        site.dtype = q.dtype.name.lower()
+        site.dtype = q.dtype.numpy().name  # "float32", as AttentionSite spells dtypes
 
 
 def _heads_of_split_layout(q: ir.Value) -> int | None:

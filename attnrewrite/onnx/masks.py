@@ -59,7 +59,8 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
         term.rank = arrays[id(term.value)].ndim
         term_keep = keep_matrix(arrays[id(term.value)], term.form)
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
-    kind = classify_keep_matrix(keep, seq)
+    queries, keys = (static or seq for static in s.static_lengths)
+    kind = classify_keep_matrix(keep, queries, keys)
     if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
         kind = {MaskKind.NONE: MaskKind.CAUSAL, MaskKind.KEY_PADDING: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     return kind
@@ -75,16 +76,19 @@ def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
     return keep if form is MaskForm.KEEP_WHERE_TRUE else ~keep
 
 
-def classify_keep_matrix(keep: np.ndarray, seq: int) -> MaskKind:
+def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int) -> MaskKind:
+    """``queries`` x ``keys``: the logits' last two dims in the probe run."""
     keep = keep.reshape((1,) * max(0, 2 - keep.ndim) + keep.shape)
-    rows, keys = keep.shape[-2:]
-    if keys != seq or rows not in (1, seq):
-        raise Unsupported(f"mask of shape {list(keep.shape)} does not line up with {seq} queries x {seq} keys")
-    slices = keep.reshape(-1, rows, keys)
+    rows, columns = keep.shape[-2:]
+    if columns != keys or rows not in (1, queries):
+        raise Unsupported(f"mask of shape {list(keep.shape)} does not line up with {queries} queries x {keys} keys")
+    slices = keep.reshape(-1, rows, columns)
     last_row = slices[:, -1:, :]
     if np.array_equal(np.broadcast_to(last_row, slices.shape), slices):
         return MaskKind.NONE if slices.all() else MaskKind.KEY_PADDING
-    triangle = np.tril(np.ones((seq, seq), dtype=bool))
+    if queries != keys:  # a causal triangle needs as many queries as keys (no KV cache here)
+        raise Unsupported(f"the mask varies over {queries} queries x {keys} keys and is not a key padding mask")
+    triangle = np.tril(np.ones((queries, keys), dtype=bool))
     if np.array_equal(slices, np.broadcast_to(triangle, slices.shape)):
         return MaskKind.CAUSAL
     if np.array_equal(slices, triangle & last_row):
@@ -104,7 +108,7 @@ def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np
     # the CPU provider has no bfloat16 arithmetic (a bf16 model's mask is (1 - m) * min in bf16)
     as_float32 = bfloat16.as_float32(probe)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # a probe that fails says why in its exception; no log lines
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
     if as_float32:

@@ -63,8 +63,16 @@ def rewrite_model(
         replacement = splicer.splice(s, lowering)
         record.outcomes.append(SiteOutcome(s.site, rewritten=True, replacement=replacement))
     if record.rewritten or METADATA_KEY not in model.metadata_props:
-        model.metadata_props[METADATA_KEY] = record.to_json()
+        model.metadata_props[METADATA_KEY] = _record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
+
+
+def _record_json(record: RewriteRecord, earlier: str | None) -> str:
+    """This run's record; the record of an earlier run on the same model is kept under
+    "previous", so the file still says how every replacement in it was made."""
+    if not earlier:
+        return record.to_json()
+    return json.dumps({**record.as_dict(), "previous": json.loads(earlier)}, sort_keys=True)
 
 
 def read_record(model: ir.Model) -> dict | None:

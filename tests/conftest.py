@@ -1,0 +1,47 @@
+"""Shared fixtures. Exports are slow (the dynamo exporter takes seconds per model), so each
+model is built and exported once per session and every test reads the same files."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from models import Export, ExportCache, ExportUnsupported
+
+import attnrewrite
+from attnrewrite.record import METADATA_KEY
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory) -> ExportCache:
+    return ExportCache(tmp_path_factory.mktemp("exports"))
+
+
+@pytest.fixture(scope="session")
+def rewritten():
+    """rewritten(export, method) -> (rewritten ModelProto, its record), once per session."""
+    cache: dict[tuple, tuple[onnx.ModelProto, dict]] = {}
+
+    def rewrite(export, method: str):
+        key = (export.path, method)
+        if key not in cache:
+            model = attnrewrite.rewrite(export.load(), to=method)
+            cache[key] = (model, read_record(model))
+        return cache[key]
+
+    return rewrite
+
+
+def read_record(model: onnx.ModelProto) -> dict:
+    props = {p.key: p.value for p in model.metadata_props}
+    return json.loads(props[METADATA_KEY])
+
+
+def exported(exports: ExportCache, name: str, exporter: str, dynamic: bool = True) -> Export:
+    """The export, or a skip that says why the exporter could not make it."""
+    try:
+        return exports.get(name, exporter, dynamic)
+    except ExportUnsupported as reason:
+        pytest.skip(str(reason))

