@@ -161,6 +161,25 @@ def test_after_run_decompositions(name, attention):
         assert relative_error(decomposed(*args), plain(*args)) < 1e-5
 
 
+def test_exported_with_dynamic_shapes():
+    """Sizes are symbolic in the graph's metadata: the masks are probed at made-up lengths and
+    the rewritten graph runs at any batch and length."""
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=64)
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(build("gpt2", "sdpa"), model_inputs("gpt2"), dynamic_shapes=shapes)
+    gm = rewrite_graph_module(program, "hydra")
+    assert [s["mask"] for s in gm.meta["attnrewrite"]["sites"]] == ["causal+key_padding"] * LAYERS
+    ids = torch.randint(0, VOCAB, (3, 13), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(3, 13, dtype=torch.int64)
+    mask[2, 9:] = 0
+    with torch.no_grad():
+        rewritten = gm(ids, mask)
+    expected = reference("gpt2", "sdpa", "hydra", find_fx_sites(program), (ids, mask))
+    assert relative_error(rewritten, expected) < 1e-5
+
+
 def test_python_api_dispatches_torch_models_here():
     program = exported("bert", "sdpa")
     gm = attnrewrite.rewrite(program, to="hydra", layers=[1])

@@ -99,6 +99,7 @@ class GraphFacts:
         self.live = live_nodes(gm)
         self._shapes: dict[Node, Shape | None] = {}
         self._constants: dict[Node, Any] = {}
+        self.memo: dict[Any, Any] = {}  # results of costly analyses (mask probes), by key
         first = next(iter(gm.parameters()), None)
         self.default_dtype = first.dtype if first is not None else None
 
@@ -131,8 +132,11 @@ class GraphFacts:
         if not isinstance(node, Node):
             return None
         if node not in self._shapes:
-            self._shapes[node] = None  # breaks cycles through malformed graphs
-            self._shapes[node] = self._meta_shape(node) or self._infer_shape(node)
+            if not self._shapes:  # first use: all nodes in graph order, so no deep recursion
+                for earlier in self.gm.graph.nodes:
+                    self._shapes[earlier] = self._meta_shape(earlier) or self._infer_shape(earlier)
+            if node not in self._shapes:  # a node added since
+                self._shapes[node] = self._meta_shape(node) or self._infer_shape(node)
         return self._shapes[node]
 
     def rank(self, node: Any) -> int | None:

@@ -199,7 +199,15 @@ def _matches_padding(static: torch.Tensor, keep: torch.Tensor, probed: torch.Ten
 
 
 def classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
-    """Decide what a mask is by probing the nodes that build it."""
+    """Decide what a mask is by probing the nodes that build it (once per mask and encoding:
+    models share one mask among all their layers)."""
+    key = ("mask", use.tensor, use.encoding)
+    if key not in facts.memo:
+        facts.memo[key] = _classify(facts, use)
+    return facts.memo[key]
+
+
+def _classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
     inputs = _mask_inputs(facts, use.tensor)
     needs_lengths = any(facts.shape(n) is None or None in facts.shape(n) for n in inputs.shape_only + inputs.data)
     lengths = PROBE_LENGTHS if needs_lengths else (None,)

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import operator
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -34,9 +35,9 @@ from attnrewrite.site import AttentionSite
 def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphModule:
     """A GraphModule copy of an nn.Module (symbolic_trace), a GraphModule or an ExportedProgram."""
     if isinstance(model, torch.export.ExportedProgram):
-        gm = copy.deepcopy(model.module())
+        gm = _copy(model.module())
     elif isinstance(model, GraphModule):
-        gm = copy.deepcopy(model)
+        gm = _copy(model)
     elif isinstance(model, nn.Module):
         gm = _trace(model, example_inputs)
     else:
@@ -45,6 +46,12 @@ def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphMod
         with torch.no_grad():
             ShapeProp(gm).propagate(*example_inputs)
     return gm
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    with warnings.catch_warnings():  # torch's pytree specs warn about their own deprecations
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm)
 
 
 def _trace(model: nn.Module, example_inputs: tuple | None) -> GraphModule:
@@ -176,6 +183,7 @@ class _Splicer:
         self.gm = gm
         self.method_name = method_name
         self.replaced: dict[Node, Node] = {}  # old output -> new call, for sites that feed sites
+        self.key_keeps: dict[tuple, Node] = {}  # one key_keep per mask, shared by the sites using it
 
     def _current(self, node: Node) -> Node:
         while node in self.replaced:
@@ -206,17 +214,39 @@ class _Splicer:
                 k = self._current(match.k)
             else:
                 k = graph.call_function(torch.transpose, (self._current(match.k_transposed), -2, -1))
-            key_keep = None
-            for use in match.key_padding:
-                keep = graph.call_function(key_keep_from_mask, (self._current(use.tensor), use.encoding.value))
-                key_keep = keep if key_keep is None else graph.call_function(operator.mul, (key_keep, keep))
-            call = graph.call_module(name, (q, k, v, key_keep))
+            call = graph.call_module(name, (q, k, v, self._key_keep(match)))
         call.meta["attnrewrite_site"] = match.site.name
         if "nn_module_stack" in output.meta:
             call.meta["nn_module_stack"] = output.meta["nn_module_stack"]
         output.replace_all_uses_with(call)
         self.replaced[output] = call
         return name
+
+    def _key_keep(self, match: FxMatch) -> Node | None:
+        """float [..., Nk, 1] from the site's key-padding masks (inserted before the site's
+        output); sites that read the same masks share it when it already comes before them."""
+        if not match.key_padding:
+            return None
+        key = tuple((self._current(use.tensor), use.encoding) for use in match.key_padding)
+        shared = self.key_keeps.get(key)
+        if shared is not None and _comes_before(shared, match.output):
+            return shared
+        graph = self.gm.graph
+        product = None
+        for tensor, encoding in key:
+            keep = graph.call_function(key_keep_from_mask, (tensor, encoding.value))
+            product = keep if product is None else graph.call_function(operator.mul, (product, keep))
+        self.key_keeps[key] = product
+        return product
+
+
+def _comes_before(node: Node, other: Node) -> bool:
+    for current in node.graph.nodes:
+        if current is node:
+            return True
+        if current is other:
+            return False
+    return False
 
 
 def _has_submodule(root: nn.Module, path: str) -> bool:
