@@ -68,6 +68,15 @@ def bmm_commuted_scale(m, q, k, v, mask):
     return torch.bmm(probs, v3).reshape(b, h, n, d)
 
 
+def aten_ops_safe_softmax(m, q, k, v, mask):
+    """aten overloads written out, as torch.export leaves them: bmm, mul.Scalar, _safe_softmax."""
+    aten = torch.ops.aten
+    b, h, n, d = q.shape
+    q3, k3, v3 = (t.reshape(b * h, n, d) for t in (q, k, v))
+    logits = aten.mul.Scalar(aten.bmm.default(q3, aten.transpose.int(k3, 1, 2)), SCALE)
+    return aten.bmm.default(aten._safe_softmax.default(logits, -1), v3).reshape(b, h, n, d)
+
+
 def permute_scaled_q_softmax_module(m, q, k, v, mask):
     return m.softmax((q * SCALE) @ k.permute(0, 1, 3, 2)) @ v
 
@@ -140,6 +149,7 @@ SPELLINGS = [
     (matmul_div_sqrt, None, MaskKind.NONE, SCALE, HEADS),
     (at_transpose23_method_softmax, None, MaskKind.NONE, SCALE, HEADS),
     (bmm_commuted_scale, None, MaskKind.NONE, SCALE, None),
+    (aten_ops_safe_softmax, None, MaskKind.NONE, SCALE, None),
     (permute_scaled_q_softmax_module, None, MaskKind.NONE, SCALE, HEADS),
     (size_scale_keyword_dim, None, MaskKind.NONE, SCALE, HEADS),
     (sqrt_on_q_and_k_transposed, None, MaskKind.NONE, SCALE, HEADS),
@@ -218,6 +228,19 @@ def test_rewritten_graph_calls_the_pass_module_and_keeps_the_record():
     record = gm.meta["attnrewrite"]
     assert record["method"] == "hydra" and record["options"] == {"eps": 1e-5, "seed": 0} and record["seed"] == 0
     assert record["sites"][0]["replacement"].startswith("HydraAttention at ")
+
+
+def test_the_input_model_is_not_modified():
+    model = fx_model(key_padding_masked_fill, "pad")
+    args = inputs("pad")
+    with torch.no_grad():
+        before = model(*args)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        rewritten = rewrite_graph_module(model, "linear")
+        rewritten.q.weight.add_(1.0)  # the rewrite owns its parameters
+        assert torch.equal(model(*args), before)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert not any("attention" in name for name, _ in model.named_modules())
 
 
 def test_works_at_another_sequence_length_than_any_probe():

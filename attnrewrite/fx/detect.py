@@ -516,11 +516,11 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
 
 # --- nn.MultiheadAttention and the torch.nn modules that hold it -------------------------------
 
-# torch.nn leaf modules whose calling convention the rewrite knows:
-# type -> (name of the attn_mask argument, default of is_causal)
-_CONTAINERS: dict[type, tuple[str, Any]] = {
-    nn.TransformerEncoderLayer: ("src_mask", False),
-    nn.TransformerEncoder: ("mask", None),
+# torch.nn leaf modules whose calling convention the rewrite knows (modules.slow_path_container
+# has their replacements): type -> the name of their attn_mask argument
+_CONTAINERS: dict[type, str] = {
+    nn.TransformerEncoderLayer: "src_mask",
+    nn.TransformerEncoder: "mask",
 }
 
 
@@ -606,15 +606,14 @@ def _contained_calls(facts: GraphFacts, node: Node, container: nn.Module) -> lis
         full_path = f"{node.target}.{path}"
         match = FxMatch(_mha_site(facts, node, full_path, mha), attention_path=full_path, container=node)
         matches.append(match)
-        convention = _CONTAINERS.get(type(container))
-        if convention is None:
+        mask_name = _CONTAINERS.get(type(container))
+        if mask_name is None:
             _skipped(match, f"inside {type(container).__name__}, whose calling convention the rewrite does not know")
             continue
         if (reason := _mha_refusal(mha)) is not None:
             _skipped(match, reason)
             continue
         args = _bind(container, node)
-        mask_name, _ = convention
         _mha_masks(facts, match, args[mask_name], args["src_key_padding_mask"], args["is_causal"])
     return matches
 
