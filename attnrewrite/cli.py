@@ -26,7 +26,7 @@ from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
-from attnrewrite.onnx.validate import validate_saved
+from attnrewrite.onnx.validate import input_fails, validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
 
 EXIT_FAILED = 1
@@ -195,7 +195,7 @@ def _quiet_libraries(verbose: bool):
 
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    onnxruntime.set_default_logger_severity(3)
+    onnxruntime.set_default_logger_severity(4)  # its errors come back as exceptions too
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -240,7 +240,13 @@ def _run(argv: list[str]) -> int:
         raise _nothing_to_rewrite(record, model)
     # The gates run on the staged file itself, renamed into place only when all pass.
     with onnx_io.staged_save(model, args.output) as staged:
-        validate_saved(staged, model.graph)
+        try:
+            validate_saved(staged, model.graph)
+        except RewriteFailed as failure:
+            why = input_fails(args.model, model.graph)
+            if why is None:
+                raise
+            raise AttnRewriteError(f"{args.model}: the input model itself fails on generated inputs: {why}") from failure
         if checking:
             report = check_mod.check(args.model, model, inputs)
             print(report.table())

@@ -38,9 +38,20 @@ def validate_saved(path, graph: ir.Graph, seq: int = 16) -> list[np.ndarray]:
         raise RewriteFailed(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
 
 
+def input_fails(path, graph: ir.Graph, seq: int = 16) -> str | None:
+    """Why the input model itself cannot load or run on the inputs the gates generate, or None.
+    Asked when the rewritten model fails them: a model that never ran is bad input, and the
+    rewrite must not take the blame."""
+    try:
+        bfloat16.run(make_session(str(path)), generate_inputs(graph, seq=seq))
+    except Exception as error:
+        return _first_line(error)
+    return None
+
+
 def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures come back as exceptions with the same text
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(model_or_path, options, providers=list(providers))
