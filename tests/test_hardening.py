@@ -164,6 +164,22 @@ def test_old_opset_with_attention_is_converted(tmp_path, capsys):
     assert {o.domain or "": o.version for o in onnx.load(tmp_path / "out.onnx").opset_import}[""] == 18
 
 
+def test_opset_12_softmax_default_axis_is_not_the_key_axis(tmp_path, capsys):
+    """Softmax without an axis means axis 1 before opset 13 (over heads, queries and keys of a
+    [B, H, N, N] input, flattened): not attention, whatever the rest looks like."""
+    model = build_attention_model(AttentionSpec(opset=12))
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+    del softmax.attribute[:]
+    path = tmp_path / "opset12.onnx"
+    onnx.save(model, path)
+    code, out, _ = run(capsys, path, "--list")
+    assert code == 0
+    assert "unsupported: softmax over axis 1 of a rank-4 tensor, not the key axis (the last)" in out
+    softmax.attribute.append(helper.make_attribute("axis", 3))  # spelled out: the last axis
+    onnx.save(model, path)
+    assert "1 attention sites, 1 rewritable" in run(capsys, path, "--list")[1]
+
+
 def test_verbose_gives_the_traceback(tmp_path, capsys):
     path = tmp_path / "cut.onnx"
     path.write_bytes(SAMPLE.read_bytes()[:1000])

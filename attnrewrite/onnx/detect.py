@@ -104,12 +104,21 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
 
 def _check_softmax_axis(softmax: ir.Node) -> None:
     attr = softmax.attributes.get("axis")
-    axis = -1 if attr is None else attr.as_int()
+    # Before opset 13 the default axis is 1 (and the input is flattened from it): the key
+    # axis only for a rank-2 input.
+    axis = attr.as_int() if attr is not None else -1 if _default_opset(softmax) >= 13 else 1
     rank = _rank(softmax.inputs[0])
     if axis == -1 or (rank is not None and axis == rank - 1):
         return
     where = f"axis {axis}" + ("" if rank is None else f" of a rank-{rank} tensor")
     raise Unsupported(f"softmax over {where}, not the key axis (the last)")
+
+
+def _default_opset(node: ir.Node) -> int:
+    if node.version is not None:
+        return node.version
+    imports = node.graph.opset_imports if node.graph is not None else {}
+    return imports.get("", imports.get("ai.onnx", 13))
 
 
 class _LogitsWalk:
