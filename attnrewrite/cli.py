@@ -248,7 +248,7 @@ def _run(argv: list[str]) -> int:
                 raise
             raise AttnRewriteError(f"{args.model}: the input model itself fails on generated inputs: {why}") from failure
         if checking:
-            report = check_mod.check(args.model, model, inputs)
+            report = check_mod.check(args.model, staged, inputs)  # the very file to be renamed into place
             print(report.table())
             try:
                 report.gate(args.min_cosine)
@@ -259,6 +259,8 @@ def _run(argv: list[str]) -> int:
 
 
 def _check_command(args) -> int:
+    if args.json:
+        onnx_io.check_output_path(args.json, args.original, what="report")
     report = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(report.table())
     if args.json:
@@ -270,6 +272,9 @@ def _check_command(args) -> int:
 def _bench_command(args) -> int:
     from attnrewrite import bench
 
+    for path in (args.json, args.plot):  # refused now, not after a long sweep
+        if path:
+            onnx_io.check_output_path(path, args.model, what="report")
     config = bench.BenchConfig(
         model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths,
         batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
