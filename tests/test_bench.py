@@ -182,3 +182,11 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
     result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra"), [], {}, 0, {})
     with pytest.raises(AttnRewriteError, match=r"--plot needs matplotlib: pip install 'attnrewrite\[bench\]'"):
         bench.plot(result, tmp_path / "x.png")
+
+
+def test_unwritable_json_is_refused_before_the_sweep(tmp_path, capsys):
+    target = tmp_path / "missing" / "bench.json"
+    code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--json", target)
+    assert code == 2
+    assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
+    assert "bench [" not in err  # nothing was measured
