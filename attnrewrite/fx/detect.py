@@ -195,7 +195,8 @@ def _scaled_at_run_time(facts: GraphFacts, node: Node) -> bool:
     operands = ops.scaled_operands(node)
     if operands is None:
         return False
-    for operand in operands[1:]:
+    kind, a, b = operands
+    for operand in (a, b) if kind == "mul" else (b,):  # a factor, or the divisor
         if not isinstance(operand, Node):
             continue
         if facts.shape(operand) == () or facts.is_scalar(operand):
@@ -423,6 +424,10 @@ def _walk_probabilities(
             return f"the attention probabilities feed {ops.describe(user)}, not a product with the values"
 
 
+def _swap_last_two(shape):
+    return None if shape is None or len(shape) < 2 else (*shape[:-2], shape[-1], shape[-2])
+
+
 def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
     call = ops.softmax_call(node, facts.module_of)
     logits = _walk_logits(facts, call.input)
@@ -446,8 +451,7 @@ def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
     match.k_transposed = None if k is not None else k_side
     site.scale = logits.scale * q_scale * k_scale
 
-    k_t_shape = facts.shape(k_side)
-    k_shape = facts.shape(k) if k is not None else (None if k_t_shape is None else (*k_t_shape[:-2], k_t_shape[-1], k_t_shape[-2]))
+    k_shape = facts.shape(k) if k is not None else _swap_last_two(facts.shape(k_side))
     rank = facts.rank(call.input) or facts.rank(logits.product)
     if call.dim is None:
         return _skipped(match, "softmax without an explicit dim")

@@ -238,7 +238,7 @@ class GraphFacts:
         source = self.shape(pieces.args[0])
         if source is None:
             return None
-        dim = ops.arg(pieces, 2, "dim", 0) if name == "split" else ops.arg(pieces, 2, "dim", 0)
+        dim = ops.arg(pieces, 2, "dim", 0)
         size = self.scalar(ops.arg(pieces, 1, "split_size_or_sections" if name == "split" else "chunks"))
         dims = list(source)
         if not isinstance(dim, int):
