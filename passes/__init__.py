@@ -46,7 +46,10 @@ def make_options(method: types.ModuleType, **values):
             known = ", ".join(fields) or "none"
             raise OptionError(f"method {method.NAME!r} has no option {key!r} (options: {known})")
         converted[key] = _convert(key, value, hints[key])
-    return method.Options(**converted)
+    try:
+        return method.Options(**converted)
+    except ValueError as error:  # the Options' own checks (choices, ranges): a user error too
+        raise OptionError(f"method {method.NAME!r}: {error}") from None
 
 
 def _convert(key: str, value, hint):

@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 import attnrewrite
 from attnrewrite.record import METADATA_KEY
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import get_pass, linformer, make_options
+from passes import OptionError, get_pass, linformer, make_options
 
 SCALE = 0.3
 D, DV = 8, 6
@@ -321,7 +321,7 @@ def test_registered_and_options_parse_from_strings():
     assert get_pass("linformer") is linformer
     options = make_options(linformer, proj_dim="32", projection="pool", share_kv="true")
     assert (options.proj_dim, options.projection, options.share_kv) == (32, "pool", True)
-    with pytest.raises(ValueError, match="projection"):
+    with pytest.raises(OptionError, match="projection"):  # a user error, not a crash
         make_options(linformer, projection="random")
     with pytest.raises(ValueError, match="max_len"):
         linformer.Options(proj_dim=64, max_len=32)
