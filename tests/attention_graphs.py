@@ -170,7 +170,7 @@ def build_attention_model(spec: AttentionSpec) -> onnx.ModelProto:
         is_nan = b.node("IsNaN", [probs], "is_nan")
         probs = b.node("Where", [is_nan, b.scalar(0.0), probs], "guarded")
     if spec.extra_consumer:
-        outputs.append(helper.make_tensor_value_info(probs, dt, None))
+        outputs.append(helper.make_tensor_value_info(probs, dt, [*lead, seq, seq]))
     out = b.node("MatMul", [probs, v], "out")
     outputs.insert(0, helper.make_tensor_value_info(out, dt, [*lead, seq, dv]))
     graph = helper.make_graph(b.nodes, "attention", inputs, outputs, initializer=b.inits)

@@ -90,6 +90,9 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
         q, q_scale = _strip_scalar_scale(matmul.inputs[0], walk.nodes)
         k_t, k_scale = _strip_scalar_scale(matmul.inputs[1], walk.nodes)
         v, output, forward_nodes = _forward_to_value_matmul(softmax)
+        for operand in (q, k_t, v):  # a vector operand makes a matrix-vector product (a valid graph)
+            if _rank(operand) is not None and _rank(operand) < 2:
+                raise Unsupported(f"q @ k^T or p @ v has a rank-{_rank(operand)} operand {operand.name!r}: not attention")
     except Unsupported as reason:
         site.skip_reason = str(reason)
         return placeholder
@@ -339,7 +342,8 @@ def _static(dim) -> int | None:
 def _static_dims(value: ir.Value, *axes: int) -> tuple[int | None, ...]:
     if value.shape is None:
         return (None,) * len(axes)
-    return tuple(_static(value.shape[axis]) for axis in axes)
+    rank = len(value.shape)
+    return tuple(_static(value.shape[axis]) if -rank <= axis < rank else None for axis in axes)
 
 
 def _describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.Value | None) -> None:

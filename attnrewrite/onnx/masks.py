@@ -58,12 +58,19 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
     for term in s.masks:
         term.rank = arrays[id(term.value)].ndim
         term_keep = keep_matrix(arrays[id(term.value)], term.form)
+        if keep is not None and not _broadcastable(keep.shape, term_keep.shape):
+            # the logits could not take both terms either: a graph that cannot run
+            raise Unsupported(f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together")
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
     queries, keys = (static or seq for static in s.static_lengths)
     kind = classify_keep_matrix(keep, queries, keys)
     if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
         kind = {MaskKind.NONE: MaskKind.CAUSAL, MaskKind.KEY_PADDING: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     return kind
+
+
+def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return all(x == y or 1 in (x, y) for x, y in zip(reversed(a), reversed(b)))
 
 
 def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
