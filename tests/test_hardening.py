@@ -191,6 +191,18 @@ def test_verbose_gives_the_traceback(tmp_path, capsys):
     )
 
 
+def test_foreign_attnrewrite_metadata_is_kept_not_parsed(tmp_path, capsys):
+    model = onnx.load(SAMPLE)
+    helper.set_model_props(model, {METADATA_KEY: "{written by another tool"})
+    path = tmp_path / "meta.onnx"
+    onnx.save(model, path)
+    out = tmp_path / "out.onnx"
+    code, _, err = run(capsys, path, "--to", "linear", "-o", out)
+    assert code == 0, err
+    record = json.loads({p.key: p.value for p in onnx.load(out).metadata_props}[METADATA_KEY])
+    assert record["previous"] == "{written by another tool" and record["sites_rewritten"] == 2
+
+
 # --- external data ---------------------------------------------------------------------------
 
 

@@ -72,7 +72,11 @@ def _record_json(record: RewriteRecord, earlier: str | None) -> str:
     "previous", so the file still says how every replacement in it was made."""
     if not earlier:
         return record.to_json()
-    return json.dumps({**record.as_dict(), "previous": json.loads(earlier)}, sort_keys=True)
+    try:
+        previous = json.loads(earlier)
+    except ValueError:  # someone else's "attnrewrite" entry: kept, as the text it was
+        previous = earlier
+    return json.dumps({**record.as_dict(), "previous": previous}, sort_keys=True)
 
 
 def read_record(model: ir.Model) -> dict | None:
