@@ -7,7 +7,8 @@ Every model is built from a config with random weights (seeded) except ``minilm`
 - ``MODELS``: name -> ModelSpec (how to build it, its inputs, what detection must find);
   ``NEGATIVE_MODELS``: models whose attention must be left alone;
 - ``export_onnx(spec, module, path, exporter)``: ``exporter`` is "legacy" (TorchScript,
-  ``dynamo=False``) or "dynamo"; raises ``ExportUnsupported`` with the exporter's own reason;
+  ``dynamo=False``), "dynamo", or "dynamo-opset23" (sdpa becomes the ONNX Attention op); raises
+  ``ExportUnsupported`` with the exporter's own reason;
   ``ExportCache``: one build and one export per model, exporter and shape mode;
 - ``swapped_attention(spec, sites, make_module)``: a context manager under which every attention
   call of the torch model runs ``make_module(site)`` instead (site i for the i-th call), with
@@ -45,6 +46,9 @@ MAX_POSITIONS = 64
 IMAGE = 16  # ViT: 16x16 pixels in 4x4 patches = 16 patches + [CLS]
 PATCH = 4
 EXPORTERS = ("legacy", "dynamo")
+# the dynamo exporter at opset 23 writes scaled_dot_product_attention as the ONNX Attention op
+OPSET23 = "dynamo-opset23"
+OPSET23_MODELS = ("bert-sdpa", "gpt2", "vit", "torch-encoder-causal", "torch-encoder-padded")
 
 # Exports trace with this input; padded, so no exporter can specialise a mask away.
 EXPORT_BATCH, EXPORT_SEQ = 2, 8
@@ -65,7 +69,10 @@ class ModelSpec:
     layers: int  # attention layers = sites detection must find
     mask: str  # the mask kind every site must be classified as
     swap: str  # how attention is swapped in torch: "transformers" or "sdpa"
-    heads: int | None = HEADS  # None: heads folded into batch, so the layout cannot be proven
+    heads: int = HEADS
+    # False: q is [batch, heads, seq, head_dim] by a view of [batch * heads, seq, head_dim], not
+    # by a Transpose, so the Softmax path cannot prove the layout and leaves heads unknown
+    heads_in_layout: bool = True
     head_dim: int = HIDDEN // HEADS
 
     def inputs(self, batch: int = EXPORT_BATCH, seq: int = EXPORT_SEQ) -> dict[str, torch.Tensor]:
@@ -245,7 +252,7 @@ def _torch_encoder(name, build, mask, padded=False):
     names = ("x", "attention_mask") if padded else ("x",)
     return ModelSpec(
         name, _seeded(build), names, _padded_sequence_inputs if padded else _sequence_inputs,
-        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa", heads=None,
+        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa", heads_in_layout=False,
     )
 
 
@@ -325,6 +332,8 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
     graph it wrote runs only at the traced shape (its dims are declared dynamic, yet some
     Reshape holds the traced sizes): such a model is not what was asked for.
     """
+    if exporter not in (*EXPORTERS, OPSET23):
+        raise ValueError(f"unknown exporter {exporter!r}; one of {(*EXPORTERS, OPSET23)}")
     path = Path(path)
     inputs = spec.inputs()
     args = tuple(inputs[n] for n in spec.input_names)
@@ -338,7 +347,7 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
                     module, args, str(path), input_names=list(spec.input_names), output_names=["output"],
                     dynamic_axes={**axes, "output": output_axes} if axes else None, dynamo=False,
                 )
-            elif exporter == "dynamo":
+            else:
                 dims: dict[str, torch.export.Dim] = {}
                 shapes = {
                     name: {axis: dims.setdefault(dim, torch.export.Dim(dim)) for axis, dim in axes.get(name, {}).items()}
@@ -347,12 +356,9 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
                 program = torch.onnx.export(
                     module, args, input_names=list(spec.input_names), output_names=["output"],
                     dynamic_shapes=shapes if axes else None, dynamo=True, verbose=False,
+                    opset_version=23 if exporter == OPSET23 else None,
                 )
                 program.save(str(path))
-            else:
-                raise ValueError(f"unknown exporter {exporter!r}; one of {EXPORTERS}")
-    except ValueError:
-        raise
     except Exception as error:
         raise ExportUnsupported(f"{exporter} exporter: {_reason(error)}") from error
     if dynamic:
@@ -363,15 +369,17 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
 def _check_runs_at_another_shape(spec: ModelSpec, path: Path, exporter: str) -> None:
     import onnxruntime as ort
 
-    feeds = {name: array.numpy() for name, array in spec.inputs(EXPORT_BATCH + 1, EXPORT_SEQ + 3).items()}
     options = ort.SessionOptions()
     options.log_severity_level = 4  # the reason is reported below, once
-    try:
-        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
-    except Exception as error:
-        raise ExportUnsupported(
-            f"{exporter} exporter: the exported graph runs only at the traced shape ({_reason(error)})"
-        ) from error
+    for shape, failure in (
+        ((EXPORT_BATCH, EXPORT_SEQ), "onnxruntime cannot run the exported graph"),
+        ((EXPORT_BATCH + 1, EXPORT_SEQ + 3), "the exported graph runs only at the traced shape"),
+    ):
+        feeds = {name: array.numpy() for name, array in spec.inputs(*shape).items()}
+        try:
+            ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+        except Exception as error:
+            raise ExportUnsupported(f"{exporter} exporter: {failure} ({_reason(error)})") from error
 
 
 @contextlib.contextmanager
@@ -386,9 +394,10 @@ def _reason(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error).strip()
-    ort_failure = re.search(r"running (\w+ node\. Name:'[^']*').*?(?:was false\. )?([^.]*\.[^.]*)$", text, re.S)
-    if ort_failure:  # onnxruntime: the node and the check that failed, not its C++ signature
-        return f"onnxruntime: {ort_failure.group(1)}: {ort_failure.group(2).strip()}"
+    node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
+    if node:  # onnxruntime: the node and what its check says, not the C++ signature around it
+        detail = text.split("was false.")[-1] if "was false." in text else text.splitlines()[-1]
+        return f"onnxruntime: {node.group(1)} node {node.group(2)!r}: {detail.strip()}"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
