@@ -30,7 +30,7 @@ from attnrewrite.cli import main
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 CASES_PER_MODEL = 280
-REWRITE_EVERY = 6
+REWRITE_EVERY = 4
 METHODS = sorted(passes.PASSES)
 ELEMENT_TYPES = [TensorProto.FLOAT, TensorProto.UINT8, TensorProto.INT8, TensorProto.INT32, TensorProto.INT64,
                  TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16, TensorProto.STRING]
@@ -329,11 +329,28 @@ class Mutator:
             node.attribute.append(helper.make_attribute("axis", self.rng.choice([-4, -2, -1, 0, 1, 2, 3, 4])))
         return f"Softmax {node.name} axis"
 
+    def rename(self) -> str:
+        """Values and nodes renamed the way onnx_ir names what it creates (val_N, node_Op_N),
+        or with spaces and non-ASCII: new names must not collide with the model's."""
+        style = self.rng.choice(["ir", "odd"])
+        mapping = {}
+        for i, node in enumerate(self.graph.node):
+            node.name = f"node_{node.op_type}_{i}" if style == "ir" else f"nœud {i}/{node.op_type}"
+            for j, out in enumerate(node.output):
+                if out:
+                    mapping[out] = f"val_{len(mapping)}" if style == "ir" else f"valeur {len(mapping)}é"
+                    node.output[j] = mapping[out]
+        for node in self.graph.node:
+            node.input[:] = [mapping.get(name, name) for name in node.input]
+        for info in [*self.graph.output, *self.graph.value_info]:
+            info.name = mapping.get(info.name, info.name)
+        return f"rename values ({style})"
+
     MUTATIONS = [
         (drop_node, 3), (duplicate_node, 2), (swap_nodes, 1), (rewire_input, 4), (change_op, 2),
         (corrupt_attribute, 4), (corrupt_initializer, 2), (corrupt_value_type, 2), (cast_target, 1),
         (extra_probability_consumer, 1), (opset, 1), (ir_version, 1), (metadata, 1), (graph_output, 1),
-        (softmax_axis, 2),
+        (softmax_axis, 2), (rename, 1),
     ]
 
     def mutate(self) -> None:
