@@ -28,8 +28,10 @@ def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool
     """
     if _is_onnx(model):
         ir_model, record = rewrite_model(_to_ir(model), to, layers=layers, **options)
-        if not record.rewritten and isinstance(model, onnx.ModelProto):
-            return _with_record(model, ir_model)
+        if not record.rewritten and not isinstance(model, ir.Model):
+            # unchanged means the caller's bytes, not a re-serialization after shape inference
+            original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+            return _with_record(original, ir_model)
         if validate and record.rewritten:
             _validate(ir_model)
         return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)

@@ -17,6 +17,7 @@ class MaskKind(str, enum.Enum):
     CAUSAL = "causal"
     CAUSAL_KEY_PADDING = "causal+key_padding"
     BIAS = "bias"  # an arbitrary additive term no linear method can express
+    UNKNOWN = "unknown"  # not classified: the site was refused before its mask was looked at
 
     @property
     def causal(self) -> bool:

@@ -102,11 +102,6 @@ def test_rewriting_a_rewritten_model_changes_nothing(exports, rewritten, exporte
     assert again.SerializeToString() == model.SerializeToString()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api.rewrite(path) re-serializes the shape-inferred model when nothing is rewritten "
-    "(value_info added); the ModelProto branch returns the input as is",
-)
 def test_rewriting_a_rewritten_file_changes_nothing(exports, rewritten, tmp_path):
     model, _ = rewritten(exported(exports, "bert-eager", "legacy", True), "hydra")
     path = tmp_path / "rewritten.onnx"

@@ -95,6 +95,7 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
                 raise Unsupported(f"q @ k^T or p @ v has a rank-{_rank(operand)} operand {operand.name!r}: not attention")
     except Unsupported as reason:
         site.skip_reason = str(reason)
+        site.mask = MaskKind.UNKNOWN
         return placeholder
 
     site.scale = walk.scale * q_scale * k_scale
@@ -293,6 +294,7 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     reason = _fused_attention_limits(node, q, past_key, past_value)
     if reason:
         site.skip_reason = reason
+        site.mask = MaskKind.UNKNOWN
         return onnx_site
     attrs = node.attributes
     onnx_site.causal_by_attribute = bool(attrs["is_causal"].as_int()) if "is_causal" in attrs else False
