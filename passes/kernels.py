@@ -33,24 +33,16 @@ def linear_attention(phi_q, phi_k, v, eps: float = DENOMINATOR_EPS):
 
 
 def causal_linear_attention(phi_q, phi_k, v, chunk: int, eps: float = DENOMINATOR_EPS):
-    *lead, n, f = phi_q.shape
-    dv = v.shape[-1]
-    chunks = -(-n // chunk)
-    pad = chunks * chunk - n
-
-    def blocks(x):
-        x = torch.nn.functional.pad(x.reshape(-1, n, x.shape[-1]), (0, 0, 0, pad))
-        return x.reshape(x.shape[0], chunks, chunk, x.shape[-1])
-
-    q4, k4, v4 = blocks(phi_q), blocks(phi_k), blocks(v)
+    lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
+    layout = _ChunkLayout(n, chunk)
+    q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
     k4t = k4.transpose(-2, -1)
     state = _exclusive_cumsum(k4t @ v4)  # keys of earlier chunks only
     key_sum = _exclusive_cumsum(k4.sum(dim=2, keepdim=True))
     scores = torch.tril(q4 @ k4t)
     numerator = q4 @ state + scores @ v4
     denominator = (q4 * key_sum).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
-    out = (numerator / (denominator + eps)).reshape(-1, chunks * chunk, dv)[:, :n]
-    return out.reshape(*lead, n, dv)
+    return layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
 
 
 def causal_rescaled_linear_attention(
@@ -68,20 +60,15 @@ def causal_rescaled_linear_attention(
     (N/chunk)^2 * F * Dv for that part; memory stays that of causal_linear_attention.
     Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE (they must not raise r).
     """
-    *lead, n, f = phi_q.shape
-    dv = v.shape[-1]
-    chunks = -(-n // chunk)
-    pad = chunks * chunk - n
-
-    def blocks(x, fill=0.0):
-        x = torch.nn.functional.pad(x.reshape(-1, n, x.shape[-1]), (0, 0, 0, pad), value=fill)
-        return x.reshape(x.shape[0], chunks, chunk, x.shape[-1])
-
-    q4, k4, v4 = blocks(phi_q), blocks(phi_k), blocks(v)
-    s = blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]  # [G, chunks, chunk]
-    seen = torch.cummax(s, dim=-1).values  # running max inside each chunk
-    upto = torch.cummax(seen[..., -1], dim=-1).values  # through the end of each chunk
-    before = torch.cat([torch.full_like(upto[:, :1], LOWEST_LOG_SCALE), upto[:, :-1]], dim=1)
+    lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
+    layout = _ChunkLayout(n, chunk)
+    q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
+    s = layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]  # [G, chunks, chunk]
+    # Running maxima as masked maxima: [G, chunks, chunk, chunk] then [G, chunks, chunks], no
+    # more than the scores and the carry below hold.
+    seen = _running_max(s)  # inside each chunk
+    upto = _running_max(seen[..., -1])  # through the end of each chunk
+    before = _shift_right(upto, LOWEST_LOG_SCALE)  # through the end of the chunk before
     ref = torch.maximum(seen, before.unsqueeze(-1))  # r[i]
     # Inside a chunk: (q_i . k_j) exp(s_j - r_i), j <= i; above the diagonal the clamp only keeps
     # exp finite before tril drops those entries.
@@ -101,13 +88,54 @@ def causal_rescaled_linear_attention(
     denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(
         -1, keepdim=True
     )
-    out = (numerator / (denominator + eps)).reshape(-1, chunks * chunk, dv)[:, :n]
-    return out.reshape(*lead, n, dv)
+    return layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
+
+
+class _ChunkLayout:
+    """[..., N, F] <-> [G, chunks, chunk, F], written so torch.export adds no guard on N >= 1.
+
+    Rows are padded at the front, never at the end: causal outputs do not depend on zero keys
+    before them, and the real rows are then the last N, taken with a gather rather than a slice
+    (slicing [:N] off the padded length needs N <= chunks * chunk, which the symbolic solver
+    cannot prove, so it guards on the example's N). The padding is a whole chunk more than
+    needed: with chunks = ceil(N / chunk) + 1 >= 2 written as one floor division, no size is
+    ever 1 or 0 for some N and not others (each would be a guard), and the reshape's
+    divisibility check is exact. The ONNX functions pad at the end: the same sums with chunk
+    boundaries elsewhere, so the two lowerings differ by rounding only.
+    """
+
+    def __init__(self, n, chunk: int):
+        self.n, self.chunk = n, chunk
+        self.chunks = (n + 2 * chunk - 1) // chunk
+        self.pad = self.chunks * chunk - n  # in [chunk, 2 * chunk - 1]
+
+    def blocks(self, x, fill: float = 0.0):
+        x = torch.nn.functional.pad(flatten_heads(x), (0, 0, self.pad, 0), value=fill)
+        return x.reshape(x.shape[0], self.chunks, self.chunk, x.shape[-1])
+
+    def unblock(self, x4):
+        rows = x4.reshape(x4.shape[0], self.chunks * self.chunk, x4.shape[-1])
+        return rows.index_select(1, torch.arange(self.n, device=x4.device) + self.pad)
 
 
 def _exclusive_cumsum(x):
     """Prefix sums over chunks (dim 1) that leave out the chunk itself."""
-    return torch.cat([torch.zeros_like(x[:, :1]), torch.cumsum(x, dim=1)[:, :-1]], dim=1)
+    return torch.cumsum(_shift_right(x, 0.0), dim=1)
+
+
+def _shift_right(x, fill: float):
+    """x moved one chunk later along dim 1, fill first: a pad, then dropping the last of
+    chunks + 1 (never a slice that is empty or of size 1 for some N, see _ChunkLayout)."""
+    pads = [0, 0] * (x.dim() - 2) + [1, 0]
+    return torch.nn.functional.pad(x, pads, value=fill)[:, :-1]
+
+
+def _running_max(x):
+    """Running max over the last axis as a lower-triangular masked max ([..., L] -> [..., L, L]),
+    as the ONNX RunningMax: torch.cummax has no ONNX conversion."""
+    size = x.shape[-1]
+    lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    return torch.where(lower, x.unsqueeze(-2), LOWEST_LOG_SCALE).amax(dim=-1)
 
 
 def flatten_heads(x):
