@@ -390,6 +390,9 @@ def test_output_that_would_replace_the_inputs_external_data(tmp_path, capsys):
 def test_output_is_a_directory(tmp_path, capsys):
     code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path)
     assert (code, one_line(err)) == (2, f"{tmp_path}: is a directory")
+    (tmp_path / "out.onnx.data").mkdir()
+    code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path / "out.onnx")
+    assert (code, one_line(err)) == (2, f"{tmp_path / 'out.onnx'}: its external data file out.onnx.data is a directory")
 
 
 @contextlib.contextmanager

@@ -382,6 +382,8 @@ def check_output_path(path: str | os.PathLike, model_path: str | os.PathLike, re
     if _same_file(path, model_path):
         raise AttnRewriteError(f"{path}: the {what} would overwrite the input model")
     data_file = path.with_name(f"{path.name}.data")
+    if what == "output" and data_file.is_dir():
+        raise AttnRewriteError(f"{path}: its external data file {data_file.name} is a directory")
     for source in reads:
         if _same_file(path, source):
             raise AttnRewriteError(f"{path}: the {what} would overwrite the input model's external data")
