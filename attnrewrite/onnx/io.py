@@ -53,9 +53,9 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     path = Path(path)
     _check_input_file(path)
     proto = _parse(path)
-    has_external = bool(check_external_data(proto, path))
+    check_external_data(proto, path)
     _check_versions(proto, path)
-    _check_with_onnx_checker(proto, path, has_external)
+    _check_with_onnx_checker(proto, path)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as error:  # the checker passed it: a form onnx_ir cannot represent
@@ -155,29 +155,48 @@ def _runtime_loads(ir_version: int) -> bool:
     return True
 
 
-def _check_with_onnx_checker(proto: onnx.ModelProto, path: Path, has_external: bool) -> None:
+def _check_with_onnx_checker(proto: onnx.ModelProto, path: Path) -> None:
+    checkable = _without_weights(proto)
     try:
-        onnx.checker.check_model(_without_external_initializers(proto) if has_external else proto, full_check=True)
+        onnx.checker.check_model(checkable, full_check=True)
     except Exception as error:  # ValidationError, InferenceError, or anything the C++ side raises
         raise AttnRewriteError(f"{path}: fails the ONNX checker: {_short(error)}") from error
 
 
-def _without_external_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy whose external initializers are typed graph inputs instead: check_model given a
-    proto looks for external data in the working directory, and given the path it refuses
-    every symlink, even one inside the model's folder. check_external_data has checked the
-    files; the checker checks the graph."""
+_WEIGHT_BYTES = 1024  # initializers above this are weights: typed, never read by the checks
+
+
+def _without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every weight initializer turned into a typed graph input, built field by
+    field so no weight is copied: the checker serializes what it is given (a second copy of
+    an inline model's weights), and given a proto it looks for external data in the working
+    directory, given the path it refuses every symlink, even one inside the model's folder.
+    check_external_data checks the files; the checker checks the graph."""
     copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    kept = []
-    for tensor in copy.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+    for field, value in proto.ListFields():
+        if field.name != "graph":
+            _copy_field(copy, field, value)
+    for field, value in proto.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(copy.graph, field, value)
+    inputs = {i.name for i in proto.graph.input}
+    for tensor in proto.graph.initializer:
+        # from type and shape: upb's ByteSize() serializes the tensor to measure it
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and (_tensor_nbytes(tensor) or 0) <= _WEIGHT_BYTES:
+            copy.graph.initializer.append(tensor)
+        elif tensor.name not in inputs:
             copy.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            kept.append(tensor)
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept)
     return copy
+
+
+def _copy_field(target, field, value) -> None:
+    repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 # --- external data ---------------------------------------------------------------------------
