@@ -402,6 +402,9 @@ def unprivileged():
     if os.geteuid() != 0:
         yield
         return
+    # as `nobody` nothing more can be imported from root's Python: import it all now
+    with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
+        main([str(SAMPLE), "--list"])
     os.setegid(65534)
     os.seteuid(65534)
     try:
