@@ -787,6 +787,17 @@ def test_same_input_options_and_seed_give_identical_bytes(tmp_path, capsys, meth
     assert outputs[0] == outputs[1]
 
 
+def test_identical_bytes_with_external_data(tmp_path, capsys):
+    path, _ = external_copy(tmp_path / "in")
+    written = []
+    for i in range(2):
+        out = tmp_path / f"o{i}" / "out.onnx"
+        out.parent.mkdir()
+        assert run(capsys, path, "--to", "linear", "-o", out)[0] == 0
+        written.append((out.read_bytes(), (out.parent / "out.onnx.data").read_bytes()))
+    assert written[0] == written[1]
+
+
 def test_identical_bytes_across_processes(tmp_path, capsys):
     """Another process with another hash seed (set and dict orders) writes the same bytes."""
     method = "favor" if "favor" in passes.PASSES else "linear"
