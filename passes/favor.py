@@ -255,10 +255,7 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
         log_k = log_features_fn(op.Cast(k, to=FLOAT) * root, w)
         return FavorQueryFeatures(log_q), log_k
 
-    @script(ATTNREWRITE, default_opset=op)
-    def FlattenHeads(x):
-        # [..., N, F] -> [G, N, F]: the kernels are written for rank 3.
-        return op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-2), axis=0))
+    flatten = kernels.flatten_heads_function(opset_version)
 
     if site.mask.causal:
         *kernel_helpers, kernel = kernels.causal_rescaled_linear_attention_functions(
@@ -269,8 +266,7 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
         def CausalFavor(q, k, v, key_keep, projection):
             phi_q, log_k = FavorFeatures(q, k, projection)
             phi_k, log_scale = FavorCausalKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
-            v_rows = FlattenHeads(op.Cast(v, to=FLOAT))
-            out = kernel(FlattenHeads(phi_q), FlattenHeads(phi_k), FlattenHeads(log_scale), v_rows)
+            out = kernel(flatten(phi_q), flatten(phi_k), flatten(log_scale), flatten(v))
             out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
             return op.CastLike(op.Reshape(out, out_shape), v)
 
@@ -282,13 +278,12 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
         def Favor(q, k, v, key_keep, projection):
             phi_q, log_k = FavorFeatures(q, k, projection)
             phi_k = FavorKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
-            v_rows = FlattenHeads(op.Cast(v, to=FLOAT))
-            out = kernel(FlattenHeads(phi_q), FlattenHeads(phi_k), v_rows)
+            out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
             out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
             return op.CastLike(op.Reshape(out, out_shape), v)
 
         key_fn, entry = FavorKeyFeatures, Favor
 
-    callees = [log_features_fn, FavorQueryFeatures, FavorFeatures, key_fn, FlattenHeads]
+    callees = [log_features_fn, FavorQueryFeatures, FavorFeatures, key_fn, flatten]
     functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
     return OnnxLowering(functions, constants={"projection": projection})

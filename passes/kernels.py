@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx
 from onnxscript import script
 
-from passes._onnx import ATTNREWRITE, standard_opset
+from passes._onnx import ATTNREWRITE, FLOAT, standard_opset
 from passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
@@ -144,6 +144,36 @@ def flatten_heads(x):
 
 
 # --- ONNX ------------------------------------------------------------------------------------
+
+
+def flatten_heads_function(opset_version: int):
+    """FlattenHeads(x): [..., N, F] -> [G, N, F] float32, the rank the kernels are written for.
+    Every pass flattens with this one body, so passes sharing a model share one function."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FlattenHeads(x):
+        """[..., N, F] -> [G, N, F] float32."""
+        shape = op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-2), axis=0)
+        return op.Reshape(op.Cast(x, to=FLOAT), shape)
+
+    return FlattenHeads
+
+
+def key_keep_function(opset_version: int):
+    """KeyKeep(key_keep, k): the splice's key_keep expanded and flattened as FlattenHeads(k)."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeyKeep(key_keep, k):
+        """key_keep (broadcastable to [..., N, 1]) -> [G, N, 1]."""
+        full = op.Expand(
+            key_keep, op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0)
+        )
+        rows, one = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
+        return op.Reshape(full, op.Concat(rows, op.Shape(k, start=-2, end=-1), one, axis=0))
+
+    return KeyKeep
 
 
 def linear_attention_function(opset_version: int, eps: float = DENOMINATOR_EPS):

@@ -63,21 +63,18 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
     else:
         kernel = kernels.linear_attention_function(opset_version)
 
+    flatten = kernels.flatten_heads_function(opset_version)
+
     @script(ATTNREWRITE, default_opset=op)
     def LinearAttention(q, k, v, key_keep):
         one = op.Constant(value_float=1.0)
         phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
         phi_k = (op.Elu(op.Cast(k, to=FLOAT)) + one) * key_keep
-        rows = op.Constant(value_ints=[-1])
-        out = kernel(
-            op.Reshape(phi_q, op.Concat(rows, op.Shape(q, start=-2), axis=0)),
-            op.Reshape(phi_k, op.Concat(rows, op.Shape(k, start=-2), axis=0)),
-            op.Reshape(op.Cast(v, to=FLOAT), op.Concat(rows, op.Shape(v, start=-2), axis=0)),
-        )
+        out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
         out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
         return op.CastLike(op.Reshape(out, out_shape), v)
 
     fn = LinearAttention.to_function_proto()
     if site.mask.causal:
         fn.name = "CausalLinearAttention"
-    return OnnxLowering([kernel.to_function_proto(), fn])
+    return OnnxLowering([flatten.to_function_proto(), kernel.to_function_proto(), fn])

@@ -36,6 +36,7 @@ import onnx
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
+from passes import kernels
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -174,24 +175,6 @@ def torch_module(site: AttentionSite, options: Options) -> LinformerAttention:
 
 def _body_functions(op):
     @script(ATTNREWRITE, default_opset=op)
-    def FlattenHeads(x):
-        """[..., N, F] -> [G, N, F] float32."""
-        shape = op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-2), axis=0)
-        return op.Reshape(op.Cast(x, to=FLOAT), shape)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def KeyKeep(key_keep, k):
-        """key_keep (broadcastable to [..., N, 1]) -> [G, N, 1]."""
-        full = op.Expand(
-            key_keep, op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0)
-        )
-        one = op.Constant(value_ints=[1])
-        return op.Reshape(
-            full,
-            op.Concat(op.Constant(value_ints=[-1]), op.Shape(k, start=-2, end=-1), one, axis=0),
-        )
-
-    @script(ATTNREWRITE, default_opset=op)
     def Project(k, v, keep, p_e, p_f):
         # k [G, N, D], v [G, N, Dv], keep [G, N, 1], p_e / p_f [N, m]
         p_e_t = op.Transpose(p_e)
@@ -207,7 +190,7 @@ def _body_functions(op):
         logits = op.Where(valid, logits, op.Constant(value_float=MASKED_LOGIT))
         return op.MatMul(op.Softmax(logits, axis=-1), v_proj)
 
-    return FlattenHeads, KeyKeep, Project, AttendProjected
+    return Project, AttendProjected
 
 
 _ONE_INT64 = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64))
@@ -233,8 +216,10 @@ def _rows_function(op, max_len: int):
 
 def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
-    flatten, key_keep_3d, project_kv, attend = body = _body_functions(op)
-    functions = [f.to_function_proto() for f in body]
+    flatten = kernels.flatten_heads_function(opset_version)
+    key_keep_3d = kernels.key_keep_function(opset_version)
+    project_kv, attend = body = _body_functions(op)
+    functions = [f.to_function_proto() for f in (flatten, key_keep_3d, *body)]
     constants = {"scale": np.array(site.scale, dtype=np.float32)}
 
     if options.projection == "pool":

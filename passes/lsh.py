@@ -37,6 +37,7 @@ import onnx
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
+from passes import kernels
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -278,22 +279,7 @@ _ZERO_INT64 = onnx.numpy_helper.from_array(np.array([0], dtype=np.int64))
 _FALSE = onnx.numpy_helper.from_array(np.array(False))
 
 
-def _shape_functions(op):
-    @script(ATTNREWRITE, default_opset=op)
-    def FlattenHeads(x):
-        """[..., N, F] -> [G, N, F] float32."""
-        shape = op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-2), axis=0)
-        return op.Reshape(op.Cast(x, to=FLOAT), shape)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def KeyKeep(key_keep, k):
-        """key_keep (broadcastable to [..., N, 1]) -> [G, N, 1]."""
-        full = op.Expand(
-            key_keep, op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0)
-        )
-        rows, one = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
-        return op.Reshape(full, op.Concat(rows, op.Shape(k, start=-2, end=-1), one, axis=0))
-
+def _gather_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def GatherItems(table, index):
         """table [B, M, F], index [B, ..., L] (into M) -> [B, ..., L, F]."""
@@ -311,7 +297,7 @@ def _shape_functions(op):
         )
         return op.Reshape(rows, op.Concat(op.Shape(index), op.Shape(table, start=2), axis=0))
 
-    return FlattenHeads, KeyKeep, GatherItems
+    return GatherItems
 
 
 def _hash_function(op, n_buckets: int):
@@ -393,7 +379,9 @@ def _item_functions(op):
 
 def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
-    flatten, key_keep_3d, gather_items = shapes = _shape_functions(op)
+    flatten = kernels.flatten_heads_function(opset_version)
+    key_keep_3d = kernels.key_keep_function(opset_version)
+    gather_items = _gather_function(op)
     hash_buckets = _hash_function(op, options.n_buckets)
     sort_items, in_chunks, with_previous = items_fns = _item_functions(op)
 
@@ -572,7 +560,9 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
     functions = [
         f.to_function_proto()
         for f in (
-            *shapes,
+            flatten,
+            key_keep_3d,
+            gather_items,
             hash_buckets,
             *items_fns,
             count_rounds,
