@@ -214,6 +214,42 @@ def _apply_mask(b: _Builder, logits: str, keep: str, is_int: bool) -> str:
     return b.node("Where", [cond, fill, logits], "masked")
 
 
+# --- one pass's lowering, called by a one-node graph -----------------------------------------
+
+
+def lowering_session(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_rank: int | None = None):
+    """An onnxruntime session of one attnrewrite node reading graph inputs q, k, v (rank ``rank``,
+    type ``dtype``), key_keep (float, rank ``keep_rank``, default ``rank``), every dim dynamic,
+    and the lowering's constants as initializers."""
+    import onnxruntime as ort
+
+    names = list(lowering.constants)
+    node = helper.make_node(
+        lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
+    )
+
+    def value(name, elem_type=dtype, rank=rank):
+        return helper.make_tensor_value_info(name, elem_type, [f"{name}{i}" for i in range(rank)])
+
+    graph = helper.make_graph(
+        [node],
+        "attention",
+        [value("q"), value("k"), value("v"), value("key_keep", TensorProto.FLOAT, keep_rank or rank)],
+        [value("out")],
+        initializer=[
+            numpy_helper.from_array(array, name) for name, array in lowering.constants.items()
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        functions=lowering.functions,
+        ir_version=10,
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)],
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
 # --- inputs and the reference ----------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ Every model is built from a config with random weights (seeded) except ``minilm`
   key_keep derived from the mask exactly as the ONNX splice does; ``torch_reference`` runs it;
 - ``attention_operator_model()``: a hand-built graph with the standard ONNX ``Attention`` (opset 23);
   ``softmax_attention_model()``: hand-built softmax attention and the variants a rewrite refuses;
+- ``SAMPLE_BERT``: the checked-in samples/tiny_bert.onnx; ``text_feed(n, vocab)`` /
+  ``text_args(n)``: a padded batch of n tokens for onnxruntime / for the torch text models;
 - ``run_onnx``, ``op_counts``, ``relative_error``: what the tests compare with.
 """
 
@@ -52,6 +54,8 @@ OPSET23_MODELS = ("bert-sdpa", "gpt2", "vit", "torch-encoder-causal", "torch-enc
 
 # Exports trace with this input; padded, so no exporter can specialise a mask away.
 EXPORT_BATCH, EXPORT_SEQ = 2, 8
+# samples/make_tiny_bert.py's model, checked in: 2 layers, 4 heads, a vocabulary of 1000
+SAMPLE_BERT = Path(__file__).resolve().parents[1] / "samples" / "tiny_bert.onnx"
 MASKED_BELOW = -1e3  # as in attnrewrite.onnx.detect: an additive term this low removes a key
 
 
@@ -237,6 +241,19 @@ def _sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
 
 def _padded_sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
     return {**_sequence_inputs(batch, seq), "attention_mask": padded_attention_mask(batch, seq)}
+
+
+def text_feed(n: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """onnxruntime feeds for a text model, batch 2 and n tokens; the second row's last two are padding."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((2, n), np.int64)
+    mask[1, n - 2 :] = 0  # the second row padded
+    return {"input_ids": rng.integers(0, vocab, (2, n)), "attention_mask": mask}
+
+
+def text_args(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """text_feed for the text models of MODELS, as their positional torch inputs."""
+    return tuple(torch.from_numpy(x) for x in text_feed(n, VOCAB, seed).values())
 
 
 TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}

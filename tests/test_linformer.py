@@ -2,59 +2,21 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from attention_graphs import lowering_session
+from conftest import read_record
+from models import SAMPLE_BERT, text_args, text_feed
 
 import attnrewrite
-from attnrewrite.record import METADATA_KEY
 from attnrewrite.site import AttentionSite, MaskKind
 from passes import OptionError, get_pass, linformer, make_options
 
 SCALE = 0.3
 D, DV = 8, 6
-
-
-def onnx_session(lowering, rank: int, dtype=onnx.TensorProto.FLOAT, keep_rank=None):
-    """One attnrewrite node reading graph inputs q, k, v (rank ``rank``), key_keep (rank
-    ``keep_rank``, default ``rank``), every dim dynamic, and the lowering's constants as
-    initializers."""
-    names = list(lowering.constants)
-    node = helper.make_node(
-        lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
-    )
-
-    def value(name, elem_type=dtype, rank=rank):
-        return helper.make_tensor_value_info(name, elem_type, [f"{name}{i}" for i in range(rank)])
-
-    graph = helper.make_graph(
-        [node],
-        "attention",
-        [
-            value("q"),
-            value("k"),
-            value("v"),
-            value("key_keep", onnx.TensorProto.FLOAT, keep_rank or rank),
-        ],
-        [value("out")],
-        initializer=[
-            numpy_helper.from_array(array, name) for name, array in lowering.constants.items()
-        ],
-    )
-    model = helper.make_model(
-        graph,
-        functions=lowering.functions,
-        ir_version=10,
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)],
-    )
-    onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def inputs(n: int, lead=(2, 3), nq=None, pad=True, seed=0):
@@ -98,7 +60,7 @@ def test_onnx_matches_torch_for_every_length(projection, share_kv, rank):
     # One session, sequence lengths below, at and above k (the exact shortcut and the projection).
     options = linformer.Options(proj_dim=16, projection=projection, share_kv=share_kv, max_len=64)
     s = site(rank)
-    session = onnx_session(linformer.onnx_lowering(s, options, 20), rank)
+    session = lowering_session(linformer.onnx_lowering(s, options, 20), rank)
     module = linformer.torch_module(s, options)
     lead = (2, 3) if rank == 4 else (4,)
     for n in (5, 16, 17, 40, 64):
@@ -115,7 +77,7 @@ def test_onnx_without_key_padding_accepts_a_scalar_like_keep(projection):
     s = site(mask=MaskKind.NONE)
     lowering = linformer.onnx_lowering(s, options, 20)
     q, k, v, _ = inputs(20, pad=False)
-    session = onnx_session(lowering, 4, keep_rank=2)
+    session = lowering_session(lowering, 4, keep_rank=2)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
     assert rel_err(out, run_torch(linformer.torch_module(s, options), q, k, v, None)) < 1e-5
 
@@ -130,7 +92,7 @@ def test_identity_projection_with_k_equal_n_is_softmax_attention():
     assert (
         rel_err(run_torch(linformer.torch_module(site(), options), q, k, v, keep), expected) < 1e-6
     )
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-6
 
 
@@ -138,7 +100,7 @@ def test_pool_with_k_equal_n_is_softmax_attention():
     n = 24  # one key per segment; padded keys' segments are left out of the softmax
     options = linformer.Options(proj_dim=n, projection="pool")
     q, k, v, keep = inputs(n)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     assert (
         rel_err(
             session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0],
@@ -151,7 +113,7 @@ def test_pool_with_k_equal_n_is_softmax_attention():
 @pytest.mark.parametrize("projection", ["gaussian", "learned", "pool"])
 def test_short_sequences_are_exact_and_longer_ones_are_not(projection):
     options = linformer.Options(proj_dim=16, projection=projection, max_len=64)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     for n in (3, 16):
         q, k, v, keep = inputs(n)
         assert (
@@ -174,7 +136,7 @@ def test_short_sequences_are_exact_and_longer_ones_are_not(projection):
 @pytest.mark.parametrize("projection", linformer.PROJECTIONS)
 def test_padded_keys_do_not_contribute(projection):
     options = linformer.Options(proj_dim=8, projection=projection, max_len=64)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     q, k, v, keep = inputs(40)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     garbage = np.random.default_rng(1).standard_normal(k.shape).astype(np.float32) * 100
@@ -187,7 +149,7 @@ def test_padded_keys_do_not_contribute(projection):
 def test_right_padding_gives_the_unpadded_result(projection):
     # Kept keys meet the same rows of E whether or not padding follows them.
     options = linformer.Options(proj_dim=8, projection=projection, max_len=64)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     q, k, v, _ = inputs(30, lead=(1, 2), pad=False)
     keep_all = np.ones((1, 1, 30, 1), np.float32)
     unpadded = session.run(None, dict(q=q, k=k, v=v, key_keep=keep_all))[0]
@@ -212,13 +174,13 @@ def test_pool_averages_kept_keys_per_segment():
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     expected = (weights / weights.sum(-1, keepdims=True)) @ values
     options = linformer.Options(proj_dim=3, projection="pool")
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0][0, 0], expected) < 1e-6
 
 
 def test_all_keys_padded_gives_zeros_not_nan():
     options = linformer.Options(proj_dim=4, projection="gaussian", max_len=64)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     q, k, v, keep = inputs(10)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.zeros_like(keep)))[0]
     assert np.array_equal(out, np.zeros_like(out))
@@ -226,7 +188,7 @@ def test_all_keys_padded_gives_zeros_not_nan():
 
 def test_sequence_past_max_len_fails_with_a_readable_message():
     options = linformer.Options(proj_dim=4, projection="gaussian", max_len=12)
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     q, k, v, keep = inputs(12)
     session.run(None, dict(q=q, k=k, v=v, key_keep=keep))  # max_len itself runs
     q, k, v, keep = inputs(13)
@@ -238,7 +200,7 @@ def test_sequence_past_max_len_fails_with_a_readable_message():
 
 def test_pool_runs_for_any_length():
     options = linformer.Options(proj_dim=8, projection="pool")
-    session = onnx_session(linformer.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     module = linformer.torch_module(site(), options)
     for n in (1, 9, 31, 100):  # k does not divide N
         q, k, v, _ = inputs(n, pad=False)
@@ -254,7 +216,7 @@ def test_pool_runs_for_any_length():
 
 def test_fp16_inputs_compute_in_fp32_and_return_fp16():
     options = linformer.Options(proj_dim=8, projection="gaussian", max_len=64)
-    session = onnx_session(
+    session = lowering_session(
         linformer.onnx_lowering(site(), options, 20), 4, dtype=onnx.TensorProto.FLOAT16
     )
     q, k, v, keep = inputs(30)
@@ -329,58 +291,6 @@ def test_registered_and_options_parse_from_strings():
 
 # --- whole models, through the ONNX frontend -------------------------------------------------
 
-SAMPLE_BERT = (
-    Path(__file__).resolve().parents[1] / "samples" / "tiny_bert.onnx"
-)  # 2 layers, 4 heads
-
-
-def text_feed(n: int, vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    mask = np.ones((2, n), np.int64)
-    mask[1, n - 2 :] = 0  # the second row padded
-    return {"input_ids": rng.integers(0, vocab, (2, n)), "attention_mask": mask}
-
-
-def sites_of(model: onnx.ModelProto) -> list[dict]:
-    return json.loads({p.key: p.value for p in model.metadata_props}[METADATA_KEY])["sites"]
-
-
-def export_tiny_gpt2(path: Path) -> None:
-    from transformers import GPT2Config, GPT2Model
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    feed = {name: torch.from_numpy(x) for name, x in text_feed(8, 100).items()}
-    dynamic = {0: "batch", 1: "sequence"}
-    torch.onnx.export(
-        LastHiddenState(GPT2Model(config).eval()),
-        (feed["input_ids"], feed["attention_mask"]),
-        path,
-        dynamo=False,
-        opset_version=18,
-        input_names=["input_ids", "attention_mask"],
-        output_names=["out"],
-        dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "out": dynamic},
-    )
-
-
 @pytest.mark.parametrize(
     "options, op_type",
     [
@@ -391,7 +301,7 @@ def export_tiny_gpt2(path: Path) -> None:
 def test_exported_bert_rewrites_and_runs(options, op_type):
     original = onnx.load(SAMPLE_BERT)
     model = attnrewrite.rewrite(original, to="linformer", **options)
-    sites = sites_of(model)
+    sites = read_record(model)["sites"]
     assert len(sites) == 2 and all(
         s["status"] == "rewritten" and s["replacement"] == op_type for s in sites
     )
@@ -407,11 +317,10 @@ def test_exported_bert_rewrites_and_runs(options, op_type):
             assert np.abs(out - expected).max() > 1e-4, n
 
 
-def test_exported_gpt2_causal_sites_are_skipped_with_the_reason(tmp_path):
-    export_tiny_gpt2(tmp_path / "gpt2.onnx")
-    original = onnx.load(tmp_path / "gpt2.onnx")
+def test_exported_gpt2_causal_sites_are_skipped_with_the_reason(exports):
+    original = exports.get("gpt2-eager", "legacy").load()
     model = attnrewrite.rewrite(original, to="linformer")
-    sites = sites_of(model)
+    sites = read_record(model)["sites"]
     assert len(sites) == 2
     for s in sites:
         assert s["mask"].startswith("causal") and s["status"] == "skipped"
@@ -421,31 +330,10 @@ def test_exported_gpt2_causal_sites_are_skipped_with_the_reason(tmp_path):
     assert not any(node.domain == "attnrewrite" for node in model.graph.node)
 
 
-def exported_tiny_bert():
-    """(model, ExportedProgram) of a 2-layer eager BERT traced at batch 2, 24 tokens."""
-    from transformers import BertConfig, BertModel
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, attn_implementation="eager",
-    )  # fmt: skip
-    model = LastHiddenState(BertModel(config, add_pooling_layer=False)).eval()
-    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100).values())
-    return model, torch.export.export(model, args)
-
-
-def test_fx_rewrite_of_bert():
-    model, program = exported_tiny_bert()
-    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100, seed=1).values())
+def test_fx_rewrite_of_bert(exports):
+    model = exports.module("bert-eager")  # 2 layers of eager attention, traced at 24 tokens
+    program = torch.export.export(model, text_args(24))
+    args = text_args(24, seed=1)
     with torch.no_grad():
         expected = model(*args)
         exact = attnrewrite.rewrite(program, to="linformer", proj_dim=24)  # N <= k

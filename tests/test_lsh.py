@@ -7,55 +7,22 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from attention_graphs import lowering_session
+from conftest import read_record
+from models import SAMPLE_BERT, text_args, text_feed
 
 import attnrewrite
-from attnrewrite.record import METADATA_KEY
 from attnrewrite.site import AttentionSite, MaskKind
 from passes import OptionError, get_pass, lsh, make_options
 
 SCALE = 0.3
 D, DV = 8, 6
-
-
-def onnx_session(lowering, rank: int, keep_rank=None):
-    """One attnrewrite node reading graph inputs q, k, v (rank ``rank``), key_keep (rank
-    ``keep_rank``, default ``rank``), every dim dynamic, and the lowering's constants as
-    initializers."""
-    names = list(lowering.constants)
-    node = helper.make_node(
-        lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
-    )
-
-    def value(name, rank=rank):
-        return helper.make_tensor_value_info(
-            name, onnx.TensorProto.FLOAT, [f"{name}{i}" for i in range(rank)]
-        )
-
-    graph = helper.make_graph(
-        [node],
-        "attention",
-        [value("q"), value("k"), value("v"), value("key_keep", keep_rank or rank)],
-        [value("out")],
-        initializer=[
-            numpy_helper.from_array(array, name) for name, array in lowering.constants.items()
-        ],
-    )
-    model = helper.make_model(
-        graph,
-        functions=lowering.functions,
-        ir_version=10,
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)],
-    )
-    onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def inputs(n: int, lead=(2, 3), nq=None, pad=True, seed=0):
@@ -147,7 +114,7 @@ def test_onnx_matches_torch_for_every_length(mask, config):
     n_buckets, n_hashes, chunk, dedup = config
     options = lsh.Options(n_buckets=n_buckets, n_hashes=n_hashes, chunk=chunk, dedup=dedup, seed=1)
     s = site(mask)
-    session = onnx_session(lsh.onnx_lowering(s, options, 20), 4)
+    session = lowering_session(lsh.onnx_lowering(s, options, 20), 4)
     module = lsh.torch_module(s, options)
     for n in (1, 9, 33):  # below, at odd multiples of, and not dividing the chunk
         nq = n if mask.causal else n + 2  # non-causal: queries and keys may differ in number
@@ -160,7 +127,7 @@ def test_onnx_matches_torch_for_every_length(mask, config):
 def test_onnx_runs_rank_3_with_a_keep_all_tensor():
     options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
     s = site(MaskKind.CAUSAL, rank=3)
-    session = onnx_session(lsh.onnx_lowering(s, options, 20), 3, keep_rank=2)
+    session = lowering_session(lsh.onnx_lowering(s, options, 20), 3, keep_rank=2)
     q, k, v, _ = inputs(21, lead=(5,), pad=False)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
     assert rel_err(out, run_torch(lsh.torch_module(s, options), q, k, v, None)) < 1e-5
@@ -176,7 +143,7 @@ def test_one_bucket_and_one_chunk_is_softmax_attention(mask, n_hashes, dedup):
     q, k, v, keep = inputs(n, pad=mask.key_padding)
     expected = softmax_attention(q, k, v, keep, causal=mask.causal)
     assert rel_err(run_torch(lsh.torch_module(site(mask), options), q, k, v, keep), expected) < 1e-5
-    session = onnx_session(lsh.onnx_lowering(site(mask), options, 20), 4)
+    session = lowering_session(lsh.onnx_lowering(site(mask), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-5
 
 
@@ -252,7 +219,7 @@ def test_hash_depends_on_direction_only():
 
 def test_padded_keys_do_not_contribute():
     options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
-    session = onnx_session(lsh.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(lsh.onnx_lowering(site(), options, 20), 4)
     q, k, v, keep = inputs(30)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     garbage = np.random.default_rng(1).standard_normal(k.shape).astype(np.float32) * 100
@@ -263,7 +230,7 @@ def test_padded_keys_do_not_contribute():
 
 def test_causal_rows_ignore_later_values_and_the_first_row_is_exact():
     options = lsh.Options(n_buckets=8, n_hashes=2, chunk=4)
-    session = onnx_session(lsh.onnx_lowering(site(MaskKind.CAUSAL), options, 20), 4)
+    session = lowering_session(lsh.onnx_lowering(site(MaskKind.CAUSAL), options, 20), 4)
     q, k, v, keep = inputs(30, pad=False)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     later = v.copy()
@@ -276,7 +243,7 @@ def test_causal_rows_ignore_later_values_and_the_first_row_is_exact():
 
 def test_row_without_a_visible_key_is_zero_not_nan():
     options = lsh.Options(n_buckets=4, n_hashes=2, chunk=4)
-    session = onnx_session(lsh.onnx_lowering(site(), options, 20), 4)
+    session = lowering_session(lsh.onnx_lowering(site(), options, 20), 4)
     q, k, v, keep = inputs(12)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.zeros_like(keep)))[0]
     assert np.array_equal(out, np.zeros_like(out))
@@ -291,13 +258,14 @@ def test_runs_where_the_attention_matrix_would_not_fit():
         import json, resource, sys, time
         import numpy as np, onnxruntime as ort
         sys.path.insert(0, sys.argv[1])
-        from test_lsh import onnx_session, site
+        from attention_graphs import lowering_session
+        from test_lsh import site
         from attnrewrite.site import MaskKind
         from passes import lsh
         n = 40000
         options = lsh.Options(n_buckets=64, n_hashes=2, chunk=32)
         lowering = lsh.onnx_lowering(site(MaskKind.CAUSAL, head_dim=16), options, 20)
-        session = onnx_session(lowering, 4, keep_rank=2)
+        session = lowering_session(lowering, 4, keep_rank=2)
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, n, 16)).astype(np.float32) for _ in range(3))
         start = time.perf_counter()
@@ -347,58 +315,6 @@ def test_rotations_are_seeded_constants_shared_by_both_lowerings():
 
 # --- whole models, through the ONNX frontend -------------------------------------------------
 
-SAMPLE_BERT = (
-    Path(__file__).resolve().parents[1] / "samples" / "tiny_bert.onnx"
-)  # 2 layers, 4 heads
-
-
-def text_feed(n: int, vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    mask = np.ones((2, n), np.int64)
-    mask[1, n - 2 :] = 0  # the second row padded
-    return {"input_ids": rng.integers(0, vocab, (2, n)), "attention_mask": mask}
-
-
-def sites_of(model: onnx.ModelProto) -> list[dict]:
-    return json.loads({p.key: p.value for p in model.metadata_props}[METADATA_KEY])["sites"]
-
-
-def export_tiny_gpt2(path: Path) -> None:
-    from transformers import GPT2Config, GPT2Model
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    feed = {name: torch.from_numpy(x) for name, x in text_feed(8, 100).items()}
-    dynamic = {0: "batch", 1: "sequence"}
-    torch.onnx.export(
-        LastHiddenState(GPT2Model(config).eval()),
-        (feed["input_ids"], feed["attention_mask"]),
-        path,
-        dynamo=False,
-        opset_version=18,
-        input_names=["input_ids", "attention_mask"],
-        output_names=["out"],
-        dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "out": dynamic},
-    )
-
-
 def check_rewritten_model(original, vocab, op_type, exact_options, lengths=(5, 13, 40)):
     """Approximate options rewrite every site and run; degenerate ones leave the model's
     outputs as they were."""
@@ -406,7 +322,7 @@ def check_rewritten_model(original, vocab, op_type, exact_options, lengths=(5, 1
     approximate = attnrewrite.rewrite(original, to="lsh", n_buckets=4, n_hashes=2, chunk=4)
     exact = attnrewrite.rewrite(original, to="lsh", **exact_options)
     for model in (approximate, exact):
-        sites = sites_of(model)
+        sites = read_record(model)["sites"]
         assert len(sites) == 2 and all(
             s["status"] == "rewritten" and s["replacement"] == op_type for s in sites
         )
@@ -432,35 +348,18 @@ def test_exported_bert_rewrites_and_runs():
     )
 
 
-def test_exported_gpt2_rewrites_to_causal_lsh_and_runs(tmp_path):
-    export_tiny_gpt2(tmp_path / "gpt2.onnx")
-    original = onnx.load(tmp_path / "gpt2.onnx")
+def test_exported_gpt2_rewrites_to_causal_lsh_and_runs(exports):
+    original = exports.get("gpt2-eager", "legacy").load()
     assert [s.mask for s in attnrewrite.find_sites(original)] == [MaskKind.CAUSAL_KEY_PADDING] * 2
     check_rewritten_model(
         original, 100, "attnrewrite.CausalLSHAttention", dict(n_buckets=1, n_hashes=1, chunk=40)
     )
 
 
-def test_fx_rewrite_of_gpt2_with_one_bucket_keeps_outputs():
-    from transformers import GPT2Config, GPT2Model
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-        eos_token_id=0, attn_implementation="eager",
-    )  # fmt: skip
-    model = LastHiddenState(GPT2Model(config).eval())
-    trace_args = tuple(torch.from_numpy(x) for x in text_feed(24, 100).values())
-    program = torch.export.export(model, trace_args)
-    args = tuple(torch.from_numpy(x) for x in text_feed(24, 100, seed=1).values())
+def test_fx_rewrite_of_gpt2_with_one_bucket_keeps_outputs(exports):
+    model = exports.module("gpt2-eager")  # 2 layers of eager causal attention
+    program = torch.export.export(model, text_args(24))
+    args = text_args(24, seed=1)
     with torch.no_grad():
         expected = model(*args)
         exact = attnrewrite.rewrite(program, to="lsh", n_buckets=1, n_hashes=2, chunk=24)
