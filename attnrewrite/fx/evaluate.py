@@ -7,24 +7,33 @@ triangle or a key-padding pattern.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 
-def ancestors(target: Node, stop=lambda node: False) -> list[Node]:
-    """target and every node it depends on, in graph order; ``stop`` nodes are not entered."""
+def walk(
+    start: Node, inputs: Callable[[Node], Iterable[Node]] = lambda node: node.all_input_nodes
+) -> Iterator[Node]:
+    """start and every node reached from it through ``inputs`` (default: all its input nodes),
+    each once, depth first. ``inputs(node)`` is called after ``node`` is yielded and before the
+    next one is, so the caller may stop early or record what it saw on the way."""
     seen: set[Node] = set()
-    stack = [target]
+    stack = [start]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if not stop(node):
-            stack.extend(node.all_input_nodes)
+        yield node
+        stack.extend(inputs(node))
+
+
+def ancestors(target: Node, stop=lambda node: False) -> list[Node]:
+    """target and every node it depends on, in graph order; ``stop`` nodes are not entered."""
+    seen = set(walk(target, lambda node: () if stop(node) else node.all_input_nodes))
     order = {node: i for i, node in enumerate(target.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
@@ -73,18 +82,11 @@ def _in_place(node: Node) -> bool:
 
 def constant_value(gm: GraphModule, target: Node, max_nodes: int = 32) -> torch.Tensor | None:
     """The value of a small computation that reads no input and no trainable parameter."""
-    seen: set[Node] = set()
-    stack = [target]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if len(seen) > max_nodes or node.op in ("placeholder", "call_module", "output"):
+    for count, node in enumerate(walk(target), start=1):
+        if count > max_nodes or node.op in ("placeholder", "call_module", "output"):
             return None
         if node.op == "get_attr" and isinstance(fetch_attr(gm, node.target), torch.nn.Parameter):
             return None
-        stack.extend(node.all_input_nodes)
     try:
         with torch.no_grad():
             return run_slice(gm, target, {})

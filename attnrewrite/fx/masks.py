@@ -111,22 +111,19 @@ class _Inputs:
 def _mask_inputs(facts: GraphFacts, mask: Node) -> _Inputs:
     data: list[Node] = []
     shape_only: list[Node] = []
-    read_for_values: set[Node] = set()
-    stack = [mask]
-    while stack:
-        node = stack.pop()
-        if node in read_for_values:
-            continue
-        read_for_values.add(node)
+
+    def values_read(node: Node) -> list[Node]:
+        """The nodes whose values ``node`` reads; inputs and shape reads are recorded."""
         if node.op == "placeholder":
             data.append(node)
-            continue
+            return []
         source = ops.shape_only_source(node)
         if source is not None:
             shape_only.append(source)
-            stack.extend(n for n in node.all_input_nodes if n is not source)
-            continue
-        stack.extend(node.all_input_nodes)
+            return [n for n in node.all_input_nodes if n is not source]
+        return node.all_input_nodes
+
+    read_for_values = set(evaluate.walk(mask, values_read))
     # a node also read for its values is computed (or probed), not made up
     return _Inputs(data, [n for n in dict.fromkeys(shape_only) if n not in read_for_values])
 
