@@ -168,3 +168,40 @@ def test_attention_operator(causal, with_mask, mask, method):
     with torch.no_grad():
         expected = module(q, k, v, key_keep).numpy()
     assert relative_error(run_onnx(out, feeds), expected) < TOLERANCE
+
+
+# --- the approximating methods on the same exports ----------------------------------------------
+
+# Settings small enough that the approximation is really exercised at the parity inputs' 11
+# tokens (linformer projects to 4 keys, lsh sorts into 4 buckets of 4-position chunks).
+APPROXIMATING = {
+    "favor": {"features": 32},
+    "linformer": {"proj_dim": 4},
+    "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
+}
+
+
+@pytest.mark.parametrize("method", APPROXIMATING)
+@pytest.mark.parametrize("name, exporter, dynamic", CASES)
+def test_approximating_methods_rewrite_and_match_their_torch_reference(exports, name, exporter, dynamic, method):
+    export = exported(exports, name, exporter, dynamic)
+    spec = export.spec
+    options = APPROXIMATING[method]
+    model = attnrewrite.rewrite(export.load(), to=method, **options)
+    record = read_record(model)
+
+    method_pass = passes.get_pass(method)
+    if method == "linformer" and "causal" in spec.mask:  # projections mix future keys into the past
+        assert record["sites_rewritten"] == 0
+        reason = method_pass.supports(attnrewrite.find_sites(export.load())[0], method_pass.Options())
+        assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", reason)] * spec.layers
+        assert "causal" in reason
+        return
+    assert record["sites_rewritten"] == spec.layers
+    # (linformer and lsh keep a softmax inside their function bodies: over k or 2*chunk keys)
+    assert not {n.op_type for n in model.graph.node} & {"Softmax", "Attention"}
+
+    inputs = export.parity_inputs()
+    expected, state = torch_reference(export, method, inputs, options=passes.make_options(method_pass, **options))
+    assert state["calls"] == spec.layers
+    assert relative_error(run_onnx(model, inputs), expected) < TOLERANCE
