@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,10 +72,13 @@ class BenchConfig:
     threads: int | None = None
     repeats: int = DEFAULT_REPEATS
     warmup: int = DEFAULT_WARMUP
+    # Fresh processes per (model, N), their runs pooled: one process's speed varies by several
+    # percent with where its memory lands, more than the differences some comparisons need.
+    trials: int = 1
 
     def __post_init__(self):
-        if self.repeats < 1 or self.warmup < 0 or self.batch < 1 or self.budget_seconds <= 0:
-            raise AttnRewriteError("bench needs repeats >= 1, warmup >= 0, batch >= 1 and a positive time budget")
+        if self.repeats < 1 or self.warmup < 0 or self.batch < 1 or self.trials < 1 or self.budget_seconds <= 0:
+            raise AttnRewriteError("bench needs repeats >= 1, warmup >= 0, batch >= 1, trials >= 1 and a positive time budget")
         if self.budget_gb is not None and self.budget_gb <= 0:
             raise AttnRewriteError("--budget-gb must be positive")
         if not self.lengths or min(self.lengths) < 1:
@@ -164,7 +168,8 @@ class BenchResult:
         lines = [
             f"{self.config.model}: {self.sites} attention sites -> {self.config.method}; "
             f"{self.config.provider}{' fp16' if self.config.fp16 else ''}, batch {self.config.batch}, "
-            f"threads {self.config.threads or 'default'}, median of {self.config.repeats} after {self.config.warmup} warm-up",
+            f"threads {self.config.threads or 'default'}, median of {self.config.repeats * self.config.trials} runs "
+            f"({self.config.trials} process{'es' if self.config.trials > 1 else ''} x {self.config.repeats} after {self.config.warmup} warm-up)",
             format_table(header, rows),
         ]
         lines += [f"{label[v]}: stopped: {why}" for v, why in self.stopped.items()]
@@ -219,23 +224,44 @@ def sweep(
     progress = progress or Progress(sys.stderr)
     measurements: list[Measurement] = []
     stopped: dict[str, str] = {}
-    total = len(config.lengths) * len(runners)
-    for i, n in enumerate(config.lengths):
+    total = len(config.lengths) * len(runners) * config.trials
+    step = 0
+    for n in config.lengths:
         inputs = inputs_for(n)
-        for j, (label, runner) in enumerate(runners.items()):
-            if label in stopped:
-                continue
-            progress.step(i * len(runners) + j, total, f"{label} N={n}")
-            m = runner(n, inputs)
-            m.variant = label
-            measurements.append(m)
-            why = stop_reason(m, config)
-            if why:
-                stopped[label] = why
-                progress.note(f"{label}: series stopped: {why}")
+        trials: dict[str, list[Measurement]] = defaultdict(list)
+        for trial in range(config.trials):  # round-robin, so drifts hit every runner alike
+            for label, runner in runners.items():
+                step += 1
+                if label in stopped:
+                    continue
+                progress.step(step - 1, total, f"{label} N={n}" + (f" (trial {trial + 1})" if config.trials > 1 else ""))
+                m = runner(n, inputs)
+                m.variant = label
+                trials[label].append(m)
+                why = stop_reason(m, config)
+                if why:
+                    stopped[label] = why
+                    progress.note(f"{label}: series stopped: {why}")
+        measurements += [pool(ms) for ms in trials.values()]
         inputs.unlink(missing_ok=True)
     progress.done(total)
     return measurements, stopped
+
+
+def pool(trials: list[Measurement]) -> Measurement:
+    """One measurement from several processes: every timed run, the largest peak; a trial that
+    went over budget or failed stands for the whole."""
+    bad = next((m for m in trials if m.status != "ok"), None)
+    if bad is not None:
+        return bad
+    first = trials[0]
+    return dataclasses.replace(
+        first,
+        times_s=[t for m in trials for t in m.times_s],
+        peak_rss_bytes=max((m.peak_rss_bytes for m in trials if m.peak_rss_bytes is not None), default=None),
+        loaded_rss_bytes=min((m.loaded_rss_bytes for m in trials if m.loaded_rss_bytes is not None), default=None),
+        gpu_memory_bytes=max((m.gpu_memory_bytes for m in trials if m.gpu_memory_bytes is not None), default=None),
+    )
 
 
 def onnx_runner(model: Path, config: BenchConfig) -> Runner:

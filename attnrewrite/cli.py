@@ -102,6 +102,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=parse_positive, default=None, help="onnxruntime intra-op threads")
     parser.add_argument("--repeats", type=parse_positive, default=bench.DEFAULT_REPEATS, help="timed runs after warm-up (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=bench.DEFAULT_WARMUP, help="untimed runs first (default: %(default)s)")
+    parser.add_argument("--trials", type=parse_positive, default=1, help="fresh processes per configuration, runs pooled (default: 1)")
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and memory vs length (needs matplotlib)")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
@@ -279,6 +280,7 @@ def _bench_command(args) -> int:
         model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths,
         batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
         provider=args.provider, fp16=args.fp16, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+        trials=args.trials,
     )
     result = bench.run(config)
     print(result.table())

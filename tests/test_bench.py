@@ -190,3 +190,11 @@ def test_unwritable_json_is_refused_before_the_sweep(tmp_path, capsys):
     assert code == 2
     assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
     assert "bench [" not in err  # nothing was measured
+
+
+def test_trials_pool_the_runs_of_fresh_processes():
+    result = bench.run(_config(lengths=[16], trials=2))
+    assert len(result.measurements) == 3
+    for m in result.measurements:
+        assert m.status == "ok" and len(m.times_s) == 2  # one timed run from each process
+    assert "median of 2 runs (2 processes x 1 after 1 warm-up)" in result.table()
