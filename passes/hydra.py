@@ -15,7 +15,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
-from passes._torch import Module, torch
+from passes._torch import Module
 
 NAME = "hydra"
 
