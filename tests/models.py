@@ -619,6 +619,21 @@ def op_counts(model: onnx.ModelProto) -> collections.Counter:
     return collections.Counter((n.domain or "", n.op_type) for n in nodes)
 
 
+def exact_attention(q, k, v, keep, scale: float, causal: bool = False) -> np.ndarray:
+    """softmax(scale * q k^T) v over numpy arrays, keys with keep == 0 ([..., Nk, 1]) left out."""
+    logits = scale * torch.as_tensor(q) @ torch.as_tensor(k).transpose(-2, -1)
+    hidden = torch.as_tensor(keep).transpose(-2, -1) == 0
+    if causal:
+        hidden = hidden | torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1)
+    return (torch.softmax(logits.masked_fill(hidden, float("-inf")), -1) @ torch.as_tensor(v)).numpy()
+
+
+def run_pass_module(module, q, k, v, keep) -> np.ndarray:
+    """A pass's torch module on numpy q, k, v, key_keep (None for no mask)."""
+    with torch.no_grad():
+        return module(*(None if x is None else torch.from_numpy(x) for x in (q, k, v, keep))).numpy()
+
+
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     """max |actual - expected| / max |expected|."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)

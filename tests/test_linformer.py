@@ -9,7 +9,8 @@ import pytest
 import torch
 from attention_graphs import lowering_session
 from conftest import read_record
-from models import SAMPLE_BERT, text_args, text_feed
+from models import SAMPLE_BERT, exact_attention, run_pass_module, text_args, text_feed
+from models import relative_error as rel_err
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
@@ -32,23 +33,6 @@ def inputs(n: int, lead=(2, 3), nq=None, pad=True, seed=0):
     return q, k, v, keep
 
 
-def softmax_attention(q, k, v, keep, scale=SCALE):
-    logits = scale * torch.as_tensor(q) @ torch.as_tensor(k).transpose(-2, -1)
-    logits = logits.masked_fill(torch.as_tensor(keep).transpose(-2, -1) == 0, float("-inf"))
-    return (torch.softmax(logits, -1) @ torch.as_tensor(v)).numpy()
-
-
-def run_torch(module, q, k, v, keep):
-    with torch.no_grad():
-        return module(
-            *(None if x is None else torch.from_numpy(x) for x in (q, k, v, keep))
-        ).numpy()
-
-
-def rel_err(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def site(rank=4, mask=MaskKind.KEY_PADDING):
     return AttentionSite("layer0", scale=SCALE, mask=mask, rank=rank, head_dim=D, value_dim=DV)
 
@@ -67,7 +51,7 @@ def test_onnx_matches_torch_for_every_length(projection, share_kv, rank):
         q, k, v, keep = inputs(n, lead, nq=n + 3)
         out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
         assert out.shape == (*lead, n + 3, DV)
-        assert rel_err(out, run_torch(module, q, k, v, keep)) < 1e-5, n
+        assert rel_err(out, run_pass_module(module, q, k, v, keep)) < 1e-5, n
 
 
 @pytest.mark.parametrize("projection", ["gaussian", "pool"])
@@ -79,7 +63,7 @@ def test_onnx_without_key_padding_accepts_a_scalar_like_keep(projection):
     q, k, v, _ = inputs(20, pad=False)
     session = lowering_session(lowering, 4, keep_rank=2)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
-    assert rel_err(out, run_torch(linformer.torch_module(s, options), q, k, v, None)) < 1e-5
+    assert rel_err(out, run_pass_module(linformer.torch_module(s, options), q, k, v, None)) < 1e-5
 
 
 def test_identity_projection_with_k_equal_n_is_softmax_attention():
@@ -88,9 +72,9 @@ def test_identity_projection_with_k_equal_n_is_softmax_attention():
     n = 24
     options = linformer.Options(proj_dim=n, projection="identity", max_len=n, exact_if_short=False)
     q, k, v, keep = inputs(n)
-    expected = softmax_attention(q, k, v, keep)
+    expected = exact_attention(q, k, v, keep, SCALE)
     assert (
-        rel_err(run_torch(linformer.torch_module(site(), options), q, k, v, keep), expected) < 1e-6
+        rel_err(run_pass_module(linformer.torch_module(site(), options), q, k, v, keep), expected) < 1e-6
     )
     session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-6
@@ -104,7 +88,7 @@ def test_pool_with_k_equal_n_is_softmax_attention():
     assert (
         rel_err(
             session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0],
-            softmax_attention(q, k, v, keep),
+            exact_attention(q, k, v, keep, SCALE),
         )
         < 1e-6
     )
@@ -119,7 +103,7 @@ def test_short_sequences_are_exact_and_longer_ones_are_not(projection):
         assert (
             rel_err(
                 session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0],
-                softmax_attention(q, k, v, keep),
+                exact_attention(q, k, v, keep, SCALE),
             )
             < 1e-6
         )
@@ -127,7 +111,7 @@ def test_short_sequences_are_exact_and_longer_ones_are_not(projection):
     assert (
         rel_err(
             session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0],
-            softmax_attention(q, k, v, keep),
+            exact_attention(q, k, v, keep, SCALE),
         )
         > 1e-2
     )
@@ -195,7 +179,7 @@ def test_sequence_past_max_len_fails_with_a_readable_message():
     with pytest.raises(Exception, match="sequence_longer_than_max_len_12"):
         session.run(None, dict(q=q, k=k, v=v, key_keep=keep))
     with pytest.raises(ValueError, match="max_len 12"):
-        run_torch(linformer.torch_module(site(), options), q, k, v, keep)
+        run_pass_module(linformer.torch_module(site(), options), q, k, v, keep)
 
 
 def test_pool_runs_for_any_length():
@@ -208,7 +192,7 @@ def test_pool_runs_for_any_length():
         assert (
             rel_err(
                 session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0],
-                run_torch(module, q, k, v, keep),
+                run_pass_module(module, q, k, v, keep),
             )
             < 1e-5
         )
@@ -225,7 +209,7 @@ def test_fp16_inputs_compute_in_fp32_and_return_fp16():
         dict(q=q.astype(np.float16), k=k.astype(np.float16), v=v.astype(np.float16), key_keep=keep),
     )[0]
     assert out.dtype == np.float16
-    expected = run_torch(linformer.torch_module(site(), options), q, k, v, keep)
+    expected = run_pass_module(linformer.torch_module(site(), options), q, k, v, keep)
     assert rel_err(out.astype(np.float32), expected) < 1e-2
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from attention_graphs import lowering_session
 from conftest import read_record
-from models import SAMPLE_BERT, text_args, text_feed
+from models import SAMPLE_BERT, exact_attention, run_pass_module, text_args, text_feed
+from models import relative_error as rel_err
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
@@ -36,27 +37,6 @@ def inputs(n: int, lead=(2, 3), nq=None, pad=True, seed=0):
         for b in range(lead[0]):
             keep[b, ..., max(1, n - 1 - 3 * b) :, :] = 0.0
     return q, k, v, keep
-
-
-def softmax_attention(q, k, v, keep, causal=False, scale=SCALE):
-    logits = scale * torch.as_tensor(q) @ torch.as_tensor(k).transpose(-2, -1)
-    hidden = torch.as_tensor(keep).transpose(-2, -1) == 0
-    if causal:
-        hidden = hidden | torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1)
-    return (
-        torch.softmax(logits.masked_fill(hidden, float("-inf")), -1) @ torch.as_tensor(v)
-    ).numpy()
-
-
-def run_torch(module, q, k, v, keep):
-    with torch.no_grad():
-        return module(
-            *(None if x is None else torch.from_numpy(x) for x in (q, k, v, keep))
-        ).numpy()
-
-
-def rel_err(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def site(mask=MaskKind.KEY_PADDING, rank=4, head_dim=D, scale=SCALE):
@@ -121,7 +101,7 @@ def test_onnx_matches_torch_for_every_length(mask, config):
         q, k, v, keep = inputs(n, nq=nq, pad=mask.key_padding, seed=n)
         out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
         assert out.shape == (2, 3, nq, DV)
-        assert rel_err(out, run_torch(module, q, k, v, keep)) < 1e-5, n
+        assert rel_err(out, run_pass_module(module, q, k, v, keep)) < 1e-5, n
 
 
 def test_onnx_runs_rank_3_with_a_keep_all_tensor():
@@ -130,7 +110,7 @@ def test_onnx_runs_rank_3_with_a_keep_all_tensor():
     session = lowering_session(lsh.onnx_lowering(s, options, 20), 3, keep_rank=2)
     q, k, v, _ = inputs(21, lead=(5,), pad=False)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
-    assert rel_err(out, run_torch(lsh.torch_module(s, options), q, k, v, None)) < 1e-5
+    assert rel_err(out, run_pass_module(lsh.torch_module(s, options), q, k, v, None)) < 1e-5
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
@@ -141,8 +121,8 @@ def test_one_bucket_and_one_chunk_is_softmax_attention(mask, n_hashes, dedup):
     n = 40
     options = lsh.Options(n_buckets=1, n_hashes=n_hashes, chunk=n, dedup=dedup)
     q, k, v, keep = inputs(n, pad=mask.key_padding)
-    expected = softmax_attention(q, k, v, keep, causal=mask.causal)
-    assert rel_err(run_torch(lsh.torch_module(site(mask), options), q, k, v, keep), expected) < 1e-5
+    expected = exact_attention(q, k, v, keep, SCALE, causal=mask.causal)
+    assert rel_err(run_pass_module(lsh.torch_module(site(mask), options), q, k, v, keep), expected) < 1e-5
     session = lowering_session(lsh.onnx_lowering(site(mask), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-5
 
@@ -152,11 +132,11 @@ def test_one_bucket_and_one_chunk_is_softmax_attention(mask, n_hashes, dedup):
 def test_matches_the_definition_written_with_loops(mask, dedup):
     options = lsh.Options(n_buckets=4, n_hashes=3, chunk=3, dedup=dedup, seed=2)
     q, k, v, keep = inputs(19, lead=(1, 1), pad=mask.key_padding, seed=3)
-    out = run_torch(lsh.torch_module(site(mask), options), q, k, v, keep)[0, 0]
+    out = run_pass_module(lsh.torch_module(site(mask), options), q, k, v, keep)[0, 0]
     one_head = (q[0, 0], k[0, 0], v[0, 0], keep[0, 0, :, 0], lsh.rotations(options, D), 4, 3)
     assert rel_err(out, lsh_by_definition(*one_head, mask.causal, dedup)) < 1e-5
     # Neither trivially exact nor blind to the counting:
-    assert rel_err(out, softmax_attention(q, k, v, keep, mask.causal)[0, 0]) > 1e-2
+    assert rel_err(out, exact_attention(q, k, v, keep, SCALE, causal=mask.causal)[0, 0]) > 1e-2
     assert rel_err(out, lsh_by_definition(*one_head, mask.causal, not dedup)) > 1e-3
 
 
