@@ -3,9 +3,12 @@
 A linearized attention approximates softmax attention, so the rewritten outputs differ; this
 module says by how much (DESIGN.md: fidelity is reported, never asserted as "equal"). Per
 output: the largest absolute difference, the relative error ||rewritten - original|| /
-||original||, the cosine similarity of the flattened outputs, and for logits-like outputs
-(float, rank >= 2, more than one entry on the last axis) the fraction of rows whose last-axis
-argmax agrees. Inputs are generated from the original's signature or read from a ``.npz``.
+||original||, and the cosine similarity PER EXAMPLE (each batch row, axis 0, over the flattened
+rest: mean, minimum and 5th percentile), since one example ruined is hidden by a mean over the
+batch. Cosine misleads on logits (a large shared offset keeps it near 1 while the argmax
+flips), so logits-like outputs (``is_logits_like``) also get the fraction of rows whose argmax
+agrees, the overlap of their top-5 classes and the KL divergence of the rewritten distribution
+from the original's. Inputs are generated from the original's signature or read from a ``.npz``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +26,18 @@ import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.inputs import generate_inputs, model_around
+from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.onnx.validate import make_session
 from attnrewrite.record import format_table
 
 DEFAULT_SEQ = 64
 DEFAULT_BATCH = 2
+TOP_K = 5
 
 
 class FidelityBelowThreshold(AttnRewriteError):
-    """--min-cosine was given and some output's cosine similarity is below it."""
+    """--min-cosine or --min-agreement was given and some output falls below it."""
 
 
 @dataclasses.dataclass
@@ -40,9 +46,16 @@ class OutputFidelity:
     shape: tuple[int, ...]
     max_abs_error: float
     relative_error: float
-    cosine: float
-    argmax_agreement: float | None  # None: not a logits-like output
-    nonfinite: int  # NaN/inf entries in the rewritten output where the original is finite
+    cosine_mean: float  # cosine per example (batch row): mean, minimum, 5th percentile
+    cosine_min: float
+    cosine_p5: float
+    logits_like: bool
+    # only for logits-like outputs, else None: per row (all axes but the last)
+    argmax_agreement: float | None = None  # fraction of rows whose argmax agrees
+    top5_overlap: float | None = None  # mean fraction of the original's top 5 the rewrite keeps
+    kl_mean: float | None = None  # KL(original || rewritten) in nats: mean and max over rows
+    kl_max: float | None = None
+    nonfinite: int = 0  # NaN/inf entries in the rewritten output where the original is finite
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "shape": list(self.shape)}
@@ -56,45 +69,79 @@ class CheckReport:
 
     @property
     def min_cosine(self) -> float:
-        # NaN sorts as the worst: a NaN cosine must never pass a gate
-        return min((o.cosine if not math.isnan(o.cosine) else -math.inf for o in self.outputs), default=1.0)
+        """The smallest per-example cosine of any output: what --min-cosine gates on."""
+        return min((_worst_first(o.cosine_min) for o in self.outputs), default=1.0)
+
+    @property
+    def min_agreement(self) -> float | None:
+        """The smallest argmax agreement of any logits-like output (None: there is none)."""
+        return min((_worst_first(o.argmax_agreement) for o in self._logits()), default=None)
 
     def worst(self) -> OutputFidelity:
-        return min(self.outputs, key=lambda o: o.cosine if not math.isnan(o.cosine) else -math.inf)
+        return min(self.outputs, key=lambda o: _worst_first(o.cosine_min))
 
-    def gate(self, min_cosine: float | None) -> None:
-        """Raise FidelityBelowThreshold (one line) when an output's cosine is below ``min_cosine``."""
-        if min_cosine is None or not self.outputs or self.min_cosine >= min_cosine:
+    def gate(self, min_cosine: float | None = None, min_agreement: float | None = None) -> None:
+        """Raise FidelityBelowThreshold (one line) for the first output below a threshold."""
+        if min_cosine is not None and self.outputs and self.min_cosine < min_cosine:
+            worst = self.worst()
+            raise FidelityBelowThreshold(
+                f"fidelity gate failed: output {worst.name!r} has per-example cosine min "
+                f"{worst.cosine_min:.6f} < --min-cosine {min_cosine:g}"
+            )
+        if min_agreement is None:
             return
-        worst = self.worst()
-        raise FidelityBelowThreshold(
-            f"fidelity gate failed: output {worst.name!r} has cosine {worst.cosine:.6f} < --min-cosine {min_cosine:g}"
-        )
+        logits = self._logits()
+        if not logits:
+            # a gate that cannot look at anything must not pass silently
+            names = ", ".join(o.name for o in self.outputs)
+            raise AttnRewriteError(f"--min-agreement needs a logits-like output; none of the model's outputs ({names}) is one")
+        worst = min(logits, key=lambda o: _worst_first(o.argmax_agreement))
+        if _worst_first(worst.argmax_agreement) < min_agreement:
+            raise FidelityBelowThreshold(
+                f"fidelity gate failed: output {worst.name!r} has argmax agreement "
+                f"{worst.argmax_agreement:.4f} < --min-agreement {min_agreement:g}"
+            )
+
+    def _logits(self) -> list[OutputFidelity]:
+        return [o for o in self.outputs if o.logits_like]
 
     def table(self) -> str:
-        header = ("output", "shape", "max_abs_err", "rel_err", "cosine", "argmax_agree")
-        rows = [
-            (
-                o.name,
-                "x".join(map(str, o.shape)),
-                f"{o.max_abs_error:.3g}",
-                f"{o.relative_error:.3g}",
-                f"{o.cosine:.6f}",
-                "-" if o.argmax_agreement is None else f"{o.argmax_agreement:.4f}",
-            )
-            for o in self.outputs
-        ]
-        lines = [format_table(header, rows), f"inputs: {self.input_source}"]
+        header = ["output", "shape", "max_abs_err", "rel_err", "cos_mean", "cos_min", "cos_p5"]
+        with_logits = bool(self._logits())  # hidden states alone: no argmax columns at all
+        if with_logits:
+            header += ["argmax_agree", "top5", "kl_mean", "kl_max"]
+        rows = []
+        for o in self.outputs:
+            row = [
+                o.name, "x".join(map(str, o.shape)), f"{o.max_abs_error:.3g}", f"{o.relative_error:.3g}",
+                f"{o.cosine_mean:.6f}", f"{o.cosine_min:.6f}", f"{o.cosine_p5:.6f}",
+            ]
+            if with_logits:
+                row += ["-"] * 4 if not o.logits_like else [
+                    f"{o.argmax_agreement:.4f}", f"{o.top5_overlap:.4f}", f"{o.kl_mean:.3g}", f"{o.kl_max:.3g}",
+                ]
+            rows.append(tuple(row))
+        lines = [format_table(tuple(header), rows), f"inputs: {self.input_source}"]
         lines += [f"warning: {o.name}: {o.nonfinite} non-finite values in the rewritten output" for o in self.outputs if o.nonfinite]
         return "\n".join(lines)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, min_cosine: float | None = None, min_agreement: float | None = None) -> dict[str, Any]:
+        """The report as JSON: the gate's thresholds (None: not gated) apart from what was observed."""
         return {
             "inputs": self.inputs,
             "input_source": self.input_source,
-            "min_cosine": None if not self.outputs else _json_float(self.min_cosine),
+            "thresholds": {"min_cosine": min_cosine, "min_agreement": min_agreement},
+            "observed": {
+                "cosine_min": None if not self.outputs else _json_float(self.min_cosine),
+                "argmax_agreement_min": _json_float(self.min_agreement),
+            },
             "outputs": [{k: _json_float(v) for k, v in o.as_dict().items()} for o in self.outputs],
         }
+
+
+def _worst_first(value: float | None) -> float:
+    # NaN sorts as the worst: a NaN figure must never pass a gate
+    return -math.inf if value is None or math.isnan(value) else value
 
 
 # --- the numbers --------------------------------------------------------------------------------
@@ -106,17 +153,62 @@ def compare_outputs(name: str, original: np.ndarray, rewritten: np.ndarray) -> O
         raise AttnRewriteError(f"output {name!r} has shape {list(original.shape)} originally but {list(rewritten.shape)} rewritten")
     a = np.asarray(original, dtype=np.float64)
     b = np.asarray(rewritten, dtype=np.float64)
-    nonfinite = int(np.count_nonzero(np.isfinite(a) & ~np.isfinite(b)))
     diff = np.abs(a - b)
-    return OutputFidelity(
+    cosines = per_example_cosine(a, b)
+    fidelity = OutputFidelity(
         name=name,
         shape=tuple(original.shape),
         max_abs_error=float(diff.max()) if diff.size else 0.0,
         relative_error=_relative_error(a, b),
-        cosine=cosine_similarity(a, b),
-        argmax_agreement=argmax_agreement(original, rewritten),
-        nonfinite=nonfinite,
+        cosine_mean=float(np.mean(cosines)),
+        cosine_min=float(np.min(cosines)),
+        cosine_p5=float(np.percentile(cosines, 5)),
+        logits_like=is_logits_like(name, original),
+        nonfinite=int(np.count_nonzero(np.isfinite(a) & ~np.isfinite(b))),
     )
+    if fidelity.logits_like:
+        fidelity.argmax_agreement = argmax_agreement(a, b)
+        fidelity.top5_overlap = top_k_overlap(a, b, TOP_K)
+        probabilities = _are_probabilities(a, _sum_tolerance(original.dtype))  # decided on the original, applied to both
+        kl = kl_divergence(_log_distribution(a, probabilities), _log_distribution(b, probabilities))
+        fidelity.kl_mean, fidelity.kl_max = float(np.mean(kl)), float(np.max(kl))
+    return fidelity
+
+
+# Names decide first: hidden states are never logits, whatever their values.
+_HIDDEN_NAME = re.compile(r"hidden|pooler|embed|encoder_out|features", re.IGNORECASE)
+_LOGITS_NAME = re.compile(r"logit|log_?prob|score|prob", re.IGNORECASE)
+
+
+def is_logits_like(name: str, output: np.ndarray) -> bool:
+    """Whether the last axis of a float output holds a distribution over classes or tokens.
+
+    The rule: never for a name like ``last_hidden_state``, ``pooler_output``, ``hidden_states``,
+    ``*embed*`` or ``features``; otherwise yes when the name says ``logits``, ``log_prob``,
+    ``scores`` or ``probs``, or when the values say so: every row (all axes but the last) is a
+    probability distribution (non-negative, sums to 1) or log-probabilities (logsumexp 0).
+    Always at least two entries on the last axis, or there is nothing to choose between."""
+    if not np.issubdtype(output.dtype, np.floating) or output.ndim < 1 or output.shape[-1] < 2 or output.size == 0:
+        return False
+    if _HIDDEN_NAME.search(name):
+        return False
+    if _LOGITS_NAME.search(name):
+        return True
+    values = np.asarray(output, dtype=np.float64)
+    if not np.all(np.isfinite(values)):
+        return False
+    tolerance = _sum_tolerance(output.dtype)
+    if _are_probabilities(values, tolerance):
+        return True
+    return bool(np.all(values <= tolerance) and np.allclose(_logsumexp(values), 0.0, atol=tolerance))
+
+
+def per_example_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each batch row (axis 0) over the flattened rest; a rank-0/1 output
+    is one example."""
+    if a.ndim < 2:
+        return np.array([cosine_similarity(a, b)])
+    return np.array([cosine_similarity(x, y) for x, y in zip(a, b)]) if len(a) else np.array([1.0])
 
 
 def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
@@ -136,12 +228,49 @@ def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(norm_diff / norm_a)
 
 
-def argmax_agreement(original: np.ndarray, rewritten: np.ndarray) -> float | None:
-    """Fraction of rows (all axes but the last) whose last-axis argmax agrees; None when the
-    output is not logits-like (not float, rank < 2, or one entry per row)."""
-    if not np.issubdtype(original.dtype, np.floating) or original.ndim < 2 or original.shape[-1] < 2 or original.size == 0:
-        return None
+def argmax_agreement(original: np.ndarray, rewritten: np.ndarray) -> float:
+    """Fraction of rows (all axes but the last) whose last-axis argmax agrees."""
     return float(np.mean(np.argmax(original, axis=-1) == np.argmax(rewritten, axis=-1)))
+
+
+def top_k_overlap(original: np.ndarray, rewritten: np.ndarray, k: int) -> float:
+    """Mean over rows of |top-k(original) & top-k(rewritten)| / k (k at most the classes)."""
+    k = min(k, original.shape[-1])
+    top = [np.argpartition(-x.reshape(-1, x.shape[-1]), k - 1, axis=-1)[:, :k] for x in (original, rewritten)]
+    shared = [len(np.intersect1d(p, q)) for p, q in zip(*top)]
+    return float(np.mean(shared) / k)
+
+
+def kl_divergence(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row, from log-probabilities on the last axis; 0 log 0 counts as 0."""
+    p = np.exp(log_p)
+    terms = np.where(p > 0, p * (log_p - log_q), 0.0)
+    return terms.sum(axis=-1).reshape(-1)
+
+
+def _sum_tolerance(dtype: np.dtype) -> float:
+    return 1e-3 if dtype.itemsize >= 4 else 1e-2  # fp16/bf16 sums of a row round off
+
+
+def _are_probabilities(values: np.ndarray, tolerance: float) -> bool:
+    """Every row non-negative and summing to 1."""
+    return bool(np.all(values >= 0) and np.allclose(values.sum(axis=-1), 1.0, atol=tolerance))
+
+
+def _log_distribution(values: np.ndarray, probabilities: bool) -> np.ndarray:
+    """Log-probabilities from an output: probabilities are logged (after renormalizing),
+    logits and log-probabilities go through log-softmax (which keeps log-probabilities)."""
+    if probabilities:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(values / values.sum(axis=-1, keepdims=True))
+    return values - _logsumexp(values)[..., None]
+
+
+def _logsumexp(values: np.ndarray) -> np.ndarray:
+    peak = np.max(values, axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.log(np.sum(np.exp(values - peak), axis=-1)) + peak[..., 0]
 
 
 def _json_float(value):
@@ -161,22 +290,37 @@ class CheckInputs:
 
 
 def prepare_inputs(
-    graph: ir.Graph,
+    model: ir.Model | ir.Graph,
     inputs: str | os.PathLike | dict[str, np.ndarray] | None = None,
     *,
     seq: int = DEFAULT_SEQ,
     batch: int = DEFAULT_BATCH,
     seed: int = 0,
 ) -> CheckInputs:
-    """The inputs to compare on, for the model whose signature ``graph`` has: a ``.npz`` path
-    or a dict of arrays (checked against the signature), or by default generated from it
-    (``batch`` x ``seq`` for symbolic dims, token ids inside the vocabulary, masks with padding)."""
+    """The inputs to compare on, for the model whose signature ``model`` (or its graph) has: a
+    ``.npz`` path or a dict of arrays (checked against the signature), or by default generated
+    from it (``batch`` x ``seq`` for symbolic dims, token ids spanning the vocabulary, masks with
+    padding at the ends of rows and never a fully masked row)."""
+    graph = model.graph if isinstance(model, ir.Model) else model
     if inputs is None:
-        feeds = generate_inputs(graph, batch=batch, seq=seq, seed=seed)
-        return CheckInputs(feeds, f"generated (batch {batch}, seq {seq}, seed {seed})")
+        model = model if isinstance(model, ir.Model) else model_around(graph)
+        marked = inputs_marking_padding(model)
+        feeds = generate_inputs(graph, batch=batch, seq=seq, seed=seed, padding_marked_by_one=marked)
+        return CheckInputs(feeds, f"generated ({_generated_shapes(graph, feeds, seq)}seed {seed})")
     if isinstance(inputs, dict):
         return CheckInputs(_conform(inputs, graph, "the given inputs"), "given arrays")
     return CheckInputs(load_inputs(inputs, graph), str(inputs))
+
+
+def _generated_shapes(graph: ir.Graph, feeds: dict[str, np.ndarray], seq: int) -> str:
+    """What was fed, not what was asked for: a batch fixed at 1 in the model is batch 1, and
+    the sequence length only when some input has a symbolic length to take it."""
+    batches = sorted({a.shape[0] for a in feeds.values() if a.ndim >= 1})
+    said = f"batch {'/'.join(map(str, batches))}, " if batches else ""
+    inputs = [v for v in graph.inputs if v.name in feeds]
+    if any(not isinstance(dim, int) for v in inputs for dim in list(v.shape or [])[1:]):
+        said += f"seq {seq}, "
+    return said
 
 
 def check(
@@ -192,7 +336,7 @@ def check(
     """Run ``original`` and ``rewritten`` (paths or ``onnx_ir.Model``) on the same inputs and
     compare every output the original has, by name. ``inputs``: see ``prepare_inputs``."""
     if not isinstance(inputs, CheckInputs):
-        inputs = prepare_inputs(_as_ir(original).graph, inputs, seq=seq, batch=batch, seed=seed)
+        inputs = prepare_inputs(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
     feeds = inputs.feeds
     with _session(original, "the original model", threads) as session:
         expected = _run(session, feeds, "the original model")

@@ -54,13 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
     parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
     parser.add_argument("--check", action="store_true", help="compare the rewritten outputs with the original's before writing")
-    _add_fidelity_arguments(parser, gate_help="with --check: write nothing and fail if an output's cosine similarity is below X")
+    _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
     return parser
 
 
-def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate_help: str) -> None:
-    parser.add_argument("--min-cosine", type=parse_cosine, metavar="X", help=gate_help)
+def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
+    parser.add_argument(
+        "--min-cosine", type=parse_cosine, metavar="X",
+        help=f"{gate} if an output's cosine similarity is below X for any example (batch row): "
+        "the gate uses the per-example minimum",
+    )
+    parser.add_argument(
+        "--min-agreement", type=parse_fraction, metavar="X",
+        help=f"{gate} if the fraction of rows whose argmax agrees is below X for a logits-like output "
+        "(logits, log-probabilities, probabilities)",
+    )
     parser.add_argument("--inputs", metavar="FILE.npz", help="inputs to compare on, by input name (default: generated from the signature)")
     parser.add_argument("--seq", type=parse_positive, default=check_mod.DEFAULT_SEQ, help="sequence length of generated inputs (default: %(default)s)")
 
@@ -72,7 +81,7 @@ def build_check_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("original", help="the reference model")
     parser.add_argument("rewritten", help="the model to compare with it")
-    _add_fidelity_arguments(parser, gate_help="fail (exit 1) if an output's cosine similarity is below X")
+    _add_fidelity_arguments(parser, gate="fail (exit 1)")
     parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
     return parser
@@ -136,6 +145,16 @@ def parse_cosine(text: str) -> float:
         value = float("nan")
     if not -1.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"a cosine similarity is between -1 and 1, got {text!r}")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"an agreement is a fraction between 0 and 1, got {text!r}")
     return value
 
 
@@ -230,9 +249,9 @@ def _run(argv: list[str]) -> int:
         return _list_sites(model, args)
     _check_rewrite_arguments(args, model)
     options = parse_options(args.option)
-    checking = args.check or args.min_cosine is not None or args.inputs is not None
+    checking = args.check or args.min_cosine is not None or args.min_agreement is not None or args.inputs is not None
     # from the original's signature, before the rewrite changes the model in place
-    inputs = check_mod.prepare_inputs(model.graph, args.inputs, seq=args.seq) if checking else None
+    inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
     model, record = rewrite_model(model, args.to, layers=args.layers, **options)
     if record.outcomes:
         print(record.table())
@@ -252,9 +271,9 @@ def _run(argv: list[str]) -> int:
             report = check_mod.check(args.model, staged, inputs)  # the very file to be renamed into place
             print(report.table())
             try:
-                report.gate(args.min_cosine)
-            except FidelityBelowThreshold as error:
-                raise FidelityBelowThreshold(f"{error}; nothing written") from None
+                report.gate(args.min_cosine, args.min_agreement)
+            except AttnRewriteError as error:  # a gate failed (exit 1) or cannot apply (exit 2)
+                raise type(error)(f"{error}; nothing written") from None
     print(f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}")
     return 0
 
@@ -265,8 +284,9 @@ def _check_command(args) -> int:
     report = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    report.gate(args.min_cosine)
+        thresholds = {"min_cosine": args.min_cosine, "min_agreement": args.min_agreement}
+        Path(args.json).write_text(json.dumps(report.as_dict(**thresholds), indent=2) + "\n")
+    report.gate(args.min_cosine, args.min_agreement)
     return 0
 
 

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attnrewrite.check import argmax_agreement, check, compare_outputs, cosine_similarity
+from attnrewrite.check import check, compare_outputs, cosine_similarity, is_logits_like
 from attnrewrite.cli import main
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
@@ -50,8 +50,8 @@ def test_a_rewrite_compared_with_itself_is_exact(hydra_sample):
     [output] = report.outputs
     assert output.name == "last_hidden_state" and output.shape == (2, 64, 64)
     assert output.max_abs_error == 0 and output.relative_error == 0
-    assert output.cosine == pytest.approx(1.0, abs=1e-12)
-    assert output.argmax_agreement == 1.0
+    assert output.cosine_min == pytest.approx(1.0, abs=1e-12) and output.cosine_mean == pytest.approx(1.0, abs=1e-12)
+    assert not output.logits_like and output.argmax_agreement is None  # a hidden state, not logits
     assert report.input_source == "generated (batch 2, seq 64, seed 0)"
 
 
@@ -71,9 +71,18 @@ def test_perturbed_weight_gives_the_expected_error(tmp_path):
     [out] = report.outputs
     assert out.max_abs_error == pytest.approx(0.5 * np.abs(x[..., 3]).max(), rel=1e-5)
     assert out.relative_error == pytest.approx(np.linalg.norm(a - b) / np.linalg.norm(a), rel=1e-5)
-    assert out.cosine == pytest.approx(np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b), abs=1e-6)
+    cosines = [np.sum(p * q) / np.linalg.norm(p) / np.linalg.norm(q) for p, q in zip(a, b)]  # per batch row
+    assert out.cosine_min == pytest.approx(min(cosines), abs=1e-6)
+    assert out.cosine_mean == pytest.approx(np.mean(cosines), abs=1e-6)
+    assert out.cosine_p5 == pytest.approx(np.percentile(cosines, 5), abs=1e-6)
+    assert out.logits_like  # by its name
     assert out.argmax_agreement == pytest.approx(np.mean(a.argmax(-1) == b.argmax(-1)))
-    assert out.cosine < 0.9999  # the change is large enough to be seen
+    log_p, log_q = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (a, b))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    assert out.kl_mean == pytest.approx(kl.mean(), rel=1e-5) and out.kl_max == pytest.approx(kl.max(), rel=1e-5)
+    top5 = [len(set(np.argsort(-p)[:5]) & set(np.argsort(-q)[:5])) / 5 for p, q in zip(a.reshape(-1, 10), b.reshape(-1, 10))]
+    assert out.top5_overlap == pytest.approx(np.mean(top5))
+    assert out.cosine_min < 0.9999  # the change is large enough to be seen
     assert report.input_source.endswith("inputs.npz")
 
 
@@ -82,36 +91,56 @@ def test_metric_edge_cases():
     assert cosine_similarity(np.zeros(4), np.ones(4)) == 0.0
     assert cosine_similarity(np.array([1.0, 0.0]), np.array([0.0, 2.0])) == 0.0
     assert cosine_similarity(np.array([1.0, 2.0]), np.array([-1.0, -2.0])) == pytest.approx(-1.0)
-    assert argmax_agreement(np.ones(5, np.float32), np.ones(5, np.float32)) is None  # rank 1
-    assert argmax_agreement(np.ones((3, 1), np.float32), np.ones((3, 1), np.float32)) is None  # one class
-    assert argmax_agreement(np.arange(6).reshape(3, 2), np.arange(6).reshape(3, 2)) is None  # ints
     nan = compare_outputs("y", np.ones((2, 3), np.float32), np.full((2, 3), np.nan, np.float32))
-    assert nan.nonfinite == 6 and math.isnan(nan.cosine)
+    assert nan.nonfinite == 6 and math.isnan(nan.cosine_min)
+
+
+def test_which_outputs_are_logits():
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((2, 4, 10)).astype(np.float32)
+    log_probs = values - np.log(np.exp(values).sum(-1, keepdims=True))
+    assert is_logits_like("logits", values) and is_logits_like("start_scores", values)
+    assert is_logits_like("output", log_probs)  # logsumexp 0: log-probabilities, whatever the name
+    assert is_logits_like("output", np.exp(log_probs))  # rows sum to 1: probabilities
+    assert not is_logits_like("output", values)  # nothing says so
+    assert not is_logits_like("last_hidden_state", log_probs)  # hidden states never are
+    assert not is_logits_like("pooler_output", np.exp(log_probs))
+    assert not is_logits_like("logits", values[..., :1])  # one class: nothing to choose between
+    assert not is_logits_like("logits", values.astype(np.int64))
 
 
 def test_check_command_writes_json_and_gates(tmp_path, capsys, hydra_sample):
     report_path = tmp_path / "check.json"
     code, out, err = run(capsys, "check", SAMPLE, hydra_sample, "--json", report_path, "--min-cosine", "0.5")
     assert code == 0, err
-    assert "last_hidden_state" in out and "cosine" in out
+    assert "last_hidden_state" in out and "cos_min" in out
     report = json.loads(report_path.read_text())
     [output] = report["outputs"]
-    assert set(output) == {"name", "shape", "max_abs_error", "relative_error", "cosine", "argmax_agreement", "nonfinite"}
-    assert 0.5 < output["cosine"] < 1.0 and output["max_abs_error"] > 0
+    assert set(output) == {
+        "name", "shape", "max_abs_error", "relative_error", "cosine_mean", "cosine_min", "cosine_p5",
+        "logits_like", "argmax_agreement", "top5_overlap", "kl_mean", "kl_max", "nonfinite",
+    }
+    assert 0.5 < output["cosine_min"] <= output["cosine_p5"] <= output["cosine_mean"] < 1.0 and output["max_abs_error"] > 0
+    assert output["logits_like"] is False and output["argmax_agreement"] is None
     assert report["inputs"] == {"input_ids": [2, 64], "attention_mask": [2, 64]}
+    # the thresholds asked for, apart from the figures observed
+    assert report["thresholds"] == {"min_cosine": 0.5, "min_agreement": None}
+    assert report["observed"] == {"cosine_min": output["cosine_min"], "argmax_agreement_min": None}
+    assert "argmax_agree" not in out  # hidden states alone: no logits columns
 
     code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--min-cosine", "1", "--json", report_path)
     assert code == 1
-    assert err.startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has cosine 0.")
-    assert err.strip().endswith("< --min-cosine 1") and len(err.strip().splitlines()) == 1
-    assert json.loads(report_path.read_text())["outputs"][0]["cosine"] < 1  # the report is still written
+    written = json.loads(report_path.read_text())  # the report is still written
+    worst = written["observed"]["cosine_min"]
+    assert written["thresholds"]["min_cosine"] == 1 and worst < 1
+    assert err == f"attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min {worst:.6f} < --min-cosine 1\n"
 
 
 def test_rewrite_with_check_prints_the_table_and_writes(tmp_path, capsys):
     output = tmp_path / "out.onnx"
     code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "--check", "--seq", "32")
     assert code == 0
-    assert "argmax_agree" in out and "generated (batch 2, seq 32, seed 0)" in out
+    assert "cos_min" in out and "argmax_agree" not in out and "generated (batch 2, seq 32, seed 0)" in out
     assert output.exists()
 
 
@@ -120,9 +149,9 @@ def test_min_cosine_gate_fails_and_writes_nothing(tmp_path, capsys):
     output.write_bytes(b"precious")
     code, out, err = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "--min-cosine", "0.999999")
     assert code == 1
-    assert "cosine" in out  # the table is shown before the verdict
+    assert "cos_min" in out  # the table is shown before the verdict
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state'")
+    assert len(lines) == 1 and lines[0].startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min 0.")
     assert lines[0].endswith("< --min-cosine 0.999999; nothing written")
     assert output.read_bytes() == b"precious"
 

@@ -1,20 +1,35 @@
 """Inputs generated from a model's signature: for probing masks, validating and checking outputs.
 
 Symbolic dims are bound by name, so inputs that share a dim ("batch", "sequence") agree. Token
-ids stay inside the vocabulary found from the embedding table the ids index. Integer and bool
-inputs that are not token ids get a padding pattern (the first batch row unpadded, the others
-padded at the start and end), so masks built from them show what they do with padding.
+ids span the vocabulary: the rows of the embedding table the ids index, also when the table is
+computed in the graph (int8 weights dequantized by Cast and Mul). Integer and bool inputs that
+are not token ids get a padding pattern (the first batch row unpadded, the others padded at the
+start and end), so masks built from them show what they do with padding; an input whose 1/True
+marks padding (torch's key_padding_mask; masks.py finds which) gets the same pattern inverted,
+never a fully masked row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
+import onnx
 import onnx_ir as ir
+import onnxruntime as ort
+
+from attnrewrite.onnx import io as onnx_io
 
 
 def generate_inputs(
-    graph: ir.Graph, batch: int = 2, seq: int = 16, seed: int = 0, names: list[str] | None = None
+    graph: ir.Graph,
+    batch: int = 2,
+    seq: int = 16,
+    seed: int = 0,
+    names: list[str] | None = None,
+    padding_marked_by_one: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
+    """``padding_marked_by_one``: the names of mask inputs whose 1/True means padding."""
     rng = np.random.default_rng(seed)
     bound: dict[str, int] = {}
     feeds = {}
@@ -22,7 +37,7 @@ def generate_inputs(
         if value.is_initializer() or (names is not None and value.name not in names):
             continue
         shape = [_bind(dim, axis, bound, batch, seq) for axis, dim in enumerate(value.shape or [])]
-        feeds[value.name] = _fill(value, shape, rng)
+        feeds[value.name] = _fill(value, shape, rng, value.name in padding_marked_by_one)
     return feeds
 
 
@@ -35,14 +50,15 @@ def _bind(dim, axis: int, bound: dict[str, int], batch: int, seq: int) -> int:
     return bound[key]
 
 
-def _fill(value: ir.Value, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+def _fill(value: ir.Value, shape: list[int], rng: np.random.Generator, padding_marked_by_one: bool) -> np.ndarray:
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)
     vocab = embedding_rows(value)
     if vocab is not None and np.issubdtype(dtype, np.integer):
         return rng.integers(0, vocab, size=shape).astype(dtype)
-    return padding_pattern(shape).astype(dtype)
+    pattern = padding_pattern(shape)
+    return (1 - pattern if padding_marked_by_one else pattern).astype(dtype)
 
 
 def padding_pattern(shape: list[int]) -> np.ndarray:
@@ -62,10 +78,59 @@ def embedding_rows(value: ir.Value) -> int | None:
         for use in v.uses():
             node = use.node
             if node.op_type == "Gather" and use.idx == 1:
-                table = node.inputs[0]
-                if table.const_value is not None and table.shape is not None and isinstance(table.shape[0], int):
-                    return table.shape[0]
+                rows = _table_rows(node.inputs[0])
+                if rows is not None:
+                    return rows
             elif node.op_type in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten") and id(node) not in seen:
                 seen.add(id(node))
                 frontier.append(node.outputs[0])
     return None
+
+
+def _table_rows(table: ir.Value) -> int | None:
+    """The first dim of a constant table: its declared or inferred shape, else (a table the
+    graph computes from constants only, e.g. int8 weights times a scale) the shape of the
+    table evaluated with onnxruntime. None for a table that depends on a graph input."""
+    if table.shape is not None and table.shape.rank() >= 1 and isinstance(table.shape[0], int):
+        if table.const_value is not None or _computed_from_constants(table):
+            return table.shape[0]
+        return None
+    if table.const_value is not None:
+        return table.const_value.shape[0] if len(table.const_value.shape) >= 1 else None
+    if not _computed_from_constants(table):
+        return None
+    try:
+        array = _evaluate_constant(table)
+    except Exception:  # a table we cannot compute: ids fall back to the padding pattern
+        return None
+    return array.shape[0] if array.ndim >= 1 else None
+
+
+def _computed_from_constants(value: ir.Value) -> bool:
+    seen, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v is None or id(v) in seen or v.const_value is not None:
+            continue
+        seen.add(id(v))
+        node = v.producer()
+        if node is None:  # a graph input
+            return False
+        stack.extend(node.inputs)
+    return True
+
+
+def _evaluate_constant(value: ir.Value) -> np.ndarray:
+    """The value of a subgraph that reads only constants (the graph's nodes up to ``value``)."""
+    sub = ir.convenience.extract(value.producer().graph, inputs=[], outputs=[value])
+    with onnx_io.saved_copy(model_around(sub)) as path:
+        options = ort.SessionOptions()
+        options.log_severity_level = 4
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return session.run(None, {})[0]
+
+
+def model_around(graph: ir.Graph) -> ir.Model:
+    """A model for a bare graph, at the oldest IR version its opsets allow (one onnxruntime loads)."""
+    opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in graph.opset_imports.items()]
+    return ir.Model(graph, ir_version=onnx.helper.find_min_ir_version_for(opsets))

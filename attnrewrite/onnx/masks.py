@@ -9,13 +9,15 @@ causal triangle. Anything else, or an additive term that is not 0 / a large nega
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.onnx import bfloat16
-from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, OnnxSite, Unsupported
+from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, OnnxSite, Unsupported, find_onnx_sites
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.site import MaskKind
 
@@ -103,7 +105,48 @@ def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int) -> MaskKind:
     raise Unsupported("the mask is neither key padding nor causal (e.g. a sliding window or a mask on queries)")
 
 
+def inputs_marking_padding(model: ir.Model) -> set[str]:
+    """Mask inputs whose 1/True means padding (torch's ``key_padding_mask``), not keep (an
+    ``attention_mask``), found by evaluating each site's mask with the input all 1 and all 0:
+    all 1 keeps no key at all, all 0 keeps some. Inputs that show neither are left out."""
+    sites = [s for s in find_onnx_sites(model.graph) if s.site.skip_reason is None and s.masks]
+    marked = set()
+    for s in sites:
+        try:
+            marked |= _padding_marked_by_one(model, s)
+        except Exception:  # a mask we cannot run: its inputs keep the default pattern
+            continue
+    return marked
+
+
+def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
+    values = [t.value for t in s.masks]
+    session, names, as_float32 = _probe_session(model, values)
+    feeds = _probe_feeds(model.graph, names, PROBE_LENGTHS[0], as_float32)
+    marked = set()
+    for name, default in feeds.items():
+        if np.issubdtype(default.dtype, np.floating):
+            continue
+
+        def keeps_any(fill: int) -> bool:
+            outputs = session.run(None, {**feeds, name: np.full_like(default, fill)})
+            keeps = [keep_matrix(out, t.form) for out, t in zip(outputs, s.masks)]
+            return bool(functools.reduce(np.logical_and, keeps).any())  # a causal term keeps some alone
+
+        if not keeps_any(1) and keeps_any(0):
+            marked.add(name)
+    return marked
+
+
 def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np.ndarray]:
+    session, names, as_float32 = _probe_session(model, values)
+    outputs = session.run(None, _probe_feeds(model.graph, names, seq, as_float32))
+    return {id(v): out for v, out in zip(values, outputs)}
+
+
+def _probe_session(model: ir.Model, values: list[ir.Value]) -> tuple[ort.InferenceSession, list[str], bool]:
+    """A session computing ``values`` from the graph inputs they read (their names), and
+    whether bfloat16 inputs must be fed as float32."""
     graph = model.graph
     inputs = _graph_inputs_reaching(values)
     names = [v.name for v in inputs]
@@ -117,11 +160,14 @@ def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a probe that fails says why in its exception; no log lines
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session, names, as_float32
+
+
+def _probe_feeds(graph: ir.Graph, names: list[str], seq: int, as_float32: bool) -> dict[str, np.ndarray]:
     feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
     if as_float32:
         feeds = {name: a.astype(np.float32) if a.dtype == bfloat16.ml_dtypes.bfloat16 else a for name, a in feeds.items()}
-    outputs = session.run(None, feeds)
-    return {id(v): out for v, out in zip(values, outputs)}
+    return feeds
 
 
 def _inline_external_data(probe: onnx.ModelProto, graph) -> None:
