@@ -8,7 +8,9 @@ triangle from Trilu or a sliced constant; 3-D [G, N, D] or 4-D [B, H, N, D] layo
 as [.., N, D] and transposed in the graph or given pre-transposed [.., D, N]; q, k, v given as
 [B, N, H, D] and split into heads by Transpose(0, 2, 1, 3) (so heads are known); the dynamo
 exporter's NaN guard; an extra consumer of the probabilities (which must make the site skip).
-Masks are computed in the graph from an int64 ``attention_mask`` input [B, N] (for 3-D: [G, N]).
+Masks are computed in the graph from an int64 ``attention_mask`` input [B, N] (for 3-D: [G, N]),
+1 = keep, or (``mask_input="key_padding_mask"``) from a bool input whose True marks padding, as
+torch's ``key_padding_mask``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AttentionSpec:
     mask: str = "none"  # "none" | "key_padding" | "causal" | "causal+key_padding"
     mask_form: str = "additive"  # "additive" | "where_keep" | "where_fill"
     mask_first: bool = False  # Add(mask, logits) instead of Add(logits, mask)
+    mask_input: str = "attention_mask"  # "attention_mask": int64, 1 = keep | "key_padding_mask": bool, True = padding
     fill: str = "-1e4"  # the masking constant of Where forms (a key of FILLS)
     causal_from: str = "trilu"  # "trilu" | "constant"
     k_input: str = "k"  # "k": [.., N, D] + Transpose in the graph; "kt": input already [.., D, N]
@@ -153,14 +156,17 @@ def build_attention_model(spec: AttentionSpec) -> onnx.ModelProto:
         logits = b.scaled(logits, scale)
 
     if spec.key_padding:
-        mask_lead = ["batch"] if spec.layout == "3d" else ["batch"]
-        inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [*mask_lead, seq]))
+        padding_input = spec.mask_input == "key_padding_mask"
+        mask_type = TensorProto.BOOL if padding_input else TensorProto.INT64
+        inputs.append(helper.make_tensor_value_info(spec.mask_input, mask_type, ["batch", seq]))
         axes = [1] if spec.layout == "3d" else [1, 2]
         if spec.opset < 13:  # axes became an input in opset 13
-            keep = b.node("Unsqueeze", ["attention_mask"], "mask_b", axes=axes)
+            keep = b.node("Unsqueeze", [spec.mask_input], "mask_b", axes=axes)
         else:
-            keep = b.node("Unsqueeze", ["attention_mask", b.const(np.array(axes, np.int64), "axes")], "mask_b")
-        logits = _apply_mask(b, logits, keep, is_int=True)
+            keep = b.node("Unsqueeze", [spec.mask_input, b.const(np.array(axes, np.int64), "axes")], "mask_b")
+        if padding_input:
+            keep = b.node("Not", [keep], "keep")
+        logits = _apply_mask(b, logits, keep, is_int=not padding_input)
     if spec.causal:
         logits = _apply_mask(b, logits, _causal_keep(b, q), is_int=False)
 
@@ -278,7 +284,8 @@ def make_feeds(spec: AttentionSpec, batch: int, seq: int, seed: int = 0) -> dict
         feeds["k"] = draw(d)
     feeds["v"] = draw(dv)
     if spec.key_padding:
-        feeds["attention_mask"] = padding_mask(batch, seq)
+        keep = padding_mask(batch, seq)
+        feeds[spec.mask_input] = keep == 0 if spec.mask_input == "key_padding_mask" else keep
     return feeds
 
 
@@ -305,7 +312,8 @@ def reference_qkv(spec: AttentionSpec, feeds: dict[str, np.ndarray]):
     v = heads(feeds["v"])
     key_keep = None
     if spec.key_padding:
-        mask = feeds["attention_mask"].astype(np.float32)
+        mask = feeds["attention_mask"] if "attention_mask" in feeds else ~feeds["key_padding_mask"]
+        mask = mask.astype(np.float32)
         key_keep = mask[:, :, None] if spec.layout == "3d" else mask[:, None, :, None]
     return q, k, v, key_keep
 

@@ -12,8 +12,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attnrewrite.check import check, compare_outputs, cosine_similarity, is_logits_like
+from attention_graphs import AttentionSpec, build_attention_model
+from attnrewrite.check import check, compare_outputs, cosine_similarity, is_logits_like, prepare_inputs
 from attnrewrite.cli import main
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.masks import inputs_marking_padding
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 
@@ -184,3 +187,126 @@ def test_check_errors_are_one_line(tmp_path, capsys, hydra_sample):
     code, _, err = run(capsys, "check", SAMPLE, other)
     assert code == 2 and "the rewritten model has no input 'attention_mask': the models' signatures differ" in err
     assert "Traceback" not in out + err
+
+
+# --- logits: cosine can stay high while the argmax flips ---------------------------------------
+
+CLASSES = 8
+
+
+def attention_with_logits_head(path: Path) -> Path:
+    """A peaked attention (scale 4: near one-hot softmax, which elu+1 linear attention cannot
+    follow) under a classifier head whose bias ties four classes far above the rest: the bias
+    dominates the logits, so cosine stays near 1, while the attention output alone picks among
+    the tied four, so the argmax follows the attention."""
+    model = build_attention_model(AttentionSpec(heads=1, scale=4.0))
+    graph = model.graph
+    attention_out = graph.output[0].name
+    rng = np.random.default_rng(0)
+    bias = np.where(np.arange(CLASSES) < 4, 30.0, -30.0).astype(np.float32)
+    graph.initializer.extend([
+        numpy_helper.from_array(rng.standard_normal((8, CLASSES)).astype(np.float32), "head_weight"),
+        numpy_helper.from_array(bias, "head_bias"),
+    ])
+    graph.node.extend([
+        helper.make_node("MatMul", [attention_out, "head_weight"], ["head"]),
+        helper.make_node("Add", ["head", "head_bias"], ["logits"]),
+    ])
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1, "sequence", CLASSES]))
+    onnx.save(model, path)
+    return path
+
+
+def test_argmax_gate_refuses_what_the_cosine_gate_passes(tmp_path, capsys):
+    original = attention_with_logits_head(tmp_path / "classifier.onnx")
+    output = tmp_path / "out.onnx"
+    code, out, err = run(capsys, original, "--to", "linear", "-o", output, "--min-cosine", "0.98")
+    assert code == 0, err  # cosine sees nothing wrong
+    report = check(original, output)
+    [logits] = report.outputs
+    assert logits.logits_like and logits.cosine_min > 0.98
+    assert logits.argmax_agreement < 0.5  # ... yet most predictions changed
+    assert 0 < logits.top5_overlap < 1 and 0 < logits.kl_mean <= logits.kl_max
+    assert "argmax_agree" in out and "top5" in out and "kl_mean" in out
+
+    output.write_bytes(b"precious")
+    code, out, err = run(capsys, original, "--to", "linear", "-o", output, "--min-cosine", "0.98", "--min-agreement", "0.9")
+    assert code == 1
+    assert err == (
+        "attnrewrite: error: fidelity gate failed: output 'logits' has argmax agreement "
+        f"{logits.argmax_agreement:.4f} < --min-agreement 0.9; nothing written\n"
+    )
+    assert output.read_bytes() == b"precious"
+
+    code, out, err = run(capsys, "check", original, original, "--min-agreement", "1", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["thresholds"] == {"min_cosine": None, "min_agreement": 1.0}
+    assert written["observed"] == {"cosine_min": pytest.approx(1.0), "argmax_agreement_min": 1.0}
+    assert written["outputs"][0]["logits_like"] is True and written["outputs"][0]["kl_max"] == pytest.approx(0, abs=1e-9)
+
+
+def test_agreement_gate_without_logits_says_so(capsys, hydra_sample):
+    code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--min-agreement", "0.9")
+    assert code == 2
+    assert err == "attnrewrite: error: --min-agreement needs a logits-like output; none of the model's outputs (last_hidden_state) is one\n"
+
+
+# --- generated inputs ----------------------------------------------------------------------------
+
+
+def test_true_means_padding_mask_gets_padding_not_a_masked_row(tmp_path):
+    spec = AttentionSpec(mask="key_padding", mask_form="where_fill", mask_input="key_padding_mask")
+    path = tmp_path / "padding.onnx"
+    onnx.save(build_attention_model(spec), path)
+    model = onnx_io.load_model(path)
+    assert inputs_marking_padding(model) == {"key_padding_mask"}
+
+    pad = prepare_inputs(model, batch=3, seq=16).feeds["key_padding_mask"]
+    assert pad.dtype == bool and pad.shape == (3, 16)
+    assert not pad.all(axis=-1).any()  # no fully masked row
+    assert not pad[0].any() and pad[1:, -1].all() and not pad[1:, 1:-2].any()  # padding at the ends only
+
+
+def test_keep_mask_keeps_its_polarity(tmp_path):
+    path = tmp_path / "keep.onnx"
+    onnx.save(build_attention_model(AttentionSpec(mask="causal+key_padding", mask_form="where_keep")), path)
+    model = onnx_io.load_model(path)
+    assert inputs_marking_padding(model) == set()
+    keep = prepare_inputs(model, seq=16).feeds["attention_mask"]
+    assert keep[0].all() and keep[1, 1:-2].all() and not keep[1, -1]
+
+
+def dequantized_embedding(path: Path, vocab: int, batch=1) -> Path:
+    """input_ids [batch, sequence] -> Gather(Cast(int8 table) * scale): the table exists only at run time."""
+    rng = np.random.default_rng(0)
+    table = rng.integers(-127, 128, size=(vocab, 4), dtype=np.int8)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["table_int8"], ["table_float"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["table_float", "table_scale"], ["table"]),
+            helper.make_node("Gather", ["table", "input_ids"], ["embeddings"]),
+        ],
+        "dequantized",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, "sequence"])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [batch, "sequence", 4])],
+        [numpy_helper.from_array(table, "table_int8"), numpy_helper.from_array(np.array(0.01, np.float32), "table_scale")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
+    return path
+
+
+def test_token_ids_span_a_dequantized_vocabulary(tmp_path):
+    model = onnx_io.load_model(dequantized_embedding(tmp_path / "int8.onnx", vocab=1000))
+    for graph_of in (model, onnx_io.infer_shapes(model)):  # table shape unknown, then inferred
+        ids = prepare_inputs(graph_of, seq=256).feeds["input_ids"]
+        assert ids.min() >= 0 and ids.max() < 1000
+        assert ids.max() > 900 and len(np.unique(ids)) > 200  # the whole table, not 0/1 padding
+
+
+def test_batch_fixed_at_one_is_reported_as_one(tmp_path, capsys):
+    path = dequantized_embedding(tmp_path / "one.onnx", vocab=50, batch=1)
+    code, out, err = run(capsys, "check", path, path, "--seq", "8")
+    assert code == 0, err
+    assert "inputs: generated (batch 1, seq 8, seed 0)" in out and "1x8x4" in out
