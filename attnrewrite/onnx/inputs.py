@@ -88,21 +88,34 @@ def embedding_rows(value: ir.Value) -> int | None:
 
 
 def _table_rows(table: ir.Value) -> int | None:
-    """The first dim of a constant table: its declared or inferred shape, else (a table the
-    graph computes from constants only, e.g. int8 weights times a scale) the shape of the
-    table evaluated with onnxruntime. None for a table that depends on a graph input."""
-    if table.shape is not None and table.shape.rank() >= 1 and isinstance(table.shape[0], int):
-        if table.const_value is not None or _computed_from_constants(table):
-            return table.shape[0]
-        return None
+    """The first dim of a constant table: declared or inferred, else, for a table the graph
+    computes from constants only (int8 weights times a scale), read from that subgraph. None
+    for a table that depends on a graph input."""
     if table.const_value is not None:
         return table.const_value.shape[0] if len(table.const_value.shape) >= 1 else None
     if not _computed_from_constants(table):
         return None
+    if table.shape is not None and table.shape.rank() >= 1 and isinstance(table.shape[0], int):
+        return table.shape[0]
     try:
-        array = _evaluate_constant(table)
-    except Exception:  # a table we cannot compute: ids fall back to the padding pattern
+        return _computed_table_rows(table)
+    except Exception:  # a table we cannot follow: the ids get the padding pattern
         return None
+
+
+def _computed_table_rows(table: ir.Value) -> int | None:
+    """ONNX shape inference on the subgraph computing the table; where it cannot follow (a
+    shape it cannot propagate), onnxruntime computes the table itself."""
+    model = model_around(ir.convenience.extract(table.producer().graph, inputs=[], outputs=[table]))
+    inferred = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+    dims = inferred.graph.output[0].type.tensor_type.shape.dim
+    if dims and dims[0].HasField("dim_value"):
+        return dims[0].dim_value
+    with onnx_io.saved_copy(model) as path:
+        options = ort.SessionOptions()
+        options.log_severity_level = 4
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        array = session.run(None, {})[0]
     return array.shape[0] if array.ndim >= 1 else None
 
 
@@ -118,16 +131,6 @@ def _computed_from_constants(value: ir.Value) -> bool:
             return False
         stack.extend(node.inputs)
     return True
-
-
-def _evaluate_constant(value: ir.Value) -> np.ndarray:
-    """The value of a subgraph that reads only constants (the graph's nodes up to ``value``)."""
-    sub = ir.convenience.extract(value.producer().graph, inputs=[], outputs=[value])
-    with onnx_io.saved_copy(model_around(sub)) as path:
-        options = ort.SessionOptions()
-        options.log_severity_level = 4
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        return session.run(None, {})[0]
 
 
 def model_around(graph: ir.Graph) -> ir.Model:
