@@ -257,7 +257,7 @@ def test_agreement_gate_without_logits_says_so(capsys, hydra_sample):
 
 
 def test_true_means_padding_mask_gets_padding_not_a_masked_row(tmp_path):
-    spec = AttentionSpec(mask="key_padding", mask_form="where_fill", mask_input="key_padding_mask")
+    spec = AttentionSpec(mask="key_padding", mask_form="where_fill", fill="-inf", mask_input="key_padding_mask")
     path = tmp_path / "padding.onnx"
     onnx.save(build_attention_model(spec), path)
     model = onnx_io.load_model(path)
@@ -267,6 +267,9 @@ def test_true_means_padding_mask_gets_padding_not_a_masked_row(tmp_path):
     assert pad.dtype == bool and pad.shape == (3, 16)
     assert not pad.all(axis=-1).any()  # no fully masked row
     assert not pad[0].any() and pad[1:, -1].all() and not pad[1:, 1:-2].any()  # padding at the ends only
+    # a fully masked row would be softmax(-inf everywhere) = NaN: the figures would say nothing
+    [out] = check(path, path).outputs
+    assert out.nonfinite == 0 and out.cosine_min == pytest.approx(1.0)
 
 
 def test_keep_mask_keeps_its_polarity(tmp_path):
