@@ -306,20 +306,22 @@ def prepare_inputs(
         model = model if isinstance(model, ir.Model) else model_around(graph)
         marked = inputs_marking_padding(model)
         feeds = generate_inputs(graph, batch=batch, seq=seq, seed=seed, padding_marked_by_one=marked)
-        return CheckInputs(feeds, f"generated ({_generated_shapes(graph, feeds, seq)}seed {seed})")
+        return CheckInputs(feeds, f"generated ({', '.join([*_generated_shapes(graph, feeds, seq), f'seed {seed}'])})")
     if isinstance(inputs, dict):
         return CheckInputs(_conform(inputs, graph, "the given inputs"), "given arrays")
     return CheckInputs(load_inputs(inputs, graph), str(inputs))
 
 
-def _generated_shapes(graph: ir.Graph, feeds: dict[str, np.ndarray], seq: int) -> str:
+def _generated_shapes(graph: ir.Graph, feeds: dict[str, np.ndarray], seq: int) -> list[str]:
     """What was fed, not what was asked for: a batch fixed at 1 in the model is batch 1, and
     the sequence length only when some input has a symbolic length to take it."""
+    said = []
     batches = sorted({a.shape[0] for a in feeds.values() if a.ndim >= 1})
-    said = f"batch {'/'.join(map(str, batches))}, " if batches else ""
+    if batches:
+        said.append(f"batch {'/'.join(map(str, batches))}")
     inputs = [v for v in graph.inputs if v.name in feeds]
     if any(not isinstance(dim, int) for v in inputs for dim in list(v.shape or [])[1:]):
-        said += f"seq {seq}, "
+        said.append(f"seq {seq}")
     return said
 
 
