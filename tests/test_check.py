@@ -308,6 +308,13 @@ def test_token_ids_span_a_dequantized_vocabulary(tmp_path):
         assert ids.max() > 900 and len(np.unique(ids)) > 200  # the whole table, not 0/1 padding
 
 
+def test_a_table_shape_inference_cannot_follow_is_computed(tmp_path, monkeypatch):
+    model = onnx_io.load_model(dequantized_embedding(tmp_path / "int8.onnx", vocab=300))
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda proto, **_: proto)  # inference learns nothing
+    ids = prepare_inputs(model, seq=256).feeds["input_ids"]
+    assert ids.max() < 300 and ids.max() > 250
+
+
 def test_batch_fixed_at_one_is_reported_as_one(tmp_path, capsys):
     path = dequantized_embedding(tmp_path / "one.onnx", vocab=50, batch=1)
     code, out, err = run(capsys, "check", path, path, "--seq", "8")
