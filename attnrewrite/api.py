@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import onnx
 import onnx_ir as ir
 
+from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import find_sites as _find_onnx_sites
 from attnrewrite.onnx.rewrite import rewrite_model
@@ -24,10 +26,12 @@ def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool
     ``ExportedProgram`` (a ``GraphModule`` is returned). ``options`` are the method's
     (``passes.<method>.Options``). The record of what was done is in the ONNX model's
     ``metadata_props["attnrewrite"]`` or the GraphModule's ``meta["attnrewrite"]``. When nothing
-    can be rewritten the model comes back unchanged, with that record.
+    can be rewritten the model comes back unchanged, with that record, and a ``NothingRewritten``
+    warning says so.
     """
     if _is_onnx(model):
         ir_model, record = rewrite_model(_to_ir(model), to, layers=layers, **options)
+        _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))
         if not record.rewritten and not isinstance(model, ir.Model):
             # unchanged means the caller's bytes, not a re-serialization after shape inference
             original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
@@ -37,7 +41,9 @@ def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool
         return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
     from attnrewrite.fx import rewrite_graph_module
 
-    return rewrite_graph_module(model, to, layers=layers, **options)
+    gm = rewrite_graph_module(model, to, layers=layers, **options)
+    _warn_if_nothing_rewritten(gm.meta[METADATA_KEY]["sites_found"], gm.meta[METADATA_KEY]["sites_rewritten"])
+    return gm
 
 
 def find_sites(model: Any) -> list[AttentionSite]:
@@ -47,6 +53,14 @@ def find_sites(model: Any) -> list[AttentionSite]:
     from attnrewrite.fx import find_fx_sites
 
     return find_fx_sites(model)
+
+
+def _warn_if_nothing_rewritten(found: int, rewritten: int) -> None:
+    """The CLI fails when nothing is rewritten; the API returns the model, so it says so."""
+    if rewritten:
+        return
+    why = "no softmax attention found" if not found else f"none of the {found} attention sites could be rewritten"
+    warnings.warn(f"attnrewrite: {why}; the model is returned unchanged (the record says why)", NothingRewritten, stacklevel=3)
 
 
 def _with_record(original: onnx.ModelProto, rewritten: ir.Model) -> onnx.ModelProto:

@@ -5,7 +5,8 @@ plus the subcommands ``attnrewrite check ORIGINAL REWRITTEN`` and ``attnrewrite 
 Every failure is one line on stderr and a non-zero exit (2: bad input or usage; 1: nothing
 could be rewritten or the output failed a validation gate); the output file is written only
 after the gates pass, so a failed run leaves whatever was there untouched. ``-v`` adds the
-traceback for bug reports.
+traceback for bug reports. When the reader of stdout goes away (``attnrewrite M --list | head -1``)
+the run stops quietly with 141, the status of a tool killed by SIGPIPE, as coreutils report it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import passes
+from attnrewrite import __version__
 from attnrewrite import check as check_mod
 from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
@@ -32,18 +34,33 @@ from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_BUG = 3
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE: what a shell reports for a tool SIGPIPE killed
+
+
+class UsageError(AttnRewriteError):
+    """A command line argparse refused: one line, exit 2, like every other bad input."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} -h')")
+
+
+def method_name(text: str) -> str:
+    """--to is case-insensitive: Hydra, HYDRA and hydra are one method."""
+    return text.lower()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnrewrite",
         description="Find softmax attention in an ONNX model and replace it with linearized attention.",
         epilog="subcommands: 'attnrewrite check ORIGINAL REWRITTEN' compares outputs, "
         "'attnrewrite bench MODEL --to METHOD' sweeps latency and memory over sequence length "
         "(each with -h for its options)",
     )
-    parser.add_argument("model", help="the ONNX model to read (never modified)")
-    parser.add_argument("--to", choices=list(passes.PASSES), help="the replacement method")
+    parser.add_argument("model", nargs="?", help="the ONNX model to read (never modified)")
+    parser.add_argument("--to", type=method_name, choices=list(passes.PASSES), help="the replacement method")
     parser.add_argument("-o", "--output", help="where to write the rewritten model")
     parser.add_argument("--list", action="store_true", help="only report the attention sites found")
     parser.add_argument("--layers", type=parse_layers, help="sites to rewrite, by index: 0,2,5-7 (default: all)")
@@ -56,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true", help="compare the rewritten outputs with the original's before writing")
     _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
+    parser.add_argument("--version", action="version", version=f"attnrewrite {__version__}")
     return parser
 
 
@@ -75,7 +93,7 @@ def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
 
 
 def build_check_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnrewrite check",
         description="Run two models on the same inputs and report, per output, how far the second is from the first.",
     )
@@ -90,14 +108,14 @@ def build_check_parser() -> argparse.ArgumentParser:
 def build_bench_parser() -> argparse.ArgumentParser:
     from attnrewrite import bench
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnrewrite bench",
         description="Latency and peak memory over sequence length: the original model, the rewritten one, "
         "and the identity-attention bound (each attention replaced by its values). "
         "Each configuration runs in a fresh process.",
     )
     parser.add_argument("model", help="the ONNX model (never modified)")
-    parser.add_argument("--to", required=True, choices=list(passes.PASSES), help="the replacement method")
+    parser.add_argument("--to", required=True, type=method_name, choices=list(passes.PASSES), help="the replacement method")
     parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
     parser.add_argument("--lengths", type=parse_lengths, default=bench.DEFAULT_LENGTHS,
                         help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling)")
@@ -159,14 +177,43 @@ def parse_fraction(text: str) -> float:
 
 
 def parse_layers(text: str) -> list[int]:
-    layers: list[int] = []
-    try:
-        for part in text.split(","):
-            first, _, last = part.partition("-")
-            layers.extend(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid layer list {text!r} (expected e.g. 0,2,5-7)") from None
-    return layers
+    """0,2,5-7 -> [0, 2, 5, 6, 7]. Whether the model has those layers is checked against its
+    sites (check_layers_exist)."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            start = int(first)
+            end = int(last) if dash else start
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid layer list {text!r} (expected e.g. 0,2,5-7)") from None
+        if end < start:
+            raise argparse.ArgumentTypeError(f"reversed range {part.strip()!r} (write {end}-{start})")
+        layers.update(range(start, end + 1))
+    return sorted(layers)
+
+
+def check_layers_exist(requested: list[int] | None, record: RewriteRecord) -> None:
+    """Every requested layer index must be one of the model's sites: a typo would otherwise
+    rewrite less than asked, or nothing, without saying so."""
+    present = sorted({o.site.layer for o in record.outcomes if o.site.layer is not None})
+    missing = [layer for layer in requested or () if layer not in present]
+    if missing and record.outcomes:
+        raise AttnRewriteError(
+            f"--layers: no attention site in layer{'s' if len(missing) > 1 else ''} {format_layers(missing)}; "
+            f"this model's sites are in layers {format_layers(present) or '(none with an index)'}"
+        )
+
+
+def format_layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
@@ -184,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     try:
         with _quiet_libraries(verbose):
-            return _dispatch(argv)
+            code = _dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except (AttnRewriteError, passes.OptionError) as error:
         failed_gate = getattr(error, "record", None) or isinstance(error, (FidelityBelowThreshold, RewriteFailed))
         return _fail(str(error), EXIT_FAILED if failed_gate else EXIT_BAD_INPUT, verbose)
@@ -224,6 +275,14 @@ def _quiet_libraries(verbose: bool):
         logging.disable(previous)
 
 
+def _reader_went_away() -> int:
+    """stdout's reader closed it (``| head -1``): nothing more to say to anyone. stdout now
+    points at /dev/null so the interpreter's own final flush does not complain either."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def _fail(message: str, code: int, verbose: bool) -> int:
     if verbose:
         traceback.print_exc()
@@ -240,9 +299,12 @@ def _dispatch(argv: list[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.list_options:
         return _print_options(args)
+    if args.model is None:
+        parser.error("the following arguments are required: model")
     model = onnx_io.load_model(args.model)
     _check_report_argument(args, model)
     if args.list:
@@ -253,6 +315,7 @@ def _run(argv: list[str]) -> int:
     # from the original's signature, before the rewrite changes the model in place
     inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
     model, record = rewrite_model(model, args.to, layers=args.layers, **options)
+    check_layers_exist(args.layers, record)
     if record.outcomes:
         print(record.table())
     _write_report(args.report, record)
@@ -361,14 +424,14 @@ def _list_sites(model, args) -> int:
 
 
 def _print_options(args) -> int:
-    import dataclasses
+    from passes._options import describe_options
 
     if not args.to:
-        raise AttnRewriteError("--list-options needs --to METHOD")
+        raise AttnRewriteError(f"--list-options needs --to METHOD (one of: {', '.join(passes.PASSES)})")
     method = passes.get_pass(args.to)
-    for field in dataclasses.fields(method.Options):
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        print(f"{field.name}={default}")
+    rows = [(o.name, o.type, str(o.default), o.valid or "-", o.help) for o in describe_options(method.Options)]
+    print(f"options of {method.NAME} (set with -O NAME=VALUE):")
+    print(format_table(("name", "type", "default", "valid", "meaning"), rows))
     return 0
 
 

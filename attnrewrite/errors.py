@@ -13,6 +13,10 @@ class NothingToRewrite(AttnRewriteError):
         self.record = record
 
 
+class NothingRewritten(UserWarning):
+    """The Python API returned the model unchanged: no site could be rewritten."""
+
+
 class RewriteFailed(AttnRewriteError):
     """The input was fine but the result is not: the rewritten model failed a validation gate,
     or writing it failed part-way. Nothing was written (exit 1, not 2)."""

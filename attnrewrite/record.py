@@ -15,7 +15,10 @@ METADATA_KEY = "attnrewrite"
 class SiteOutcome:
     site: AttentionSite
     rewritten: bool
-    reason: str | None = None  # why the site was left alone
+    # Why the site was left alone: the site's own skip_reason, the method's refusal or the
+    # layer selection. The report's one answer to "why not", so the site's skip_reason is not
+    # repeated beside it.
+    reason: str | None = None
     replacement: str | None = None  # e.g. "attnrewrite.Hydra"
 
     def as_dict(self) -> dict[str, Any]:

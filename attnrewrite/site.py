@@ -68,5 +68,4 @@ class AttentionSite:
             "scale": self.scale,
             "mask": self.mask.value,
             "dtype": self.dtype,
-            "skip_reason": self.skip_reason,
         }

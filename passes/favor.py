@@ -37,6 +37,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
+from passes._options import option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -52,12 +53,14 @@ LOWEST = kernels.LOWEST_LOG_SCALE
 
 @dataclasses.dataclass
 class Options:
-    features: int | None = None  # m random features; None: round(d ln d) for head_dim d
-    seed: int = 0  # numpy default_rng seed W is drawn from
-    variant: str = "positive"  # "positive": exp(w.x); "hyperbolic": exp(+w.x), exp(-w.x) halves
-    orthogonal: bool = True  # rows orthogonal in blocks of d; False: independent rows
-    norms: str = "chi"  # row lengths: "chi" (as a Gaussian's) or "fixed" at sqrt(d)
-    chunk: int = 64  # causal prefix-sum block length
+    features: int | None = option(None, "m random features; None: round(d ln d) for head_dim d", valid=">= 1")
+    seed: int = option(0, "numpy default_rng seed W is drawn from")
+    variant: str = option(
+        "positive", '"positive": exp(w.x); "hyperbolic": exp(+w.x), exp(-w.x) halves', choices=VARIANTS
+    )
+    orthogonal: bool = option(True, "rows orthogonal in blocks of d; False: independent rows")
+    norms: str = option("chi", 'row lengths: "chi" (as a Gaussian\'s) or "fixed" at sqrt(d)', choices=NORMS)
+    chunk: int = option(64, "causal prefix-sum block length", valid=">= 1")
 
     def __post_init__(self):
         if self.variant not in VARIANTS:

@@ -14,6 +14,7 @@ import dataclasses
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
+from passes._options import UNUSED_SEED, option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module
 
@@ -22,8 +23,8 @@ NAME = "hydra"
 
 @dataclasses.dataclass
 class Options:
-    eps: float = 1e-6  # added to the L2 norms so that an all-zero vector normalizes to zero
-    seed: int = 0  # unused: the method draws nothing at random; accepted for a uniform interface
+    eps: float = option(1e-6, "added to the L2 norms so that an all-zero vector normalizes to zero")
+    seed: int = option(0, UNUSED_SEED)
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:

@@ -13,6 +13,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
+from passes._options import UNUSED_SEED, option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -21,8 +22,8 @@ NAME = "linear"
 
 @dataclasses.dataclass
 class Options:
-    chunk: int = 64  # causal prefix-sum block length
-    seed: int = 0  # unused: the method draws nothing at random; accepted for a uniform interface
+    chunk: int = option(64, "causal prefix-sum block length")
+    seed: int = option(0, UNUSED_SEED)
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:

@@ -37,6 +37,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
+from passes._options import option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -47,12 +48,14 @@ MASKED_LOGIT = -1e30  # finite, so a row whose projected keys are all padding st
 
 @dataclasses.dataclass
 class Options:
-    proj_dim: int = 256  # k, the number of projected keys
-    projection: str = "gaussian"  # one of PROJECTIONS
-    share_kv: bool = False  # F = E (one matrix for keys and values)
-    max_len: int = 4096  # positions a stored projection covers (gaussian, learned, identity)
-    exact_if_short: bool = True  # N <= k: exact attention instead of a k-column projection
-    seed: int = 0
+    proj_dim: int = option(256, "k, the number of projected keys", valid=">= 1")
+    projection: str = option("gaussian", "how keys and values are projected to k positions", choices=PROJECTIONS)
+    share_kv: bool = option(False, "F = E (one matrix for keys and values)")
+    max_len: int = option(
+        4096, "positions a stored projection covers (gaussian, learned, identity)", valid=">= proj_dim"
+    )
+    exact_if_short: bool = option(True, "N <= k: exact attention instead of a k-column projection")
+    seed: int = option(0, "numpy default_rng seed the projections are drawn from")
 
     def __post_init__(self):
         if self.projection not in PROJECTIONS:

@@ -38,6 +38,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
+from passes._options import option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -48,13 +49,15 @@ TINY = float(np.finfo(np.float32).tiny)  # divisor floor: a row with no visible 
 
 @dataclasses.dataclass
 class Options:
-    n_buckets: int = 32  # 1 (everything in one bucket) or even
-    n_hashes: int = 4  # hash rounds; more rounds, fewer missed keys
-    chunk: int = 64  # positions per chunk (2 * chunk sorted items)
-    # Count a key that several rounds show a query once (the paper's eq. 7): the result is then
-    # the softmax over the union of the keys seen. Costs n_hashes comparisons per scored pair.
-    dedup: bool = False
-    seed: int = 0
+    n_buckets: int = option(32, "hash buckets; 1 puts everything in one bucket", valid="1 or even")
+    n_hashes: int = option(4, "hash rounds; more rounds, fewer missed keys", valid=">= 1")
+    chunk: int = option(64, "positions per chunk (2 * chunk sorted items)", valid=">= 1")
+    dedup: bool = option(
+        False,
+        "count a key that several rounds show a query once (the paper's eq. 7), so the result is "
+        "the softmax over the union of the keys seen; costs n_hashes comparisons per scored pair",
+    )
+    seed: int = option(0, "numpy default_rng seed the rotations are drawn from")
 
     def __post_init__(self):
         if self.n_buckets < 1 or (self.n_buckets > 1 and self.n_buckets % 2):

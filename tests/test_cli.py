@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from attnrewrite.cli import main
+import attnrewrite
+import passes
+from attnrewrite.cli import EXIT_BROKEN_PIPE, format_layers, main, parse_layers
+from passes._options import describe_options
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 
@@ -48,10 +53,87 @@ def test_rewrite_writes_a_model_that_runs(tmp_path, capsys, method, op_type):
 
 
 def test_layers_selects_sites(tmp_path, capsys):
-    code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path / "o.onnx", "--layers", "1")
+    report = tmp_path / "report.json"
+    code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path / "o.onnx", "--layers", "1", "--report", report)
     assert code == 0
     assert "skipped: not selected (--layers)" in out
     assert "1 of 2 attention sites" in out
+    # one answer to "why not" per site, no second field that could disagree with it
+    sites = json.loads(report.read_text())["sites"]
+    assert [(s["status"], s["reason"]) for s in sites] == [("skipped", "not selected (--layers)"), ("rewritten", None)]
+    assert not any("skip_reason" in s for s in sites)
+
+
+@pytest.mark.parametrize(
+    "layers,message",
+    [
+        ("0,6-7", "--layers: no attention site in layers 6-7; this model's sites are in layers 0-1"),
+        ("99", "--layers: no attention site in layer 99; this model's sites are in layers 0-1"),
+        ("5-2", "argument --layers: reversed range '5-2' (write 2-5) (see 'attnrewrite -h')"),
+        ("1,x", "argument --layers: invalid layer list '1,x' (expected e.g. 0,2,5-7) (see 'attnrewrite -h')"),
+    ],
+)
+def test_layers_that_do_not_exist_are_refused(tmp_path, capsys, layers, message):
+    output = tmp_path / "o.onnx"
+    code, out, err = run(capsys, SAMPLE, "--to", "hydra", "-o", output, "--layers", layers)
+    assert (code, out, err) == (2, "", f"attnrewrite: error: {message}\n")
+    assert not output.exists()
+
+
+def test_parse_layers_merges_and_sorts():
+    assert parse_layers("5-7,0, 6,2") == [0, 2, 5, 6, 7]
+    assert format_layers([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_list_options_needs_no_model_and_says_what_each_option_means(capsys):
+    code, out, err = run(capsys, "--to", "Hydra", "--list-options")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "options of hydra (set with -O NAME=VALUE):",
+        "name  type   default  valid  meaning",
+        "eps   float  1e-06    -      added to the L2 norms so that an all-zero vector normalizes to zero",
+        "seed  int    0        -      unused: the method draws nothing at random; accepted for a uniform interface",
+    ]
+
+
+def test_every_option_of_every_method_is_described():
+    for method in passes.PASSES.values():
+        for option in describe_options(method.Options):
+            assert option.help, f"{method.NAME}.{option.name} has no help"
+    favor_variant = next(o for o in describe_options(passes.favor.Options) if o.name == "variant")
+    assert (favor_variant.type, favor_variant.default, favor_variant.valid) == ("str", "positive", "positive | hyperbolic")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--to", "foo", "m.onnx"], "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh')"),
+        (["--to", "hydra"], "the following arguments are required: model"),
+        (["bench", "m.onnx"], "the following arguments are required: --to"),
+    ],
+)
+def test_usage_errors_are_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    prog = "attnrewrite bench" if argv[0] == "bench" else "attnrewrite"
+    assert (code, out, err) == (2, "", f"attnrewrite: error: {message} (see '{prog} -h')\n")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"attnrewrite {attnrewrite.__version__}\n"
+
+
+def test_closed_stdout_stops_quietly_with_the_sigpipe_status():
+    """`attnrewrite M --list | head -1`: the reader is gone before the output is written."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "attnrewrite", str(SAMPLE), "--list"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1],
+    )
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert (process.wait(timeout=60), stderr) == (EXIT_BROKEN_PIPE, "")
 
 
 def test_already_rewritten_model_is_refused_and_nothing_written(tmp_path, capsys):

@@ -9,12 +9,16 @@ the test's own padding mask.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import attnrewrite
 import passes
+from attnrewrite.errors import NothingRewritten
 from attnrewrite.fx import find_fx_sites, rewrite_graph_module
 from attnrewrite.site import MaskKind
 
@@ -128,6 +132,19 @@ def test_layers_selects_what_is_rewritten():
     with torch.no_grad():
         expected = reference_encoder(model.encoder, x, [softmax, lambda q, k, v: module(q, k, v, None)])
         assert relative_error(gm(x), expected) < 1e-5
+
+
+@pytest.mark.parametrize("frontend", ["fx", "onnx"])
+def test_api_warns_when_nothing_was_rewritten(frontend, tmp_path):
+    if frontend == "fx":
+        model = Encoder(None).eval()
+    else:
+        model = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
+    with pytest.warns(NothingRewritten) as caught:
+        attnrewrite.rewrite(model, to="hydra", layers=[7])
+    assert [str(w.message) for w in caught] == [
+        "attnrewrite: none of the 2 attention sites could be rewritten; the model is returned unchanged (the record says why)"
+    ]
 
 
 def test_transformer_encoder_layer_alone():
