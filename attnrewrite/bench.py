@@ -3,8 +3,16 @@ identity-attention bound.
 
 The bound is the same model with every rewritten attention replaced by a node that returns its
 values v. It is spliced exactly like a real replacement (same q/k/v/key_keep plumbing, same
-sites), so it costs what the rest of the model costs: the fastest any attention replacement can
-be.
+sites), so it costs what the rest of the model costs. It is a reference point, not a strict
+lower bound: onnxruntime keeps the now unused q and k (it does not remove dead nodes) with their
+head transposes, while a replacement whose body the transpose optimizer can push the transposes
+through (hydra) reads q and k in the projections' layout and skips them. Measured on one
+BERT-base layer at N = 2048, one thread: the bound's two transposes cost 8 ms of 750 (~1%), less
+than the ~8% by which fresh processes differ; so a replacement can come out at or just below the
+bound, and that is not a measurement error.
+
+A model with learned positions stops the sweep at its length limit (attnrewrite.onnx.limits),
+or, when the graph does not show it, at the first length the original model fails.
 
 Every (model, length) runs in a fresh process (bench_worker.py). Memory is that process's peak
 resident set (VmHWM): it counts everything the run needs — onnxruntime's arena,
@@ -38,6 +46,7 @@ import onnx_ir as ir
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.onnx.validate import validate
@@ -121,30 +130,54 @@ class BenchResult:
     stopped: dict[str, str]  # variant -> why its series stopped early
     sites: int
     machine: dict[str, Any]
+    # Why the sweep stopped before the last length for every variant (the model's own limit)
+    # and the lengths it did not run.
+    limit: str | None = None
+    not_run: list[int] = dataclasses.field(default_factory=list)
 
     def series(self, variant: str) -> list[Measurement]:
         return [m for m in self.measurements if m.variant == variant]
 
-    def crossover(self) -> int | None:
-        """The smallest length from which on the rewritten model is faster than the original at
-        every length both answered (a length the original could not finish within its budget
-        counts as faster); None if it never is."""
+    def comparisons(self) -> dict[int, str]:
+        """Per length both answered: "faster", "slower" or "noise" for the rewritten model
+        against the original. Faster or slower only beyond the measured spread: one model's
+        upper quartile of run times below the other's lower quartile. A length the original
+        could not finish within its budget counts as faster."""
         original = {m.n: m for m in self.series("original")}
         rewritten = {m.n: m for m in self.series("rewritten") if m.status == "ok"}
         original_over_budget = any(m.status in ("over_time", "over_memory") for m in original.values())
-        answer = None
+        verdicts = {}
         for n in self.config.lengths:
             if n not in rewritten:
                 continue
             base = original.get(n)
             if base is not None and base.status == "ok":
-                faster = rewritten[n].median_s < base.median_s
+                verdicts[n] = _compare_runs(rewritten[n].times_s, base.times_s)
             elif original_over_budget and (base is None or base.status != "failed"):
-                faster = True  # the original ran out of budget by this length
-            else:
-                continue  # the original failed for another reason: nothing to compare
-            answer = (answer or n) if faster else None
+                verdicts[n] = "faster"  # the original ran out of budget by this length
+        return verdicts
+
+    def crossover(self) -> int | None:
+        """The smallest length from which on the rewritten model is faster than the original,
+        beyond the spread, at every length both answered; None if it never is."""
+        answer = None
+        for n, verdict in self.comparisons().items():
+            answer = (answer or n) if verdict == "faster" else None
         return answer
+
+    def within_noise(self) -> list[int]:
+        return [n for n, verdict in self.comparisons().items() if verdict == "noise"]
+
+    def crossover_line(self) -> str:
+        method, crossover, noise = self.config.method, self.crossover(), self.within_noise()
+        if crossover:
+            line = f"crossover: {method} is faster than the original from N = {crossover} on"
+            noise = [n for n in noise if n < crossover]
+        else:
+            line = f"crossover: {method} is not faster than the original beyond the measured spread at any length"
+        if noise:
+            line += f"; within noise at N = {', '.join(map(str, noise))}"
+        return line
 
     def table(self) -> str:
         label = {"original": "original", "rewritten": self.config.method, "identity": "identity"}
@@ -171,11 +204,9 @@ class BenchResult:
             format_table(header, rows),
         ]
         lines += [f"{label[v]}: stopped: {why}" for v, why in self.stopped.items()]
-        crossover = self.crossover()
-        lines.append(
-            f"crossover: {self.config.method} is faster than the original from N = {crossover} on"
-            if crossover else f"crossover: {self.config.method} is not faster than the original at any measured length"
-        )
+        if self.limit:
+            lines.append(f"sweep {self.limit}")
+        lines.append(self.crossover_line())
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,7 +217,10 @@ class BenchResult:
             "sites": self.sites,
             "series": {v: [m.as_dict() for m in self.series(v)] for v in VARIANTS},
             "stopped": self.stopped,
+            "limit": self.limit,
+            "not_run": self.not_run,
             "crossover": self.crossover(),
+            "within_noise": self.within_noise(),
         }
 
 
@@ -196,9 +230,13 @@ class BenchResult:
 def run(config: BenchConfig, progress=None) -> BenchResult:
     """Sweep ``config.lengths`` for the original, rewritten and identity-bound models."""
     check_provider(config)
+    original_graph = onnx_io.load_model(config.model).graph
+    limit = position_limit(original_graph)
+    runnable = [n for n in config.lengths if limit is None or n <= limit.positions]
+    if not runnable:
+        raise AttnRewriteError(f"{config.model}: no requested length can run: {limit.describe()}")
     with tempfile.TemporaryDirectory(prefix="attnrewrite-bench-") as folder:
         models, sites = prepare_models(config, Path(folder))
-        original_graph = onnx_io.load_model(config.model).graph
 
         def inputs_for(n: int) -> Path:
             path = Path(folder) / f"inputs-{n}.npz"
@@ -206,19 +244,33 @@ def run(config: BenchConfig, progress=None) -> BenchResult:
             return path
 
         runners = {variant: onnx_runner(path, config) for variant, path in models.items()}
-        measurements, stopped = sweep(runners, config, inputs_for, progress)
-    return BenchResult(config, measurements, stopped, sites, machine_description(config.threads))
+        measurements, stopped = sweep(
+            runners, dataclasses.replace(config, lengths=runnable), inputs_for, progress, reference="original"
+        )
+    result = BenchResult(config, measurements, stopped, sites, machine_description(config.threads))
+    failed = next((m for m in result.series("original") if m.status == "failed"), None)
+    if failed is not None:  # the model's own limit, whatever the method: one line, not three
+        stopped.pop("original", None)
+        result.limit = f"stopped at N = {failed.n}: the original model fails there: {_short(failed.detail)}"
+        result.not_run = [n for n in config.lengths if n >= failed.n]
+    elif len(runnable) < len(config.lengths):
+        result.not_run = [n for n in config.lengths if n not in runnable]
+        result.limit = f"stopped before N = {result.not_run[0]}: {limit.describe()}"
+    return result
 
 
 Runner = Callable[[int, Path], Measurement]  # (N, inputs file) -> one measurement
 
 
 def sweep(
-    runners: dict[str, Runner], config: BenchConfig, inputs_for: Callable[[int], Path], progress=None
+    runners: dict[str, Runner], config: BenchConfig, inputs_for: Callable[[int], Path], progress=None,
+    reference: str | None = None,
 ) -> tuple[list[Measurement], dict[str, str]]:
     """Measure every runner at every length, interleaved by length so that all of them see the
     same machine conditions; a runner's series stops at its first length over budget (or that
-    fails). ``inputs_for(n)`` writes the inputs for length n (removed after that length)."""
+    fails). When the ``reference`` runner fails (not over budget) at a length, the model cannot
+    take that length: the whole sweep stops there. ``inputs_for(n)`` writes the inputs for
+    length n (removed after that length)."""
     progress = progress or Progress(sys.stderr)
     measurements: list[Measurement] = []
     stopped: dict[str, str] = {}
@@ -230,7 +282,7 @@ def sweep(
         for trial in range(config.trials):  # round-robin, so drifts hit every runner alike
             for label, runner in runners.items():
                 step += 1
-                if label in stopped:
+                if label in stopped or _failed(trials.get(reference)):
                     continue
                 progress.step(step - 1, total, f"{label} N={n}" + (f" (trial {trial + 1})" if config.trials > 1 else ""))
                 m = runner(n, inputs)
@@ -242,8 +294,14 @@ def sweep(
                     progress.note(f"{label}: series stopped: {why}")
         measurements += [pool(ms) for ms in trials.values()]
         inputs.unlink(missing_ok=True)
+        if _failed(trials.get(reference)):
+            break
     progress.done(total)
     return measurements, stopped
+
+
+def _failed(trials: list[Measurement] | None) -> bool:
+    return bool(trials) and trials[-1].status == "failed"
 
 
 def pool(trials: list[Measurement]) -> Measurement:
@@ -546,41 +604,77 @@ class Progress:
         self.stream.flush()
 
 
+# The bound's legend says what it is: see the module docstring.
+IDENTITY_LABEL = "identity (attention = v; a reference, not a strict bound)"
+
+
 def plot(result: BenchResult, path: str | os.PathLike) -> None:
     """Latency and memory vs N, log-log: original, rewritten and the identity bound."""
-    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": "identity bound"}
+    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": IDENTITY_LABEL}
     series = {labels[v]: result.series(v) for v in VARIANTS}
     title = f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})"
-    plot_series(series, path, title)
+    plot_series(series, path, title, note=f"sweep {result.limit}" if result.limit else None)
 
 
-def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, title: str) -> None:
+def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, title: str, note: str | None = None) -> None:
     """One line per label on two log-log panels (median latency, peak memory); measured points
-    only, so a series that stopped at its budget ends there."""
+    only. A series that stopped (budget, failure) ends in an x at its last measured point,
+    labelled with why; ``note`` goes under the panels."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         raise AttnRewriteError("--plot needs matplotlib: pip install 'attnrewrite[bench]'") from None
-    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.6))
+    lengths = sorted({m.n for ms in series.values() for m in ms})
     for label, measurements in series.items():
         points = [m for m in measurements if m.status == "ok"]
-        if points:
-            latency.plot([m.n for m in points], [m.median_s * 1e3 for m in points], marker="o", label=label)
-            memory.plot([m.n for m in points], [m.peak_bytes / 2**20 for m in points], marker="o", label=label)
+        stop = next((m for m in measurements if m.status != "ok"), None)
+        for axes, value in ((latency, lambda m: m.median_s * 1e3), (memory, lambda m: m.peak_bytes / 2**20)):
+            if not points:
+                continue
+            line, = axes.plot([m.n for m in points], [value(m) for m in points], marker="o", label=label)
+            if stop is not None:
+                last = points[-1]
+                axes.plot([last.n], [value(last)], marker="x", markersize=12, color=line.get_color())
+                axes.annotate(f"{stop.status.replace('_', ' ')} at N = {stop.n}", (last.n, value(last)),
+                              textcoords="offset points", xytext=(6, -12), fontsize="x-small", color=line.get_color())
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
     for axes, unit in ((latency, "median latency (ms)"), (memory, "peak memory (MiB)")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
+        axes.xaxis.set_major_locator(FixedLocator(lengths))  # the measured lengths, as numbers
+        axes.xaxis.set_major_formatter(plain)
+        axes.xaxis.set_minor_formatter(NullFormatter())
+        axes.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))  # enough labels on short ranges
+        axes.yaxis.set_major_formatter(plain)
+        axes.yaxis.set_minor_formatter(NullFormatter())  # not 2x10^0
+        axes.tick_params(axis="x", labelrotation=45 if len(lengths) > 6 else 0)
         axes.set_xlabel("sequence length N")
         axes.set_ylabel(unit)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small")
     figure.suptitle(title)
-    figure.tight_layout()
+    if note:
+        figure.text(0.5, 0.01, note, ha="center", fontsize="small", wrap=True)
+    figure.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _compare_runs(runs: list[float], baseline: list[float]) -> str:
+    """ "faster", "slower" or "noise": whether runs beat baseline beyond their spread (the
+    interquartile ranges of the two sets of run times do not overlap)."""
+    low, high = np.percentile(runs, [25, 75])
+    base_low, base_high = np.percentile(baseline, [25, 75])
+    if high < base_low:
+        return "faster"
+    if low > base_high:
+        return "slower"
+    return "noise"
 
 
 def _median(m: Measurement | None) -> float | None:

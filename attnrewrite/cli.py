@@ -27,6 +27,7 @@ from attnrewrite import check as check_mod
 from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import input_fails, validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
@@ -117,8 +118,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="the ONNX model (never modified)")
     parser.add_argument("--to", required=True, type=method_name, choices=list(passes.PASSES), help="the replacement method")
     parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
-    parser.add_argument("--lengths", type=parse_lengths, default=bench.DEFAULT_LENGTHS,
-                        help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling)")
+    parser.add_argument("--lengths", type=parse_lengths, default=None,
+                        help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling, "
+                        "up to the model's own length limit); a length given here that cannot run fails the command")
     parser.add_argument("--batch", type=parse_positive, default=1, help="batch size (default: 1)")
     parser.add_argument("--budget-seconds", type=float, default=bench.DEFAULT_BUDGET_SECONDS,
                         help="stop a series once one run takes longer (default: %(default)s)")
@@ -312,6 +314,8 @@ def _run(argv: list[str]) -> int:
     _check_rewrite_arguments(args, model)
     options = parse_options(args.option)
     checking = args.check or args.min_cosine is not None or args.min_agreement is not None or args.inputs is not None
+    if checking:
+        check_length_fits(model.graph, args)
     # from the original's signature, before the rewrite changes the model in place
     inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
     model, record = rewrite_model(model, args.to, layers=args.layers, **options)
@@ -344,6 +348,7 @@ def _run(argv: list[str]) -> int:
 def _check_command(args) -> int:
     if args.json:
         onnx_io.check_output_path(args.json, args.original, what="report")
+    check_length_fits(onnx_io.load_model(args.original).graph, args)
     report = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(report.table())
     if args.json:
@@ -360,7 +365,7 @@ def _bench_command(args) -> int:
         if path:
             onnx_io.check_output_path(path, args.model, what="report")
     config = bench.BenchConfig(
-        model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths,
+        model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths or bench.DEFAULT_LENGTHS,
         batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
         provider=args.provider, fp16=args.fp16, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
         trials=args.trials,
@@ -371,7 +376,20 @@ def _bench_command(args) -> int:
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     if args.plot:
         bench.plot(result, args.plot)
+    if args.lengths and result.not_run:  # asked for by name, so not running them is a failure
+        lengths = ",".join(map(str, result.not_run))
+        return _fail(f"--lengths {lengths} not run: sweep {result.limit}", EXIT_BAD_INPUT, verbose=False)
     return 0
+
+
+def check_length_fits(graph, args) -> None:
+    """Generated inputs of --seq tokens must fit the model's positions: said here in one line,
+    instead of onnxruntime's message from deep inside the embeddings."""
+    if args.inputs is not None:
+        return  # the user's own arrays: their length is theirs
+    limit = position_limit(graph)
+    if limit is not None and args.seq > limit.positions:
+        raise AttnRewriteError(f"--seq {args.seq} is too long: {limit.describe()}; use --seq {limit.positions} or less")
 
 
 def _check_rewrite_arguments(args, model) -> None:

@@ -18,6 +18,7 @@ from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.limits import PositionLimit, position_limit
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -107,14 +108,55 @@ def test_memory_budget_kills_the_process():
     assert "> memory budget 0.00 GB" in result.stopped["rewritten"]
 
 
-def test_a_model_that_fails_at_a_length_stops_with_the_reason():
-    result = bench.run(_config(lengths=[16, 1024, 2048]))  # the sample has 512 positions
-    assert [m.status for m in result.series("original")] == ["ok", "failed"]
-    assert "failed: InvalidArgument" in result.stopped["original"]
+SAMPLE_LIMIT = "the model has 512 positions ('/model/embeddings/Slice' cuts a 512-long constant to the sequence)"
+
+
+def test_lengths_past_the_models_positions_are_not_run_and_the_sweep_says_why():
+    result = bench.run(_config(lengths=[16, 1024, 2048]))
+    assert {m.n for m in result.measurements} == {16} and result.stopped == {}
+    assert result.not_run == [1024, 2048]
+    assert result.limit == f"stopped before N = 1024: {SAMPLE_LIMIT}"
+    assert f"sweep stopped before N = 1024: {SAMPLE_LIMIT}" in result.table().splitlines()
+
+
+def test_without_a_limit_in_the_graph_the_sweep_stops_where_the_original_fails(monkeypatch):
+    monkeypatch.setattr(bench, "position_limit", lambda graph: None)
+    result = bench.run(_config(lengths=[16, 1024, 2048]))
+    assert [(m.variant, m.n, m.status) for m in result.measurements] == [
+        ("original", 16, "ok"), ("rewritten", 16, "ok"), ("identity", 16, "ok"), ("original", 1024, "failed"),
+    ]  # the rewritten models are not run where the original cannot
+    assert result.stopped == {} and result.not_run == [1024, 2048]
+    assert result.limit.startswith("stopped at N = 1024: the original model fails there: InvalidArgument")
+
+
+def test_explicit_lengths_that_cannot_run_fail_the_command(capsys, monkeypatch):
+    code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--lengths", "16,1024", "--repeats", "1", "--threads", "1")
+    assert code == 2
+    assert err.splitlines()[-1] == f"attnrewrite: error: --lengths 1024 not run: sweep stopped before N = 1024: {SAMPLE_LIMIT}"
+    # the default lengths stop at the model's limit without failing
+    monkeypatch.setattr(bench, "DEFAULT_LENGTHS", [16, 1024])
+    code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--repeats", "1", "--threads", "1")
+    assert code == 0, err
+    assert f"sweep stopped before N = 1024: {SAMPLE_LIMIT}" in out and "error" not in err
+
+
+def test_position_limit_of_a_table_indexed_by_a_range():
+    """The other spelling: Gather(table[10, 4], Range(0, n)), as the dynamo exporter and GPT-2 write it."""
+    n = helper.make_tensor_value_info("n", TensorProto.INT64, [])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 4])
+    nodes = [
+        helper.make_node("Range", ["zero", "n", "one"], ["positions"]),
+        helper.make_node("Gather", ["table", "positions"], ["out"], name="position_embeddings"),
+    ]
+    constants = [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in (("zero", 0), ("one", 1))]
+    table = numpy_helper.from_array(np.zeros((10, 4), np.float32), "table")
+    graph = helper.make_graph(nodes, "positions", [n], [out], [*constants, table])
+    model = onnx_io.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert position_limit(model.graph) == PositionLimit(10, "position_embeddings")
 
 
 def _m(variant, n, seconds, status="ok"):
-    return bench.Measurement(variant, n, status, [seconds], 1, 1)
+    return bench.Measurement(variant, n, status, seconds if isinstance(seconds, list) else [seconds], 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +178,29 @@ def test_crossover(original, rewritten, expected):
             measurements.append(_m("original", n, 99.0, status="over_time"))
     result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra", lengths=lengths), measurements, {}, 2, {})
     assert result.crossover() == expected
+
+
+def test_a_difference_within_the_spread_is_not_a_crossover():
+    lengths = [16, 32, 64]
+    measurements = [
+        _m("original", 16, [1.0, 1.1, 1.2, 1.3]), _m("rewritten", 16, [0.9, 1.0, 1.1, 1.2]),  # overlapping quartiles
+        _m("original", 32, [2.0, 2.1, 2.2, 2.3]), _m("rewritten", 32, [1.0, 1.1, 1.2, 1.3]),
+        _m("original", 64, [4.0, 4.1, 4.2, 4.3]), _m("rewritten", 64, [2.0, 2.1, 2.2, 2.3]),
+    ]
+    result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra", lengths=lengths), measurements, {}, 2, {})
+    assert result.comparisons() == {16: "noise", 32: "faster", 64: "faster"}
+    assert result.crossover_line() == "crossover: hydra is faster than the original from N = 32 on; within noise at N = 16"
+    noisy = bench.BenchResult(result.config, measurements[:2], {}, 2, {})
+    assert noisy.crossover_line() == (
+        "crossover: hydra is not faster than the original beyond the measured spread at any length; within noise at N = 16"
+    )
+
+
+def test_plot_marks_where_a_series_stopped(tmp_path):
+    series = {"original": [_m("original", 16, 0.001), _m("original", 32, 0.0, status="failed")],
+              "hydra": [_m("hydra", 16, 0.001), _m("hydra", 32, 0.002)]}
+    bench.plot_series(series, tmp_path / "p.png", "title", note="sweep stopped at N = 32")
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_fp16_model_runs_and_agrees_with_float32(tmp_path):

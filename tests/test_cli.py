@@ -136,6 +136,19 @@ def test_closed_stdout_stops_quietly_with_the_sigpipe_status():
     assert (process.wait(timeout=60), stderr) == (EXIT_BROKEN_PIPE, "")
 
 
+@pytest.mark.parametrize("command", ["rewrite", "check"])
+def test_check_longer_than_the_models_positions_is_one_clear_line(tmp_path, capsys, command):
+    output = tmp_path / "o.onnx"
+    argv = [SAMPLE, "--to", "hydra", "-o", output, "--check"] if command == "rewrite" else ["check", SAMPLE, SAMPLE]
+    code, out, err = run(capsys, *argv, "--seq", "1024")
+    assert (code, out) == (2, "")
+    assert err == (
+        "attnrewrite: error: --seq 1024 is too long: the model has 512 positions "
+        "('/model/embeddings/Slice' cuts a 512-long constant to the sequence); use --seq 512 or less\n"
+    )
+    assert not output.exists()
+
+
 def test_already_rewritten_model_is_refused_and_nothing_written(tmp_path, capsys):
     first = tmp_path / "first.onnx"
     assert run(capsys, SAMPLE, "--to", "hydra", "-o", first)[0] == 0
