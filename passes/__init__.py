@@ -1,7 +1,9 @@
 """One module per linearization. Each module provides:
 
 - ``NAME``: the method's name on the command line (``--to NAME``);
-- ``Options``: a dataclass of the method's settings (every method takes ``seed``);
+- ``Options``: a dataclass of the method's settings (every method takes ``seed``), each field
+  declared with ``passes._options.option(default, help, ...)`` so ``--list-options`` can say
+  what it means;
 - ``supports(site, options) -> None | reason``: why a site cannot be replaced, if it cannot;
 - ``torch_module(site, options)``: an nn.Module ``forward(q, k, v, key_keep=None)``, the FX
   lowering and the numeric reference (``key_keep``: 1.0 for keys to attend to, 0.0 for padding,
