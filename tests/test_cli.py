@@ -96,6 +96,12 @@ def test_list_options_needs_no_model_and_says_what_each_option_means(capsys):
     ]
 
 
+def test_list_options_needs_a_method(capsys):
+    code, out, err = run(capsys, "--list-options")
+    assert (code, out) == (2, "")
+    assert err == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh)\n"
+
+
 def test_every_option_of_every_method_is_described():
     for method in passes.PASSES.values():
         for option in describe_options(method.Options):
