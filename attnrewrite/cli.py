@@ -112,7 +112,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="attnrewrite bench",
         description="Latency and peak memory over sequence length: the original model, the rewritten one, "
-        "and the identity-attention reference (each attention replaced by its values). "
+        "and the identity-attention bound (each attention replaced by its values). "
         "Each configuration runs in a fresh process.",
     )
     parser.add_argument("model", help="the ONNX model (never modified)")

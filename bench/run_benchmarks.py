@@ -481,9 +481,8 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
     out += [
         "## One BERT-base encoder layer (d = 768, 12 heads, FFN 3072, with projections)", "",
         "Hidden states [1, N, 768] in and out. `identity bound`: every attention replaced by its values v,",
-        "spliced like a real replacement: what the rest of the layer costs. A reference, not a strict bound:",
-        "onnxruntime still computes the unused q and k and their head transposes (~1% of the layer), which",
-        "a replacement can avoid (attnrewrite/bench.py).", "",
+        "spliced like a real replacement, q, k and v still computed but not q's and k's head transposes",
+        "(attnrewrite/bench.py): the fastest any attention replacement can be.", "",
         section_tables(layer, "softmax"),
         "## Attention only, q, k, v of [1, 12, N, 64]", "",
         "No projections: these rows compare attention implementations, not layers. Ours are ONNX",

@@ -19,6 +19,7 @@ from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.limits import PositionLimit, position_limit
+from attnrewrite.onnx.rewrite import rewrite_model
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -52,8 +53,8 @@ def attention_model(path: Path) -> Path:
 def test_identity_bound_returns_the_values(tmp_path):
     model = bench.identity_attention(onnx_io.load_model(attention_model(tmp_path / "a.onnx")), ["softmax"])
     onnx_io.save_model(model, tmp_path / "bound.onnx")
-    assert "Softmax" not in {n.op_type for n in model.graph}
-    assert [n.op_type for n in model.graph if n.domain == "attnrewrite"] == ["IdentityAttention"]
+    assert [n.op_type for n in model.graph] == ["Identity"]  # q, k and k's transpose are gone
+    assert not model.functions and not model.graph.initializers
     feeds = {name: np.random.default_rng(i).standard_normal((1, 2, 5, 4)).astype(np.float32) for i, name in enumerate("qkv")}
     [out] = ort.InferenceSession(str(tmp_path / "bound.onnx")).run(None, feeds)
     np.testing.assert_array_equal(out, feeds["v"])
@@ -62,7 +63,20 @@ def test_identity_bound_returns_the_values(tmp_path):
 def test_identity_bound_replaces_only_the_named_sites():
     model = bench.identity_attention(onnx_io.load_model(SAMPLE), ["/model/encoder/layer.1/attention/self/Softmax"])
     assert [n.op_type for n in model.graph].count("Softmax") == 1
-    assert [n.op_type for n in model.graph].count("IdentityAttention") == 1
+
+
+def test_identity_bound_keeps_the_projections_but_not_the_head_transposes_of_q_and_k():
+    """onnxruntime runs nodes nobody reads, and hydra does not pay for q's and k's head
+    transposes (its transpose optimizer folds them into hydra's body): the bound must not either."""
+    sites = [f"/model/encoder/layer.{i}/attention/self/Softmax" for i in (0, 1)]
+    bound = bench.identity_attention(onnx_io.load_model(SAMPLE), sites)
+    unread = [n for n in bound.graph if not any(o.uses() or o.is_graph_output() for o in n.outputs)]
+    assert not [n.name for n in unread if n.op_type in ("Transpose", "Reshape") and "/attention/self/" in n.name]
+    assert sorted(n.name for n in unread if n.op_type == "Add") == [
+        f"/model/encoder/layer.{i}/attention/self/{p}/Add" for i in (0, 1) for p in ("key", "query")
+    ]  # the q and k projections are still computed: every replacement needs them
+    hydra, _ = rewrite_model(onnx_io.load_model(SAMPLE), "hydra")
+    assert [n.op_type for n in bound.graph].count("MatMul") == [n.op_type for n in hydra.graph].count("MatMul") == 12
 
 
 def test_tiny_sweep_json_table_and_plot(tmp_path, capsys):
