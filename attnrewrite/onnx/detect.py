@@ -26,6 +26,11 @@ class MaskForm(str, enum.Enum):
     ADDITIVE = "additive"  # logits + m; m is 0 (keep) or <= MASKED_BELOW
     KEEP_WHERE_TRUE = "keep_where_true"  # Where(cond, logits, fill) or a bool attn_mask
     KEEP_WHERE_FALSE = "keep_where_false"  # Where(cond, fill, logits): masked_fill
+    # onnxruntime's fused attention (com.microsoft): a raw mask attends where it is > 0; a 1-D
+    # mask_index is one of two index forms, told apart when the mask is evaluated (masks.py)
+    KEEP_WHERE_POSITIVE = "keep_where_positive"
+    KEY_LENGTHS = "key_lengths"  # [batch]: keys before length[b] attend (right padding)
+    KEY_RANGES = "key_ranges"  # [2 * batch]: ends, then starts: start[b] <= key < end[b]
 
 
 @dataclasses.dataclass
@@ -33,6 +38,19 @@ class MaskTerm:
     value: ir.Value
     form: MaskForm
     rank: int | None = None  # learned when the mask is evaluated (masks.py)
+    # the contrib ops' layout: [batch, keys], [batch, queries, keys], [batch, 1, queries, keys]
+    # or a 1-D index, batch first and no head axis; otherwise aligned with the logits' last axes
+    batch_first: bool = False
+
+    @property
+    def key_only(self) -> bool:
+        """A key padding mask by the operator's definition, whatever its values."""
+        return self.batch_first and self.rank is not None and self.rank <= 2
+
+    @property
+    def keep_rank(self) -> int | None:
+        """The rank of the keep tensor the splice builds from this term."""
+        return 4 if self.batch_first else self.rank
 
 
 @dataclasses.dataclass
@@ -51,6 +69,10 @@ class OnnxSite:
     # (queries, keys) when shape inference knows them: a model exported at a fixed sequence
     # length keeps its masks at that length whatever length the mask probe asks for
     static_lengths: tuple[int | None, int | None] = (None, None)
+    # a fused contrib operator holds q, k, v packed (q, k, v above are then its inputs, not
+    # [batch, heads, seq, head_dim] tensors): the splice unpacks them with this plan
+    packing: PackedHeads | None = None
+    static_batch: int | None = None  # tells a 1-D mask index's forms apart when the batch is fixed
 
 
 class Unsupported(Exception):
@@ -63,6 +85,10 @@ def find_onnx_sites(graph: ir.Graph) -> list[OnnxSite]:
     for node in graph:
         if node.domain == REPLACEMENT_DOMAIN:
             # keeps layer numbers (and so --layers) stable when a model is rewritten in steps
+            layer += 1
+            continue
+        if node.domain == CONTRIB_DOMAIN and node.op_type in CONTRIB_ATTENTION:
+            sites.append(_match_contrib_attention(node, index=layer))
             layer += 1
             continue
         if node.domain not in ("", "ai.onnx"):
@@ -286,16 +312,13 @@ def _dropout_mask_used(dropout: ir.Node) -> bool:
 
 
 def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
-    site = AttentionSite(name=node.name or f"Attention_{index}", layer=index)
     inputs = list(node.inputs) + [None] * (6 - len(node.inputs))
     q, k, v, attn_mask, past_key, past_value = inputs[:6]
-    onnx_site = OnnxSite(site, q, None, k, v, node.outputs[0], [], [node], causal_by_attribute=False)
-    site.provenance = {"nodes": [node.name]}
+    onnx_site = _fused_site(node, index, q, k, v)
+    site = onnx_site.site
     reason = _fused_attention_limits(node, q, past_key, past_value)
     if reason:
-        site.skip_reason = reason
-        site.mask = MaskKind.UNKNOWN
-        return onnx_site
+        return _refused(onnx_site, reason)
     attrs = node.attributes
     onnx_site.causal_by_attribute = bool(attrs["is_causal"].as_int()) if "is_causal" in attrs else False
     if attn_mask is not None:
@@ -304,13 +327,33 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     _describe_shapes(site, q, v, None)
     site.num_heads = _static(q.shape[1])  # the operator defines 4-D inputs as [B, H, N, D]
     onnx_site.static_lengths = (_static_dims(q, -2)[0], _static_dims(k, -2)[0])
-    if "scale" in attrs:
-        site.scale = attrs["scale"].as_float()
+    _set_scale(site, node, zero_is_default=False)
+    return onnx_site
+
+
+def _fused_site(node: ir.Node, index: int, q: ir.Value, k: ir.Value | None, v: ir.Value) -> OnnxSite:
+    """A site for one fused attention node: the node is all the splice removes."""
+    site = AttentionSite(name=node.name or f"{node.op_type}_{index}", layer=index)
+    site.provenance = {"nodes": [node.name]}
+    return OnnxSite(site, q, None, k, v, node.outputs[0], [], [node], causal_by_attribute=False)
+
+
+def _refused(onnx_site: OnnxSite, reason: str) -> OnnxSite:
+    onnx_site.site.skip_reason = reason
+    onnx_site.site.mask = MaskKind.UNKNOWN
+    return onnx_site
+
+
+def _set_scale(site: AttentionSite, node: ir.Node, zero_is_default: bool) -> None:
+    """The ``scale`` attribute, else the operators' default 1/sqrt(head_dim) (onnxruntime's
+    contrib ops write 0 for the default)."""
+    attr = node.attributes.get("scale")
+    if attr is not None and not (zero_is_default and attr.as_float() == 0.0):
+        site.scale = attr.as_float()
     elif site.head_dim is not None:
         site.scale = site.head_dim**-0.5
     else:
-        site.skip_reason = "Attention without a scale attribute and with an unknown head size"
-    return onnx_site
+        site.skip_reason = f"{node.op_type} without a scale attribute and with an unknown head size"
 
 
 def _fused_attention_limits(node, q, past_key, past_value) -> str | None:
@@ -328,6 +371,231 @@ def _fused_attention_limits(node, q, past_key, past_value) -> str | None:
         if isinstance(qh, int) and isinstance(kh, int) and qh != kh:
             return f"grouped-query Attention ({qh} query heads, {kh} key heads) is not supported"
     return None
+
+
+# --- onnxruntime's fused attention (com.microsoft) ---------------------------------------------
+#
+# onnxruntime's transformer optimizer (and Olive) fuse a BERT's attention into one contrib
+# operator that also projects (Attention: input @ packed weights + bias) or takes q, k, v with
+# heads packed into features (MultiHeadAttention). The site records how they are packed; the
+# splice unpacks them around the replacement. Inputs are named as in onnxruntime's
+# docs/ContribOperators.md.
+
+CONTRIB_DOMAIN = "com.microsoft"
+CONTRIB_ATTENTION = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
+
+
+class HeadLayout(str, enum.Enum):
+    FEATURES = "[batch, seq, heads * head_dim]"
+    PACKED = "[batch, seq, heads, n, head_dim]"  # packed kv (n = 2) or qkv (n = 3): take `index`
+    HEADS = "[batch, heads, seq, head_dim]"
+
+
+@dataclasses.dataclass
+class HeadSource:
+    value: ir.Value | None  # None: a slice of the Attention operator's projection
+    layout: HeadLayout = HeadLayout.FEATURES
+    index: int = 0
+
+
+@dataclasses.dataclass
+class PackedHeads:
+    """How a contrib operator holds q, k and v: the splice builds each as [batch, heads, seq,
+    head_dim] from its source (adding its slice of ``bias``), and merges the replacement's
+    output back to [batch, seq, heads * head_dim]."""
+
+    num_heads: int
+    sources: tuple[HeadSource, HeadSource, HeadSource]
+    sizes: tuple[int | None, int | None, int | None]  # hidden sizes of q, k, v (heads * head_dim)
+    projection: tuple[ir.Value, ir.Value] | None = None  # (input, weights): q | k | v = input @ weights
+    bias: ir.Value | None = None  # [q, k, v hidden sizes]
+
+
+def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
+    inputs = [*node.inputs, *[None] * (10 - len(node.inputs))]
+    onnx_site = _fused_site(node, index, inputs[0], inputs[1], inputs[2])
+    site = onnx_site.site
+    try:
+        _check_contrib_limits(node)
+        if node.op_type == "Attention":
+            packing, masks = _attention_packing(node, inputs)
+        else:
+            packing, masks = _multi_head_packing(node, inputs)
+    except Unsupported as reason:
+        return _refused(onnx_site, str(reason))
+    attrs = node.attributes
+    onnx_site.packing, onnx_site.masks = packing, masks
+    onnx_site.static_batch = _static_dims(inputs[0], 0)[0]
+    onnx_site.static_lengths = _contrib_lengths(packing)
+    onnx_site.causal_by_attribute = bool(attrs["unidirectional"].as_int()) if "unidirectional" in attrs else False
+    heads = packing.num_heads
+    q_size, _, v_size = packing.sizes
+    site.rank, site.num_heads = 4, heads
+    site.head_dim = q_size // heads if q_size is not None else None
+    site.value_dim = v_size // heads if v_size is not None else None
+    dtype = next((v.dtype for v in (inputs[0], inputs[1]) if v is not None and v.dtype is not None), None)
+    if dtype is not None:
+        site.dtype = dtype.numpy().name
+    _set_scale(site, node, zero_is_default=True)
+    fill = attrs["mask_filter_value"].as_float() if "mask_filter_value" in attrs else -10000.0
+    if fill > MASKED_BELOW and (masks or onnx_site.causal_by_attribute):
+        return _refused(onnx_site, f"{node.op_type} masks with mask_filter_value={fill:g}, which leaves masked keys a weight: a bias, not a mask")
+    return onnx_site
+
+
+def _contrib_lengths(packing: PackedHeads) -> tuple[int | None, int | None]:
+    """(queries, keys) when the shapes say them."""
+    if packing.projection is not None:  # Attention: self-attention over its input
+        n = _static_dims(packing.projection[0], 1)[0]
+        return n, n
+    q, k = packing.sources[:2]
+    return _static_dims(q.value, 1)[0], _static_dims(k.value, 2 if k.layout is HeadLayout.HEADS else 1)[0]
+
+
+def _check_contrib_limits(node: ir.Node) -> None:
+    op, attrs = node.op_type, node.attributes
+    if op == "GroupQueryAttention":
+        # seqlens_k and total_sequence_length are required inputs: the operator always runs
+        # against a KV cache it appends to, and its keys are the cached ones
+        raise Unsupported(
+            "GroupQueryAttention is a KV-cache decoding kernel (past_key/past_value, seqlens_k, "
+            "total_sequence_length): its keys include the cache, which a linearized replacement cannot read"
+        )
+    cache = {"Attention": (4, 6), "MultiHeadAttention": (6, 7, 8, 9)}[op]
+    names = [_input_name(node, i) for i in cache if _has_input(node, i)]
+    if names:
+        raise Unsupported(f"{op} with a KV cache ({', '.join(names)}) is not supported")
+    used = [f"output {i}" for i, out in enumerate(node.outputs) if i > 0 and out is not None and (out.uses() or out.is_graph_output())]
+    if used:
+        raise Unsupported(f"{op}'s present key/value or qk outputs are used ({', '.join(used)})")
+    if "do_rotary" in attrs and attrs["do_rotary"].as_int():
+        raise Unsupported(f"{op} applies rotary embeddings inside the operator (do_rotary=1)")
+    if "num_heads" not in attrs or attrs["num_heads"].as_int() <= 0:
+        raise Unsupported(f"{op} without a positive num_heads")
+
+
+_CONTRIB_INPUT_NAMES = {
+    "Attention": ("input", "weights", "bias", "mask_index", "past", "attention_bias", "past_sequence_length"),
+    "MultiHeadAttention": (
+        "query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key", "past_value",
+        "past_sequence_length", "cache_indirection",
+    ),
+}
+
+
+def _input_name(node: ir.Node, i: int) -> str:
+    return _CONTRIB_INPUT_NAMES[node.op_type][i]
+
+
+def _has_input(node: ir.Node, i: int) -> bool:
+    return i < len(node.inputs) and node.inputs[i] is not None
+
+
+def _attention_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[MaskTerm]]:
+    """Attention: q | k | v = input @ weights (+ bias), split by qkv_hidden_sizes."""
+    x, weights, bias, mask_index, _, attention_bias = inputs[:6]
+    heads = node.attributes["num_heads"].as_int()
+    total = _static_dims(weights, -1)[0] if _rank(weights) == 2 else None
+    if total is None:
+        raise Unsupported("Attention weights of unknown shape: q, k and v cannot be split from them")
+    attr = node.attributes.get("qkv_hidden_sizes")
+    sizes = tuple(attr.as_ints()) if attr is not None else (total // 3,) * 3
+    if len(sizes) != 3 or sum(sizes) != total or sizes[0] != sizes[1]:
+        raise Unsupported(f"Attention's hidden sizes {list(sizes)} do not split weights of {total} columns into q, k, v")
+    _check_divisible(sizes, heads)
+    sources = (HeadSource(None), HeadSource(None), HeadSource(None))
+    packing = PackedHeads(heads, sources, sizes, projection=(x, weights), bias=bias)
+    return packing, _contrib_masks(mask_index, attention_bias)
+
+
+def _multi_head_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[MaskTerm]]:
+    """MultiHeadAttention: q, k, v separate ([batch, seq, hidden]; k and v may be split into
+    heads already), k and v packed ([batch, seq, heads, 2, head_dim]) or all three packed."""
+    query, key, value, bias, key_padding_mask, attention_bias = inputs[:6]
+    heads = node.attributes["num_heads"].as_int()
+    if key is None:
+        if value is not None or _rank(query) not in (5, None):
+            raise Unsupported("MultiHeadAttention without a key input needs packed qkv [batch, seq, heads, 3, head_dim]")
+        sources = tuple(HeadSource(query, HeadLayout.PACKED, i) for i in range(3))
+        size = _packed_hidden(query, heads)
+        sizes = (size, size, size)
+    elif value is None:
+        if _rank(key) not in (5, None):
+            raise Unsupported("MultiHeadAttention without a value input needs packed kv [batch, seq, heads, 2, head_dim]")
+        sources = (HeadSource(query), HeadSource(key, HeadLayout.PACKED, 0), HeadSource(key, HeadLayout.PACKED, 1))
+        size = _packed_hidden(key, heads)
+        sizes = (_hidden_features(query) or size, size, size)
+    else:
+        k_layout, v_layout = _key_value_layout(key), _key_value_layout(value)
+        if bias is not None and HeadLayout.HEADS in (k_layout, v_layout):
+            raise Unsupported("MultiHeadAttention with a bias and key/value already split into heads is not supported")
+        sources = (HeadSource(query), HeadSource(key, k_layout), HeadSource(value, v_layout))
+        sizes = (_hidden_features(query), *(_hidden_features(x, heads) for x in (key, value)))
+    if bias is not None and None in sizes:
+        raise Unsupported("MultiHeadAttention with a bias and q, k, v of unknown hidden sizes: the bias cannot be split")
+    _check_divisible(sizes, heads)
+    return PackedHeads(heads, sources, sizes, bias=bias), _contrib_masks(key_padding_mask, attention_bias)
+
+
+def _key_value_layout(value: ir.Value) -> HeadLayout:
+    rank = _rank(value)
+    if rank == 4:
+        return HeadLayout.HEADS
+    if rank == 3 or _projected_features(value) is not None:
+        return HeadLayout.FEATURES  # a projection's output: heads still packed into features
+    raise Unsupported(f"cannot tell whether {value.name!r} is [batch, seq, hidden] or [batch, heads, seq, head_dim] (unknown rank)")
+
+
+def _contrib_masks(mask: ir.Value | None, attention_bias: ir.Value | None) -> list[MaskTerm]:
+    terms = []
+    if mask is not None:
+        terms.append(MaskTerm(mask, MaskForm.KEEP_WHERE_POSITIVE, batch_first=True))
+    if attention_bias is not None:  # [batch or 1, heads or 1, queries, keys]: a mask if its values say so
+        terms.append(MaskTerm(attention_bias, MaskForm.ADDITIVE))
+    return terms
+
+
+def _check_divisible(sizes, heads: int) -> None:
+    for name, size in zip("qkv", sizes):
+        if size is not None and size % heads:
+            raise Unsupported(f"{name} hidden size {size} is not a multiple of num_heads={heads}")
+
+
+def _packed_hidden(packed: ir.Value, heads: int) -> int | None:
+    head_dim = _static_dims(packed, -1)[0]
+    return heads * head_dim if head_dim is not None else None
+
+
+def _hidden_features(value: ir.Value, heads: int | None = None) -> int | None:
+    """heads * head_dim of a [batch, seq, hidden] or (given heads) [batch, heads, seq, head_dim] input."""
+    if _rank(value) == 4:
+        head_dim = _static_dims(value, -1)[0]
+        return heads * head_dim if heads and head_dim is not None else None
+    return _projected_features(value)
+
+
+def _projected_features(value: ir.Value) -> int | None:
+    """The last dim, from the shape or, where shape inference stopped (at a contrib op), from
+    the constant weights of the MatMul (and bias Add) that produced it."""
+    last = _static_dims(value, -1)[0]
+    if last is not None:
+        return last
+    node = value.producer()
+    for _ in range(4):
+        if node is None or node.op_type not in ("MatMul", "Add"):
+            return None
+        constants = [v for v in node.inputs if v is not None and _is_constant(v)]
+        if node.op_type == "MatMul" and len(constants) == 1 and constants[0] is node.inputs[1] and _rank(constants[0]) == 2:
+            return _static_dims(constants[0], -1)[0]
+        others = [v for v in node.inputs if v is not None and v not in constants]
+        node = others[0].producer() if len(others) == 1 else None
+    return None
+
+
+def _is_constant(value: ir.Value) -> bool:
+    """An initializer or Constant output, judged without reading it (it may be a big weight)."""
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
 # --- shapes ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.onnx import bfloat16
-from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, OnnxSite, Unsupported, find_onnx_sites
+from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, Unsupported, find_onnx_sites
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.site import MaskKind
 
@@ -56,16 +56,22 @@ def classify_masks(model: ir.Model, sites: list[OnnxSite]) -> None:
 
 
 def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> MaskKind:
+    queries, keys = (static or seq for static in s.static_lengths)
     keep = None
     for term in s.masks:
-        term.rank = arrays[id(term.value)].ndim
-        term_keep = keep_matrix(arrays[id(term.value)], term.form)
+        array = arrays[id(term.value)]
+        term.rank = array.ndim
+        if term.batch_first:
+            term_keep = contrib_keep_matrix(array, term, s.static_batch or PROBE_BATCH, keys)
+        else:
+            term_keep = keep_matrix(array, term.form)
         if keep is not None and not _broadcastable(keep.shape, term_keep.shape):
             # the logits could not take both terms either: a graph that cannot run
             raise Unsupported(f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together")
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
-    queries, keys = (static or seq for static in s.static_lengths)
     kind = classify_keep_matrix(keep, queries, keys)
+    if any(t.key_only for t in s.masks):  # key padding by definition, whether the probe padded or not
+        kind = {MaskKind.NONE: MaskKind.KEY_PADDING, MaskKind.CAUSAL: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
         kind = {MaskKind.NONE: MaskKind.CAUSAL, MaskKind.KEY_PADDING: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     return kind
@@ -83,6 +89,35 @@ def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
         return array == 0
     keep = array.astype(bool)
     return keep if form is MaskForm.KEEP_WHERE_TRUE else ~keep
+
+
+def contrib_keep_matrix(array: np.ndarray, term: MaskTerm, batch: int, keys: int) -> np.ndarray:
+    """[batch, 1, queries or 1, keys], True where onnxruntime's contrib attention attends: a raw
+    mask attends where > 0; a 1-D mask_index holds key lengths ([batch], right padding) or end
+    then start positions ([2 * batch], left padding), which sets the term's form."""
+    if array.ndim == 1:
+        positions = np.arange(keys)
+        if array.size == batch:
+            term.form = MaskForm.KEY_LENGTHS
+            keep = positions < array[:, None]
+        elif array.size == 2 * batch:
+            term.form = MaskForm.KEY_RANGES
+            ends, starts = array.reshape(2, batch, 1)
+            keep = (positions >= starts) & (positions < ends)
+        else:
+            raise Unsupported(
+                f"a 1-D mask index of {array.size} values for batch {batch} is neither key lengths [batch] "
+                "nor end and start positions [2 * batch] (packed sequences, [3 * batch + 2], are not supported)"
+            )
+        return keep[:, None, None, :]
+    keep = array > 0
+    if array.ndim == 2:  # [batch, keys]
+        return keep[:, None, None, :]
+    if array.ndim == 3:  # [batch, queries, keys]
+        return keep[:, None]
+    if array.ndim == 4:  # [batch, 1, max_seq, max_seq]: must be [batch, 1, queries, keys] here
+        return keep
+    raise Unsupported(f"a rank-{array.ndim} attention mask is not one onnxruntime defines")
 
 
 def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int) -> MaskKind:

@@ -11,10 +11,20 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, Unsupported
+from attnrewrite.onnx.detect import (
+    MASKED_BELOW,
+    HeadLayout,
+    HeadSource,
+    MaskForm,
+    MaskTerm,
+    OnnxSite,
+    PackedHeads,
+    Unsupported,
+)
 from passes._onnx import DOMAIN, DOMAIN_VERSION, OnnxLowering
 
 INT64_MAX = np.iinfo(np.int64).max
+_KEY_INDEX = (MaskForm.KEY_LENGTHS, MaskForm.KEY_RANGES)
 
 
 class Splicer:
@@ -33,7 +43,7 @@ class Splicer:
 
     def check(self, s: OnnxSite) -> None:
         """Raise Unsupported before anything is changed, if this site cannot be spliced."""
-        if s.k is None and _untranspose_plan(s.k_transposed) is None:
+        if s.packing is None and s.k is None and _untranspose_plan(s.k_transposed) is None:
             raise Unsupported("the rank of k^T is unknown, so k cannot be recovered")
         if s.site.mask.key_padding and any(t.rank is None for t in s.masks):
             raise Unsupported("the key padding mask's rank is unknown")
@@ -41,9 +51,12 @@ class Splicer:
     def splice(self, s: OnnxSite, lowering: OnnxLowering) -> str:
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
-        q, v = self._current(s.q), self._current(s.v)
-        k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
-        key_keep = self._key_keep(s, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
+        if s.packing is not None:
+            q, k, v = self._unpack(s.packing, new_nodes)
+        else:
+            q, v = self._current(s.q), self._current(s.v)
+            k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
+        key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
         constants = [self._initializer(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
         op_type = self._add_functions(lowering)
         call = ir.Node(
@@ -53,9 +66,10 @@ class Splicer:
             name=f"{s.site.name}/{op_type}",
             num_outputs=1,
         )
-        result = call.outputs[0]
+        after: list[ir.Node] = []
+        result = call.outputs[0] if s.packing is None else self._merge_heads(call.outputs[0], after)
         result.type, result.shape = s.output.type, s.output.shape
-        self.graph.insert_before(anchor, [*new_nodes, call])
+        self.graph.insert_before(anchor, [*new_nodes, call, *after])
         self._take_over(s.output, result)
         self._remove_dead(s.nodes)
         return f"{DOMAIN}.{op_type}"
@@ -70,16 +84,20 @@ class Splicer:
         new_nodes.append(node)
         return node.outputs[0]
 
-    def _key_keep(self, s: OnnxSite, new_nodes: list[ir.Node]) -> ir.Value:
-        key = tuple((id(t.value), t.form) for t in s.masks)
+    def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        # a key index (lengths, ranges) becomes a keep row as long as the site's keys
+        key = tuple((id(t.value), t.form, id(k) if t.form in _KEY_INDEX else None) for t in s.masks)
         if key in self._key_keep_cache:
             return self._key_keep_cache[key]
         keep = None
         for term in s.masks:
-            term_keep = self._last_row_keep(term, new_nodes)
+            if term.batch_first:
+                term_keep = self._contrib_keep(term, k, new_nodes)
+            else:
+                term_keep = self._last_row_keep(term, new_nodes)
             keep = term_keep if keep is None else self._node(new_nodes, "And", [keep, term_keep])
         as_float = self._node(new_nodes, "Cast", [keep], [ir.AttrInt64("to", ir.DataType.FLOAT)])
-        rank = max(t.rank for t in s.masks)
+        rank = max(t.keep_rank for t in s.masks)
         perm = [*range(max(rank, 2) - 2), max(rank, 2) - 1, max(rank, 2) - 2]
         result = self._node(new_nodes, "Transpose", [as_float], [ir.AttrInt64s("perm", perm)])
         result.name = f"{s.site.name}/key_keep"
@@ -106,6 +124,70 @@ class Splicer:
         if term.form is MaskForm.KEEP_WHERE_FALSE:
             return self._node(new_nodes, "Not", [row])
         return row
+
+    def _contrib_keep(self, term: MaskTerm, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """[batch, 1, 1, keys], True where onnxruntime's contrib attention lets the last query
+        attend (masks.contrib_keep_matrix says the same in numpy)."""
+        mask = self._current(term.value)
+        if term.form in _KEY_INDEX:
+            index = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.INT64)])
+            keys = self._node(new_nodes, "Squeeze", [self._node(new_nodes, "Shape", [k], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])])
+            zero, one = self._const(np.array(0, np.int64)), self._const(np.array(1, np.int64))
+            positions = self._node(new_nodes, "Range", [zero, keys, one])
+            if term.form is MaskForm.KEY_LENGTHS:
+                keep = self._node(new_nodes, "Less", [positions, self._node(new_nodes, "Unsqueeze", [index, self._const([1])])])
+            else:
+                bounds = self._node(new_nodes, "Reshape", [index, self._const([2, -1, 1])])
+                ends = self._node(new_nodes, "Gather", [bounds, zero])
+                starts = self._node(new_nodes, "Gather", [bounds, one])
+                after_start = self._node(new_nodes, "GreaterOrEqual", [positions, starts])
+                keep = self._node(new_nodes, "And", [after_start, self._node(new_nodes, "Less", [positions, ends])])
+            return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2])])
+        if term.rank >= 3:  # [batch, queries, keys] or [batch, 1, queries, keys]: the last query's row
+            mask = self._node(new_nodes, "Slice", [mask, self._const([-1]), self._const([INT64_MAX]), self._const([-2])])
+        as_float = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+        keep = self._node(new_nodes, "Greater", [as_float, self._const(np.array(0, np.float32))])
+        missing_axes = {2: [1, 2], 3: [1]}.get(term.rank)
+        return keep if missing_axes is None else self._node(new_nodes, "Unsqueeze", [keep, self._const(missing_axes)])
+
+    # -- unpacking a contrib operator's q, k, v ----------------------------------------------
+
+    def _unpack(self, packing: PackedHeads, new_nodes: list[ir.Node]) -> list[ir.Value]:
+        """q, k, v as [batch, heads, seq, head_dim], with the operator's bias added."""
+        sources = packing.sources
+        if packing.projection is not None:
+            x, weights = (self._current(v) for v in packing.projection)
+            projected = self._node(new_nodes, "MatMul", [x, weights])
+            sources = [HeadSource(part) for part in self._split(projected, packing.sizes, -1, new_nodes)]
+        heads = [self._split_heads(source, packing.num_heads, new_nodes) for source in sources]
+        if packing.bias is None:
+            return heads
+        biases = self._split(self._current(packing.bias), packing.sizes, 0, new_nodes)
+        per_head = self._const([packing.num_heads, 1, -1])  # broadcasts over batch and seq
+        return [
+            self._node(new_nodes, "Add", [h, self._node(new_nodes, "Reshape", [b, per_head])])
+            for h, b in zip(heads, biases)
+        ]
+
+    def _split_heads(self, source: HeadSource, heads: int, new_nodes: list[ir.Node]) -> ir.Value:
+        value = self._current(source.value)
+        if source.layout is HeadLayout.HEADS:
+            return value
+        if source.layout is HeadLayout.PACKED:  # [batch, seq, heads, n, head_dim]
+            value = self._node(new_nodes, "Gather", [value, self._const(np.array(source.index, np.int64))], [ir.AttrInt64("axis", 3)])
+        else:  # [batch, seq, heads * head_dim]
+            value = self._node(new_nodes, "Reshape", [value, self._const([0, 0, heads, -1])])
+        return self._node(new_nodes, "Transpose", [value], [ir.AttrInt64s("perm", [0, 2, 1, 3])])
+
+    def _merge_heads(self, value: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """[batch, heads, seq, head_dim] back to the operator's [batch, seq, heads * head_dim]."""
+        merged = self._node(new_nodes, "Transpose", [value], [ir.AttrInt64s("perm", [0, 2, 1, 3])])
+        return self._node(new_nodes, "Reshape", [merged, self._const([0, 0, -1])])
+
+    def _split(self, value: ir.Value, sizes, axis: int, new_nodes: list[ir.Node]) -> list[ir.Value]:
+        node = ir.Node("", "Split", [value, self._const(list(sizes))], [ir.AttrInt64("axis", axis)], num_outputs=len(sizes))
+        new_nodes.append(node)
+        return list(node.outputs)
 
     def _keep_all_value(self) -> ir.Value:
         if self._keep_all is None:
