@@ -640,6 +640,15 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
 
 
+# Settings small enough that the approximation is really exercised at the parity inputs' 11
+# tokens (linformer projects to 4 keys, lsh sorts into 4 buckets of 4-position chunks).
+APPROXIMATING_OPTIONS = {
+    "favor": {"features": 32},
+    "linformer": {"proj_dim": 4},
+    "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
+}
+
+
 # --- one export per model and exporter, shared by every test of a session ----------------
 
 

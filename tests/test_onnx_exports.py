@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import exported, read_record
-from models import EXPORTERS, MODELS, OPSET23, OPSET23_MODELS, attention_operator_model, op_counts, relative_error, run_onnx, torch_reference
+from models import APPROXIMATING_OPTIONS, EXPORTERS, MODELS, OPSET23, OPSET23_MODELS, attention_operator_model, op_counts, relative_error, run_onnx, torch_reference
 
 import attnrewrite
 import passes
@@ -172,21 +172,12 @@ def test_attention_operator(causal, with_mask, mask, method):
 
 # --- the approximating methods on the same exports ----------------------------------------------
 
-# Settings small enough that the approximation is really exercised at the parity inputs' 11
-# tokens (linformer projects to 4 keys, lsh sorts into 4 buckets of 4-position chunks).
-APPROXIMATING = {
-    "favor": {"features": 32},
-    "linformer": {"proj_dim": 4},
-    "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
-}
-
-
-@pytest.mark.parametrize("method", APPROXIMATING)
+@pytest.mark.parametrize("method", APPROXIMATING_OPTIONS)
 @pytest.mark.parametrize("name, exporter, dynamic", CASES)
 def test_approximating_methods_rewrite_and_match_their_torch_reference(exports, name, exporter, dynamic, method):
     export = exported(exports, name, exporter, dynamic)
     spec = export.spec
-    options = APPROXIMATING[method]
+    options = APPROXIMATING_OPTIONS[method]
     model = attnrewrite.rewrite(export.load(), to=method, **options)
     record = read_record(model)
 

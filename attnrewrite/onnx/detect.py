@@ -505,7 +505,7 @@ def _attention_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[M
     _check_divisible(sizes, heads)
     sources = (HeadSource(None), HeadSource(None), HeadSource(None))
     packing = PackedHeads(heads, sources, sizes, projection=(x, weights), bias=bias)
-    return packing, _contrib_masks(mask_index, attention_bias)
+    return packing, _contrib_masks(mask_index, attention_bias, x)
 
 
 def _multi_head_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[MaskTerm]]:
@@ -534,7 +534,7 @@ def _multi_head_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[
     if bias is not None and None in sizes:
         raise Unsupported("MultiHeadAttention with a bias and q, k, v of unknown hidden sizes: the bias cannot be split")
     _check_divisible(sizes, heads)
-    return PackedHeads(heads, sources, sizes, bias=bias), _contrib_masks(key_padding_mask, attention_bias)
+    return PackedHeads(heads, sources, sizes, bias=bias), _contrib_masks(key_padding_mask, attention_bias, query)
 
 
 def _key_value_layout(value: ir.Value) -> HeadLayout:
@@ -546,13 +546,29 @@ def _key_value_layout(value: ir.Value) -> HeadLayout:
     raise Unsupported(f"cannot tell whether {value.name!r} is [batch, seq, hidden] or [batch, heads, seq, head_dim] (unknown rank)")
 
 
-def _contrib_masks(mask: ir.Value | None, attention_bias: ir.Value | None) -> list[MaskTerm]:
+def _contrib_masks(mask: ir.Value | None, attention_bias: ir.Value | None, batch_of: ir.Value) -> list[MaskTerm]:
     terms = []
     if mask is not None:
+        _check_index_declaration(mask, batch_of)
         terms.append(MaskTerm(mask, MaskForm.KEEP_WHERE_POSITIVE, batch_first=True))
     if attention_bias is not None:  # [batch or 1, heads or 1, queries, keys]: a mask if its values say so
         terms.append(MaskTerm(attention_bias, MaskForm.ADDITIVE))
     return terms
+
+
+def _check_index_declaration(mask: ir.Value, batch_of: ir.Value) -> None:
+    """A 1-D mask index is key lengths [batch] or end and start positions [2 * batch]; the
+    probe tells them apart by its size. A graph input is probed with generated values of its
+    declared size, so that size must say which it is."""
+    if not mask.is_graph_input() or _rank(mask) != 1 or batch_of.shape is None or _rank(batch_of) is None:
+        return
+    size, batch = mask.shape[0], batch_of.shape[0]
+    same_symbol = str(size) == str(batch) and str(size) not in ("None", "")
+    if not same_symbol and not (isinstance(size, int) and isinstance(batch, int)):
+        raise Unsupported(
+            f"the 1-D mask index {mask.name!r} is declared [{size}] for a batch of {batch}: "
+            "cannot tell key lengths [batch] from end and start positions [2 * batch]"
+        )
 
 
 def _check_divisible(sizes, heads: int) -> None:

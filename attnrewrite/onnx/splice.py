@@ -53,6 +53,8 @@ class Splicer:
         new_nodes: list[ir.Node] = []
         if s.packing is not None:
             q, k, v = self._unpack(s.packing, new_nodes)
+            for role, value in zip("qkv", (q, k, v)):  # named, so the unpacked q, k, v can be found
+                value.name = f"{s.site.name}/{role}"
         else:
             q, v = self._current(s.q), self._current(s.v)
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
