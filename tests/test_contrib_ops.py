@@ -131,7 +131,8 @@ def _mask_index(form: str) -> tuple[np.ndarray, list, np.ndarray]:
 
 def multi_head_case(form: str = "separate", mask: str = "none", unidirectional: bool = False) -> Case:
     """com.microsoft.MultiHeadAttention. ``form``: separate q, k, v [batch, seq, hidden] with a
-    bias, packed_kv ([batch, seq, heads, 2, head_dim]) or packed_qkv ([..., 3, head_dim]).
+    bias, split_kv (k, v as [batch, heads, seq, head_dim]), packed_kv ([batch, seq, heads, 2,
+    head_dim]) or packed_qkv ([..., 3, head_dim]).
     ``mask``: none, raw / lengths (key_padding_mask), bias_mask (attention_bias of 0 and
     -10000 computed from an attention_mask input, as exporters write it), learned_bias (an
     attention_bias initializer that is not a mask, like a trained position bias)."""
@@ -146,13 +147,18 @@ def multi_head_case(form: str = "separate", mask: str = "none", unidirectional: 
     if form == "separate":
         feeds = {"query": q3, "key": k3, "value": v3}
         inputs = ["query", "key", "value", "bias"]
+    elif form == "split_kv":  # cross-attention's precomputed k, v: already [batch, heads, seq, head_dim]
+        feeds = {"query": q3, "key": np.ascontiguousarray(k), "value": np.ascontiguousarray(v)}
+        inputs = ["query", "key", "value", ""]
     elif form == "packed_kv":
         feeds = {"query": q3, "key": np.concatenate(per_head[1:], axis=3)}
         inputs = ["query", "key", "", ""]
     else:
         feeds = {"query": np.concatenate(per_head, axis=3)}
         inputs = ["query", "", "", ""]
-    graph_inputs = {name: (TensorProto.FLOAT, ["batch", "seq", *feeds[name].shape[2:]]) for name in feeds}
+    graph_inputs = {name: (TensorProto.FLOAT, ["batch", *feeds[name].shape[1:]]) for name in feeds}
+    for name, array in feeds.items():  # the sequence axis dynamic
+        graph_inputs[name][1][2 if array.ndim == 4 else 1] = "seq"
     initializers = {"bias": bias} if bias is not None else {}
     keep, kind, before = None, "none", []
     if mask in ("raw", "lengths"):
@@ -171,7 +177,7 @@ def multi_head_case(form: str = "separate", mask: str = "none", unidirectional: 
         "MultiHeadAttention", inputs, graph_inputs, initializers, before, num_heads=NUM_HEADS, unidirectional=int(unidirectional)
     )
     kind = {"none": "causal", "key_padding": "causal+key_padding"}.get(kind, kind) if unidirectional else kind
-    return Case(model, feeds, q, k, v, keep, unidirectional, kind, cpu_kernel=form == "separate")
+    return Case(model, feeds, q, k, v, keep, unidirectional, kind, cpu_kernel=not form.startswith("packed"))
 
 
 def _additive_mask_nodes(mask: str, output: str) -> list[onnx.NodeProto]:
@@ -209,6 +215,7 @@ CASES = {
     "mha-separate-lengths": lambda: multi_head_case("separate", "lengths"),
     "mha-separate-unidirectional": lambda: multi_head_case("separate", unidirectional=True),
     "mha-attention-bias-mask": lambda: multi_head_case("separate", "bias_mask"),
+    "mha-split-kv-lengths": lambda: multi_head_case("split_kv", "lengths"),
     "mha-packed-kv-raw": lambda: multi_head_case("packed_kv", "raw"),
     "mha-packed-qkv": lambda: multi_head_case("packed_qkv"),
 }
@@ -306,10 +313,11 @@ def test_group_query_attention_is_listed_and_refused_for_its_kv_cache():
         ({"past": True}, "Attention with a KV cache (past) is not supported"),
         ({"do_rotary": 1}, "Attention applies rotary embeddings inside the operator (do_rotary=1)"),
         ({"mask_filter_value": -1.0}, "Attention masks with mask_filter_value=-1, which leaves masked keys a weight: a bias, not a mask"),
+        ({"mask_declared": ["batch", 1, "seq", "seq"]}, "a 4-D mask_index ([batch, 1, max_sequence_length, max_sequence_length]) is not supported"),
         ({"mask_declared": ["keys"]}, "the 1-D mask index 'mask_index' is declared [keys] for a batch of batch: "
          "cannot tell key lengths [batch] from end and start positions [2 * batch]"),
     ],
-    ids=["past", "rotary", "mild-mask-filter", "undeclared-index"],
+    ids=["past", "rotary", "mild-mask-filter", "mask-4d", "undeclared-index"],
 )
 def test_attention_forms_it_cannot_express_are_refused_with_the_reason(change, reason):
     change = dict(change)

@@ -115,8 +115,8 @@ def contrib_keep_matrix(array: np.ndarray, term: MaskTerm, batch: int, keys: int
         return keep[:, None, None, :]
     if array.ndim == 3:  # [batch, queries, keys]
         return keep[:, None]
-    if array.ndim == 4:  # [batch, 1, max_seq, max_seq]: must be [batch, 1, queries, keys] here
-        return keep
+    if array.ndim == 4:  # no CPU kernel to check a reading of its max_sequence_length slicing against
+        raise Unsupported("a 4-D mask_index ([batch, 1, max_sequence_length, max_sequence_length]) is not supported")
     raise Unsupported(f"a rank-{array.ndim} attention mask is not one onnxruntime defines")
 
 

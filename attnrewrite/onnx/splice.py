@@ -54,7 +54,8 @@ class Splicer:
         if s.packing is not None:
             q, k, v = self._unpack(s.packing, new_nodes)
             for role, value in zip("qkv", (q, k, v)):  # named, so the unpacked q, k, v can be found
-                value.name = f"{s.site.name}/{role}"
+                if any(value.producer() is node for node in new_nodes):  # not a graph input's name
+                    value.name = f"{s.site.name}/{role}"
         else:
             q, v = self._current(s.q), self._current(s.v)
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
@@ -145,12 +146,11 @@ class Splicer:
                 after_start = self._node(new_nodes, "GreaterOrEqual", [positions, starts])
                 keep = self._node(new_nodes, "And", [after_start, self._node(new_nodes, "Less", [positions, ends])])
             return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2])])
-        if term.rank >= 3:  # [batch, queries, keys] or [batch, 1, queries, keys]: the last query's row
+        if term.rank == 3:  # [batch, queries, keys]: the last query's row
             mask = self._node(new_nodes, "Slice", [mask, self._const([-1]), self._const([INT64_MAX]), self._const([-2])])
         as_float = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.FLOAT)])
         keep = self._node(new_nodes, "Greater", [as_float, self._const(np.array(0, np.float32))])
-        missing_axes = {2: [1, 2], 3: [1]}.get(term.rank)
-        return keep if missing_axes is None else self._node(new_nodes, "Unsqueeze", [keep, self._const(missing_axes)])
+        return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2] if term.rank == 2 else [1])])
 
     # -- unpacking a contrib operator's q, k, v ----------------------------------------------
 
