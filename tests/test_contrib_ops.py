@@ -117,10 +117,11 @@ def _mask_index(form: str) -> tuple[np.ndarray, list, np.ndarray]:
     keep = _keep_from_lengths(LENGTHS)
     if form == "lengths":
         return LENGTHS, ["batch"], keep
-    if form == "ranges":  # ends, then starts: rows 1 and 2 left padded
-        starts = np.array([0, 2, 3], np.int32)
-        keep = ((np.arange(SEQ) >= starts[:, None]) & (np.arange(SEQ) < SEQ)).astype(np.float32)[:, None, :, None]
-        return np.concatenate([np.full(BATCH, SEQ, np.int32), starts]), [2 * BATCH], keep
+    if form == "ranges":  # exclusive ends, then starts: rows 1 and 2 padded on both sides
+        ends, starts = np.array([SEQ, SEQ - 1, SEQ - 2], np.int32), np.array([0, 2, 3], np.int32)
+        positions = np.arange(SEQ)
+        keep = ((positions >= starts[:, None]) & (positions < ends[:, None])).astype(np.float32)[:, None, :, None]
+        return np.concatenate([ends, starts]), [2 * BATCH], keep
     raw = keep[:, 0, :, 0].astype(np.int32)
     if form == "raw":
         return raw, ["batch", "seq"], keep

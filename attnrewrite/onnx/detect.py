@@ -438,7 +438,7 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
         site.dtype = dtype.numpy().name
     _set_scale(site, node, zero_is_default=True)
     fill = attrs["mask_filter_value"].as_float() if "mask_filter_value" in attrs else -10000.0
-    if fill > MASKED_BELOW and (masks or onnx_site.causal_by_attribute):
+    if fill > MASKED_BELOW and (any(t.batch_first for t in masks) or onnx_site.causal_by_attribute):
         return _refused(onnx_site, f"{node.op_type} masks with mask_filter_value={fill:g}, which leaves masked keys a weight: a bias, not a mask")
     return onnx_site
 
