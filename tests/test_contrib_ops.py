@@ -23,6 +23,8 @@ from onnx import TensorProto, helper
 
 import attnrewrite
 import passes
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.masks import inputs_marking_padding
 
 TOLERANCE = 1e-5  # fp32 relative error, DESIGN.md "implementation parity"
 METHODS = tuple(passes.PASSES)
@@ -371,3 +373,10 @@ def test_optimized_bert_rewrites_and_matches_the_torch_model_with_the_pass(optim
     expected, state = torch_reference(export, method, inputs, options=passes.make_options(method_pass, **options), sites=sites)
     assert state["calls"] == export.spec.layers
     assert relative_error(run_onnx(out, feeds), expected) < TOLERANCE
+
+
+def test_optimized_bert_attention_mask_is_read_as_one_means_token(optimized_bert):
+    """The check's generated inputs pad where the mask input is 0: reaching the sites through
+    mask_index (key lengths), attention_mask must not pass for an input whose 1 marks padding."""
+    _, model = optimized_bert
+    assert inputs_marking_padding(onnx_io.infer_shapes(onnx_io.from_proto(model))) == set()

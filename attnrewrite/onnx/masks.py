@@ -61,10 +61,7 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
     for term in s.masks:
         array = arrays[id(term.value)]
         term.rank = array.ndim
-        if term.batch_first:
-            term_keep = contrib_keep_matrix(array, term, s.static_batch or PROBE_BATCH, keys)
-        else:
-            term_keep = keep_matrix(array, term.form)
+        term_keep = _term_keep(array, term, s, keys)
         if keep is not None and not _broadcastable(keep.shape, term_keep.shape):
             # the logits could not take both terms either: a graph that cannot run
             raise Unsupported(f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together")
@@ -79,6 +76,12 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
 
 def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return all(x == y or 1 in (x, y) for x, y in zip(reversed(a), reversed(b)))
+
+
+def _term_keep(array: np.ndarray, term: MaskTerm, s: OnnxSite, keys: int) -> np.ndarray:
+    if term.batch_first:
+        return contrib_keep_matrix(array, term, s.static_batch or PROBE_BATCH, keys)
+    return keep_matrix(array, term.form)
 
 
 def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
@@ -165,7 +168,8 @@ def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
 
         def keeps_any(fill: int) -> bool:
             outputs = session.run(None, {**feeds, name: np.full_like(default, fill)})
-            keeps = [keep_matrix(out, t.form) for out, t in zip(outputs, s.masks)]
+            keys = s.static_lengths[1] or PROBE_LENGTHS[0]
+            keeps = [_term_keep(out, t, s, keys) for out, t in zip(outputs, s.masks)]
             return bool(functools.reduce(np.logical_and, keeps).any())  # a causal term keeps some alone
 
         if not keeps_any(1) and keeps_any(0):
