@@ -133,24 +133,27 @@ class Splicer:
         attend (masks.contrib_keep_matrix says the same in numpy)."""
         mask = self._current(term.value)
         if term.form in _KEY_INDEX:
-            index = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.INT64)])
-            keys = self._node(new_nodes, "Squeeze", [self._node(new_nodes, "Shape", [k], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])])
-            zero, one = self._const(np.array(0, np.int64)), self._const(np.array(1, np.int64))
-            positions = self._node(new_nodes, "Range", [zero, keys, one])
-            if term.form is MaskForm.KEY_LENGTHS:
-                keep = self._node(new_nodes, "Less", [positions, self._node(new_nodes, "Unsqueeze", [index, self._const([1])])])
-            else:
-                bounds = self._node(new_nodes, "Reshape", [index, self._const([2, -1, 1])])
-                ends = self._node(new_nodes, "Gather", [bounds, zero])
-                starts = self._node(new_nodes, "Gather", [bounds, one])
-                after_start = self._node(new_nodes, "GreaterOrEqual", [positions, starts])
-                keep = self._node(new_nodes, "And", [after_start, self._node(new_nodes, "Less", [positions, ends])])
+            keep = self._index_keep(mask, term.form, k, new_nodes)
             return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2])])
         if term.rank == 3:  # [batch, queries, keys]: the last query's row
             mask = self._node(new_nodes, "Slice", [mask, self._const([-1]), self._const([INT64_MAX]), self._const([-2])])
         as_float = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.FLOAT)])
         keep = self._node(new_nodes, "Greater", [as_float, self._const(np.array(0, np.float32))])
         return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2] if term.rank == 2 else [1])])
+
+    def _index_keep(self, index: ir.Value, form: MaskForm, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """[batch, keys] from key lengths [batch] or end and start positions [2 * batch]."""
+        index = self._node(new_nodes, "Cast", [index], [ir.AttrInt64("to", ir.DataType.INT64)])
+        keys = self._node(new_nodes, "Shape", [k], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])
+        zero, one = self._const(np.array(0, np.int64)), self._const(np.array(1, np.int64))
+        positions = self._node(new_nodes, "Range", [zero, self._node(new_nodes, "Squeeze", [keys]), one])
+        if form is MaskForm.KEY_LENGTHS:
+            lengths = self._node(new_nodes, "Unsqueeze", [index, self._const([1])])
+            return self._node(new_nodes, "Less", [positions, lengths])
+        bounds = self._node(new_nodes, "Reshape", [index, self._const([2, -1, 1])])
+        ends, starts = (self._node(new_nodes, "Gather", [bounds, i]) for i in (zero, one))
+        after_start = self._node(new_nodes, "GreaterOrEqual", [positions, starts])
+        return self._node(new_nodes, "And", [after_start, self._node(new_nodes, "Less", [positions, ends])])
 
     # -- unpacking a contrib operator's q, k, v ----------------------------------------------
 
