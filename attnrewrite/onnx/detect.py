@@ -2,8 +2,9 @@
 
 Detection anchors at Softmax, walks back through scale / mask / Cast nodes to the logits
 MatMul (q @ k^T), and forward through NaN guards, Cast and Dropout to the MatMul with V.
-The standard ``Attention`` operator (opset 23) is accepted as an already-fused site. Mask
-kinds are not decided here: masks.py probes them numerically.
+The standard ``Attention`` operator (opset 23) and onnxruntime's fused ``com.microsoft``
+Attention / MultiHeadAttention are accepted as already-fused sites (the latter with a plan for
+unpacking their q, k, v). Mask kinds are not decided here: masks.py probes them numerically.
 """
 
 from __future__ import annotations
