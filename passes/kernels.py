@@ -91,6 +91,109 @@ def causal_rescaled_linear_attention(
     return layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
 
 
+def windowed_kernel_attention(
+    phi_q, phi_k, q, k, v, *, scale: float, window: int, causal: bool, key_keep=None,
+    linear_log_weight=None, query_log_scale=None, key_log_scale=None, eps: float = DENOMINATOR_EPS,
+):
+    """Exact softmax over nearby keys plus kernel attention over the rest, one normaliser.
+
+    Queries go in blocks of ``window``; block c attends exactly to the keys of blocks c-1 and c
+    (causal: c-1 and the causal part of c), the kernel covers every other key (causal: blocks
+    <= c-2). Row i is
+        (sum_local e^(s_ij - m_i) v_j + w_h sum_far phi_i.phi_j v_j) / (the same without v_j)
+    with s_ij = scale * q_i.k_j, m_i the max over row i's local keys and w_h =
+    exp(linear_log_weight) ([heads, 1, 1], broadcast like phi_q's leading axes).
+
+    Where phi_q_i.phi_k_j * exp(query_log_scale_i + key_log_scale_j) estimates e^(s_ij) itself
+    (FAVOR+'s stabilised features, see favor.py), the log scales say so and the kernel part is
+    moved to the local part's units e^(s_ij - m_i): w_h = 1 is then the unbiased hybrid.
+    ``key_log_scale``: one per head ([..., 1, 1]) for bidirectional sites, one per key
+    ([..., N, 1], the lowest log scale for padding) for causal ones. The two parts are scaled
+    by exp(-max(t, 0)) and exp(min(t, 0)) with t their log ratio, so neither overflows.
+
+    ``key_keep`` masks the local part; phi_k must already be zero on padded keys. Memory is
+    O(N * window + N * F + N / window * F * Dv); nothing is N x N. All in float32.
+    """
+    lead, n = q.shape[:-2], q.shape[-2]
+    q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
+    if linear_log_weight is not None:
+        phi_q = phi_q * torch.exp(linear_log_weight.float())  # w_h scales the kernel part only
+    keep = (
+        torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
+    )
+    layout = _ChunkLayout(n, window)
+    local_num, local_den, local_max = _local_softmax_sums(
+        *(layout.blocks(x) for x in (q, k, v, keep)), scale, causal
+    )
+    pq4, pk4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
+    if key_log_scale is not None and causal:
+        far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
+            pk4, layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
+        )
+    else:
+        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, causal)
+        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), causal)
+        far_log_scale = None if key_log_scale is None else flatten_heads(key_log_scale.float())[..., None]
+    far_num = pq4 @ far_kv
+    far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
+    if far_log_scale is not None:
+        # log of (kernel part's unit / local part's unit), per query row
+        ratio = layout.blocks(query_log_scale) + far_log_scale - local_max
+        local_factor = torch.exp(-torch.clamp_min(ratio, 0.0))
+        far_factor = torch.exp(torch.clamp_max(ratio, 0.0))
+        local_num, local_den = local_num * local_factor, local_den * local_factor
+        far_num, far_den = far_num * far_factor, far_den * far_factor
+    out = (local_num + far_num) / (local_den + far_den + eps)
+    return layout.unblock(out).reshape(*lead, n, v.shape[-1])
+
+
+def _local_softmax_sums(q4, k4, v4, keep4, scale: float, causal: bool):
+    """Block c's queries over the keys of blocks c-1 and c: the unnormalised numerator and
+    denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
+    where no local key is kept; its weights are then all zero, never NaN)."""
+    k_local, v_local, keep_local = (_with_previous_block(x) for x in (k4, v4, keep4))
+    allowed = keep_local.transpose(-2, -1) > 0  # [G, chunks, 1, 2 * window]
+    if causal:
+        allowed = allowed & _local_causal_mask(q4.shape[2], q4.device)
+    scores = torch.where(allowed, (q4 @ k_local.transpose(-2, -1)) * scale, LOWEST_LOG_SCALE)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - row_max) * allowed
+    return weights @ v_local, weights.sum(-1, keepdim=True), row_max
+
+
+def _with_previous_block(x4):
+    """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then block c's."""
+    return torch.cat([_shift_right(x4, 0.0), x4], dim=2)
+
+
+def _local_causal_mask(window: int, device):
+    """[window, 2 * window]: all of the previous block, own block up to the query itself."""
+    return torch.ones(window, 2 * window, dtype=torch.bool, device=device).tril(window)
+
+
+def _far_blocks_sum(x, causal: bool):
+    """Per block c (dim 1), the sum of x over blocks <= c-2 and, unless causal, >= c+1."""
+    before = torch.cumsum(_shift_right(_shift_right(x, 0.0), 0.0), dim=1)
+    if causal:
+        return before
+    return before + torch.flip(_exclusive_cumsum(torch.flip(x, [1])), [1])
+
+
+def _rescaled_earlier_states(pk4, s, v4):
+    """Causal kernel states over blocks <= c-2 when key j's features are pk_j * exp(s_j):
+    referenced to R_c, the max of s over those blocks (lowest log scale if none), with the
+    (chunks x chunks) carry of causal_rescaled_linear_attention, so no factor exceeds 1 and
+    R_c reads no key after the block. Returns (state, key sum, R_c as [G, chunks, 1, 1])."""
+    block_max = s.amax(dim=-1)  # [G, chunks]
+    reach = _shift_right(_shift_right(_running_max(block_max), LOWEST_LOG_SCALE), LOWEST_LOG_SCALE)
+    k_rel = pk4 * torch.exp(s - block_max.unsqueeze(-1)).unsqueeze(-1)
+    kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
+    moves = block_max.unsqueeze(1) - reach.unsqueeze(2)  # [G, c, c']: from block c''s max to R_c
+    carry = torch.tril(torch.exp(torch.clamp_max(moves, 0.0)), diagonal=-2)
+    state = (carry @ kv.flatten(2)).reshape(kv.shape)
+    return state, carry @ k_rel.sum(dim=2), reach[..., None, None]
+
+
 class _ChunkLayout:
     """[..., N, F] <-> [G, chunks, chunk, F], written so torch.export adds no guard on N >= 1.
 
