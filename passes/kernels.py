@@ -332,10 +332,8 @@ def causal_linear_attention_function(opset_version: int, chunk: int, eps: float 
     return CausalKernelAttention
 
 
-def causal_rescaled_linear_attention_functions(
-    opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS
-):
-    """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last."""
+def running_max_functions(opset_version: int):
+    """RunningMax(x, lower) over the last axis and LowerTriangle(size), the mask it takes."""
     op = standard_opset(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
@@ -349,6 +347,16 @@ def causal_rescaled_linear_attention_functions(
     def LowerTriangle(size):
         ones = op.Expand(op.Constant(value_float=1.0), op.Concat(size, size, axis=0))
         return op.Cast(op.Trilu(ones, upper=0), to=BOOL)
+
+    return RunningMax, LowerTriangle
+
+
+def causal_rescaled_linear_attention_functions(
+    opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS
+):
+    """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last."""
+    op = standard_opset(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalRescaledKernelAttention(phi_q, phi_k, key_log_scale, v):
@@ -399,3 +407,187 @@ def causal_rescaled_linear_attention_functions(
 
     return [RunningMax, LowerTriangle, CausalRescaledKernelAttention]
 
+
+
+def windowed_kernel_attention_functions(
+    opset_version: int, window: int, scale: float, causal: bool, rescaled: bool = False,
+    eps: float = DENOMINATOR_EPS,
+):
+    """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
+
+    The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight) as the passes have
+    them ([..., N, *], key_keep broadcastable to [..., N, 1]), with ``rescaled`` also
+    (query_log_scale, key_log_scale) after phi_k, and returns float32 [..., N, Dv]. Blocks are
+    laid out as _ChunkLayout does (padded at the front), so both lowerings pick the same keys.
+    """
+    op = standard_opset(opset_version)
+    flatten = flatten_heads_function(opset_version)
+    expand_keep = key_keep_function(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowBlocks(x, fill):
+        """[G, N, F] -> [G, chunks, window, F], padded at the front, chunks = ceil(N/window) + 1."""
+        n = op.Shape(x, start=1, end=2)
+        w = op.Constant(value_ints=[window])
+        zero = op.Constant(value_ints=[0])
+        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
+        pads = op.Concat(zero, chunks * w - n, zero, zero, zero, zero, axis=0)
+        shape = op.Concat(op.Constant(value_ints=[-1]), chunks, w, op.Shape(x, start=2), axis=0)
+        return op.Reshape(op.Pad(x, pads, fill), shape)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def UnblockLike(out4, q, v):
+        """[G, chunks, window, Dv] -> q's leading axes + [N, Dv]: the last N rows."""
+        rows = op.Reshape(out4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(v, start=-1), axis=0))
+        n = op.Shape(v, start=-2, end=-1)
+        kept = op.Slice(rows, op.Neg(n), op.Constant(value_ints=[2147483647]), op.Constant(value_ints=[1]))
+        return op.Reshape(kept, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ShiftBlocks(x, fill):
+        """x moved one block later along axis 1, fill first."""
+        one = op.Constant(value_ints=[1])
+        shifted = op.Pad(x, op.Constant(value_ints=[1, 0]), fill, one)
+        return op.Slice(shifted, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), one)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithPreviousBlock(x4):
+        """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then c's."""
+        return op.Concat(ShiftBlocks(x4, op.Constant(value_float=0.0)), x4, axis=2)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptLocalKeys(keep_local):
+        return op.Greater(op.Transpose(keep_local, perm=[0, 1, 3, 2]), op.Constant(value_float=0.0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalKeptLocalKeys(keep_local):
+        # all of the previous block, the own block up to the query itself
+        ones = op.Expand(op.Constant(value_float=1.0), op.Constant(value_ints=[window, 2 * window]))
+        visible = op.Cast(op.Trilu(ones, op.Constant(value_int=window), upper=0), to=BOOL)
+        return op.And(KeptLocalKeys(keep_local), visible)
+
+    local_keys = CausalKeptLocalKeys if causal else KeptLocalKeys
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LocalSoftmaxSums(q4, k4, v4, keep4):
+        """Numerator, denominator and row max m_i of the softmax over blocks c-1 and c."""
+        k_local = WithPreviousBlock(k4)
+        allowed = local_keys(WithPreviousBlock(keep4))
+        logits = op.MatMul(q4, op.Transpose(k_local, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
+        scores = op.Where(allowed, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        last = op.Constant(value_ints=[-1])
+        row_max = op.ReduceMax(scores, last, keepdims=1)
+        weights = op.Exp(scores - row_max) * op.Cast(allowed, to=FLOAT)
+        numerator = op.MatMul(weights, WithPreviousBlock(v4))
+        return numerator, op.ReduceSum(weights, last, keepdims=1), row_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def EarlierBlocksSum(x):
+        """Per block c (axis 1), the sum of x over blocks <= c-2."""
+        zero = op.Constant(value_float=0.0)
+        return op.CumSum(ShiftBlocks(ShiftBlocks(x, zero), zero), op.Constant(value_int=1))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarBlocksSum(x):
+        """Per block c (axis 1), the sum of x over blocks <= c-2 and >= c+1."""
+        later = op.CumSum(x, op.Constant(value_int=1), exclusive=1, reverse=1)
+        return EarlierBlocksSum(x) + later
+
+    far_sum = EarlierBlocksSum if causal else FarBlocksSum
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarStates(pk4, v4):
+        """The kernel's key-value state and key sum over each block's far keys."""
+        kv = op.MatMul(op.Transpose(pk4, perm=[0, 1, 3, 2]), v4)
+        return far_sum(kv), far_sum(op.ReduceSum(pk4, op.Constant(value_ints=[2]), keepdims=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KernelSums(pq4, far_kv, far_key_sum):
+        numerator = op.MatMul(pq4, far_kv)
+        weighted = pq4 * op.Unsqueeze(far_key_sum, op.Constant(value_ints=[2]))
+        return numerator, op.ReduceSum(weighted, op.Constant(value_ints=[-1]), keepdims=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        zero = op.Constant(value_float=0.0)
+        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        v4 = WindowBlocks(flatten(v), zero)
+        local_num, local_den, local_max = LocalSoftmaxSums(
+            WindowBlocks(flatten(q), zero),
+            WindowBlocks(flatten(k), zero),
+            v4,
+            WindowBlocks(op.Cast(expand_keep(key_keep, k), to=FLOAT), zero),
+        )
+        far_kv, far_key_sum = FarStates(WindowBlocks(flatten(phi_k), zero), v4)
+        far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
+        return UnblockLike(out, q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalRescaledFarStates(pk4, v4, key_log_scale):
+        """States over blocks <= c-2 when key j's features are pk_j * exp(s_j), referenced to
+        R_c, the max of s over those blocks (see _rescaled_earlier_states)."""
+        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
+        last = op.Constant(value_ints=[-1])
+        s = op.Squeeze(WindowBlocks(flatten(key_log_scale), lowest), last)  # [G, chunks, window]
+        block_max = op.ReduceMax(s, last, keepdims=0)
+        running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
+        reach = ShiftBlocks(ShiftBlocks(running, lowest), lowest)
+        k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
+        kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
+        moves = op.Unsqueeze(block_max, op.Constant(value_ints=[1])) - op.Unsqueeze(
+            reach, op.Constant(value_ints=[2])
+        )
+        carry = op.Trilu(
+            op.Exp(op.Min(moves, op.Constant(value_float=0.0))), op.Constant(value_int=-2), upper=0
+        )
+        state = op.Reshape(op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
+        key_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        return state, key_sum, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HeadRescaledFarStates(pk4, v4, key_log_scale):
+        """Bidirectional: one key log scale per head ([..., 1, 1]), so plain far sums."""
+        far_kv, far_key_sum = FarStates(pk4, v4)
+        return far_kv, far_key_sum, op.Unsqueeze(flatten(key_log_scale), op.Constant(value_ints=[-1]))
+
+    rescaled_far_states = CausalRescaledFarStates if causal else HeadRescaledFarStates
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedRescaledKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
+    ):
+        zero = op.Constant(value_float=0.0)
+        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        v4 = WindowBlocks(flatten(v), zero)
+        local_num, local_den, local_max = LocalSoftmaxSums(
+            WindowBlocks(flatten(q), zero),
+            WindowBlocks(flatten(k), zero),
+            v4,
+            WindowBlocks(op.Cast(expand_keep(key_keep, k), to=FLOAT), zero),
+        )
+        far_kv, far_key_sum, far_log_scale = rescaled_far_states(
+            WindowBlocks(flatten(phi_k), zero), v4, key_log_scale
+        )
+        far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        # log of (kernel part's unit / local part's unit), per query row; each side scaled <= 1
+        ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - local_max
+        local_factor = op.Exp(op.Neg(op.Max(ratio, zero)))
+        far_factor = op.Exp(op.Min(ratio, zero))
+        numerator = local_num * local_factor + far_num * far_factor
+        denominator = local_den * local_factor + far_den * far_factor
+        return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
+
+    common = [flatten, expand_keep, WindowBlocks, UnblockLike, ShiftBlocks, WithPreviousBlock, KeptLocalKeys]
+    if causal:
+        common.append(CausalKeptLocalKeys)
+    common += [LocalSoftmaxSums, EarlierBlocksSum]
+    if not causal:
+        common.append(FarBlocksSum)
+    common += [FarStates, KernelSums]
+    if not rescaled:
+        return [*common, WindowedKernelAttention]
+    if causal:
+        return [*common, RunningMax, LowerTriangle, CausalRescaledFarStates, WindowedRescaledKernelAttention]
+    return [*common, HeadRescaledFarStates, WindowedRescaledKernelAttention]
