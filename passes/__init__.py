@@ -21,9 +21,9 @@ import dataclasses
 import types
 import typing
 
-from passes import favor, hydra, linear, linformer, lsh
+from passes import favor, hedgehog, hydra, linear, linformer, lsh
 
-_METHODS = (linear, hydra, favor, linformer, lsh)
+_METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 
 

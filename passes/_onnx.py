@@ -36,3 +36,17 @@ class OnnxLowering:
     @property
     def op_type(self) -> str:
         return self.functions[-1].name
+
+    def with_weights(self, weights: dict[str, np.ndarray] | None) -> "OnnxLowering":
+        """The constants that ``weights`` (a fitted module's state) names, replaced by its
+        values: the module's state_dict names are the constants' names."""
+        for name, value in (weights or {}).items():
+            if name in self.constants:
+                value = np.asarray(value, dtype=self.constants[name].dtype)
+                if value.shape != self.constants[name].shape:
+                    raise ValueError(
+                        f"weight {name!r} has shape {list(value.shape)}, "
+                        f"the lowering's {list(self.constants[name].shape)}"
+                    )
+                self.constants[name] = value
+        return self

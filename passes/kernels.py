@@ -8,6 +8,7 @@ of the O(N*F*Dv) of a per-position prefix sum.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnxscript import script
 
@@ -244,6 +245,17 @@ def _running_max(x):
 def flatten_heads(x):
     """[..., N, F] -> [G, N, F]: the ONNX kernels below are written for rank 3."""
     return x.reshape(-1, *x.shape[-2:])
+
+
+def fitted_heads(site) -> int:
+    """Heads a per-head fitted value has: site.num_heads when q is known to be [batch, heads,
+    seq, head_dim] (so [heads, ...] broadcasts against it), else 1 (shared by every head)."""
+    return site.num_heads if site.rank == 4 and site.num_heads is not None else 1
+
+
+def initial_linear_log_weight(site) -> np.ndarray:
+    """The window's per-head log mixing weight [heads, 1, 1] before fitting: 0, weight 1."""
+    return np.zeros((fitted_heads(site), 1, 1), np.float32)
 
 
 # --- ONNX ------------------------------------------------------------------------------------
