@@ -25,6 +25,8 @@ from passes import favor, hedgehog, hydra, linear, linformer, lsh
 
 _METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
+# Methods with the ``window`` option (kernels.windowed_kernel_attention); the others say why not.
+WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
 
 
 class OptionError(ValueError):
@@ -44,6 +46,13 @@ def make_options(method: types.ModuleType, **values):
     hints = typing.get_type_hints(method.Options)
     converted = {}
     for key, value in values.items():
+        if key == "window" and "window" not in fields and hasattr(method, "NO_WINDOW"):
+            if _convert(key, value, int) != 0:  # 0 is "off", which such a method always is
+                raise OptionError(
+                    f"method {method.NAME!r} cannot take window={value}: {method.NO_WINDOW} "
+                    f"(window is for {', '.join(WINDOWED)})"
+                )
+            continue
         if key not in fields:
             known = ", ".join(fields) or "none"
             raise OptionError(f"method {method.NAME!r} has no option {key!r} (options: {known})")

@@ -25,6 +25,18 @@ key's log scale; the kernel weighs key j in row i by exp(its max - r_i), r_i the
 keys 0..i (kernels.causal_rescaled_linear_attention): exp(r_i) is one constant for row i, so it
 cancels, and r_i never looks at the future. All of this runs in float32, whatever the model's
 dtype.
+
+``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
+positions and the previous one, FAVOR+ over the rest, one normaliser. The exact part is in units
+of e^(s_ij - m_i), m_i the row's local max. FAVOR+ estimates e^(s_ij) itself, and its
+stabilisers divide query i's features by e^(a_i) (a_i its row max) and key j's by e^(b_j) (the
+head max, or its own max when causal): constants per row and per key, which a learned per-head
+weight could not absorb. So the kernel gets a_i and b_j as log scales and weighs
+phi_i.phi_j e^(a_i + b_j - m_i): the kernel part estimates e^(s_ij - m_i) exactly as the local
+part computes it (without bias, in expectation over W), the hybrid with linear_log_weight = 0 is
+an unbiased-per-term estimate of softmax attention, and a fitted linear_log_weight is a plain
+per-head factor on top. (Causal: keys of earlier blocks are re-referenced by a (blocks x blocks)
+carry, as in the causal kernel above; nothing reads a later key.)
 """
 
 from __future__ import annotations
@@ -61,6 +73,9 @@ class Options:
     orthogonal: bool = option(True, "rows orthogonal in blocks of d; False: independent rows")
     norms: str = option("chi", 'row lengths: "chi" (as a Gaussian\'s) or "fixed" at sqrt(d)', choices=NORMS)
     chunk: int = option(64, "causal prefix-sum block length", valid=">= 1")
+    window: int = option(
+        0, "exact softmax over blocks of this many positions, FAVOR+ beyond (0: off)", valid=">= 0"
+    )
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -71,6 +86,8 @@ class Options:
             raise ValueError(f"favor features must be >= 1, got {self.features}")
         if self.chunk < 1:
             raise ValueError(f"favor chunk must be >= 1, got {self.chunk}")
+        if self.window < 0:
+            raise ValueError(f"favor window must be >= 0 (0: off), got {self.window}")
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -143,10 +160,15 @@ def query_features(log_phi, norm: float):
     return torch.exp(log_phi - log_phi.amax(dim=-1, keepdim=True)) * norm
 
 
+def kept_head_max(log_phi, key_keep):
+    """The max over a head's kept keys and features ([..., 1, 1]; LOWEST if none is kept)."""
+    kept = log_phi if key_keep is None else torch.where(key_keep > 0, log_phi, LOWEST)
+    return kept.amax(dim=(-2, -1), keepdim=True)
+
+
 def key_features(log_phi, key_keep, norm: float):
     """Bidirectional: one max over the head's kept keys and features, shared by every key."""
-    kept = log_phi if key_keep is None else torch.where(key_keep > 0, log_phi, LOWEST)
-    head_max = kept.amax(dim=(-2, -1), keepdim=True)
+    head_max = kept_head_max(log_phi, key_keep)
     # Kept entries are <= head_max already; the clamp only keeps padded keys' exp finite.
     phi = torch.exp(torch.clamp_max(log_phi - head_max, 0.0)) * norm
     return phi if key_keep is None else phi * key_keep
@@ -163,14 +185,22 @@ def causal_key_features(log_phi, key_keep, norm: float):
 
 
 class FavorAttention(Module):
-    def __init__(self, projection, scale: float, causal: bool, chunk: int, variant: str):
+    def __init__(
+        self, projection, scale: float, causal: bool, chunk: int, variant: str, window: int = 0,
+        linear_log_weight=None,
+    ):
         super().__init__()
         self.register_buffer("projection", projection)  # fixed at rewrite time, saved with it
+        self.scale = scale
         self.root_scale = math.sqrt(scale)
         self.causal = causal
         self.chunk = chunk
         self.variant = variant
         self.norm = 1 / math.sqrt(feature_count(projection, variant))
+        self.window = window
+        self.linear_log_weight = None
+        if window:
+            self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
     def forward(self, q, k, v, key_keep=None):
         w = self.projection.float()  # stays float32 even if the module was .half()-ed
@@ -179,6 +209,8 @@ class FavorAttention(Module):
         log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
         log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
         phi_q = query_features(log_q, self.norm)
+        if self.window:
+            return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
         if self.causal:
             phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
             out = kernels.causal_rescaled_linear_attention(
@@ -189,23 +221,42 @@ class FavorAttention(Module):
             out = kernels.linear_attention(phi_q, phi_k, v.float(), EPS)
         return out.to(v.dtype)
 
+    def windowed(self, phi_q, log_q, log_k, q, k, v, keep):
+        """The hybrid, with the stabilisers' log scales (the module docstring says why)."""
+        if self.causal:
+            phi_k, key_log_scale = causal_key_features(log_k, keep, self.norm)
+        else:
+            phi_k, key_log_scale = key_features(log_k, keep, self.norm), kept_head_max(log_k, keep)
+        return kernels.windowed_kernel_attention(
+            phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
+            key_keep=keep, linear_log_weight=self.linear_log_weight,
+            query_log_scale=log_q.amax(dim=-1, keepdim=True), key_log_scale=key_log_scale, eps=EPS,
+        )
+
     def extra_repr(self) -> str:
         m, d = self.projection.shape
+        window = f", window={self.window}" if self.window else ""
         return (
             f"features={m}, head_dim={d}, variant={self.variant}, causal={self.causal}, "
-            f"chunk={self.chunk}"
+            f"chunk={self.chunk}{window}"
         )
 
 
 def torch_module(site: AttentionSite, options: Options) -> FavorAttention:
     projection = torch.from_numpy(projection_for(site, options))
-    return FavorAttention(projection, site.scale, site.mask.causal, options.chunk, options.variant)
+    log_weight = kernels.initial_linear_log_weight(site) if options.window else None
+    return FavorAttention(
+        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window, log_weight
+    )
 
 
 # --- ONNX ------------------------------------------------------------------------------------
 
 
-def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: a fitted module's state (projection, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
     projection = projection_for(site, options)
     root_scale = math.sqrt(site.scale)
@@ -260,6 +311,46 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
 
     flatten = kernels.flatten_heads_function(opset_version)
 
+    if options.window:
+        *kernel_helpers, kernel = kernels.windowed_kernel_attention_functions(
+            opset_version, options.window, site.scale, site.mask.causal, rescaled=True, eps=EPS
+        )
+
+        @script(ATTNREWRITE, default_opset=op)
+        def FavorHeadLogScale(log_phi, keep):
+            # kept_head_max: the bidirectional keys' stabiliser, which the window needs as such
+            kept = op.Where(op.Greater(keep, op.Constant(value_float=0.0)), log_phi, op.Constant(value_float=LOWEST))
+            return op.ReduceMax(kept, op.Constant(value_ints=[-2, -1]), keepdims=1)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def FavorHeadKeys(log_phi, keep):
+            return FavorKeyFeatures(log_phi, keep), FavorHeadLogScale(log_phi, keep)
+
+        # (phi_k, key log scale): one per key when causal, one per head otherwise
+        keys_fn = FavorCausalKeyFeatures if site.mask.causal else FavorHeadKeys
+
+        @script(ATTNREWRITE, default_opset=op)
+        def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
+            w = op.Cast(projection, to=FLOAT)
+            root = op.Constant(value_float=root_scale)
+            log_q = log_features_fn(op.Cast(q, to=FLOAT) * root, w)
+            log_k = log_features_fn(op.Cast(k, to=FLOAT) * root, w)
+            query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
+            phi_k, key_log_scale = keys_fn(log_k, op.Cast(key_keep, to=FLOAT))
+            out = kernel(
+                FavorQueryFeatures(log_q), phi_k, query_log_scale, key_log_scale, q, k, v, key_keep,
+                linear_log_weight,
+            )
+            return op.CastLike(out, v)
+
+        entry = WindowedFavor.to_function_proto()
+        entry.name = "CausalWindowedFavor" if site.mask.causal else "WindowedFavor"
+        key_fns = [keys_fn] if site.mask.causal else [FavorKeyFeatures, FavorHeadLogScale, keys_fn]
+        callees = [log_features_fn, FavorQueryFeatures, *key_fns]
+        functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel]]
+        constants = {"projection": projection, "linear_log_weight": kernels.initial_linear_log_weight(site)}
+        return OnnxLowering([*functions, entry], constants).with_weights(weights)
+
     if site.mask.causal:
         *kernel_helpers, kernel = kernels.causal_rescaled_linear_attention_functions(
             opset_version, options.chunk, EPS
@@ -289,4 +380,4 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
 
     callees = [log_features_fn, FavorQueryFeatures, FavorFeatures, key_fn, flatten]
     functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
-    return OnnxLowering(functions, constants={"projection": projection})
+    return OnnxLowering(functions, constants={"projection": projection}).with_weights(weights)

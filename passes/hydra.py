@@ -19,6 +19,11 @@ from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module
 
 NAME = "hydra"
+# Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
+NO_WINDOW = (
+    "its cosine kernel folds all keys into one feature vector, with no per-key weights "
+    "to share a normaliser with the window's softmax"
+)
 
 
 @dataclasses.dataclass

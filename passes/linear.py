@@ -3,6 +3,10 @@
 softmax(q k^T) is replaced by the kernel phi(q) phi(k)^T with phi(x) = elu(x) + 1, evaluated in
 the reassociated order phi(Q) (phi(K)^T V): O(N) in sequence length. The logits' scale is not
 applied: elu+1 is the kernel the method defines, not an estimate of exp(scale * q.k).
+
+``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
+positions and the previous one, elu+1 over the rest, one normaliser; a per-head
+``linear_log_weight`` (an nn.Parameter, 0 at first) weighs the kernel part.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ NAME = "linear"
 class Options:
     chunk: int = option(64, "causal prefix-sum block length")
     seed: int = option(0, UNUSED_SEED)
+    window: int = option(
+        0, "exact softmax over blocks of this many positions, linear beyond (0: off)", valid=">= 0"
+    )
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"linear window must be >= 0 (0: off), got {self.window}")
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -33,31 +44,52 @@ def supports(site: AttentionSite, options: Options) -> str | None:
 
 
 class LinearAttention(Module):
-    def __init__(self, causal: bool, chunk: int):
+    def __init__(self, causal: bool, chunk: int, scale: float = 1.0, window: int = 0, linear_log_weight=None):
         super().__init__()
         self.causal = causal
         self.chunk = chunk
+        self.scale = scale  # of the window's exact softmax only
+        self.window = window
+        self.linear_log_weight = None
+        if window:
+            self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
     def forward(self, q, k, v, key_keep=None):
         phi_q = torch.nn.functional.elu(q.float()) + 1
         phi_k = torch.nn.functional.elu(k.float()) + 1
         if key_keep is not None:
             phi_k = phi_k * key_keep  # padded keys leave numerator and denominator
-        if self.causal:
+        if self.window:
+            out = kernels.windowed_kernel_attention(
+                phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
+                key_keep=key_keep, linear_log_weight=self.linear_log_weight,
+            )
+        elif self.causal:
             out = kernels.causal_linear_attention(phi_q, phi_k, v.float(), self.chunk)
         else:
             out = kernels.linear_attention(phi_q, phi_k, v.float())
         return out.to(v.dtype)
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, chunk={self.chunk}"
+        window = f", window={self.window}" if self.window else ""
+        return f"causal={self.causal}, chunk={self.chunk}{window}"
 
 
-def torch_module(site: AttentionSite, options: Options) -> LinearAttention:
-    return LinearAttention(site.mask.causal, options.chunk)
+def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
+    """``learnable``: the method has nothing of its own to fit; the window's linear_log_weight
+    is an nn.Parameter either way."""
+    if not options.window:
+        return LinearAttention(site.mask.causal, options.chunk)
+    log_weight = kernels.initial_linear_log_weight(site)
+    return LinearAttention(site.mask.causal, options.chunk, site.scale, options.window, log_weight)
 
 
-def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: a fitted module's state (linear_log_weight), as numpy arrays."""
+    if options.window:
+        return _windowed_lowering(site, options, opset_version).with_weights(weights)
     op = standard_opset(opset_version)
     if site.mask.causal:
         kernel = kernels.causal_linear_attention_function(opset_version, options.chunk)
@@ -79,3 +111,24 @@ def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> 
     if site.mask.causal:
         fn.name = "CausalLinearAttention"
     return OnnxLowering([flatten.to_function_proto(), kernel.to_function_proto(), fn])
+
+
+def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+    op = standard_opset(opset_version)
+    *callees, kernel = kernels.windowed_kernel_attention_functions(
+        opset_version, options.window, site.scale, site.mask.causal
+    )
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedLinearAttention(q, k, v, key_keep, linear_log_weight):
+        one = op.Constant(value_float=1.0)
+        phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
+        phi_k = (op.Elu(op.Cast(k, to=FLOAT)) + one) * key_keep
+        return op.CastLike(kernel(phi_q, phi_k, q, k, v, key_keep, linear_log_weight), v)
+
+    fn = WindowedLinearAttention.to_function_proto()
+    if site.mask.causal:
+        fn.name = "CausalWindowedLinearAttention"
+    functions = [f.to_function_proto() for f in [*callees, kernel]]
+    constants = {"linear_log_weight": kernels.initial_linear_log_weight(site)}
+    return OnnxLowering([*functions, fn], constants)

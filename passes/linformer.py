@@ -42,6 +42,8 @@ from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
 NAME = "linformer"
+# Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
+NO_WINDOW = "every projected key mixes all positions, so no keys are left over for a window to split off"
 PROJECTIONS = ("gaussian", "learned", "pool", "identity")
 MASKED_LOGIT = -1e30  # finite, so a row whose projected keys are all padding stays NaN-free
 

@@ -43,6 +43,8 @@ from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
 NAME = "lsh"
+# Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
+NO_WINDOW = "it is already a softmax over a few keys per query (its bucket), with no kernel part to mix in"
 MASKED_LOGIT = -1e30  # finite: max and exp stay NaN-free when a row has no visible key
 TINY = float(np.finfo(np.float32).tiny)  # divisor floor: a row with no visible key gives 0, not 0/0
 
