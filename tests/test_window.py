@@ -1,0 +1,275 @@
+"""The local-softmax + kernel hybrid (``window=W``, kernels.windowed_kernel_attention) shared by
+linear, favor and hedgehog: equal to its definition written as an N x N matrix, exact softmax
+when the window covers the sequence, ONNX == torch, causal, NaN-free where keys are missing,
+and refused by the methods it cannot serve."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from attention_graphs import lowering_session
+from models import exact_attention, relative_error, run_pass_module
+
+from attnrewrite.site import AttentionSite, MaskKind
+from passes import OptionError, favor, get_pass, hedgehog, kernels, linear, make_options
+
+WINDOWED = (linear, favor, hedgehog)
+B, H, D, DV = 2, 3, 8, 5
+SCALE = D**-0.5
+LOWEST = kernels.LOWEST_LOG_SCALE
+
+
+def make_site(mask: MaskKind, rank: int = 4) -> AttentionSite:
+    heads = H if rank == 4 else None
+    return AttentionSite("attn", scale=SCALE, mask=mask, rank=rank, num_heads=heads, head_dim=D, value_dim=DV)
+
+
+def qkv(n: int, seed: int = 0, std: float = 2.0, lead=(B, H)):
+    rng = np.random.default_rng(seed)
+    return tuple((rng.standard_normal((*lead, n, d)) * std).astype(np.float32) for d in (D, D, DV))
+
+
+def padded_keep(n: int, lead_batch: int = B, left: int = 3, right: int = 13) -> np.ndarray:
+    """[batch, 1, n, 1]: row 0 full, the others padded at both ends."""
+    keep = np.ones((lead_batch, 1, n, 1), np.float32)
+    keep[1:, :, :left] = 0.0
+    keep[1:, :, n - right :] = 0.0
+    return keep
+
+
+def exact(q, k, v, keep, causal: bool) -> np.ndarray:
+    """Softmax attention; a row without any key (left padding under a causal mask) is 0."""
+    return np.nan_to_num(exact_attention(q, k, v, keep, SCALE, causal))
+
+
+def fitted_module(method, site, options, seed: int = 0):
+    """The method's module with every fittable value moved off its initial value (as fitting
+    would): linear_log_weight per head, and for hedgehog W and b."""
+    module = method.torch_module(site, options, learnable=True) if method is hedgehog else method.torch_module(site, options)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return module
+
+
+# --- the definition, as an N x N matrix ---------------------------------------------------------
+
+
+def windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight, query_log_scale=None, key_log_scale=None):
+    """Row i: (sum_local e^(s_ij - m_i) v_j + w sum_far phi_i.phi_j [e^(a_i + b_j - m_i)] v_j) / (...),
+    float64, with blocks laid out as the kernel lays them out (front padding to a whole block
+    more than needed: position i is in block (pad + i) // window)."""
+    n = q.shape[-2]
+    chunks = (n + 2 * window - 1) // window
+    block = (torch.arange(n) + chunks * window - n) // window
+    local = (block[None, :] == block[:, None]) | (block[None, :] == block[:, None] - 1)
+    visible = torch.as_tensor(keep, dtype=torch.bool)[..., 0].unsqueeze(-2)  # [.., 1, Nk]
+    if causal:
+        visible = visible & torch.ones(n, n, dtype=torch.bool).tril()
+    s = SCALE * torch.as_tensor(q).double() @ torch.as_tensor(k).double().transpose(-2, -1)
+    m = torch.where(local & visible, s, -math.inf).amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)  # no local key: any reference, the ratio is the same
+    exact = torch.where(local & visible, torch.exp(s - m), 0.0)
+    kernel = torch.as_tensor(phi_q).double() @ torch.as_tensor(phi_k).double().transpose(-2, -1)
+    if query_log_scale is not None:
+        kernel = kernel * torch.exp(torch.as_tensor(query_log_scale).double() + torch.as_tensor(key_log_scale).double().transpose(-2, -1) - m)
+    weights = exact + torch.exp(log_weight.double()) * torch.where(~local & visible, kernel, 0.0)
+    out = weights @ torch.as_tensor(v).double() / weights.sum(-1, keepdim=True)
+    return torch.nan_to_num(out).numpy()  # a row without any key: 0, as the kernels give
+
+
+def elu_features(q, k, keep):
+    phi = lambda x: torch.nn.functional.elu(torch.from_numpy(x)) + 1  # noqa: E731
+    return phi(q), phi(k) * torch.from_numpy(keep)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("window", [16, 7])
+def test_kernel_equals_its_definition(causal, window):
+    q, k, v = qkv(50)
+    keep = np.broadcast_to(padded_keep(50), (B, H, 50, 1)).copy()
+    phi_q, phi_k = elu_features(q, k, keep)
+    log_weight = torch.randn(H, 1, 1, generator=torch.Generator().manual_seed(1))
+    out = kernels.windowed_kernel_attention(
+        phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
+        key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
+    )
+    expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight)
+    assert relative_error(out.numpy(), expected) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("window", [16, 7])
+def test_kernel_with_log_scales_equals_its_definition(causal, window):
+    """FAVOR+'s form: features stabilised per query row, per head (bidirectional) or per key
+    (causal, log scales spread over +-30 so that the carry between blocks matters)."""
+    q, k, v = qkv(50)
+    keep = np.broadcast_to(padded_keep(50), (B, H, 50, 1)).copy()
+    generator = torch.Generator().manual_seed(2)
+    phi_q, phi_k = (torch.rand(B, H, 50, 6, generator=generator) for _ in range(2))
+    phi_k = phi_k * torch.from_numpy(keep)
+    query_log_scale = torch.randn(B, H, 50, 1, generator=generator) * 3
+    if causal:
+        key_log_scale = torch.where(torch.from_numpy(keep) > 0, torch.randn(B, H, 50, 1, generator=generator) * 30, LOWEST)
+        per_key = key_log_scale
+    else:
+        key_log_scale = torch.randn(B, H, 1, 1, generator=generator) * 3
+        per_key = key_log_scale.expand(B, H, 50, 1)
+    log_weight = torch.randn(H, 1, 1, generator=generator)
+    out = kernels.windowed_kernel_attention(
+        phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
+        key_keep=torch.from_numpy(keep), linear_log_weight=log_weight, query_log_scale=query_log_scale,
+        key_log_scale=key_log_scale, eps=favor.EPS,
+    )
+    expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight, query_log_scale, per_key)
+    assert relative_error(out.numpy(), expected) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal):
+    """Features that represent e^(s_ij) exactly (one feature per key: phi_q_i = e^(s_i. - a_i),
+    phi_k_j = onehot_j e^(-b_j)) turn the hybrid into exact softmax for every window: the
+    kernel part is in the local part's units, whatever the stabilisers a_i and b_j."""
+    n = 40
+    q, k, v = qkv(n, std=1.0)
+    keep = np.broadcast_to(padded_keep(n, right=6), (B, H, n, 1)).copy()
+    s = SCALE * torch.from_numpy(q) @ torch.from_numpy(k).transpose(-2, -1)
+    query_log_scale = s.amax(-1, keepdim=True) + 5.0
+    generator = torch.Generator().manual_seed(3)
+    key_log_scale = torch.randn(B, H, n, 1, generator=generator) * 20 if causal else torch.full((B, H, 1, 1), -7.0)
+    phi_q = torch.exp(s - query_log_scale)
+    phi_k = torch.eye(n).expand(B, H, n, n) * torch.exp(-key_log_scale) * torch.from_numpy(keep)
+    for window in (4, 9):
+        out = kernels.windowed_kernel_attention(
+            phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
+            key_keep=torch.from_numpy(keep), query_log_scale=query_log_scale, key_log_scale=key_log_scale,
+            eps=favor.EPS,
+        )
+        assert relative_error(out.numpy(), exact(q, k, v, keep, causal)) < 1e-5, window
+
+
+# --- the passes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
+def test_window_covering_the_sequence_is_exact_softmax_attention(method, mask):
+    site = make_site(mask)
+    q, k, v = qkv(50)
+    keep = padded_keep(50)
+    for window in (50, 64):
+        module = fitted_module(method, site, method.Options(window=window))
+        expected = exact(q, k, v, keep, mask.causal)
+        assert relative_error(run_pass_module(module, q, k, v, keep), expected) < 1e-5, window
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("mask", list(MaskKind)[:4], ids=lambda m: m.value)
+def test_onnx_equals_torch(method, mask):
+    """N = 50 in windows of 16 (a partial block), fitted values written through ``weights``."""
+    site = make_site(mask)
+    options = method.Options(window=16)
+    module = fitted_module(method, site, options)
+    weights = {name: value.numpy() for name, value in module.state_dict().items()}
+    session = lowering_session(method.onnx_lowering(site, options, 20, weights), 4)
+    q, k, v = qkv(50, seed=1)
+    keep = padded_keep(50) if mask.key_padding else None
+    feed_keep = keep if keep is not None else np.ones((1, 1, 1, 1), np.float32)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=feed_keep))[0]
+    expected = run_pass_module(module, q, k, v, keep)
+    assert out.shape == (B, H, 50, DV)
+    assert relative_error(out, expected) < 1e-5
+    # the window is not the whole attention: the kernel part is really there
+    all_kept = np.ones((B, 1, 50, 1), np.float32)
+    assert relative_error(expected, exact(q, k, v, all_kept if keep is None else keep, mask.causal)) > 1e-2
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+def test_onnx_equals_torch_with_heads_folded_into_the_batch(method):
+    """[batch * heads, N, d] with heads unknown: one linear_log_weight shared by every head."""
+    site = make_site(MaskKind.CAUSAL, rank=3)
+    options = method.Options(window=8)
+    module = fitted_module(method, site, options)
+    assert module.linear_log_weight.shape == (1, 1, 1)
+    weights = {name: value.numpy() for name, value in module.state_dict().items()}
+    session = lowering_session(method.onnx_lowering(site, options, 20, weights), 3, keep_rank=2)
+    q, k, v = qkv(29, lead=(B * H,))
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
+    assert relative_error(out, run_pass_module(module, q, k, v, None)) < 1e-5
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+def test_causal_outputs_ignore_later_positions(method):
+    site = make_site(MaskKind.CAUSAL)
+    module = fitted_module(method, site, method.Options(window=8))
+    q, k, v = qkv(45)
+    t = 30
+    later = [x.copy() for x in (q, k, v)]
+    for x in later:
+        x[..., t + 1 :, :] = np.random.default_rng(5).standard_normal(x[..., t + 1 :, :].shape) * 10
+    before, after = run_pass_module(module, q, k, v, None), run_pass_module(module, *later, None)
+    np.testing.assert_array_equal(before[..., : t + 1, :], after[..., : t + 1, :])
+    assert np.abs(before[..., t + 1 :, :] - after[..., t + 1 :, :]).max() > 1e-2
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
+def test_rows_without_local_keys_are_finite(method, mask):
+    """Left padding of 20 keys with windows of 4: early queries have no kept local key. They
+    take the kernel part alone (bidirectional), or have no key at all and give 0 (causal)."""
+    site = make_site(mask)
+    options = method.Options(window=4)
+    module = fitted_module(method, site, options)
+    q, k, v = qkv(40)
+    keep = np.ones((B, 1, 40, 1), np.float32)
+    keep[1, :, :20] = 0.0
+    out = run_pass_module(module, q, k, v, keep)
+    session = lowering_session(method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4)
+    onnx_out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+    assert np.isfinite(out).all() and np.isfinite(onnx_out).all()
+    assert relative_error(onnx_out, out) < 1e-5
+    early = out[1, :, :12]
+    if mask.causal:
+        assert np.abs(early).max() == 0.0
+    else:
+        assert np.abs(early).max(axis=-1).min() > 0.0  # every early row attends to far keys
+
+
+def test_linear_log_weight_is_a_per_head_parameter_that_gets_gradients():
+    site = make_site(MaskKind.CAUSAL_KEY_PADDING)
+    for method in WINDOWED:
+        module = method.torch_module(site, method.Options(window=8))
+        assert isinstance(module.linear_log_weight, torch.nn.Parameter)
+        assert module.linear_log_weight.shape == (H, 1, 1) and not module.linear_log_weight.any()
+        q, k, v = (torch.from_numpy(x) for x in qkv(30))
+        module(q, k, v, torch.from_numpy(padded_keep(30))).square().sum().backward()
+        grad = module.linear_log_weight.grad
+        assert torch.isfinite(grad).all() and (grad != 0).all(), method.NAME
+        no_window = method.torch_module(site, method.Options())
+        assert "linear_log_weight" not in dict(no_window.named_parameters())
+
+
+@pytest.mark.parametrize("method", ["hydra", "linformer", "lsh"])
+def test_methods_without_per_key_kernel_weights_refuse_a_window(method):
+    reasons = {
+        "hydra": "its cosine kernel folds all keys into one feature vector, with no per-key weights "
+        "to share a normaliser with the window's softmax",
+        "linformer": "every projected key mixes all positions, so no keys are left over for a window to split off",
+        "lsh": "it is already a softmax over a few keys per query (its bucket), with no kernel part to mix in",
+    }
+    with pytest.raises(OptionError) as error:
+        make_options(get_pass(method), window="32")
+    assert str(error.value) == (
+        f"method {method!r} cannot take window=32: {reasons[method]} (window is for linear, favor, hedgehog)"
+    )
+    assert make_options(get_pass(method), window="0") == get_pass(method).Options()  # 0 is off
+
+
+@pytest.mark.parametrize("method", ["linear", "favor", "hedgehog"])
+def test_negative_window_is_an_option_error(method):
+    with pytest.raises(OptionError, match=rf"^method '{method}': {method} window must be >= 0 \(0: off\), got -1$"):
+        make_options(get_pass(method), window="-1")
