@@ -3,13 +3,16 @@ the same attention shapes, and a long-sequence memory check. Writes bench/RESULT
 
     python bench/run_benchmarks.py                     # the full run (tens of minutes on 2 cores)
     python bench/run_benchmarks.py --quick             # 128..1024, 2 repeats: to try the script
+    python bench/run_benchmarks.py --lengths 4096 --attention-rows softmax,hedgehog,hedgehog:window=32
+                                                       # a few attention-only rows, printed
 
 Everything runs on CPU, fp32, batch 1, ``--threads`` intra-op threads (2), each configuration
 in a fresh process (see attnrewrite/bench.py for why and how memory is measured):
 
 1. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072, Q/K/V/output projections) on hidden
    states: softmax (as exported), the identity-attention bound, and each method in passes.PASSES;
-2. attention only, q, k, v of [1, 12, N, 64]: our ONNX graphs (softmax and each method) beside
+2. attention only, q, k, v of [1, 12, N, 64]: our ONNX graphs (softmax, each method, and the
+   ATTENTION_VARIANTS: linear and hedgehog with window=32) beside
    performer-pytorch FastAttention (FAVOR+), fast-transformers LinearAttention (elu + 1) and
    torch's scaled_dot_product_attention;
 3. a 6-layer, 384-wide encoder rewritten with hydra at N = 32768 (and its softmax original),
@@ -52,6 +55,8 @@ STACK = dict(hidden=384, heads=12, layers=6)
 STACK_N = 32768
 STACK_BUDGET_GB = 8.0
 FEATURES = 256  # favor's m, performer's nb_features, linformer's k
+# Attention-only rows beyond one per method: "method:option=value,...", labelled as such.
+ATTENTION_VARIANTS = ("linear:window=32", "hedgehog:window=32")
 
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"
 
@@ -67,32 +72,44 @@ def method_options(method: str, lengths: list[int]) -> dict:
 # --- building what is measured ------------------------------------------------------------------
 
 
+def parse_variant(variant: str) -> tuple[str, dict[str, str]]:
+    """"hedgehog:window=32" -> ("hedgehog", {"window": "32"}); a plain method name has no options."""
+    method, _, options = variant.partition(":")
+    return method, dict(item.split("=", 1) for item in options.split(",") if item)
+
+
 def rewritten_variants(
-    original: Path, folder: Path, lengths: list[int], with_bound: bool = True
+    original: Path, folder: Path, lengths: list[int], with_bound: bool = True, extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, Path], dict[str, str]]:
-    """softmax, the identity bound and one model per registered method; methods that cannot
-    rewrite this model are reported, not fatal."""
+    """softmax, the identity bound, one model per registered method and one per ``extra``
+    variant (parse_variant); variants that cannot rewrite this model are reported, not fatal."""
     paths, refused, sites = {"softmax": original}, {}, None
-    for method in passes.PASSES:
+    for variant in [*passes.PASSES, *extra]:
+        method, options = parse_variant(variant)
         try:
-            model, record = rewrite_model(onnx_io.load_model(original), method, **method_options(method, lengths))
+            model, record = rewrite_model(onnx_io.load_model(original), method, **method_options(method, lengths), **options)
         except (AttnRewriteError, passes.OptionError, ValueError) as error:
-            refused[method] = str(error)
+            refused[variant] = str(error)
             continue
         except Exception as error:  # a pass still being written must not stop the other methods
-            refused[method] = f"the rewrite failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            refused[variant] = f"the rewrite failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
             continue
         if not record.rewritten:
-            refused[method] = "; ".join(sorted({o.reason for o in record.skipped})) or "no site"
+            refused[variant] = "; ".join(sorted({o.reason for o in record.skipped})) or "no site"
             continue
         sites = [o.site.name for o in record.rewritten]
-        paths[method] = folder / f"{original.stem}.{method}.onnx"
-        onnx_io.save_model(model, paths[method])
+        paths[variant] = folder / f"{original.stem}.{variant.replace(':', '.').replace('=', '').replace(',', '.')}.onnx"
+        onnx_io.save_model(model, paths[variant])
     if sites and with_bound:
         paths["identity"] = folder / f"{original.stem}.identity.onnx"
         onnx_io.save_model(bench.identity_attention(onnx_io.load_model(original), sites), paths["identity"])
-    order = ["softmax", "identity", *passes.PASSES]
+    order = ["softmax", "identity", *passes.PASSES, *extra]
     return {k: paths[k] for k in order if k in paths}, refused
+
+
+def variant_label(key: str) -> str:
+    method, options = parse_variant(key)
+    return " ".join([method, *(f"{name}={value}" for name, value in options.items())])
 
 
 def inputs_writer(model: Path, folder: Path, batch: int = 1):
@@ -198,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gb", type=float, default=14.0)  # softmax at N = 8192 peaks at 12.9 GB
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--skip-stack", action="store_true", help="leave out the 6-layer N = 32768 run")
+    parser.add_argument(
+        "--attention-rows", metavar="VARIANTS",
+        help="only the attention-only section, for these comma-separated variants "
+        "(softmax, a method, or method:option=value, e.g. hedgehog:window=32; several options joined by +): "
+        "print its tables, write no file",
+    )
     args = parser.parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     lengths = args.lengths or ([128, 256, 512, 1024] if args.quick else bench.DEFAULT_LENGTHS)
@@ -205,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         model="", method="", lengths=lengths, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
         threads=args.threads, repeats=2 if args.quick else args.repeats, trials=1 if args.quick else args.trials,
     )
+    if args.attention_rows:
+        return attention_rows([v.replace("+", ",") for v in args.attention_rows.split(",")], config)
     started, cpu_start = machine_state(), cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="attnrewrite-standard-") as tmp:
         folder = Path(tmp)
@@ -217,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         layer_section = run_section("one BERT-base encoder layer", runners, layer_labels, config, inputs_writer(layer, folder))
 
         # attention only: no bound (it would be zero work)
-        attention_paths, attention_refused = rewritten_variants(attention, folder, lengths, with_bound=False)
+        attention_paths, attention_refused = rewritten_variants(
+            attention, folder, lengths, with_bound=False, extra=ATTENTION_VARIANTS
+        )
         peers = peer_availability()
         runners = {k: bench.onnx_runner(p, config) for k, p in attention_paths.items()}
         runners.update({peer: peer_runner(peer, config) for peer, why in peers.items() if why is None})
-        labels = {k: ("softmax (ORT)" if k == "softmax" else k) for k in attention_paths} | {
+        labels = {k: ("softmax (ORT)" if k == "softmax" else variant_label(k)) for k in attention_paths} | {
             p: PEER_LABELS[p] for p in peers if peers[p] is None
         }
         attention_section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
@@ -262,6 +289,29 @@ def main(argv: list[str] | None = None) -> int:
         }
         (args.output.parent / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
     print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
+    """A few attention-only rows (softmax and the given variants) without the whole sweep:
+    the tables on stdout, with the machine's state, for pasting into RESULTS.md."""
+    cpu_start = cpu_seconds()
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-rows-") as tmp:
+        folder = Path(tmp)
+        attention = models.export_attention(folder / "attention.onnx", **ATTENTION)
+        extra = tuple(v for v in variants if v != "softmax" and v not in passes.PASSES)
+        paths, refused = rewritten_variants(attention, folder, config.lengths, with_bound=False, extra=extra)
+        for variant in variants:
+            if variant not in paths:
+                raise SystemExit(f"{variant}: {refused.get(variant, 'not a method or variant')}")
+        runners = {v: bench.onnx_runner(paths[v], config) for v in variants}
+        labels = {v: ("softmax (ORT)" if v == "softmax" else variant_label(v)) for v in variants}
+        section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
+    state = machine_state()
+    print(f"{state['time']}, {state['cpu']}, load average {state['load_average']}, "
+          f"other processes' cores during the run {others_cores(cpu_start, cpu_seconds()):.2f}; "
+          f"{config.threads} threads, {config.trials} trials x {config.repeats} runs\n")
+    print(section_tables(section, "softmax" if "softmax" in variants else None))
     return 0
 
 
