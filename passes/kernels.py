@@ -174,7 +174,7 @@ def _local_causal_mask(window: int, device):
 
 def _far_blocks_sum(x, causal: bool):
     """Per block c (dim 1), the sum of x over blocks <= c-2 and, unless causal, >= c+1."""
-    before = torch.cumsum(_shift_right(_shift_right(x, 0.0), 0.0), dim=1)
+    before = _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
     if causal:
         return before
     return before + torch.flip(_exclusive_cumsum(torch.flip(x, [1])), [1])
@@ -186,7 +186,7 @@ def _rescaled_earlier_states(pk4, s, v4):
     (chunks x chunks) carry of causal_rescaled_linear_attention, so no factor exceeds 1 and
     R_c reads no key after the block. Returns (state, key sum, R_c as [G, chunks, 1, 1])."""
     block_max = s.amax(dim=-1)  # [G, chunks]
-    reach = _shift_right(_shift_right(_running_max(block_max), LOWEST_LOG_SCALE), LOWEST_LOG_SCALE)
+    reach = _shift_right(_running_max(block_max), LOWEST_LOG_SCALE, steps=2)
     k_rel = pk4 * torch.exp(s - block_max.unsqueeze(-1)).unsqueeze(-1)
     kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
     moves = block_max.unsqueeze(1) - reach.unsqueeze(2)  # [G, c, c']: from block c''s max to R_c
@@ -227,11 +227,12 @@ def _exclusive_cumsum(x):
     return torch.cumsum(_shift_right(x, 0.0), dim=1)
 
 
-def _shift_right(x, fill: float):
-    """x moved one chunk later along dim 1, fill first: a pad, then dropping the last of
-    chunks + 1 (never a slice that is empty or of size 1 for some N, see _ChunkLayout)."""
-    pads = [0, 0] * (x.dim() - 2) + [1, 0]
-    return torch.nn.functional.pad(x, pads, value=fill)[:, :-1]
+def _shift_right(x, fill: float, steps: int = 1):
+    """x moved ``steps`` chunks later along dim 1, fill first: a pad, then dropping the last
+    ``steps`` of chunks + steps (never a slice that is empty or of size 1 for some N, see
+    _ChunkLayout)."""
+    pads = [0, 0] * (x.dim() - 2) + [steps, 0]
+    return torch.nn.functional.pad(x, pads, value=fill)[:, :-steps]
 
 
 def _running_max(x):
@@ -457,16 +458,17 @@ def windowed_kernel_attention_functions(
         return op.Reshape(kept, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
-    def ShiftBlocks(x, fill):
-        """x moved one block later along axis 1, fill first."""
+    def ShiftBlocks(x, fill, steps):
+        """x moved ``steps`` blocks later along axis 1, fill first."""
         one = op.Constant(value_ints=[1])
-        shifted = op.Pad(x, op.Constant(value_ints=[1, 0]), fill, one)
-        return op.Slice(shifted, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), one)
+        shifted = op.Pad(x, op.Concat(steps, op.Constant(value_ints=[0]), axis=0), fill, one)
+        return op.Slice(shifted, op.Constant(value_ints=[0]), op.Neg(steps), one)
 
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousBlock(x4):
         """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then c's."""
-        return op.Concat(ShiftBlocks(x4, op.Constant(value_float=0.0)), x4, axis=2)
+        previous = ShiftBlocks(x4, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
+        return op.Concat(previous, x4, axis=2)
 
     @script(ATTNREWRITE, default_opset=op)
     def KeptLocalKeys(keep_local):
@@ -498,7 +500,7 @@ def windowed_kernel_attention_functions(
     def EarlierBlocksSum(x):
         """Per block c (axis 1), the sum of x over blocks <= c-2."""
         zero = op.Constant(value_float=0.0)
-        return op.CumSum(ShiftBlocks(ShiftBlocks(x, zero), zero), op.Constant(value_int=1))
+        return ShiftBlocks(op.CumSum(x, op.Constant(value_int=1)), zero, op.Constant(value_ints=[2]))
 
     @script(ATTNREWRITE, default_opset=op)
     def FarBlocksSum(x):
@@ -545,7 +547,7 @@ def windowed_kernel_attention_functions(
         s = op.Squeeze(WindowBlocks(flatten(key_log_scale), lowest), last)  # [G, chunks, window]
         block_max = op.ReduceMax(s, last, keepdims=0)
         running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
-        reach = ShiftBlocks(ShiftBlocks(running, lowest), lowest)
+        reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
         k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
         moves = op.Unsqueeze(block_max, op.Constant(value_ints=[1])) - op.Unsqueeze(
