@@ -111,6 +111,19 @@ class HedgehogAttention(Module):
             out = kernels.linear_attention(phi_q, phi_k, v.float())
         return out.to(v.dtype)
 
+    def attention_weights(self, q, k, key_keep=None):
+        """The normalised weights [..., Nq, Nk] this module gives each key, N x N: for the
+        attention-weight (cross-entropy) loss Hedgehog is fitted with, never for inference."""
+        phi_q, phi_k = self.features(q), self.features(k)
+        if key_keep is not None:
+            phi_k = phi_k * key_keep
+        if not self.window:
+            return kernels.kernel_attention_weights(phi_q, phi_k, self.causal)
+        return kernels.windowed_attention_weights(
+            phi_q, phi_k, q.float(), k.float(), scale=self.scale, window=self.window, causal=self.causal,
+            key_keep=key_keep, linear_log_weight=self.linear_log_weight,
+        )
+
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape
         return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}, window={self.window}"

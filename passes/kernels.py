@@ -148,6 +148,49 @@ def windowed_kernel_attention(
     return layout.unblock(out).reshape(*lead, n, v.shape[-1])
 
 
+def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATOR_EPS):
+    """The normalised weights [..., Nq, Nk] kernel attention gives each key (phi_k zero on
+    padded keys). N x N: for attention-weight losses when fitting, never for inference."""
+    scores = phi_q @ phi_k.transpose(-2, -1)
+    if causal:
+        scores = torch.tril(scores)
+    return scores / (scores.sum(-1, keepdim=True) + eps)
+
+
+def windowed_attention_weights(
+    phi_q, phi_k, q, k, *, scale: float, window: int, causal: bool, key_keep=None,
+    linear_log_weight=None, query_log_scale=None, key_log_scale=None, eps: float = DENOMINATOR_EPS,
+):
+    """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
+    matrix of its definition (same blocks, same units), in the inputs' dtype: for
+    attention-weight losses when fitting, and as the reference the blocked form is tested
+    against; never for inference."""
+    n = q.shape[-2]
+    block = (torch.arange(n, device=q.device) + _ChunkLayout(n, window).pad) // window
+    offset = block.unsqueeze(0) - block.unsqueeze(1)  # key's block - query's block
+    local = (offset == 0) | (offset == -1)
+    visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if key_keep is not None:
+        visible = visible & (key_keep.transpose(-2, -1) > 0)
+    if causal:
+        visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    logits = scale * q @ k.transpose(-2, -1)
+    row_max = torch.where(local & visible, logits, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+    exact = torch.where(local & visible, torch.exp(torch.clamp_max(logits - row_max, 0.0)), 0.0)
+    kernel = phi_q @ phi_k.transpose(-2, -1)
+    if linear_log_weight is not None:
+        kernel = kernel * torch.exp(linear_log_weight)
+    if key_log_scale is not None:
+        # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
+        ratio = query_log_scale + key_log_scale.transpose(-2, -1) - row_max
+        ratio_max = torch.where(~local & visible, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+        shift = torch.clamp_min(ratio_max, 0.0)
+        exact = exact * torch.exp(-shift)
+        kernel = kernel * torch.exp(torch.clamp_max(ratio - shift, 0.0))
+    weights = exact + torch.where(~local & visible, kernel, 0.0)
+    return weights / (weights.sum(-1, keepdim=True) + eps)
+
+
 def _local_softmax_sums(q4, k4, v4, keep4, scale: float, causal: bool):
     """Block c's queries over the keys of blocks c-1 and c: the unnormalised numerator and
     denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale

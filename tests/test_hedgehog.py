@@ -153,6 +153,19 @@ def test_onnx_equals_torch_with_heads_folded_into_the_batch():
     assert relative_error(out, run_pass_module(module, q, k, v, keep)) < 1e-5
 
 
+@pytest.mark.parametrize("window", [0, 16])
+def test_attention_weights_are_what_the_output_averages_with(window):
+    """The N x N weights a cross-entropy loss fits are the ones the blocked computation uses."""
+    module = fitted(make_site(MaskKind.CAUSAL_KEY_PADDING), hedgehog.Options(chunk=16, window=window))
+    q, k, v, keep = (torch.from_numpy(x) for x in inputs(45))
+    with torch.no_grad():
+        weights = module.attention_weights(q, k, keep)
+        out = module(q, k, v, keep)
+    assert weights.shape == (2, H, 45, 45)
+    assert not weights.triu(1).any() and not (weights * (1 - keep.transpose(-2, -1))).any()
+    assert relative_error(out.numpy(), (weights @ v).numpy()) < 1e-5
+
+
 def test_gradients_reach_every_fitted_value():
     site = make_site(MaskKind.CAUSAL_KEY_PADDING)
     module = hedgehog.torch_module(site, hedgehog.Options(window=8), learnable=True)

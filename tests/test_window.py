@@ -60,31 +60,39 @@ def fitted_module(method, site, options, seed: int = 0):
 
 
 def windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight, query_log_scale=None, key_log_scale=None):
-    """Row i: (sum_local e^(s_ij - m_i) v_j + w sum_far phi_i.phi_j [e^(a_i + b_j - m_i)] v_j) / (...),
-    float64, with blocks laid out as the kernel lays them out (front padding to a whole block
-    more than needed: position i is in block (pad + i) // window)."""
-    n = q.shape[-2]
-    chunks = (n + 2 * window - 1) // window
-    block = (torch.arange(n) + chunks * window - n) // window
-    local = (block[None, :] == block[:, None]) | (block[None, :] == block[:, None] - 1)
-    visible = torch.as_tensor(keep, dtype=torch.bool)[..., 0].unsqueeze(-2)  # [.., 1, Nk]
-    if causal:
-        visible = visible & torch.ones(n, n, dtype=torch.bool).tril()
-    s = SCALE * torch.as_tensor(q).double() @ torch.as_tensor(k).double().transpose(-2, -1)
-    m = torch.where(local & visible, s, -math.inf).amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), 0.0, m)  # no local key: any reference, the ratio is the same
-    exact = torch.where(local & visible, torch.exp(s - m), 0.0)
-    kernel = torch.as_tensor(phi_q).double() @ torch.as_tensor(phi_k).double().transpose(-2, -1)
-    if query_log_scale is not None:
-        kernel = kernel * torch.exp(torch.as_tensor(query_log_scale).double() + torch.as_tensor(key_log_scale).double().transpose(-2, -1) - m)
-    weights = exact + torch.exp(log_weight.double()) * torch.where(~local & visible, kernel, 0.0)
-    out = weights @ torch.as_tensor(v).double() / weights.sum(-1, keepdim=True)
-    return torch.nan_to_num(out).numpy()  # a row without any key: 0, as the kernels give
+    """kernels.windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
+    own and previous block, w phi_i.phi_j [e^(a_i + b_j - m_i)] elsewhere, one normaliser)
+    in float64, times v."""
+    as64 = lambda x: None if x is None else torch.as_tensor(x).double()  # noqa: E731
+    weights = kernels.windowed_attention_weights(
+        as64(phi_q), as64(phi_k), as64(q), as64(k), scale=SCALE, window=window, causal=causal,
+        key_keep=as64(keep), linear_log_weight=as64(log_weight), query_log_scale=as64(query_log_scale),
+        key_log_scale=as64(key_log_scale), eps=0.0,
+    )
+    return torch.nan_to_num(weights @ as64(v)).numpy()  # a row without any key: 0, as the kernels give
 
 
 def elu_features(q, k, keep):
     phi = lambda x: torch.nn.functional.elu(torch.from_numpy(x)) + 1  # noqa: E731
     return phi(q), phi(k) * torch.from_numpy(keep)
+
+
+# N = 7 in windows of 3: blocks {0}, {1, 2, 3}, {4, 5, 6} (the layout pads 5 rows in front)
+LOCAL_KEYS = np.array([[1, 0, 0, 0, 0, 0, 0]] + [[1, 1, 1, 1, 0, 0, 0]] * 3 + [[0, 1, 1, 1, 1, 1, 1]] * 3, bool)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_local_keys_are_the_own_and_the_previous_block(causal):
+    """With a zero kernel part the hybrid is softmax over exactly the local keys."""
+    q, k, v = (torch.from_numpy(x) for x in qkv(7))
+    zero = torch.zeros(B, H, 7, 4)
+    local = LOCAL_KEYS & np.tri(7, dtype=bool) if causal else LOCAL_KEYS
+    weights = kernels.windowed_attention_weights(zero, zero, q, k, scale=SCALE, window=3, causal=causal)
+    np.testing.assert_array_equal(weights.numpy() > 0, np.broadcast_to(local, (B, H, 7, 7)))
+    logits = (SCALE * q @ k.transpose(-2, -1)).masked_fill(torch.from_numpy(~local), -math.inf)
+    expected = torch.softmax(logits, -1) @ v
+    out = kernels.windowed_kernel_attention(zero, zero, q, k, v, scale=SCALE, window=3, causal=causal)
+    assert relative_error(out.numpy(), expected.numpy()) < 1e-6
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
