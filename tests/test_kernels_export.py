@@ -41,9 +41,9 @@ def randn(*shape, seed: int):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def causal_module(pass_module, mask: MaskKind):
+def causal_module(pass_module, mask: MaskKind, **options):
     site = AttentionSite("attn", scale=16**-0.5, mask=mask, head_dim=16, rank=4, num_heads=2)
-    options = pass_module.Options(chunk=CHUNK, seed=3)
+    options = pass_module.Options(chunk=CHUNK, seed=3, **options)
     return pass_module.torch_module(site, options).eval()
 
 
@@ -66,16 +66,18 @@ def dynamic_shapes(args: tuple) -> tuple:
 
 # Example lengths on both sides of the chunk: each once specialized the export its own way.
 EXPORTS = [
-    pytest.param(linear, MaskKind.CAUSAL, 40, id="linear-causal-40"),
-    pytest.param(linear, MaskKind.CAUSAL, 5, id="linear-causal-5"),
-    pytest.param(favor, MaskKind.CAUSAL, 40, id="favor-causal-40"),
-    pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 5, id="favor-causal-padding-5"),
+    pytest.param(linear, MaskKind.CAUSAL, 40, {}, id="linear-causal-40"),
+    pytest.param(linear, MaskKind.CAUSAL, 5, {}, id="linear-causal-5"),
+    pytest.param(favor, MaskKind.CAUSAL, 40, {}, id="favor-causal-40"),
+    pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 5, {}, id="favor-causal-padding-5"),
+    # the window hybrid (its block layout is _ChunkLayout's), in its most involved form
+    pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 40, {"window": 8}, id="favor-causal-padding-window8-40"),
 ]
 
 
-@pytest.mark.parametrize(("pass_module", "mask", "example"), EXPORTS)
-def test_export_leaves_sequence_length_free_and_matches_eager(pass_module, mask, example):
-    module = causal_module(pass_module, mask)
+@pytest.mark.parametrize(("pass_module", "mask", "example", "options"), EXPORTS)
+def test_export_leaves_sequence_length_free_and_matches_eager(pass_module, mask, example, options):
+    module = causal_module(pass_module, mask, **options)
     args = attention_inputs(example, mask)
     program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(args))
 
