@@ -4,6 +4,12 @@ Feature maps are computed by each pass; these pieces only contract them. The cau
 chunked prefix sum: within a chunk a masked (chunk x chunk) product, across chunks an exclusive
 cumulative sum of per-chunk key-value states, so memory stays O(N*F + N/chunk * F*Dv) instead
 of the O(N*F*Dv) of a per-position prefix sum.
+
+The window hybrid (``window=W`` of linear, favor, hedgehog) is here too, once per lowering:
+exact softmax over each query's block of W positions and the previous block, the kernel over
+the other keys, one shared normaliser (windowed_kernel_attention). Its blocks decide which keys
+are exact, so both lowerings lay them out alike; windowed_attention_weights writes the same
+thing as an N x N matrix, for fitting losses and tests.
 """
 
 from __future__ import annotations
@@ -247,8 +253,10 @@ class _ChunkLayout:
     cannot prove, so it guards on the example's N). The padding is a whole chunk more than
     needed: with chunks = ceil(N / chunk) + 1 >= 2 written as one floor division, no size is
     ever 1 or 0 for some N and not others (each would be a guard), and the reshape's
-    divisibility check is exact. The ONNX functions pad at the end: the same sums with chunk
-    boundaries elsewhere, so the two lowerings differ by rounding only.
+    divisibility check is exact. The causal ONNX functions pad at the end: the same sums with
+    chunk boundaries elsewhere, so the two lowerings differ by rounding only. The windowed ONNX
+    function pads as here, since there the blocks decide which keys are exact. (A window >= N
+    thus costs two blocks of W: exact attention, with W x 2W logits per block.)
     """
 
     def __init__(self, n, chunk: int):
@@ -462,7 +470,6 @@ def causal_rescaled_linear_attention_functions(
         return op.Slice(out, zero, n, one)
 
     return [RunningMax, LowerTriangle, CausalRescaledKernelAttention]
-
 
 
 def windowed_kernel_attention_functions(
