@@ -319,8 +319,9 @@ def onnx_lowering(
         @script(ATTNREWRITE, default_opset=op)
         def FavorHeadLogScale(log_phi, keep):
             # kept_head_max: the bidirectional keys' stabiliser, which the window needs as such
-            kept = op.Where(op.Greater(keep, op.Constant(value_float=0.0)), log_phi, op.Constant(value_float=LOWEST))
-            return op.ReduceMax(kept, op.Constant(value_ints=[-2, -1]), keepdims=1)
+            kept = op.Greater(keep, op.Constant(value_float=0.0))
+            masked = op.Where(kept, log_phi, op.Constant(value_float=LOWEST))
+            return op.ReduceMax(masked, op.Constant(value_ints=[-2, -1]), keepdims=1)
 
         @script(ATTNREWRITE, default_opset=op)
         def FavorHeadKeys(log_phi, keep):
