@@ -183,7 +183,9 @@ def test_onnx_equals_torch(method, mask):
     options = method.Options(window=16)
     module = fitted_module(method, site, options)
     weights = {name: value.numpy() for name, value in module.state_dict().items()}
-    session = lowering_session(method.onnx_lowering(site, options, 20, weights), 4)
+    lowering = method.onnx_lowering(site, options, 20, weights)
+    assert lowering.constants.keys() == weights.keys()  # the module's state, by name
+    session = lowering_session(lowering, 4)
     q, k, v = qkv(50, seed=1)
     keep = padded_keep(50) if mask.key_padding else None
     feed_keep = keep if keep is not None else np.ones((1, 1, 1, 1), np.float32)
