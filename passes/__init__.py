@@ -12,7 +12,9 @@
   domain ``attnrewrite`` with the same inputs, plus the constants (random features,
   projections) they read.
 
-Adding a method means adding a module here and listing it in ``_METHODS``.
+Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
+take ``window`` (exact softmax nearby, the kernel beyond: kernels.windowed_kernel_attention);
+a method that cannot says why in ``NO_WINDOW``, which ``make_options`` reports.
 """
 
 from __future__ import annotations
