@@ -29,6 +29,7 @@ from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
+from passes._options import option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
@@ -37,9 +38,11 @@ NAME = "hedgehog"
 
 @dataclasses.dataclass
 class Options:
-    chunk: int = 64  # causal prefix-sum block length
-    window: int = 0  # > 0: exact softmax over blocks of this many positions, Hedgehog beyond
-    seed: int = 0  # unused: the feature map starts at the identity; accepted for a uniform interface
+    chunk: int = option(64, "causal prefix-sum block length", valid=">= 1")
+    window: int = option(
+        0, "exact softmax over blocks of this many positions, Hedgehog beyond (0: off)", valid=">= 0"
+    )
+    seed: int = option(0, "unused: the feature map starts at the identity; accepted for a uniform interface")
 
     def __post_init__(self):
         if self.chunk < 1:
