@@ -99,7 +99,7 @@ def test_list_options_needs_no_model_and_says_what_each_option_means(capsys):
 def test_list_options_needs_a_method(capsys):
     code, out, err = run(capsys, "--list-options")
     assert (code, out) == (2, "")
-    assert err == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh)\n"
+    assert err == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog)\n"
 
 
 def test_every_option_of_every_method_is_described():
@@ -113,7 +113,7 @@ def test_every_option_of_every_method_is_described():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--to", "foo", "m.onnx"], "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh')"),
+        (["--to", "foo", "m.onnx"], "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog')"),
         (["--to", "hydra"], "the following arguments are required: model"),
         (["bench", "m.onnx"], "the following arguments are required: --to"),
     ],
