@@ -87,7 +87,7 @@ def rewritten_variants(
     for variant in [*passes.PASSES, *extra]:
         method, options = parse_variant(variant)
         try:
-            model, record = rewrite_model(onnx_io.load_model(original), method, **method_options(method, lengths), **options)
+            model, record = rewrite_model(onnx_io.load_model(original), method, **{**method_options(method, lengths), **options})
         except (AttnRewriteError, passes.OptionError, ValueError) as error:
             refused[variant] = str(error)
             continue
