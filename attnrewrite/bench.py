@@ -14,6 +14,10 @@ within the spread, as the crossover does.
 A model with learned positions stops the sweep at its length limit (attnrewrite.onnx.limits),
 or, when the graph does not show it, at the first length the original model fails.
 
+The fused-exact column (on by default on CUDA, ``--fused`` elsewhere) is the other bound: the
+same model with its softmax attention fused as onnxruntime would run it in production
+(attnrewrite/fused.py), the best exact alternative a rewrite has to beat.
+
 Every (model, length) runs in a fresh process (bench_worker.py). Memory is that process's peak
 resident set (VmHWM): it counts everything the run needs — onnxruntime's arena,
 allocations outside it, the weights — and it is the same measure for the torch peers in bench/,
@@ -44,6 +48,7 @@ import onnx
 import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.fused import fused_exact_attention
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.limits import position_limit
@@ -59,7 +64,7 @@ DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 1
 SCHEMA = "attnrewrite.bench/1"
 WORKER = Path(__file__).with_name("bench_worker.py")
-VARIANTS = ("original", "rewritten", "identity")
+VARIANTS = ("original", "rewritten", "identity", "fused")
 # A run that sends no sign of life for this long past the time budget is killed.
 WATCHDOG_SLACK_SECONDS = 30.0
 _POLL_SECONDS = 0.02
@@ -82,6 +87,8 @@ class BenchConfig:
     # Fresh processes per (model, N), their runs pooled: one process's speed varies by several
     # percent with where its memory lands, more than the differences some comparisons need.
     trials: int = 1
+    # the fused-exact column; None: on for CUDA, where unfused exact attention is a straw man
+    fused: bool | None = None
 
     def __post_init__(self):
         if self.repeats < 1 or self.warmup < 0 or self.batch < 1 or self.trials < 1 or self.budget_seconds <= 0:
@@ -90,6 +97,14 @@ class BenchConfig:
             raise AttnRewriteError("--budget-gb must be positive")
         if not self.lengths or min(self.lengths) < 1:
             raise AttnRewriteError("bench needs at least one positive length")
+
+    @property
+    def with_fused(self) -> bool:
+        return self.provider == "cuda" if self.fused is None else self.fused
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return VARIANTS if self.with_fused else VARIANTS[:-1]
 
     @property
     def budget_bytes(self) -> int:
@@ -134,68 +149,55 @@ class BenchResult:
     # and the lengths it did not run.
     limit: str | None = None
     not_run: list[int] = dataclasses.field(default_factory=list)
+    fused: str | None = None  # how the fused-exact model was made, or why there is none
 
     def series(self, variant: str) -> list[Measurement]:
         return [m for m in self.measurements if m.variant == variant]
 
-    def comparisons(self) -> dict[int, str]:
-        """Per length both answered: "faster", "slower" or "noise" for the rewritten model
-        against the original. Faster or slower only beyond the measured spread: one model's
-        upper quartile of run times below the other's lower quartile. A length the original
-        could not finish within its budget counts as faster."""
-        original = {m.n: m for m in self.series("original")}
-        rewritten = {m.n: m for m in self.series("rewritten") if m.status == "ok"}
-        original_over_budget = any(m.status in ("over_time", "over_memory") for m in original.values())
-        verdicts = {}
-        for n in self.config.lengths:
-            if n not in rewritten:
-                continue
-            base = original.get(n)
-            if base is not None and base.status == "ok":
-                verdicts[n] = _compare_runs(rewritten[n].times_s, base.times_s)
-            elif original_over_budget and (base is None or base.status != "failed"):
-                verdicts[n] = "faster"  # the original ran out of budget by this length
-        return verdicts
+    def comparisons(self, baseline: str = "original") -> dict[int, str]:
+        return compare_series(self.series("rewritten"), self.series(baseline), self.config.lengths)
 
-    def crossover(self) -> int | None:
-        """The smallest length from which on the rewritten model is faster than the original,
-        beyond the spread, at every length both answered; None if it never is."""
-        answer = None
-        for n, verdict in self.comparisons().items():
-            answer = (answer or n) if verdict == "faster" else None
-        return answer
+    def crossover(self, baseline: str = "original") -> int | None:
+        return crossover_length(self.comparisons(baseline))
 
-    def within_noise(self) -> list[int]:
-        return [n for n, verdict in self.comparisons().items() if verdict == "noise"]
+    def within_noise(self, baseline: str = "original") -> list[int]:
+        return [n for n, verdict in self.comparisons(baseline).items() if verdict == "noise"]
 
-    def crossover_line(self) -> str:
-        method, crossover, noise = self.config.method, self.crossover(), self.within_noise()
+    def crossover_line(self, baseline: str = "original") -> str:
+        name = {"original": "the original", "fused": "fused exact attention"}[baseline]
+        method, crossover, noise = self.config.method, self.crossover(baseline), self.within_noise(baseline)
         if crossover:
-            line = f"crossover: {method} is faster than the original from N = {crossover} on"
+            line = f"crossover: {method} is faster than {name} from N = {crossover} on"
             noise = [n for n in noise if n < crossover]
         else:
-            line = f"crossover: {method} is not faster than the original beyond the measured spread at any length"
+            line = f"crossover: {method} is not faster than {name} beyond the measured spread at any length"
         if noise:
             line += f"; within noise at N = {', '.join(map(str, noise))}"
         return line
 
     def table(self) -> str:
-        label = {"original": "original", "rewritten": self.config.method, "identity": "identity"}
-        header = ("N", *[f"{label[v]} ms" for v in VARIANTS], *[f"{label[v]} MB" for v in VARIANTS], "speedup", "vs bound")
+        label = {"original": "original", "rewritten": self.config.method, "identity": "identity", "fused": "fused exact"}
+        variants = self.config.variants
+        header = ("N", *[f"{label[v]} ms" for v in variants], *[f"{label[v]} MB" for v in variants], "speedup", "vs bound")
+        if self.config.with_fused:
+            header += ("vs fused",)
         cells = {(m.variant, m.n): m for m in self.measurements}
         rows = []
         for n in self.config.lengths:
-            got = [cells.get((v, n)) for v in VARIANTS]
+            got = [cells.get((v, n)) for v in variants]
             if not any(got):
                 continue
-            original, rewritten, identity = (_median(m) for m in got)
-            rows.append((
+            median = {v: _median(m) for v, m in zip(variants, got)}
+            row = (
                 str(n),
                 *[_time_cell(m) for m in got],
                 *[_memory_cell(m) for m in got],
-                _ratio(original, rewritten, "x"),
-                _ratio(rewritten, identity, "x"),
-            ))
+                _ratio(median["original"], median["rewritten"], "x"),
+                _ratio(median["rewritten"], median["identity"], "x"),
+            )
+            if self.config.with_fused:
+                row += (_ratio(median["fused"], median["rewritten"], "x"),)
+            rows.append(row)
         lines = [
             f"{self.config.model}: {self.sites} attention sites -> {self.config.method}; "
             f"{self.config.provider}{' fp16' if self.config.fp16 else ''}, batch {self.config.batch}, "
@@ -206,7 +208,11 @@ class BenchResult:
         lines += [f"{label[v]}: stopped: {why}" for v, why in self.stopped.items()]
         if self.limit:
             lines.append(f"sweep {self.limit}")
+        if self.fused is not None:
+            lines.append(f"fused exact: {self.fused}")
         lines.append(self.crossover_line())
+        if self.config.with_fused:
+            lines.append(self.crossover_line("fused"))
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -215,13 +221,42 @@ class BenchResult:
             "config": dataclasses.asdict(self.config) | {"budget_bytes": self.config.budget_bytes},
             "machine": self.machine,
             "sites": self.sites,
-            "series": {v: [m.as_dict() for m in self.series(v)] for v in VARIANTS},
+            "series": {v: [m.as_dict() for m in self.series(v)] for v in self.config.variants},
             "stopped": self.stopped,
             "limit": self.limit,
             "not_run": self.not_run,
             "crossover": self.crossover(),
             "within_noise": self.within_noise(),
-        }
+        } | ({"fused": self.fused, "crossover_fused": self.crossover("fused"), "within_noise_fused": self.within_noise("fused")}
+             if self.config.with_fused else {})
+
+
+def compare_series(rewritten: list[Measurement], baseline: list[Measurement], lengths: list[int]) -> dict[int, str]:
+    """Per length both answered: "faster", "slower" or "noise" for ``rewritten`` against
+    ``baseline``. Faster or slower only beyond the measured spread: one's upper quartile of run
+    times below the other's lower quartile. A length the baseline could not finish within its
+    budget counts as faster."""
+    original = {m.n: m for m in baseline}
+    answered = {m.n: m for m in rewritten if m.status == "ok"}
+    original_over_budget = any(m.status in ("over_time", "over_memory") for m in original.values())
+    verdicts = {}
+    for n in lengths:
+        if n not in answered:
+            continue
+        base = original.get(n)
+        if base is not None and base.status == "ok":
+            verdicts[n] = _compare_runs(answered[n].times_s, base.times_s)
+        elif original_over_budget and (base is None or base.status != "failed"):
+            verdicts[n] = "faster"  # the baseline ran out of budget by this length
+    return verdicts
+
+
+def crossover_length(verdicts: dict[int, str]) -> int | None:
+    """The smallest length from which on every verdict is "faster"; None if there is none."""
+    answer = None
+    for n, verdict in verdicts.items():
+        answer = (answer or n) if verdict == "faster" else None
+    return answer
 
 
 # --- the sweep ----------------------------------------------------------------------------------
@@ -236,7 +271,7 @@ def run(config: BenchConfig, progress=None) -> BenchResult:
     if not runnable:
         raise AttnRewriteError(f"{config.model}: no requested length can run: {limit.describe()}")
     with tempfile.TemporaryDirectory(prefix="attnrewrite-bench-") as folder:
-        models, sites = prepare_models(config, Path(folder))
+        models, sites, fused = prepare_models(config, Path(folder))
 
         def inputs_for(n: int) -> Path:
             path = Path(folder) / f"inputs-{n}.npz"
@@ -247,7 +282,7 @@ def run(config: BenchConfig, progress=None) -> BenchResult:
         measurements, stopped = sweep(
             runners, dataclasses.replace(config, lengths=runnable), inputs_for, progress, reference="original"
         )
-    result = BenchResult(config, measurements, stopped, sites, machine_description(config.threads))
+    result = BenchResult(config, measurements, stopped, sites, machine_description(config.threads), fused=fused)
     failed = next((m for m in result.series("original") if m.status == "failed"), None)
     if failed is not None:  # the model's own limit, whatever the method: one line, not three
         stopped.pop("original", None)
@@ -353,8 +388,9 @@ def check_provider(config: BenchConfig) -> None:
         )
 
 
-def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], int]:
-    """Write the original, rewritten and identity-bound models into ``folder``."""
+def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], int, str | None]:
+    """Write the original, rewritten, identity-bound and (when asked for) fused-exact models
+    into ``folder``; also says how the fused model was made, or why there is none."""
     rewritten, record = rewrite_model(onnx_io.load_model(config.model), config.method, **config.options)
     if not record.rewritten:
         raise AttnRewriteError(f"{config.model}: no attention site can be rewritten by {config.method}; nothing to benchmark")
@@ -365,13 +401,22 @@ def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], 
         "rewritten": rewritten,
         "identity": identity_attention(onnx_io.load_model(config.model), sites),
     }
+    fused_how, already_fp16 = None, set()
+    if config.with_fused:
+        try:
+            fused = fused_exact_attention(onnx_io.load_model(config.model), sites, config.fp16)
+            models["fused"], fused_how = fused.model, fused.how
+            if fused.already_fp16:
+                already_fp16.add("fused")
+        except AttnRewriteError as error:  # the column stays empty, with the reason
+            fused_how = f"not measured: {error}"
     paths = {}
     for variant, model in models.items():
-        if config.fp16:
+        if config.fp16 and variant not in already_fp16:
             model = to_fp16(model)
         paths[variant] = folder / f"{variant}.onnx"
         onnx_io.save_model(model, paths[variant])
-    return paths, len(sites)
+    return paths, len(sites), fused_how
 
 
 def identity_attention(model: ir.Model, site_names: list[str]) -> ir.Model:
@@ -651,9 +696,9 @@ IDENTITY_LABEL = "identity bound (attention = v)"
 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> None:
-    """Latency and memory vs N, log-log: original, rewritten and the identity bound."""
-    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": IDENTITY_LABEL}
-    series = {labels[v]: result.series(v) for v in VARIANTS}
+    """Latency and memory vs N, log-log: original, rewritten, the identity bound (and fused exact)."""
+    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": IDENTITY_LABEL, "fused": "fused exact"}
+    series = {labels[v]: result.series(v) for v in result.config.variants}
     title = f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})"
     plot_series(series, path, title, note=f"sweep {result.limit}" if result.limit else None)
 

@@ -128,6 +128,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
                         help="stop a series once a process's peak memory exceeds this (default: 3/4 of RAM)")
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
     parser.add_argument("--fp16", action="store_true", help="convert the models to float16 (CUDA only)")
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the original with its attention fused (onnxruntime's transformers optimizer, "
+                        "else opset-23 Attention): the best exact alternative (default: on with --provider cuda)")
     parser.add_argument("--threads", type=parse_positive, default=None, help="onnxruntime intra-op threads")
     parser.add_argument("--repeats", type=parse_positive, default=bench.DEFAULT_REPEATS, help="timed runs after warm-up (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=bench.DEFAULT_WARMUP, help="untimed runs first (default: %(default)s)")
@@ -368,7 +371,7 @@ def _bench_command(args) -> int:
         model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths or bench.DEFAULT_LENGTHS,
         batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
         provider=args.provider, fp16=args.fp16, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
-        trials=args.trials,
+        trials=args.trials, fused=args.fused,
     )
     result = bench.run(config)
     print(result.table())
