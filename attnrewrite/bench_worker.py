@@ -4,7 +4,8 @@ It imports only numpy and onnxruntime (never the attnrewrite package, whose grap
 count in the process's memory), loads the model and the inputs, runs it, and reports on stdout:
 ``ready`` once loaded, ``ran SECONDS`` after each run (the parent's watchdog), and finally
 ``result JSON``. Peers (torch modules in bench/) reuse ``time_runs`` and ``memory`` with the same
-protocol, loading this file by path.
+protocol, loading this file by path. With ``"placement": true`` in the spec it times nothing and
+reports which execution provider ran each node instead (``node_placement``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,72 @@ def gpu_memory_bytes() -> int | None:
 _NUMPY_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
 
 
-def run_onnx(spec: dict) -> dict:
+EXECUTION_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# Outputs of these types are data; a node making only int64/bool outputs on the CPU of a CUDA
+# session is shape arithmetic onnxruntime places there on purpose (GetCpuPreferredNodes).
+DATA_TYPES = {"float", "float16", "bfloat16", "double"}
+
+
+def load_feeds(session, inputs: str) -> dict:
     import numpy as np
+
+    with np.load(inputs) as archive:
+        # the fp16 model's float inputs are float16; ids and masks keep their type
+        return {
+            i.name: archive[i.name].astype(_NUMPY_TYPES.get(i.type, archive[i.name].dtype), copy=False)
+            for i in session.get_inputs()
+        }
+
+
+def node_placement(model: str, feeds: dict | None, provider: str, inputs: str | None = None) -> dict:
+    """Which execution provider ran each node of one run of ``model`` on ``provider`` ("cpu" or
+    "cuda"), read from onnxruntime's profiler: every node that ran is listed with the provider
+    that ran it, so nothing depends on log formats. Not ``session.disable_cpu_ep_fallback``: it
+    refuses any CPU node, shape arithmetic included, and says nothing about which."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(os.path.dirname(os.path.abspath(model)), "placement")
+    session = ort.InferenceSession(model, options, providers=[EXECUTION_PROVIDERS[provider]])
+    session.run(None, feeds if feeds is not None else load_feeds(session, inputs))
+    path = session.end_profiling()
+    try:
+        with open(path) as f:
+            events = json.load(f)
+    finally:
+        os.remove(path)
+    return placement_from_profile(events, EXECUTION_PROVIDERS[provider])
+
+
+def placement_from_profile(events: list[dict], expected: str) -> dict:
+    """by_provider: node count per provider; elsewhere: nodes not on ``expected``;
+    data_elsewhere: those of them that make float tensors (the costly kind: compute, and the
+    copies around it); memcpy: the copies onnxruntime inserted between devices."""
+    nodes: dict[str, dict] = {}
+    for event in events:
+        name = event.get("name", "")
+        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        args = event.get("args", {})
+        outputs = sorted({t for shape in args.get("output_type_shape", []) for t in shape})
+        nodes.setdefault(name[: -len("_kernel_time")], {"op": args.get("op_name", "?"), "provider": args.get("provider", "?"), "outputs": outputs})
+    by_provider: dict[str, int] = {}
+    for node in nodes.values():
+        by_provider[node["provider"]] = by_provider.get(node["provider"], 0) + 1
+    elsewhere = {name: node for name, node in nodes.items() if node["provider"] != expected}
+    return {
+        "expected": expected,
+        "nodes": len(nodes),
+        "by_provider": by_provider,
+        "elsewhere": [f"{n['op']} {name} ({n['provider']})" for name, n in elsewhere.items()],
+        "data_elsewhere": [f"{n['op']} {name} -> {'/'.join(n['outputs'])}" for name, n in elsewhere.items() if DATA_TYPES & set(n["outputs"])],
+        "memcpy": [f"{n['op']} {name}" for name, n in nodes.items() if n["op"].startswith("Memcpy")],
+    }
+
+
+def run_onnx(spec: dict) -> dict:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -90,12 +155,7 @@ def run_onnx(spec: dict) -> dict:
         options.profile_file_prefix = spec["profile"]
     cuda = spec["provider"] == "cuda"
     session = ort.InferenceSession(spec["model"], options, providers=["CUDAExecutionProvider" if cuda else "CPUExecutionProvider"])
-    with np.load(spec["inputs"]) as archive:
-        # the fp16 model's float inputs are float16; ids and masks keep their type
-        feeds = {
-            i.name: archive[i.name].astype(_NUMPY_TYPES.get(i.type, archive[i.name].dtype), copy=False)
-            for i in session.get_inputs()
-        }
+    feeds = load_feeds(session, spec["inputs"])
     if cuda:
         run_once = _bound_cuda_run(session, feeds, ort)
     else:
@@ -131,7 +191,10 @@ def _bound_cuda_run(session, feeds, ort):
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     try:
-        result = run_onnx(spec)
+        if spec.get("placement"):
+            result = {"status": "ok", "placement": node_placement(spec["model"], None, spec["provider"], spec["inputs"])}
+        else:
+            result = run_onnx(spec)
     except Exception as error:  # reported to the parent as this configuration's failure
         text = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         result = {"status": "failed", "error": f"{type(error).__name__}: {text}"}
