@@ -94,6 +94,13 @@ def load_feeds(session, inputs: str) -> dict:
         }
 
 
+def cuda_ready(ort) -> None:
+    """onnxruntime-gpu links against the CUDA and cuDNN libraries torch's wheels bring; it
+    finds them only once they are loaded (preload_dlls, onnxruntime >= 1.21)."""
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+
+
 def node_placement(model: str, feeds: dict | None, provider: str, inputs: str | None = None) -> dict:
     """Which execution provider ran each node of one run of ``model`` on ``provider`` ("cpu" or
     "cuda"), read from onnxruntime's profiler: every node that ran is listed with the provider
@@ -105,6 +112,8 @@ def node_placement(model: str, feeds: dict | None, provider: str, inputs: str | 
     options.log_severity_level = 3
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(os.path.dirname(os.path.abspath(model)), "placement")
+    if provider == "cuda":
+        cuda_ready(ort)
     session = ort.InferenceSession(model, options, providers=[EXECUTION_PROVIDERS[provider]])
     session.run(None, feeds if feeds is not None else load_feeds(session, inputs))
     path = session.end_profiling()
@@ -154,6 +163,8 @@ def run_onnx(spec: dict) -> dict:
         options.enable_profiling = True
         options.profile_file_prefix = spec["profile"]
     cuda = spec["provider"] == "cuda"
+    if cuda:
+        cuda_ready(ort)
     session = ort.InferenceSession(spec["model"], options, providers=["CUDAExecutionProvider" if cuda else "CPUExecutionProvider"])
     feeds = load_feeds(session, spec["inputs"])
     if cuda:

@@ -79,12 +79,14 @@ def parse_variant(variant: str) -> tuple[str, dict[str, str]]:
 
 
 def rewritten_variants(
-    original: Path, folder: Path, lengths: list[int], with_bound: bool = True, extra: tuple[str, ...] = ()
+    original: Path, folder: Path, lengths: list[int], with_bound: bool = True, extra: tuple[str, ...] = (),
+    methods: list[str] | None = None,
 ) -> tuple[dict[str, Path], dict[str, str]]:
-    """softmax, the identity bound, one model per registered method and one per ``extra``
-    variant (parse_variant); variants that cannot rewrite this model are reported, not fatal."""
+    """softmax, the identity bound, one model per method (default: every registered one) and one
+    per ``extra`` variant (parse_variant); variants that cannot rewrite this model are reported,
+    not fatal."""
     paths, refused, sites = {"softmax": original}, {}, None
-    for variant in [*passes.PASSES, *extra]:
+    for variant in [*(methods or passes.PASSES), *extra]:
         method, options = parse_variant(variant)
         try:
             model, record = rewrite_model(onnx_io.load_model(original), method, **{**method_options(method, lengths), **options})

@@ -695,3 +695,29 @@ class ExportCache:
         if isinstance(result, ExportUnsupported):
             raise result
         return result
+
+
+# --- the benchmark scripts' modules ---------------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench_module(name: str):
+    """bench/NAME.py, loaded by path. The bench scripts ``import models`` meaning bench/models.py,
+    a name this file holds in the test process: it is set aside while they load."""
+    import importlib.util
+    import sys
+
+    saved = sys.modules.pop("models", None)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("models", None)
+        if saved is not None:
+            sys.modules["models"] = saved
+    return module

@@ -22,7 +22,7 @@ from models import relative_error
 
 import passes
 from attnrewrite import bench
-from attnrewrite.bench_worker import node_placement, placement_from_profile
+from attnrewrite.bench_worker import cuda_ready, node_placement, placement_from_profile
 from attnrewrite.check import cosine_similarity
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
@@ -36,6 +36,8 @@ requires_cuda = pytest.mark.skipif(
     reason=f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (available: {', '.join(PROVIDERS)}); "
     "install onnxruntime-gpu on a GPU machine, see docs/GPU.md",
 )
+if HAS_CUDA:
+    cuda_ready(ort)
 # Small enough that linformer projects (N > k) and causal chunks carry over (N > chunk).
 OPTIONS = {"linformer": {"proj_dim": 8, "max_len": 512}, "favor": {"features": 32}, "lsh": {"chunk": 8, "n_buckets": 4}}
 SEQ = 40

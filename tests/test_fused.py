@@ -4,7 +4,6 @@ the original model; and the bench column it makes, measured on the CPU provider.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from attention_graphs import AttentionSpec, build_attention_model
-from models import relative_error
+from models import load_bench_module, relative_error
 
 from attnrewrite import fused as fused_module
 from attnrewrite.cli import main
@@ -23,7 +22,6 @@ from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.rewrite import analyze
 
-BENCH = Path(__file__).parents[1] / "bench"
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 
 
@@ -63,14 +61,6 @@ def test_attention23_equals_the_softmax_graph(spec, tmp_path):
     [body] = fused.model.functions.values()
     assert [n.op_type for n in body if n.op_type == "Attention"] == ["Attention"]
     _assert_equal_to_original(path, fused, tmp_path)
-
-
-def load_bench_module(name: str):
-    """bench/NAME.py by path (tests/models.py already holds the name ``models``)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,516 @@
+"""The CUDA sweep of issue 12, one command: bench/RESULTS_CUDA.md, results_cuda.json, plots.
+
+    python bench/run_cuda_benchmarks.py --output-dir /tmp/cuda-results      # on the GPU machine
+    python bench/run_cuda_benchmarks.py --output-dir /tmp/cuda-results --resume   # continue it
+    python bench/run_cuda_benchmarks.py --smoke --output-dir /tmp/smoke    # CPU, tiny N: try it
+
+For fp16 and fp32, on onnxruntime's CUDA provider (IOBinding, see attnrewrite/bench.py):
+
+1. attention only, q, k, v of [1, 12, N, 64]: the exported softmax graph, fused exact attention
+   (opset-23 Attention), every method's ONNX graph; beside them, in torch on the same GPU, every
+   method's torch module (passes/*.torch_module, what the FX frontend swaps in) and
+   F.scaled_dot_product_attention;
+2. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072): the exported softmax model, the
+   model fused by onnxruntime.transformers.optimizer (com.microsoft.Attention), the
+   identity-attention bound and every method;
+3. node placement: for every ONNX model, which nodes ran off the CUDA provider (float-producing
+   nodes on CPU, and the Memcpy nodes onnxruntime inserted), from onnxruntime's profiler.
+
+Every cell is a fresh process (bench.sweep); a series stops at its first run over
+``--budget-seconds``, a GPU out-of-memory (recorded as such) or a failure (a crashed provider is
+a failed cell, not a dead run). Each finished cell is written to results_cuda.json at once;
+``--resume`` takes the cells already there, and ``--deadline-minutes`` stops starting cells in
+time to write the report, so a sweep longer than one command of the GPU machine finishes over
+several. ``--smoke`` runs it all on the CPU provider at N = 256 (fp16 included: onnxruntime's CPU
+provider and torch run float16 models), so a GPU session spends no device time on its bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # models.py, peers.py, run_benchmarks.py; this tree's attnrewrite
+
+import models  # noqa: E402
+import passes  # noqa: E402
+import run_benchmarks as standard  # noqa: E402  (the CPU sweep: its model building and tables)
+from attnrewrite import bench  # noqa: E402
+from attnrewrite.errors import AttnRewriteError  # noqa: E402
+from attnrewrite.fused import fused_exact_attention  # noqa: E402
+from attnrewrite.onnx import io as onnx_io  # noqa: E402
+from attnrewrite.onnx.rewrite import analyze  # noqa: E402
+
+LENGTHS = [1024, 4096, 16384, 32768, 65536]
+SMOKE_LENGTHS = [256]  # >= linformer's k (256), its projection's shortest max_len
+DTYPES = ("fp16", "fp32")
+SECTIONS = {
+    "attention": "attention only, q, k, v of [1, 12, N, 64]",
+    "layer": "one BERT-base encoder layer (d = 768, 12 heads, FFN 3072)",
+}
+JSON_NAME, REPORT_NAME = "results_cuda.json", "RESULTS_CUDA.md"
+SCHEMA = "attnrewrite.cuda-bench/1"
+NOT_REACHED = "not_reached"  # a cell the deadline left out
+OUT_OF_MEMORY = re.compile(r"out of memory|Failed to allocate|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|OutOfMemoryError", re.I)
+
+
+# --- what is measured ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per (section, dtype): the runner keys in column order, their titles, the ONNX model files
+    (for placement) and notes (how the fused model was made, methods that refused)."""
+
+    provider: str
+    lengths: list[int]
+    columns: dict[tuple[str, str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    onnx: dict[tuple[str, str], dict[str, Path]] = dataclasses.field(default_factory=dict)
+    notes: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
+
+
+def build_models(folder: Path, lengths: list[int], methods: list[str]) -> tuple[dict[str, Path], dict[str, dict[str, Path]], dict[str, list[str]]]:
+    """(originals, {section: {key: fp32 model}}, {section: notes}) for both sections."""
+    originals = {
+        "attention": models.export_attention(folder / "attention.onnx", **standard.ATTENTION),
+        "layer": models.export_encoder(folder / "layer.onnx", **standard.LAYER),
+    }
+    paths, notes = {}, {}
+    for section, original in originals.items():
+        variants, refused = standard.rewritten_variants(original, folder, lengths, with_bound=section == "layer", methods=methods)
+        notes[section] = [f"{method} not measured: {why}" for method, why in refused.items()]
+        paths[section] = variants
+    return originals, paths, notes
+
+
+def fused_model(original: Path, fp16: bool, folder: Path) -> tuple[Path | None, str]:
+    """The fused-exact model for ``original`` (attnrewrite/fused.py), or None and why not."""
+    model = onnx_io.load_model(original)
+    sites = [s.site.name for s in analyze(onnx_io.infer_shapes(model)) if s.site.skip_reason is None]
+    try:
+        fused = fused_exact_attention(onnx_io.load_model(original), sites, fp16)
+    except AttnRewriteError as error:
+        return None, f"fused exact not measured: {error}"
+    path = folder / f"{original.stem}.fused{'.fp16' if fp16 else ''}.onnx"
+    onnx_io.save_model(fused.model if fused.already_fp16 or not fp16 else bench.to_fp16(fused.model), path)
+    return path, f"fused exact: {fused.how}"
+
+
+def as_fp16(path: Path) -> Path:
+    target = path.with_name(f"{path.stem}.fp16.onnx")
+    onnx_io.save_model(bench.to_fp16(onnx_io.load_model(path)), target)
+    return target
+
+
+def column_title(key: str) -> str:
+    if key.startswith("torch:"):
+        name = key.split(":", 1)[1]
+        return "torch SDPA" if name == "sdpa" else f"torch {name}"
+    return {"softmax": "softmax (ORT)", "fused": "fused exact (ORT)", "identity": "identity bound"}.get(key, key)
+
+
+def plan_sweep(args, folder: Path) -> tuple[Plan, dict[str, Path]]:
+    originals, fp32_paths, refused = build_models(folder, args.lengths, args.methods)
+    plan = Plan(args.provider, args.lengths)
+    for section, original in originals.items():
+        for dtype in args.dtypes:
+            fp16 = dtype == "fp16"
+            paths = {k: (as_fp16(p) if fp16 else p) for k, p in fp32_paths[section].items()}
+            fused, how = fused_model(original, fp16, folder)
+            if fused is not None:
+                paths = {"softmax": paths["softmax"], "fused": fused, **{k: p for k, p in paths.items() if k != "softmax"}}
+            keys = list(paths)
+            if section == "attention":
+                keys += [f"torch:{m}" for m in args.methods] + ["torch:sdpa"]
+            plan.columns[(section, dtype)] = {k: column_title(k) for k in keys}
+            plan.onnx[(section, dtype)] = paths
+            plan.notes[(section, dtype)] = [how, *refused[section]]
+    return plan, originals
+
+
+# --- running it ---------------------------------------------------------------------------------
+
+
+class Store:
+    """Every finished cell, written through to the JSON file (so a later run can resume)."""
+
+    def __init__(self, path: Path, resume: bool, header: dict):
+        self.path = path
+        self.data = {"schema": SCHEMA, **header, "cells": {}, "placement": {}}
+        if resume and path.exists():
+            previous = json.loads(path.read_text())
+            if previous.get("schema") == SCHEMA:
+                self.data["cells"] = {k: v for k, v in previous.get("cells", {}).items() if v["status"] != NOT_REACHED}
+                self.data["placement"] = previous.get("placement", {})
+                self.data["runs"] = previous.get("runs", []) + header.get("runs", [])
+
+    def cell(self, key: str) -> bench.Measurement | None:
+        found = self.data["cells"].get(key)
+        if found is None:
+            return None
+        found = {k: v for k, v in found.items() if k != "median_s"}
+        return bench.Measurement(**found)
+
+    def put(self, key: str, m: bench.Measurement) -> None:
+        self.data["cells"][key] = m.as_dict()
+        self.save()
+
+    def save(self) -> None:
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.data, indent=1) + "\n")
+        temporary.replace(self.path)
+
+
+def cell_key(section: str, dtype: str, column: str, n: int) -> str:
+    return f"{section}/{dtype}/{column}/{n}"
+
+
+def stored(runner, store: Store, section: str, dtype: str, column: str, deadline: float):
+    """The runner, but a cell already in the store is not measured again, no cell starts past
+    the deadline, and a GPU out-of-memory counts as over the memory budget."""
+
+    def run(n: int, inputs: Path) -> bench.Measurement:
+        key = cell_key(section, dtype, column, n)
+        previous = store.cell(key)
+        if previous is not None:
+            return previous
+        if time.monotonic() > deadline:
+            m = bench.Measurement(column, n, NOT_REACHED, detail="the deadline passed before this cell")
+            store.put(key, m)
+            return m
+        m = runner(n, inputs)
+        if m.status == "failed" and OUT_OF_MEMORY.search(m.detail or ""):
+            m.status = "over_memory"
+        m.variant = column
+        store.put(key, m)
+        return m
+
+    return run
+
+
+def torch_runner(method: str, config: bench.BenchConfig, device: str, dtype: str):
+    """A pass's torch module, or torch SDPA for "sdpa", in bench/peers.py's process."""
+
+    def run(n: int, inputs: Path) -> bench.Measurement:
+        spec = {"peer": "sdpa" if method == "sdpa" else "module", "method": method, "n": n,
+                "options": standard.method_options(method, config.lengths), "features": standard.FEATURES,
+                "threads": config.threads, "device": device, "dtype": "float16" if dtype == "fp16" else "float32",
+                "warmup": config.warmup, "repeats": config.repeats, "budget_seconds": config.budget_seconds,
+                **standard.ATTENTION}
+        return bench.measure_worker([sys.executable, str(HERE / "peers.py"), json.dumps(spec)], config, n)
+
+    return run
+
+
+def sweep_all(plan: Plan, originals: dict[str, Path], args, store: Store, folder: Path, deadline: float) -> None:
+    device = "cuda" if plan.provider == "cuda" else "cpu"
+    for (section, dtype), columns in plan.columns.items():
+        config = bench.BenchConfig(
+            model="", method="", lengths=plan.lengths, provider=plan.provider, budget_seconds=args.budget_seconds,
+            budget_gb=args.budget_gb, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+        )
+        runners = {}
+        for column in columns:
+            if column.startswith("torch:"):
+                runner = torch_runner(column.split(":", 1)[1], config, device, dtype)
+            else:
+                runner = bench.onnx_runner(plan.onnx[(section, dtype)][column], config)
+            runners[column] = stored(runner, store, section, dtype, column, deadline)
+        print(f"== {SECTIONS[section]}, {dtype}", file=sys.stderr)
+        bench.sweep(runners, config, standard.inputs_writer(originals[section], folder))
+
+
+def place_all(plan: Plan, originals: dict[str, Path], store: Store, folder: Path, deadline: float) -> None:
+    """Where each ONNX model's nodes ran, at the first length, one fresh process each."""
+    n = plan.lengths[0]
+    for (section, dtype), paths in plan.onnx.items():
+        inputs = standard.inputs_writer(originals[section], folder)(n)
+        for column, path in paths.items():
+            key = f"{section}/{dtype}/{column}"
+            if key in store.data["placement"] or time.monotonic() > deadline:
+                continue
+            spec = {"model": str(path), "inputs": str(inputs), "provider": plan.provider, "placement": True}
+            outcome = bench.run_worker([sys.executable, str(bench.WORKER), json.dumps(spec)], 2**62, 600.0)
+            store.data["placement"][key] = outcome.get("placement") or {"error": outcome.get("error") or outcome.get("detail")}
+            store.save()
+
+
+# --- the machine --------------------------------------------------------------------------------
+
+
+def environment(provider: str) -> dict:
+    """GPU, driver, CUDA, cuDNN and library versions, as facts for the report."""
+    import numpy
+    import onnx
+    import onnxruntime
+    import torch
+
+    facts = {
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu": bench.cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(bench.physical_memory_bytes() / 2**30, 1),
+        "python": platform.python_version(),
+        "provider": provider,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxruntime_providers": onnxruntime.get_available_providers(),
+        "onnx": onnx.__version__,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "numpy": numpy.__version__,
+        "gpu": gpu_facts(),
+    }
+    return facts
+
+
+def gpu_facts() -> list[dict] | str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+        cuda = re.search(r"CUDA Version:\s*([\d.]+)", subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"no GPU seen ({type(error).__name__}: nvidia-smi)"
+    fields = ("name", "driver", "memory", "max_sm_clock", "power_limit")
+    return [dict(zip(fields, (x.strip() for x in line.split(","))), driver_cuda=cuda.group(1) if cuda else None)
+            for line in out.strip().splitlines()]
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def measurements(store: Store, section: str, dtype: str, columns: dict[str, str], lengths: list[int]) -> dict[str, list[bench.Measurement]]:
+    found = {}
+    for column in columns:
+        found[column] = [m for n in lengths if (m := store.cell(cell_key(section, dtype, column, n))) is not None]
+    return found
+
+
+def cell_text(m: bench.Measurement | None, base_ms: float | None) -> str:
+    if m is None:
+        return ""
+    if m.status == "ok":
+        ms = m.median_s * 1e3
+        return f"{ms:.2f}" + (f" ({base_ms / ms:.2f}x)" if base_ms else "")
+    if m.status == "over_time" and m.times_s:
+        return f">{m.times_s[-1] * 1e3:.0f} (over budget)"
+    if m.status == "over_memory":
+        return "GPU OOM" if OUT_OF_MEMORY.search(m.detail or "") else "over memory"
+    if m.status == "failed":
+        return "crashed" if "worker exited with -" in (m.detail or "") else "failed"
+    return m.status.replace("_", " ")
+
+
+def memory_text(m: bench.Measurement | None) -> str:
+    if m is None or m.status != "ok" or m.peak_bytes is None:
+        return ""
+    return f"{m.peak_bytes / 2**20:.0f}"
+
+
+def section_report(store: Store, plan: Plan, section: str, dtype: str) -> list[str]:
+    columns = plan.columns[(section, dtype)]
+    series = measurements(store, section, dtype, columns, plan.lengths)
+    at = {(c, m.n): m for c, ms in series.items() for m in ms}
+    baseline = "fused" if "fused" in columns else "softmax"
+    header = ["N", *columns.values()]
+    times, memory = [], []
+    for n in plan.lengths:
+        base = at.get((baseline, n))
+        base_ms = base.median_s * 1e3 if base is not None and base.status == "ok" else None
+        times.append([str(n), *[cell_text(at.get((c, n)), base_ms if c != baseline else None) for c in columns]])
+        memory.append([str(n), *[memory_text(at.get((c, n))) for c in columns]])
+    memory_kind = "GPU memory of the process (nvidia-smi, CUDA context included)" if plan.provider == "cuda" else "peak RSS of the process"
+    out = [
+        f"### {SECTIONS[section]}, {dtype}", "",
+        *[f"- {note}" for note in plan.notes[(section, dtype)]], "",
+        f"Median latency, ms (in parentheses: speedup over {columns[baseline]})", "",
+        standard._table(header, times), "",
+        f"Memory, MiB: {memory_kind}", "",
+        standard._table(header, memory), "",
+    ]
+    out += crossovers(series, columns, plan.lengths)
+    problems = [(columns[c], m) for c, ms in series.items() for m in ms if m.status not in ("ok", NOT_REACHED) and m.detail]
+    if problems:
+        out += ["Cells that did not finish:", ""] + [f"- {title}, N = {m.n}: {m.status.replace('_', ' ')}: {m.detail}" for title, m in problems] + [""]
+    return out
+
+
+def crossovers(series: dict[str, list[bench.Measurement]], columns: dict[str, str], lengths: list[int]) -> list[str]:
+    rows = []
+    for method in passes.PASSES:
+        if method not in series:
+            continue
+        cells = [method]
+        for baseline in ("softmax", "fused"):
+            if baseline in series:
+                n = bench.crossover_length(bench.compare_series(series[method], series[baseline], lengths))
+                cells.append(f"N = {n}" if n else "never")
+            else:
+                cells.append("-")
+        rows.append(cells)
+    if not rows:
+        return []
+    return ["Crossover: the smallest N from which the method is faster at every longer N measured, beyond the spread of the runs (interquartile ranges apart)", "",
+            standard._table(["method", "vs softmax (ORT)", "vs fused exact (ORT)"], rows, numeric=False), ""]
+
+
+def placement_report(store: Store, plan: Plan) -> list[str]:
+    rows = []
+    for (section, dtype), paths in plan.onnx.items():
+        for column in paths:
+            found = store.data["placement"].get(f"{section}/{dtype}/{column}")
+            if found is None:
+                continue
+            if "error" in found:
+                rows.append([section, dtype, column, "", "", f"placement failed: {found['error']}"])
+                continue
+            data = found["data_elsewhere"]
+            shown = "; ".join(data[:4]) + (f"; ... ({len(data)} in all)" if len(data) > 4 else "")
+            rows.append([section, dtype, column, str(found["nodes"]), str(len(found["memcpy"])), shown or "none"])
+    if not rows:
+        return []
+    expected = bench_worker_provider(plan.provider)
+    return [
+        "## Node placement", "",
+        f"Nodes that ran off {expected} and make float tensors (shape arithmetic on CPU is left out: onnxruntime",
+        f"puts it there on purpose), and the copies between devices, at N = {plan.lengths[0]}; from onnxruntime's profiler.", "",
+        standard._table(["section", "dtype", "model", "nodes", "Memcpy", "float-producing nodes elsewhere"], rows, numeric=False), "",
+    ]
+
+
+def bench_worker_provider(provider: str) -> str:
+    return {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}[provider]
+
+
+def render(store: Store, plan: Plan, args, plots: list[str], analysis: str | None) -> str:
+    env = store.data["environment"]
+    gpu = env["gpu"]
+    gpu_line = gpu if isinstance(gpu, str) else "; ".join(
+        f"{g['name']} ({g['memory']}, driver {g['driver']}, CUDA {g['driver_cuda']}, max SM clock {g['max_sm_clock']}, power limit {g['power_limit']})" for g in gpu
+    )
+    missing = sum(1 for c in store.data["cells"].values() if c["status"] == NOT_REACHED)
+    out = [
+        "# CUDA benchmark results" + (" (SMOKE RUN: CPU provider, tiny N; not a measurement)" if args.smoke else ""), "",
+        f"Written by `python bench/run_cuda_benchmarks.py {' '.join(args.argv)}` "
+        f"({', '.join(r['started'] for r in store.data['runs'])}; {len(store.data['runs'])} run(s)).", "",
+        "## Machine", "",
+        f"- GPU: {gpu_line}",
+        f"- CPU: {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GB; Python {env['python']}",
+        f"- onnxruntime {env['onnxruntime']} ({', '.join(env['onnxruntime_providers'])}), onnx {env['onnx']}, "
+        f"torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN {env['cudnn']}), numpy {env['numpy']}",
+        f"- provider {plan.provider}; batch 1; median of {args.repeats} runs after {args.warmup} warm-up, each cell in a "
+        f"fresh process; onnxruntime with IOBinding on CUDA (inputs on the device, no copies timed); torch runs "
+        f"synchronized; a series stops at its first run over {args.budget_seconds:g} s, GPU out-of-memory or failure.",
+        f"- options: " + ", ".join(f"{m} {standard.method_options(m, plan.lengths)}" for m in passes.PASSES if standard.method_options(m, plan.lengths)),
+        "",
+    ]
+    if missing:
+        out += [f"**{missing} cells were not reached before the deadline**: rerun with `--resume` to complete them.", ""]
+    out += ["## Results", ""]
+    for section, dtype in plan.columns:
+        out += section_report(store, plan, section, dtype)
+    out += placement_report(store, plan)
+    out += ["## Analysis", "", analysis or f"{standard.ANALYSIS_START}\n(to be written after a full run)\n{standard.ANALYSIS_END}", ""]
+    out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def draw(store: Store, plan: Plan, folder: Path) -> list[str]:
+    names = []
+    for (section, dtype), columns in plan.columns.items():
+        series = measurements(store, section, dtype, columns, plan.lengths)
+        name = f"cuda_{section}_{dtype}.png" if plan.provider == "cuda" else f"smoke_{section}_{dtype}.png"
+        bench.plot_series({columns[c]: ms for c, ms in series.items()}, folder / name, f"{SECTIONS[section]}, {dtype}, {plan.provider}")
+        names.append(name)
+    return names
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def methods_list(text: str) -> list[str]:
+    methods = [m for m in text.split(",") if m]
+    unknown = [m for m in methods if m not in passes.PASSES]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(f"methods are among {', '.join(passes.PASSES)}; got {text!r}")
+    return methods
+
+
+def dtypes_list(text: str) -> list[str]:
+    dtypes = [d for d in text.split(",") if d]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise argparse.ArgumentTypeError(f"dtypes are among {', '.join(DTYPES)}; got {text!r}")
+    return dtypes
+
+
+def parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU provider, N = 64, 1 repeat: the whole script in about a minute")
+    parser.add_argument("--lengths", type=lambda t: sorted(int(x) for x in t.split(",")), default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 5; smoke 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; smoke 0)")
+    parser.add_argument("--budget-seconds", type=float, default=2.0, help="a series stops at a run slower than this")
+    parser.add_argument("--budget-gb", type=float, default=None, help="host memory per cell (default: 3/4 of RAM)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (onnxruntime intra-op and torch)")
+    parser.add_argument("--deadline-minutes", type=float, default=9.0, help="start no cell after this; then write the report")
+    parser.add_argument("--resume", action="store_true", help="keep the cells already in OUTPUT_DIR/results_cuda.json")
+    parser.add_argument("--no-placement", action="store_true", help="leave out the node placement check")
+    parser.add_argument("--methods", type=methods_list, default=list(passes.PASSES), help="a subset, e.g. hydra,lsh (default: all)")
+    parser.add_argument("--dtypes", type=dtypes_list, default=list(DTYPES), help="fp16,fp32 (default) or one of them")
+    parser.add_argument("--output-dir", type=Path, default=HERE)
+    raw = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(raw)
+    args.argv = raw
+    args.provider = "cpu" if args.smoke else "cuda"
+    args.lengths = args.lengths or (SMOKE_LENGTHS if args.smoke else LENGTHS)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 5)
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(argv)
+    deadline = started + 60 * args.deadline_minutes
+    if args.provider == "cuda":
+        import onnxruntime
+
+        if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+            print(f"run_cuda_benchmarks: this onnxruntime ({onnxruntime.__version__}) has no CUDA execution provider "
+                  "(see docs/GPU.md); --smoke runs the script on CPU", file=sys.stderr)
+            return 2
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    header = {"environment": environment(args.provider), "runs": [{"started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": args.argv}]}
+    store = Store(args.output_dir / JSON_NAME, args.resume, header)
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-cuda-") as tmp:
+        folder = Path(tmp)
+        plan, originals = plan_sweep(args, folder)
+        store.data["plan"] = {"/".join(k): list(v) for k, v in plan.columns.items()} | {"lengths": plan.lengths}
+        store.save()
+        if not args.no_placement:
+            print("== node placement", file=sys.stderr)
+            place_all(plan, originals, store, folder, deadline)
+        sweep_all(plan, originals, args, store, folder, deadline)
+    plots = draw(store, plan, args.output_dir)
+    report = args.output_dir / REPORT_NAME
+    report.write_text(render(store, plan, args, plots, standard.previous_analysis(report)))
+    print(f"wrote {report} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

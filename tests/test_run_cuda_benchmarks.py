@@ -1,0 +1,102 @@
+"""bench/run_cuda_benchmarks.py: the whole script on the CPU provider (--smoke), so the GPU
+session finds no bug in it; its deadline, resume and failure bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnxruntime as ort
+import pytest
+from models import BENCH, load_bench_module
+
+from attnrewrite import bench
+
+script = load_bench_module("run_cuda_benchmarks")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_run_end_to_end(tmp_path):
+    """One method and one dtype keep it short; every other path is the full run's."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "run_cuda_benchmarks.py"), "--smoke", "--methods", "hydra", "--dtypes", "fp16",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "results_cuda.json").read_text())
+    assert data["schema"] == "attnrewrite.cuda-bench/1"
+    assert set(data["environment"]) >= {"gpu", "onnxruntime", "torch", "torch_cuda", "cudnn", "python"}
+    expected = [f"attention/fp16/{c}/256" for c in ("softmax", "fused", "hydra", "torch:hydra", "torch:sdpa")]
+    expected += [f"layer/fp16/{c}/256" for c in ("softmax", "fused", "identity", "hydra")]
+    assert sorted(data["cells"]) == sorted(expected)
+    for key, cell in data["cells"].items():
+        assert cell["status"] == "ok" and cell["median_s"] > 0, (key, cell)
+    assert sorted(data["placement"]) == sorted(k.rsplit("/", 1)[0] for k in expected if "torch:" not in k)
+    for placement in data["placement"].values():
+        assert placement["by_provider"] == {"CPUExecutionProvider": placement["nodes"]}
+        assert placement["data_elsewhere"] == [] and placement["memcpy"] == []
+    report = (tmp_path / "RESULTS_CUDA.md").read_text()
+    assert report.startswith("# CUDA benchmark results (SMOKE RUN: CPU provider, tiny N; not a measurement)")
+    assert "### attention only, q, k, v of [1, 12, N, 64], fp16" in report
+    assert "- fused exact: opset-23 Attention x1" in report
+    assert "### one BERT-base encoder layer (d = 768, 12 heads, FFN 3072), fp16" in report
+    assert "- fused exact: onnxruntime.transformers.optimizer: com.microsoft.Attention x1, float16 by onnxruntime's converter" in report
+    assert "| hydra | N = 256 |" in report or "| hydra | never |" in report
+    assert "## Node placement" in report and "not reached" not in report
+    for name in ("smoke_attention_fp16.png", "smoke_layer_fp16.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def _measured(status="ok", detail=None):
+    calls = []
+
+    def runner(n, inputs):
+        calls.append(n)
+        return bench.Measurement("", n, status, [0.01] if status == "ok" else [], 1, 1, detail=detail)
+
+    return runner, calls
+
+
+def test_cells_past_the_deadline_are_left_for_a_resumed_run(tmp_path):
+    path = tmp_path / "results_cuda.json"
+    store = script.Store(path, resume=False, header={"runs": []})
+    runner, calls = _measured()
+    late = script.stored(runner, store, "attention", "fp16", "hydra", deadline=0.0)
+    assert late(1024, tmp_path).status == script.NOT_REACHED and calls == []
+    on_time = script.stored(runner, store, "attention", "fp16", "hydra", deadline=float("inf"))
+    assert on_time(2048, tmp_path).status == "ok" and calls == [2048]
+
+    resumed = script.Store(path, resume=True, header={"runs": []})
+    assert list(resumed.data["cells"]) == ["attention/fp16/hydra/2048"]  # the missed cell is not kept
+    again = script.stored(runner, resumed, "attention", "fp16", "hydra", deadline=float("inf"))
+    assert again(2048, tmp_path).median_s == 0.01 and calls == [2048]  # taken from the file
+    assert again(1024, tmp_path).status == "ok" and calls == [2048, 1024]
+
+
+@pytest.mark.parametrize("detail,status,text", [
+    ("RuntimeException: ... Failed to allocate memory for requested buffer of size 17179869184", "over_memory", "GPU OOM"),
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB", "over_memory", "GPU OOM"),
+    ("worker exited with -11: no message", "failed", "crashed"),
+    ("Fail: ReduceMax CUDNN_STATUS_BAD_PARAM", "failed", "failed"),
+])
+def test_out_of_memory_and_crashes_are_named_in_the_table(tmp_path, detail, status, text):
+    store = script.Store(tmp_path / "results_cuda.json", resume=False, header={"runs": []})
+    runner, _ = _measured("failed", detail)
+    m = script.stored(runner, store, "layer", "fp32", "softmax", deadline=float("inf"))(65536, tmp_path)
+    assert m.status == status and m.detail == detail
+    assert script.cell_text(m, None) == text
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="CUDA is available")
+def test_the_full_run_needs_a_cuda_provider(tmp_path, capsys):
+    assert script.main(["--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run_cuda_benchmarks: this onnxruntime (") and "has no CUDA execution provider" in err
+    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_unknown_methods_are_refused():
+    with pytest.raises(SystemExit):
+        script.parse_args(["--smoke", "--methods", "hydra,softmax"])
