@@ -17,6 +17,7 @@ script = load_bench_module("run_cuda_benchmarks")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # about a minute on a shared 2-core machine: the script's every step, in processes
 def test_smoke_run_end_to_end(tmp_path):
     """One method and one dtype keep it short; every other path is the full run's."""
     done = subprocess.run(
