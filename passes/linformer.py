@@ -153,7 +153,7 @@ class LinformerAttention(Module):
         return self.e[:n], self.f[:n], False
 
     def forward(self, q, k, v, key_keep=None):
-        keep = torch.ones(()) if key_keep is None else key_keep.float()
+        keep = torch.ones((), device=k.device) if key_keep is None else key_keep.float()
         keep = keep.expand(*k.shape[:-1], 1)
         p_e, p_f, pooled = self.projections(k.shape[-2], k.device)
         k_proj, v_proj, support = project(k.float(), v.float(), keep, p_e, p_f)

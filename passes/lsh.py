@@ -258,7 +258,7 @@ class LSHAttention(Module):
         self.register_buffer("rotations", torch.from_numpy(rotations(options, head_dim)))
 
     def forward(self, q, k, v, key_keep=None):
-        keep = torch.ones(()) if key_keep is None else key_keep.float()
+        keep = torch.ones((), device=k.device) if key_keep is None else key_keep.float()
         keep = keep.expand(*k.shape[:-1], 1).reshape(-1, k.shape[-2], 1)
         flat = [x.float().reshape(-1, *x.shape[-2:]) for x in (q, k, v)]
         out = lsh_attention(*flat, keep, self.rotations, self.scale, self.options, self.causal)

@@ -211,3 +211,47 @@ def test_long_sequence_on_cuda(method, mask, tmp_path):
     got = _run(str(tmp_path / "rewritten.onnx"), feeds, "cuda")
     assert np.isfinite(got).all()
     assert relative_error(got, want) < 1e-3
+
+
+# --- the torch modules (what the FX frontend swaps in, and the CUDA sweep's torch columns) --------
+
+
+def _torch_site(causal: bool):
+    from attnrewrite.site import AttentionSite, MaskKind
+
+    return AttentionSite(name="site", scale=0.125, rank=4, num_heads=2, head_dim=16, value_dim=16,
+                         mask=MaskKind.CAUSAL if causal else MaskKind.NONE)
+
+
+def torch_cases():
+    for causal in (False, True):
+        for method in passes.PASSES:
+            if not (causal and method == "linformer"):
+                yield pytest.param(method, causal, id=f"{method}{'-causal' if causal else ''}")
+
+
+@pytest.mark.parametrize("method,causal", torch_cases())
+def test_torch_modules_make_their_tensors_on_the_inputs_device(method, causal):
+    """On torch's meta device, a tensor made on the CPU (torch.ones(()) expanded, say) meets
+    the inputs and fails as it would on CUDA; this one runs everywhere."""
+    torch = pytest.importorskip("torch")
+    module = passes.PASSES[method].torch_module(_torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {})))
+    q = torch.empty(1, 2, SEQ, 16, device="meta", dtype=torch.float16)
+    with torch.inference_mode():
+        out = module.to("meta")(q, q, q)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == torch.float16
+
+
+@requires_cuda
+@pytest.mark.parametrize("method,causal", torch_cases())
+def test_torch_modules_on_cuda_equal_cpu(method, causal):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    module = passes.PASSES[method].torch_module(_torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {})))
+    q, k, v = (torch.randn(1, 2, SEQ, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with torch.inference_mode():
+        want = module(q, k, v).numpy()
+        got = module.cuda()(q.cuda(), k.cuda(), v.cuda()).cpu().numpy()
+    assert relative_error(got, want) < FP32_TOLERANCE
