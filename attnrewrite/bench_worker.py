@@ -11,6 +11,7 @@ reports which execution provider ran each node instead (``node_placement``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
@@ -67,10 +68,12 @@ def gpu_memory_bytes() -> int | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    for line in out.splitlines():
-        pid, _, used = line.partition(",")
+    apps = [line.partition(",")[::2] for line in out.strip().splitlines() if line.strip()]
+    for pid, used in apps:
         if pid.strip() == str(os.getpid()):
             return int(used.strip()) * 2**20
+    if len(apps) == 1:  # in a container nvidia-smi shows host pids; cells run one at a time, so it is us
+        return int(apps[0][1].strip()) * 2**20
     return None
 
 
@@ -78,9 +81,13 @@ _NUMPY_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tenso
 
 
 EXECUTION_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-# Outputs of these types are data; a node making only int64/bool outputs on the CPU of a CUDA
-# session is shape arithmetic onnxruntime places there on purpose (GetCpuPreferredNodes).
+# A node off the expected provider that reads or makes data (a float tensor, or any tensor of
+# more than SHAPE_ELEMENTS elements: LSH's int64 positions) costs copies and a slow kernel; one
+# that touches only a few integers is shape arithmetic onnxruntime places on CPU on purpose
+# (GetCpuPreferredNodes), and Shape/Size read only a tensor's metadata.
 DATA_TYPES = {"float", "float16", "bfloat16", "double"}
+SHAPE_ELEMENTS = 64
+METADATA_OPS = {"Shape", "Size"}
 
 
 def load_feeds(session, inputs: str) -> dict:
@@ -127,16 +134,21 @@ def node_placement(model: str, feeds: dict | None, provider: str, inputs: str | 
 
 def placement_from_profile(events: list[dict], expected: str) -> dict:
     """by_provider: node count per provider; elsewhere: nodes not on ``expected``;
-    data_elsewhere: those of them that make float tensors (the costly kind: compute, and the
-    copies around it); memcpy: the copies onnxruntime inserted between devices."""
+    data_elsewhere: those of them that read or make float tensors (the costly kind: compute, and
+    the copies around it); memcpy: the copies onnxruntime inserted between devices."""
     nodes: dict[str, dict] = {}
     for event in events:
         name = event.get("name", "")
         if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
             continue
         args = event.get("args", {})
-        outputs = sorted({t for shape in args.get("output_type_shape", []) for t in shape})
-        nodes.setdefault(name[: -len("_kernel_time")], {"op": args.get("op_name", "?"), "provider": args.get("provider", "?"), "outputs": outputs})
+        tensors = {kind: [(t, dims) for shape in args.get(f"{kind}_type_shape", []) for t, dims in shape.items()] for kind in ("input", "output")}
+        nodes.setdefault(name[: -len("_kernel_time")], {
+            "op": args.get("op_name", "?"),
+            "provider": args.get("provider", "?"),
+            **{kind: sorted({t for t, _ in found}) for kind, found in tensors.items()},
+            "data": any(t in DATA_TYPES or math.prod(dims) > SHAPE_ELEMENTS for found in tensors.values() for t, dims in found),
+        })
     by_provider: dict[str, int] = {}
     for node in nodes.values():
         by_provider[node["provider"]] = by_provider.get(node["provider"], 0) + 1
@@ -146,7 +158,11 @@ def placement_from_profile(events: list[dict], expected: str) -> dict:
         "nodes": len(nodes),
         "by_provider": by_provider,
         "elsewhere": [f"{n['op']} {name} ({n['provider']})" for name, n in elsewhere.items()],
-        "data_elsewhere": [f"{n['op']} {name} -> {'/'.join(n['outputs'])}" for name, n in elsewhere.items() if DATA_TYPES & set(n["outputs"])],
+        "data_elsewhere": [
+            f"{n['op']} {name} ({'/'.join(n['input']) or '-'} -> {'/'.join(n['output'])})"
+            for name, n in elsewhere.items()
+            if n["op"] not in METADATA_OPS and n["data"]
+        ],
         "memcpy": [f"{n['op']} {name}" for name, n in nodes.items() if n["op"].startswith("Memcpy")],
     }
 

@@ -315,10 +315,12 @@ def cell_text(m: bench.Measurement | None, base_ms: float | None) -> str:
     return m.status.replace("_", " ")
 
 
-def memory_text(m: bench.Measurement | None) -> str:
-    if m is None or m.status != "ok" or m.peak_bytes is None:
+def memory_text(m: bench.Measurement | None, provider: str) -> str:
+    if m is None or m.status != "ok":
         return ""
-    return f"{m.peak_bytes / 2**20:.0f}"
+    if provider == "cuda" and m.gpu_memory_bytes is None:
+        return "n/a"  # nvidia-smi did not show this process; its host RSS would be a wrong answer
+    return f"{m.peak_bytes / 2**20:.0f}" if m.peak_bytes is not None else ""
 
 
 def section_report(store: Store, plan: Plan, section: str, dtype: str) -> list[str]:
@@ -332,7 +334,7 @@ def section_report(store: Store, plan: Plan, section: str, dtype: str) -> list[s
         base = at.get((baseline, n))
         base_ms = base.median_s * 1e3 if base is not None and base.status == "ok" else None
         times.append([str(n), *[cell_text(at.get((c, n)), base_ms if c != baseline else None) for c in columns]])
-        memory.append([str(n), *[memory_text(at.get((c, n))) for c in columns]])
+        memory.append([str(n), *[memory_text(at.get((c, n)), plan.provider) for c in columns]])
     memory_kind = "GPU memory of the process (nvidia-smi, CUDA context included)" if plan.provider == "cuda" else "peak RSS of the process"
     out = [
         f"### {SECTIONS[section]}, {dtype}", "",

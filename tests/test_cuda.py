@@ -96,26 +96,29 @@ def test_a_cpu_session_has_every_node_on_cpu(tmp_path):
     assert not list(tmp_path.glob("placement*.json"))  # the profile is removed
 
 
-def _event(name, op, provider, *outputs):
+def _event(name, op, provider, inputs, outputs, dims=(4,)):
     return {"cat": "Node", "name": f"{name}_kernel_time", "args": {
-        "op_name": op, "provider": provider, "output_type_shape": [{t: [2, 3]} for t in outputs]}}
+        "op_name": op, "provider": provider,
+        "input_type_shape": [{t: list(dims)} for t in inputs], "output_type_shape": [{t: list(dims)} for t in outputs]}}
 
 
 def test_placement_separates_shape_arithmetic_from_data_on_the_wrong_provider():
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
     events = [
-        _event("mm", "MatMul", cuda, "float"),
-        _event("shape", "Shape", cpu, "int64"),
-        _event("pad", "Pad", cpu, "float16"),
-        _event("copy", "MemcpyToHost", cuda, "float16"),
-        _event("pad", "Pad", cpu, "float16"),  # a second run of the same node counts once
+        _event("mm", "MatMul", cuda, ["float", "float"], ["float"]),
+        _event("shape", "Shape", cpu, ["float"], ["int64"]),
+        _event("concat", "Concat", cpu, ["int64", "int64"], ["int64"]),
+        _event("pad", "Pad", cpu, ["int64", "int64"], ["int64"], dims=(12, 4, 4096, 1)),  # positions: data
+        _event("argmax", "ArgMax", cpu, ["float16"], ["int64"]),
+        _event("copy", "MemcpyToHost", cuda, ["float16"], ["float16"]),
+        _event("argmax", "ArgMax", cpu, ["float16"], ["int64"]),  # a second run of the same node counts once
         {"cat": "Session", "name": "model_run", "args": {}},
         {"cat": "Node", "name": "mm_fence_before", "args": {"op_name": "MatMul"}},
     ]
     placement = placement_from_profile(events, cuda)
-    assert placement["nodes"] == 4 and placement["by_provider"] == {cuda: 2, cpu: 2}
-    assert placement["elsewhere"] == [f"Shape shape ({cpu})", f"Pad pad ({cpu})"]
-    assert placement["data_elsewhere"] == ["Pad pad -> float16"]
+    assert placement["nodes"] == 6 and placement["by_provider"] == {cuda: 2, cpu: 4}
+    assert placement["elsewhere"] == [f"Shape shape ({cpu})", f"Concat concat ({cpu})", f"Pad pad ({cpu})", f"ArgMax argmax ({cpu})"]
+    assert placement["data_elsewhere"] == ["Pad pad (int64 -> int64)", "ArgMax argmax (float16 -> int64)"]
     assert placement["memcpy"] == ["MemcpyToHost copy"]
 
 
