@@ -199,6 +199,18 @@ def stored(runner, store: Store, section: str, dtype: str, column: str, deadline
     return run
 
 
+def needed_inputs(write, folder: Path, store: Store, section: str, dtype: str, columns: list[str], deadline: float):
+    """The inputs for length n, written only when some cell will be measured at n: the inputs
+    at N = 65536 take seconds to write, which a resumed or timed-out run should not spend."""
+
+    def inputs_for(n: int) -> Path:
+        if time.monotonic() > deadline or all(store.cell(cell_key(section, dtype, c, n)) for c in columns):
+            return folder / f"inputs-not-written-{n}.npz"  # nothing reads it; sweep's unlink finds nothing
+        return write(n)
+
+    return inputs_for
+
+
 def torch_runner(method: str, config: bench.BenchConfig, device: str, dtype: str):
     """A pass's torch module, or torch SDPA for "sdpa", in bench/peers.py's process."""
 
@@ -228,7 +240,8 @@ def sweep_all(plan: Plan, originals: dict[str, Path], args, store: Store, folder
                 runner = bench.onnx_runner(plan.onnx[(section, dtype)][column], config)
             runners[column] = stored(runner, store, section, dtype, column, deadline)
         print(f"== {SECTIONS[section]}, {dtype}", file=sys.stderr)
-        bench.sweep(runners, config, standard.inputs_writer(originals[section], folder))
+        write = standard.inputs_writer(originals[section], folder)
+        bench.sweep(runners, config, needed_inputs(write, folder, store, section, dtype, list(columns), deadline))
 
 
 def place_all(plan: Plan, originals: dict[str, Path], store: Store, folder: Path, deadline: float) -> None:

@@ -101,3 +101,19 @@ def test_the_full_run_needs_a_cuda_provider(tmp_path, capsys):
 def test_unknown_methods_are_refused():
     with pytest.raises(SystemExit):
         script.parse_args(["--smoke", "--methods", "hydra,softmax"])
+
+
+def test_inputs_are_written_only_for_lengths_with_cells_to_measure(tmp_path):
+    store = script.Store(tmp_path / "results_cuda.json", resume=False, header={"runs": []})
+    store.put("layer/fp32/softmax/64", bench.Measurement("softmax", 64, "ok", [0.1]))
+    written = []
+
+    def write(n):
+        written.append(n)
+        return tmp_path / f"inputs-{n}.npz"
+
+    inputs_for = script.needed_inputs(write, tmp_path, store, "layer", "fp32", ["softmax"], deadline=float("inf"))
+    assert inputs_for(64) == tmp_path / "inputs-not-written-64.npz" and written == []  # measured already
+    assert inputs_for(128) == tmp_path / "inputs-128.npz" and written == [128]
+    late = script.needed_inputs(write, tmp_path, store, "layer", "fp32", ["softmax"], deadline=0.0)
+    assert late(256) == tmp_path / "inputs-not-written-256.npz" and written == [128]
