@@ -172,8 +172,10 @@ def _attention23(model: ir.Model, site_names: list[str]) -> ir.Model:
 
 
 def _at_opset(model: ir.Model, version: int) -> ir.Model:
+    """A copy of the model at opset >= version (a copy either way: the splice works in place,
+    and the original is still needed to check the result against)."""
     if onnx_io.default_opset(model) >= version:
-        return model
+        return onnx_io.from_proto(ir.serde.serialize_model(model))
     from onnx import version_converter
 
     try:

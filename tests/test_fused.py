@@ -116,3 +116,13 @@ def test_bench_fused_column_on_cpu(tmp_path, capsys):
     assert "fused exact ms" in out and "vs fused" in out
     assert "crossover: linear is faster than fused exact attention from N = 16 on" in out or \
         "crossover: linear is not faster than fused exact attention beyond the measured spread at any length" in out
+
+
+def test_an_opset_23_model_is_left_untouched_and_checked_against(tmp_path):
+    path = tmp_path / "attention.onnx"
+    onnx.save(build_attention_model(AttentionSpec(opset=23)), path)
+    original = onnx_io.load_model(path)
+    fused = fused_module.fused_exact_attention(original, _sites(onnx_io.load_model(path)))
+    assert fused.model is not original
+    assert "Softmax" in [n.op_type for n in original.graph] and "Softmax" not in [n.op_type for n in fused.model.graph]
+    _assert_equal_to_original(path, fused, tmp_path)
