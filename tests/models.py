@@ -74,8 +74,8 @@ class ModelSpec:
     mask: str  # the mask kind every site must be classified as
     swap: str  # how attention is swapped in torch: "transformers" or "sdpa"
     heads: int = HEADS
-    # False: q is [batch, heads, seq, head_dim] by a view of [batch * heads, seq, head_dim], not
-    # by a Transpose, so the Softmax path cannot prove the layout and leaves heads unknown
+    # False: nothing in the graph proves that q is [batch, heads, seq, head_dim], so the Softmax
+    # path leaves heads unknown
     heads_in_layout: bool = True
     head_dim: int = HIDDEN // HEADS
 
@@ -265,11 +265,11 @@ def _text(name, build, mask="key_padding", inputs=_text_inputs, **details):
 
 def _torch_encoder(name, build, mask, padded=False):
     # nn.MultiheadAttention reshapes to [batch * heads, seq, head_dim] and views that as
-    # [batch, heads, seq, head_dim]: no head split by Transpose, so detection leaves heads unknown
+    # [batch, heads, seq, head_dim]: detection reads the heads from that view
     names = ("x", "attention_mask") if padded else ("x",)
     return ModelSpec(
         name, _seeded(build), names, _padded_sequence_inputs if padded else _sequence_inputs,
-        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa", heads_in_layout=False,
+        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa",
     )
 
 

@@ -1,36 +1,136 @@
-"""Reading small compile-time constants (scales, mask fill values) out of an ONNX graph."""
+"""Reading small compile-time constants (scales, mask fill values, sizes) out of an ONNX graph.
+
+One mechanism folds both plain constants and shape arithmetic. Exporters compute a scale or a
+Reshape target from Shape(x) (the legacy exporter: Sqrt(1 / Sqrt(Cast(Slice(Shape(q), -1)))),
+or 1 / sqrt(Cast(Gather(Shape(x), 2)) / heads) for nn.MultiheadAttention). A shape is folded as
+an object array whose dims are an int (static), a str (a symbolic dim: the same name is the same
+size) or None (unknown); arithmetic on a dim that is not static is unknown, indexing and
+concatenation keep it. Reading a static dim out of such an array is a constant.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 
-# Ops whose output is constant when their inputs are; enough for how exporters spell a scale
-# (Div(x, Sqrt(Constant)), Mul(x, Cast(Constant)), Reciprocal(...)) and for the legacy exporter's
-# scaled_dot_product_attention without a scale: Sqrt(1 / Sqrt(Cast(Slice(Shape(q), -1)))).
+Dim = int | str | None
+
+
+def _cast(node: ir.Node, a):
+    if _has_unknown(a) or "to" not in node.attributes:
+        return a
+    return a.astype(ir.DataType(node.attributes["to"].as_int()).numpy())
+
+
+def _div(a, b):
+    # ONNX integer Div truncates; numpy's true divide would make 30 / 4 = 7.5 a "size"
+    if np.issubdtype(np.asarray(a).dtype, np.integer) and np.issubdtype(np.asarray(b).dtype, np.integer):
+        return np.trunc(np.true_divide(a, b)).astype(np.result_type(a, b))
+    return np.divide(a, b)
+
+
+# Ops whose output is constant when their inputs are (element-wise: an unknown element makes
+# only its own result unknown).
 _FOLDABLE = {
     "Identity": lambda a: a,
-    "Cast": lambda a: a,  # dtype is irrelevant for reading a scalar
     "Sqrt": np.sqrt,
     "Reciprocal": np.reciprocal,
     "Neg": np.negative,
     "Mul": np.multiply,
-    "Div": np.divide,
+    "Div": _div,
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mod": np.mod,
 }
 
 
 _MAX_ELEMENTS = 4096
 
 
-def constant_array(value: ir.Value | None, depth: int = 8) -> np.ndarray | None:
+def constant_array(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
     """The value's array if it is a constant (initializer, Constant, or a fold of those)."""
     array = _fold(value, depth)
     return None if array is None or _has_unknown(array) else array
 
 
+def constant_scalar(value: ir.Value | None) -> float | None:
+    array = constant_array(value)
+    if array is None or array.size != 1:
+        return None
+    return float(array.reshape(()))
+
+
+def known_dims(value: ir.Value | None, depth: int = 16) -> list[Dim] | None:
+    """The value's dims as far as they can be known: shape inference's, and where it has no
+    static size, what the Reshape or Transpose that made the value says. None: rank unknown."""
+    if value is None:
+        return None
+    dims = None if value.shape is None else [_dim(d) for d in value.shape]
+    node = value.producer()
+    if depth == 0 or node is None or (dims is not None and all(isinstance(d, int) for d in dims)):
+        return dims
+    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
+        return _merge(dims, _reshape_target(node, depth - 1))
+    if node.op_type == "Transpose" and "perm" in node.attributes:
+        source = known_dims(node.inputs[0], depth - 1)
+        perm = list(node.attributes["perm"].as_ints())
+        return _merge(dims, None if source is None else [source[p] for p in perm])
+    return dims
+
+
+def _dim(d) -> Dim:
+    if isinstance(d, int):
+        return d
+    return getattr(d, "value", None) or None
+
+
+def _merge(inferred: list[Dim] | None, derived: list[Dim] | None) -> list[Dim] | None:
+    """Per dim, a static size wins over a symbol, a symbol over nothing."""
+    if derived is None or (inferred is not None and len(inferred) != len(derived)):
+        return inferred
+    if inferred is None:
+        return derived
+    rank = {int: 2, str: 1}
+    return [max(a, b, key=lambda d: rank.get(type(d), 0)) for a, b in zip(inferred, derived)]
+
+
+def _reshape_target(node: ir.Node, depth: int) -> list[Dim] | None:
+    target = _fold(node.inputs[1], depth)
+    if target is None or target.ndim != 1:
+        return None
+    allow_zero = "allowzero" in node.attributes and node.attributes["allowzero"].as_int() == 1
+    source = known_dims(node.inputs[0], depth)
+    dims: list[Dim] = []
+    for i, d in enumerate(target.tolist()):
+        if isinstance(d, (int, np.integer)) and d == 0 and not allow_zero:
+            dims.append(source[i] if source is not None and i < len(source) else None)
+        else:
+            dims.append(int(d) if isinstance(d, (int, np.integer)) else d)
+    if dims.count(-1) == 1:
+        dims[dims.index(-1)] = _inferred_dim(source, [d for d in dims if d != -1])
+    return dims
+
+
+def _inferred_dim(source: list[Dim] | None, others: list[Dim]) -> int | None:
+    """A Reshape's -1: the source's size over the other target dims, once the dims the two
+    share (the same static size or the same symbol) cancel: [B, N, 32] -> [B, N, -1, 8] is 4."""
+    if source is None:
+        return None
+    left, divisors = list(source), []
+    for d in others:
+        if d is not None and d in left:
+            left.remove(d)
+        else:
+            divisors.append(d)
+    if not all(isinstance(d, int) for d in [*left, *divisors]):
+        return None
+    size, divisor = int(np.prod(left)), int(np.prod(divisors))
+    return size // divisor if divisor > 0 and size % divisor == 0 else None
+
+
 def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
-    """Like constant_array, but a Shape may come back as an object array with None for its
-    symbolic dims: slicing out a static dim (the head size) is still a constant."""
+    """Like constant_array, but shape arithmetic may come back as an object array with a str or
+    None for its non-static dims: slicing out a static dim (the head size) is still a constant."""
     if value is None:
         return None
     tensor = ir.convenience.get_const_tensor(value)
@@ -41,7 +141,7 @@ def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if depth == 0 or node is None or node.domain not in ("", "ai.onnx"):
         return None
     if node.op_type == "Shape":
-        return _partial_shape(node)
+        return _partial_shape(node, depth)
     fold = _FOLDABLE.get(node.op_type)
     if fold is None and node.op_type not in _INDEXING:
         return None
@@ -49,24 +149,43 @@ def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if any(a is None for a, v in zip(args, node.inputs) if v is not None):
         return None
     if fold is None:
-        return _known(np.asarray(_INDEXING[node.op_type](node, *args)))
-    if any(_has_unknown(a) for a in args if a is not None):
-        return None
-    return np.asarray(fold(*[_known(a) for a in args]))
+        return _known(_object_if_symbolic(_INDEXING[node.op_type](node, *args)))
+    return _elementwise(fold, args)
 
 
-def _partial_shape(shape_node: ir.Node) -> np.ndarray | None:
-    shape = shape_node.inputs[0].shape
-    if shape is None:
+def _partial_shape(shape_node: ir.Node, depth: int) -> np.ndarray | None:
+    dims = known_dims(shape_node.inputs[0], depth)
+    if dims is None:
         return None
     start = shape_node.attributes["start"].as_int() if "start" in shape_node.attributes else 0
     end = shape_node.attributes["end"].as_int() if "end" in shape_node.attributes else None
-    dims = [d if isinstance(d, int) else None for d in list(shape)[start:end]]
-    return _known(np.array(dims, dtype=object))
+    return _known(np.array(dims[start:end], dtype=object))
+
+
+def _elementwise(fold, args: list[np.ndarray]) -> np.ndarray:
+    if not any(_has_unknown(a) for a in args):
+        return np.asarray(fold(*[_known(a) for a in args]))
+
+    def one(*elements):
+        if not all(_is_number(e) for e in elements):
+            return None
+        return fold(*[np.asarray(e) for e in elements]).item()
+
+    return _known(np.asarray(np.frompyfunc(one, len(args), 1)(*args), dtype=object))
+
+
+def _object_if_symbolic(result) -> np.ndarray:
+    """numpy makes a str taken out of an object array a str array: keep it a dim."""
+    array = np.asarray(result)
+    return np.array(result, dtype=object) if array.dtype.kind in "US" else array
+
+
+def _is_number(element) -> bool:
+    return isinstance(element, (int, float, np.integer, np.floating)) and not isinstance(element, bool)
 
 
 def _has_unknown(array: np.ndarray) -> bool:
-    return array.dtype == object and any(d is None for d in array.reshape(-1))
+    return array.dtype == object and not all(_is_number(d) for d in array.reshape(-1))
 
 
 def _known(array: np.ndarray) -> np.ndarray:
@@ -88,12 +207,33 @@ def _gather(node: ir.Node, data, indices) -> np.ndarray:
     return np.take(data, indices, axis=axis)
 
 
-# Shape arithmetic: read the one element of a static shape that a scale is computed from.
-_INDEXING = {"Slice": _slice, "Gather": _gather}
+def _axes(node: ir.Node, axes) -> list[int]:
+    """Unsqueeze/Squeeze axes: an input since opset 13, an attribute before."""
+    if axes is not None:
+        return [int(a) for a in np.asarray(axes).reshape(-1)]
+    return list(node.attributes["axes"].as_ints()) if "axes" in node.attributes else []
 
 
-def constant_scalar(value: ir.Value | None) -> float | None:
-    array = constant_array(value)
-    if array is None or array.size != 1:
-        return None
-    return float(array.reshape(()))
+def _unsqueeze(node: ir.Node, data, axes=None) -> np.ndarray:
+    rank = data.ndim + len(_axes(node, axes))
+    return np.expand_dims(data, tuple(sorted(a % rank for a in _axes(node, axes))))
+
+
+def _squeeze(node: ir.Node, data, axes=None) -> np.ndarray:
+    axes = _axes(node, axes)
+    return np.squeeze(data, tuple(a % data.ndim for a in axes)) if axes else np.squeeze(data)
+
+
+def _concat(node: ir.Node, *pieces) -> np.ndarray:
+    return np.concatenate([np.asarray(p, dtype=object) for p in pieces], axis=node.attributes["axis"].as_int())
+
+
+# Shape arithmetic that moves elements without computing them: a symbolic dim passes through.
+_INDEXING = {
+    "Slice": _slice,
+    "Gather": _gather,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Concat": _concat,
+    "Cast": _cast,
+}

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import numpy as np
 import onnx_ir as ir
 
-from attnrewrite.onnx.constants import constant_array, constant_scalar
+from attnrewrite.onnx.constants import constant_scalar, known_dims
 from attnrewrite.site import AttentionSite, MaskKind
 from passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
 
@@ -634,65 +633,40 @@ def _static_dims(value: ir.Value, *axes: int) -> tuple[int | None, ...]:
 
 
 def _describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.Value | None) -> None:
-    site.rank = _rank(q) or _rank(logits)
-    if q.shape is not None:
-        site.head_dim = _static(q.shape[-1])
+    q_dims, v_dims = known_dims(q), known_dims(v)
+    site.rank = len(q_dims) if q_dims else _rank(logits)
+    if q_dims:
+        site.head_dim = _static(q_dims[-1])
         if site.rank == 4:
             site.num_heads = _heads_of_split_layout(q)
-    if v.shape is not None:
-        site.value_dim = _static(v.shape[-1])
+    if v_dims:
+        site.value_dim = _static(v_dims[-1])
     if q.dtype is not None:
         site.dtype = q.dtype.numpy().name  # "float32", as AttentionSite spells dtypes
 
 
 def _heads_of_split_layout(q: ir.Value) -> int | None:
-    """Heads, when q is [batch, heads, seq, head_dim] by the usual head split: a
-    Transpose(perm=[0, 2, 1, 3]) of [batch, seq, heads, head_dim], possibly scaled after. Any
-    other producer could put batch elsewhere, so heads stay unknown."""
+    """Heads, when q is [batch, heads, seq, head_dim] by one of the usual head splits:
+    - a Transpose(perm=[0, 2, 1, 3]) of [batch, seq, heads, head_dim];
+    - a Reshape of [batch * heads, seq, head_dim] to [batch, heads, seq, head_dim] (what
+      nn.MultiheadAttention does before scaled_dot_product_attention): the reshape keeps seq
+      and head_dim, so it only splits the leading axis, heads inner.
+    Possibly scaled after. Any other producer could put batch elsewhere, so heads stay unknown."""
     node = q.producer()
     while node is not None and node.op_type in ("Mul", "Div", "Cast"):
         node = node.inputs[0].producer()
-    if node is None or node.op_type != "Transpose":
+    if node is None or node.op_type not in ("Transpose", "Reshape"):
         return None
-    perm = node.attributes.get("perm")
-    if perm is None or list(perm.as_ints()) != [0, 2, 1, 3]:
+    dims = known_dims(node.outputs[0])
+    if dims is None or len(dims) != 4:
         return None
-    if q.shape is not None and isinstance(q.shape[1], int):
-        return q.shape[1]
-    return _reshape_target_dim(node.inputs[0], axis=2)
-
-
-def _reshape_target_dim(value: ir.Value, axis: int) -> int | None:
-    """A static dim of a Reshape's 4-D target shape, also when the shape is Concat'ed from
-    pieces (the legacy exporter builds [Shape(x)[0], Shape(x)[1], -1 or heads, head_dim])."""
-    node = value.producer()
-    if node is None or node.op_type != "Reshape":
+    if node.op_type == "Transpose":
+        perm = node.attributes.get("perm")
+        return _static(dims[1]) if perm is not None and list(perm.as_ints()) == [0, 2, 1, 3] else None
+    source = known_dims(node.inputs[0])
+    if source is None or len(source) != 3 or None in (source[1], source[2]):
         return None
-    target = _target_shape_pieces(node.inputs[1])
-    if target is None or len(target) != 4:
-        return None
-    dim = target[axis]
-    if dim == -1:  # inferred: the other dims divide the input's features
-        features = node.inputs[0].shape[-1] if node.inputs[0].shape is not None else None
-        others = [d for i, d in enumerate(target) if i not in (0, 1, axis)]
-        if isinstance(features, int) and all(d is not None and d > 0 for d in others):
-            return features // int(np.prod(others))
-        return None
-    return dim if dim is not None and dim > 0 else None
-
-
-def _target_shape_pieces(target: ir.Value) -> list[int | None] | None:
-    array = constant_array(target)
-    if array is not None:
-        return [int(d) for d in array.reshape(-1)]
-    concat = target.producer()
-    if concat is None or concat.op_type != "Concat":
-        return None
-    pieces = []
-    for piece in concat.inputs:
-        piece_array = constant_array(piece)
-        pieces.append(int(piece_array.reshape(-1)[0]) if piece_array is not None and piece_array.size == 1 else None)
-    return pieces
+    return _static(dims[1]) if [source[1], source[2]] == dims[2:] else None
 
 
 def mark_unsupported_masks(sites: list[OnnxSite]) -> None:
