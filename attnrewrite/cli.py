@@ -30,7 +30,7 @@ from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import input_fails, validate_saved
-from attnrewrite.record import RewriteRecord, SiteOutcome, format_table
+from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -344,7 +344,10 @@ def _run(argv: list[str]) -> int:
                 report.gate(args.min_cosine, args.min_agreement)
             except AttnRewriteError as error:  # a gate failed (exit 1) or cannot apply (exit 2)
                 raise type(error)(f"{error}; nothing written") from None
-    print(f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}")
+    print(
+        f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}"
+        + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
+    )
     return 0
 
 

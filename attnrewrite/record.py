@@ -36,6 +36,7 @@ class RewriteRecord:
     method: str
     options: dict[str, Any]
     outcomes: list[SiteOutcome] = dataclasses.field(default_factory=list)
+    bytes_added: int = 0  # constants (random features, projections) the replacements store
 
     @property
     def rewritten(self) -> list[SiteOutcome]:
@@ -55,6 +56,7 @@ class RewriteRecord:
             "seed": self.options.get("seed"),
             "sites_found": len(self.outcomes),
             "sites_rewritten": len(self.rewritten),
+            "bytes_added": self.bytes_added,
             "sites": [o.as_dict() for o in self.outcomes],
         }
 
@@ -82,3 +84,12 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     # the last column is free text: do not pad it
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1]) for r in [header, *rows]]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def format_bytes(size: int) -> str:
+    """1234567 -> "1.2 MB": sizes as a person reads them."""
+    for unit in ("bytes", "kB", "MB"):
+        if size < 1000:
+            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"

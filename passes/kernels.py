@@ -294,6 +294,17 @@ def _running_max(x):
     return torch.where(lower, x.unsqueeze(-2), LOWEST_LOG_SCALE).amax(dim=-1)
 
 
+def expand_to_query_heads(x, q):
+    """k or v ([..., Nk, D]) with q's leading dims, as attention reads them: grouped heads
+    repeated (SDPA's enable_gqa, transformers' repeat_kv: query head h reads key/value head
+    h // group), any other size-1 dim broadcast (multi-query attention's MatMul)."""
+    if x.shape[:-2] == q.shape[:-2]:
+        return x
+    if x.dim() == q.dim() >= 3 and 1 < x.shape[-3] < q.shape[-3] and q.shape[-3] % x.shape[-3] == 0:
+        x = x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3)
+    return x.expand(*q.shape[:-2], *x.shape[-2:])
+
+
 def flatten_heads(x):
     """[..., N, F] -> [G, N, F]: the ONNX kernels below are written for rank 3."""
     return x.reshape(-1, *x.shape[-2:])

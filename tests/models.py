@@ -336,7 +336,47 @@ NEGATIVE_MODELS: dict[str, ModelSpec] = {
 }
 
 
-ALL_MODELS = {**MODELS, **NEGATIVE_MODELS}
+# Key/value heads shared by query heads: Falcon's multi-query attention (one key/value head,
+# broadcast by the MatMuls or SDPA) and Llama's grouped-query attention (2 key/value heads for 4
+# query heads, repeated by repeat_kv). tests/test_grouped_heads.py.
+
+
+def _falcon_multi_query():
+    from transformers import FalconConfig, FalconModel
+
+    config = FalconConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        multi_query=True, new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False,
+        max_position_embeddings=MAX_POSITIONS, attn_implementation="sdpa",
+    )
+    return TextEncoder(FalconModel(config))
+
+
+def _llama_grouped_query():
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=MAX_POSITIONS,
+        attn_implementation="sdpa",
+    )
+    return TextEncoder(LlamaModel(config))
+
+
+GROUPED_HEAD_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        # Falcon calls torch's scaled_dot_product_attention itself (no transformers interface)
+        ModelSpec(
+            "falcon-multi-query", _seeded(_falcon_multi_query), ("input_ids", "attention_mask"), _text_inputs,
+            TEXT_AXES, layers=LAYERS, mask="causal+key_padding", swap="sdpa",
+        ),
+        _text("llama-grouped-query", _llama_grouped_query, layers=LAYERS, mask="causal+key_padding"),
+    )
+}
+
+
+ALL_MODELS = {**MODELS, **NEGATIVE_MODELS, **GROUPED_HEAD_MODELS}
 
 
 # --- export ------------------------------------------------------------------------------
@@ -511,6 +551,8 @@ def swapped_attention(spec: ModelSpec, sites: list, make_module: Callable):
     own attention runs. ``sites`` come from ``attnrewrite.find_sites`` on the exported model, so
     scale, heads and mask kind are the ones the ONNX rewrite used. Yields a dict: "calls" counts
     the attention calls, "key_keep" holds the key_keep each swapped call got."""
+    from passes.kernels import expand_to_query_heads
+
     modules = [make_module(site) for site in sites]
     state = {"calls": 0, "key_keep": []}
 
@@ -522,6 +564,8 @@ def swapped_attention(spec: ModelSpec, sites: list, make_module: Callable):
             return None
         key_keep = key_keep_from_mask(mask)
         state["key_keep"].append(key_keep)
+        # one key/value head per query head, as the splice gives the replacement
+        key, value = expand_to_query_heads(key, query), expand_to_query_heads(value, query)
         return module(query, key, value, key_keep)
 
     swap = {"transformers": _transformers_attention, "sdpa": _sdpa_attention}[spec.swap]

@@ -487,7 +487,6 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
     dropout_p = ops.arg(node, 4, "dropout_p", 0.0)
     is_causal = ops.arg(node, 5, "is_causal", False)
     scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
-    enable_gqa = node.kwargs.get("enable_gqa", False)
 
     match = FxMatch(
         _new_site(facts, node, "scaled_dot_product_attention"), q=q, k=k, v=v, output=node, probability_path=[node]
@@ -507,9 +506,8 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
     if not isinstance(site.scale, (int, float)):
         return _skipped(match, "the scale is not a constant")
     q_shape = facts.shape(q)
-    if enable_gqa or (q_shape and k_shape and len(q_shape) == len(k_shape) == 4 and q_shape[1] != k_shape[1]):
-        if not (q_shape and k_shape and q_shape[1] == k_shape[1]):
-            return _skipped(match, "grouped-query attention (fewer key/value heads than query heads)")
+    # grouped or multi-query heads (enable_gqa, or one key/value head broadcast): the splice
+    # gives the replacement one key/value head per query head (kernels.expand_to_query_heads)
     if is_causal and attn_mask is not None:
         return _skipped(match, "both attn_mask and is_causal are set")
     uses = [MaskUse(attn_mask, MaskEncoding.SDPA)] if isinstance(attn_mask, Node) else []

@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
 import passes
+from passes import kernels
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes
 from attnrewrite.fx.masks import key_keep_from_mask
@@ -135,6 +136,7 @@ def rewrite_graph_module(
         record.outcomes.append(
             SiteOutcome(match.site, rewritten=True, replacement=f"{type(module).__name__} at {where}")
         )
+        record.bytes_added += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
     for path, causal in containers.items():
         _set_submodule(gm, path, slow_path_container(gm.get_submodule(path), causal))
@@ -214,6 +216,11 @@ class _Splicer:
                 k = self._current(match.k)
             else:
                 k = graph.call_function(torch.transpose, (self._current(match.k_transposed), -2, -1))
+            shapes = match.site.provenance.get("shapes") or {}
+            if not _same_leading_dims(shapes.get("k"), shapes.get("q")):
+                k = graph.call_function(kernels.expand_to_query_heads, (k, q))
+            if not _same_leading_dims(shapes.get("v"), shapes.get("q")):
+                v = graph.call_function(kernels.expand_to_query_heads, (v, q))
             call = graph.call_module(name, (q, k, v, self._key_keep(match)))
         call.meta["attnrewrite_site"] = match.site.name
         if "nn_module_stack" in output.meta:
@@ -238,6 +245,13 @@ class _Splicer:
             product = keep if product is None else graph.call_function(operator.mul, (product, keep))
         self.key_keeps[key] = product
         return product
+
+
+def _same_leading_dims(shape, q_shape) -> bool:
+    """Whether k or v provably has q's leading dims (else the splice expands it to them)."""
+    if shape is None or q_shape is None or len(shape) != len(q_shape):
+        return False
+    return all(isinstance(d, int) and d == e for d, e in zip(shape[:-2], q_shape[:-2]))
 
 
 def _comes_before(node: Node, other: Node) -> bool:

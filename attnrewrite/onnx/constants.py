@@ -69,13 +69,65 @@ def known_dims(value: ir.Value | None, depth: int = 16) -> list[Dim] | None:
     node = value.producer()
     if depth == 0 or node is None or (dims is not None and all(isinstance(d, int) for d in dims)):
         return dims
-    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
-        return _merge(dims, _reshape_target(node, depth - 1))
-    if node.op_type == "Transpose" and "perm" in node.attributes:
-        source = known_dims(node.inputs[0], depth - 1)
-        perm = list(node.attributes["perm"].as_ints())
-        return _merge(dims, None if source is None else [source[p] for p in perm])
-    return dims
+    if node.domain not in ("", "ai.onnx"):
+        return dims
+    return _merge(dims, _derived_dims(node, depth - 1))
+
+
+# Element-wise ops: the output is the inputs broadcast together.
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where"}
+
+
+def _derived_dims(node: ir.Node, depth: int) -> list[Dim] | None:
+    """What the op that made a value says about its dims (the ops exporters build q, k, v with:
+    head splits, rotary embeddings' slices, concatenations and element-wise products)."""
+    op = node.op_type
+    if op == "Reshape":
+        return _reshape_target(node, depth)
+    if op == "Transpose" and "perm" in node.attributes:
+        source = known_dims(node.inputs[0], depth)
+        return None if source is None else [source[p] for p in node.attributes["perm"].as_ints()]
+    if op in _BROADCASTING:
+        inputs = [known_dims(v, depth) for v in node.inputs if v is not None]
+        return None if any(d is None for d in inputs) else _broadcast(inputs)
+    if op == "Slice":  # the sliced axes change, the others are the data's
+        source, axes = known_dims(node.inputs[0], depth), _fold(node.inputs[3], depth) if len(node.inputs) > 3 else None
+        if source is None or axes is None or _has_unknown(axes):
+            return None
+        sliced = {int(a) % len(source) for a in axes.reshape(-1)}
+        return [None if i in sliced else d for i, d in enumerate(source)]
+    if op == "Concat":
+        inputs = [known_dims(v, depth) for v in node.inputs]
+        if any(d is None for d in inputs) or len({len(d) for d in inputs}) != 1:
+            return None
+        axis = node.attributes["axis"].as_int() % len(inputs[0])
+        dims = [_merge_dim(*column) for column in zip(*inputs)]
+        sizes = [d[axis] for d in inputs]
+        dims[axis] = sum(sizes) if all(isinstance(d, int) for d in sizes) else (sizes[0] if len(sizes) == 1 else None)
+        return dims
+    return None
+
+
+def _broadcast(inputs: list[list[Dim]]) -> list[Dim]:
+    rank = max(len(d) for d in inputs)
+    padded = [[1] * (rank - len(d)) + list(d) for d in inputs]
+    return [_broadcast_dim(column) for column in zip(*padded)]
+
+
+def _broadcast_dim(column) -> Dim:
+    """A 1 yields to any other size; a static size > 1 is the result (the others are it or 1)."""
+    others = [d for d in column if d != 1]
+    if not others:
+        return 1
+    static = [d for d in others if isinstance(d, int)]
+    if static:
+        return static[0]
+    return others[0] if None not in others and len(set(others)) == 1 else None
+
+
+def _merge_dim(*column: Dim) -> Dim:
+    """Dims that must be equal (Concat's other axes): the best known of them."""
+    return max(column, key=lambda d: 2 if isinstance(d, int) else 1 if isinstance(d, str) else 0)
 
 
 def _dim(d) -> Dim:
@@ -90,8 +142,7 @@ def _merge(inferred: list[Dim] | None, derived: list[Dim] | None) -> list[Dim] |
         return inferred
     if inferred is None:
         return derived
-    rank = {int: 2, str: 1}
-    return [max(a, b, key=lambda d: rank.get(type(d), 0)) for a, b in zip(inferred, derived)]
+    return [_merge_dim(a, b) for a, b in zip(inferred, derived)]
 
 
 def _reshape_target(node: ir.Node, depth: int) -> list[Dim] | None:

@@ -62,6 +62,7 @@ def rewrite_model(
         lowering = method.onnx_lowering(s.site, opts, default_opset(model))
         replacement = splicer.splice(s, lowering)
         record.outcomes.append(SiteOutcome(s.site, rewritten=True, replacement=replacement))
+    record.bytes_added = splicer.bytes_added if splicer is not None else 0
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = _record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record

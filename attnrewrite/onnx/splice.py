@@ -7,10 +7,13 @@ become dead and are removed, together with initializers nothing else reads.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 
+from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import (
     MASKED_BELOW,
     HeadLayout,
@@ -35,7 +38,10 @@ class Splicer:
         self.model = model
         self.graph = model.graph
         self._key_keep_cache: dict[tuple, ir.Value] = {}
-        self._keep_all: ir.Value | None = None
+        # content -> initializer: sites with the same shapes and seed draw the same constants
+        # (Linformer's [max_len, proj_dim] projections), which are stored once
+        self._constants: dict[tuple, ir.Value] = {}
+        self.bytes_added = 0  # of the initializers this splicer added
         # old output -> its replacement: a site's q, k or v may be an earlier site's output
         # (attention feeding attention), captured before that site was spliced
         self._successor: dict[int, ir.Value] = {}
@@ -59,8 +65,9 @@ class Splicer:
         else:
             q, v = self._current(s.q), self._current(s.v)
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
+            k, v = self._broadcast_to_queries(k, q, new_nodes), self._broadcast_to_queries(v, q, new_nodes)
         key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
-        constants = [self._initializer(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
+        constants = [self._constant(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
@@ -86,6 +93,17 @@ class Splicer:
         node = ir.Node("", "Transpose", [source], [ir.AttrInt64s("perm", perm)], name=f"{k_t.name}/untransposed")
         new_nodes.append(node)
         return node.outputs[0]
+
+    def _broadcast_to_queries(self, value: ir.Value, q: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """k or v expanded to q's leading dims where the attention's MatMuls broadcast them
+        (multi-query attention: one key/value head for every query head), so that every method
+        sees one key/value head per query head, as the MatMuls did."""
+        if not _broadcasts(value, q):
+            return value
+        shape = self._node(new_nodes, "Concat", [self._node(new_nodes, "Shape", [q], [ir.AttrInt64("end", -2)]),
+                                                 self._node(new_nodes, "Shape", [value], [ir.AttrInt64("start", -2)])],
+                           [ir.AttrInt64("axis", 0)])
+        return self._node(new_nodes, "Expand", [value, shape])
 
     def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         # a key index (lengths, ranges) becomes a keep row as long as the site's keys
@@ -195,9 +213,7 @@ class Splicer:
         return list(node.outputs)
 
     def _keep_all_value(self) -> ir.Value:
-        if self._keep_all is None:
-            self._keep_all = self._initializer("attnrewrite/keep_all_keys", np.ones((1, 1), np.float32))
-        return self._keep_all
+        return self._constant("attnrewrite/keep_all_keys", np.ones((1, 1), np.float32))
 
     # -- graph surgery ------------------------------------------------------------------------
 
@@ -257,12 +273,30 @@ class Splicer:
         self.graph.insert_before(self.graph.node(0), node) if self.graph.num_nodes() else self.graph.append(node)
         return node.outputs[0]
 
+    def _constant(self, name: str, array: np.ndarray) -> ir.Value:
+        """An initializer holding `array`: the one already added with the same content, if any."""
+        array = np.ascontiguousarray(array)
+        key = (array.dtype.str, array.shape, hashlib.sha256(array.tobytes()).hexdigest())
+        if key not in self._constants:
+            self._constants[key] = self._initializer(name, array)
+        return self._constants[key]
+
     def _initializer(self, name: str, array: np.ndarray) -> ir.Value:
         value = ir.Value(name=_unique_name(self.graph, name), const_value=ir.tensor(array))
         value.type = ir.TensorType(value.const_value.dtype)
         value.shape = ir.Shape(array.shape)
         self.graph.register_initializer(value)
+        self.bytes_added += array.nbytes
         return value
+
+
+def _broadcasts(value: ir.Value, q: ir.Value) -> bool:
+    """Whether value ([..., N, D]) may have other leading dims than q ([..., Nq, D]): unless
+    they are provably the same, the attention's MatMuls may have broadcast it."""
+    value_dims, q_dims = known_dims(value), known_dims(q)
+    if value_dims is None or q_dims is None or len(value_dims) != len(q_dims):
+        return True
+    return any(v is None or v != d for v, d in zip(value_dims[:-2], q_dims[:-2]))
 
 
 def _untranspose_plan(k_t: ir.Value) -> tuple[ir.Value, list[int]] | None:

@@ -1,0 +1,78 @@
+"""Key/value heads shared by several query heads: multi-query attention (Falcon: one key/value
+head that the attention's MatMuls broadcast) and grouped-query attention (Llama: repeat_kv, or
+SDPA's enable_gqa in torch.fx). Every method gets one key/value head per query head (the
+splices expand them, kernels.expand_to_query_heads in torch), so every method rewrites these
+sites (Linformer refuses them as causal, with its reason) and matches its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import exported, read_record
+from models import EXPORTERS, GROUPED_HEAD_MODELS, relative_error, run_onnx, run_pass_module, torch_reference
+from torch import nn
+
+import attnrewrite
+import passes
+from attnrewrite.fx import find_fx_sites
+
+TOLERANCE = 1e-5
+METHODS = {
+    "hydra": {},
+    "linear": {},
+    "favor": {"features": 32},
+    "linformer": {"proj_dim": 4},
+    "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
+}
+CASES = [pytest.param(name, exporter, id=f"{name}-{exporter}") for name in GROUPED_HEAD_MODELS for exporter in EXPORTERS]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name, exporter", CASES)
+def test_every_method_rewrites_shared_key_value_heads_and_matches_torch(exports, name, exporter, method):
+    export = exported(exports, name, exporter)
+    spec = export.spec
+    method_pass = passes.get_pass(method)
+    options = passes.make_options(method_pass, **METHODS[method])
+    model = attnrewrite.rewrite(export.load(), to=method, **METHODS[method])
+    record = read_record(model)
+
+    if method == "linformer":  # causal: refused up front, with the method's own reason
+        reason = method_pass.supports(attnrewrite.find_sites(export.load())[0], options)
+        assert "causal" in reason
+        assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", reason)] * spec.layers
+        return
+    assert [(s["status"], s["mask"]) for s in record["sites"]] == [("rewritten", spec.mask)] * spec.layers
+
+    inputs = export.parity_inputs()
+    expected, state = torch_reference(export, method, inputs, options=options)
+    assert state["calls"] == spec.layers
+    assert relative_error(run_onnx(model, inputs), expected) < TOLERANCE
+
+
+class GroupedQuerySdpa(nn.Module):
+    """4 query heads over 2 key/value heads, by SDPA's enable_gqa; causal."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("method", ["hydra", "linear", "lsh"])
+def test_fx_sdpa_with_enable_gqa_is_rewritten_with_repeated_key_value_heads(method):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 9, 8, generator=generator) for _ in range(2))
+    options = {"lsh": {"n_buckets": 4, "chunk": 4}}.get(method, {})
+    gm = attnrewrite.rewrite(GroupedQuerySdpa(), to=method, example_inputs=(q, k, v), **options)
+    record = gm.meta["attnrewrite"]
+    assert [(s["status"], s["mask"]) for s in record["sites"]] == [("rewritten", "causal")]
+
+    site = find_fx_sites(GroupedQuerySdpa(), example_inputs=(q, k, v))[0]
+    method_pass = passes.get_pass(method)
+    module = method_pass.torch_module(site, passes.make_options(method_pass, **options))
+    # query head h reads key/value head h // 2
+    repeated = [x.repeat_interleave(2, dim=1).numpy() for x in (k, v)]
+    expected = run_pass_module(module, q.numpy(), *repeated, None)
+    with torch.no_grad():
+        assert relative_error(gm(q, k, v).numpy(), expected) < TOLERANCE
