@@ -18,7 +18,9 @@ from attnrewrite.record import METADATA_KEY
 from attnrewrite.site import AttentionSite
 
 
-def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool = True, **options):
+def rewrite(
+    model: Any, to: str, layers: list[int] | None = None, validate: bool = True, include_single_query: bool = False, **options
+):
     """Replace every attention site it can prove it understands with method ``to``.
 
     ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model``, a path to an ONNX file (an
@@ -27,10 +29,13 @@ def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool
     (``passes.<method>.Options``). The record of what was done is in the ONNX model's
     ``metadata_props["attnrewrite"]`` or the GraphModule's ``meta["attnrewrite"]``. When nothing
     can be rewritten the model comes back unchanged, with that record, and a ``NothingRewritten``
-    warning says so.
+    warning says so. A site with a single query (a decoder step) is left exact unless
+    ``include_single_query``: linearizing it saves nothing.
     """
     if _is_onnx(model):
-        ir_model, record = rewrite_model(_to_ir(model), to, layers=layers, **options)
+        ir_model, record = rewrite_model(
+            _to_ir(model), to, layers=layers, include_single_query=include_single_query, **options
+        )
         _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))
         if not record.rewritten and not isinstance(model, ir.Model):
             # unchanged means the caller's bytes, not a re-serialization after shape inference
@@ -41,7 +46,7 @@ def rewrite(model: Any, to: str, layers: list[int] | None = None, validate: bool
         return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
     from attnrewrite.fx import rewrite_graph_module
 
-    gm = rewrite_graph_module(model, to, layers=layers, **options)
+    gm = rewrite_graph_module(model, to, layers=layers, include_single_query=include_single_query, **options)
     _warn_if_nothing_rewritten(gm.meta[METADATA_KEY]["sites_found"], gm.meta[METADATA_KEY]["sites_rewritten"])
     return gm
 

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="only report the attention sites found")
     parser.add_argument("--layers", type=parse_layers, help="sites to rewrite, by index: 0,2,5-7 (default: all)")
     parser.add_argument(
+        "--include-single-query", action="store_true",
+        help="also rewrite sites with one query (a decoder step), which stay exact by default: linearizing them saves nothing",
+    )
+    parser.add_argument(
         "-O", "--option", action="append", default=[], metavar="KEY=VALUE",
         help="a method option, e.g. -O features=256 -O seed=1 (see --list-options)",
     )
@@ -321,7 +325,9 @@ def _run(argv: list[str]) -> int:
         check_length_fits(model.graph, args)
     # from the original's signature, before the rewrite changes the model in place
     inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
-    model, record = rewrite_model(model, args.to, layers=args.layers, **options)
+    model, record = rewrite_model(
+        model, args.to, layers=args.layers, include_single_query=args.include_single_query, **options
+    )
     check_layers_exist(args.layers, record)
     if record.outcomes:
         print(record.table())

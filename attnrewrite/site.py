@@ -28,6 +28,15 @@ class MaskKind(str, enum.Enum):
         return self in (MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING)
 
 
+SINGLE_QUERY = "a single query: linearizing saves nothing"
+
+
+def single_query_reason(site: "AttentionSite", include_single_query: bool) -> str | None:
+    """One query (a decoder step) attends to N keys in O(N) already: a linear method would only
+    approximate it, so such a site stays exact unless the caller includes it."""
+    return SINGLE_QUERY if site.query_length == 1 and not include_single_query else None
+
+
 @dataclasses.dataclass
 class AttentionSite:
     """softmax(scale * q @ k^T + mask) @ v, with q [..., Nq, Dh], k [..., Nk, Dh], v [..., Nk, Dv].
@@ -43,6 +52,7 @@ class AttentionSite:
     num_heads: int | None = None
     head_dim: int | None = None
     value_dim: int | None = None
+    query_length: int | None = None  # Nq, when static
     dtype: str = "float32"
     layer: int | None = None
     # Why this site must be left alone; None when it is rewritable (by some method).
@@ -64,6 +74,7 @@ class AttentionSite:
             "num_heads": self.num_heads,
             "head_dim": self.head_dim,
             "value_dim": self.value_dim,
+            "query_length": self.query_length,
             "layout": self.layout,
             "scale": self.scale,
             "mask": self.mask.value,

@@ -118,6 +118,7 @@ def _fill_shapes(facts: GraphFacts, site: AttentionSite, q: Node, k_shape, v: No
     if q_shape is not None:
         site.rank = len(q_shape)
         site.head_dim = q_shape[-1]
+        site.query_length = q_shape[-2] if len(q_shape) >= 2 and isinstance(q_shape[-2], int) else None
         site.num_heads = _heads_of_split_layout(facts, q)
     if v_shape is not None:
         site.value_dim = v_shape[-1]

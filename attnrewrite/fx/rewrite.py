@@ -30,7 +30,7 @@ from attnrewrite.fx.masks import key_keep_from_mask
 from attnrewrite.fx.modules import LinearizedMultiheadAttention, slow_path_container
 from attnrewrite.fx import ops
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
-from attnrewrite.site import AttentionSite
+from attnrewrite.site import AttentionSite, single_query_reason
 
 
 def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphModule:
@@ -102,6 +102,7 @@ def rewrite_graph_module(
     layers: list[int] | None = None,
     *,
     example_inputs: tuple | None = None,
+    include_single_query: bool = False,
     **options: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
@@ -109,6 +110,7 @@ def rewrite_graph_module(
     ``model``: an nn.Module (traced with symbolic_trace), a GraphModule, or an ExportedProgram.
     ``layers``: rewrite only sites of these layer indices. ``example_inputs``: optional inputs,
     used for shapes when the graph has none (and to export models symbolic_trace cannot trace).
+    ``include_single_query``: also rewrite sites with one query (left exact by default).
     ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
     """
     method = passes.get_pass(to)
@@ -121,7 +123,7 @@ def rewrite_graph_module(
     replaced: set[Node] = set()
 
     for match in find_matches(facts):
-        reason = _refusal(match.site, method, method_options, layers)
+        reason = _refusal(match.site, method, method_options, layers, include_single_query)
         if reason is not None:
             record.outcomes.append(SiteOutcome(match.site, rewritten=False, reason=reason))
             continue
@@ -147,7 +149,9 @@ def rewrite_graph_module(
     return gm
 
 
-def _refusal(site: AttentionSite, method: types.ModuleType, options: Any, layers: list[int] | None) -> str | None:
+def _refusal(
+    site: AttentionSite, method: types.ModuleType, options: Any, layers: list[int] | None, include_single_query: bool
+) -> str | None:
     if site.skip_reason is not None:
         return site.skip_reason
     if layers is not None:
@@ -155,6 +159,8 @@ def _refusal(site: AttentionSite, method: types.ModuleType, options: Any, layers
             return "no layer index, so not among the selected layers"
         if site.layer not in layers:
             return f"layer {site.layer} is not selected"
+    if (reason := single_query_reason(site, include_single_query)) is not None:
+        return reason
     reason = method.supports(site, options)
     if reason is not None and site.provenance.get("mask_detail"):
         reason = f"{reason} ({site.provenance['mask_detail']})"

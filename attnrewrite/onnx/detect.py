@@ -129,6 +129,7 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     nodes = [*walk.nodes, matmul, softmax, *forward_nodes]
     site.provenance = {"nodes": [n.name for n in nodes]}
     lengths = _static_dims(softmax.inputs[0], -2, -1)
+    site.query_length = lengths[0]
     return OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes, static_lengths=lengths)
 
 
@@ -187,6 +188,11 @@ class _LogitsWalk:
             return self._additive_mask(node)
         if op == "Where":
             return self._where_mask(node)
+        if not _reaches_dot_product(node):
+            raise Unsupported(
+                "the attention scores are not a dot product q @ k^T (additive attention?): "
+                f"no MatMul of two activations computes {op} {node.name!r}"
+            )
         raise Unsupported(f"{op} node {node.name!r} between q @ k^T and softmax is not understood")
 
     def _additive_mask(self, node: ir.Node) -> ir.Value:
@@ -206,6 +212,27 @@ class _LogitsWalk:
                 self.masks.append(MaskTerm(cond, form))
                 return logits
         raise Unsupported(f"Where {node.name!r} on the logits does not fill with a masking constant")
+
+
+def _is_weight(value: ir.Value) -> bool:
+    """A constant operand (initializer or Constant): a projection, not queries or keys."""
+    node = value.producer()
+    return value.const_value is not None or (node is not None and node.op_type == "Constant")
+
+
+def _reaches_dot_product(node: ir.Node, budget: int = 32) -> bool:
+    """Whether some MatMul of two activations feeds `node` (a bounded search upstream): the
+    scores of additive attention (v^T tanh(W q + U k)) have none."""
+    work, seen = [node], set()
+    while work and len(seen) < budget:
+        current = work.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.op_type in ("MatMul", "Einsum") and not any(_is_weight(v) for v in current.inputs if v is not None):
+            return True
+        work.extend(v.producer() for v in current.inputs if v is not None and v.producer() is not None)
+    return bool(work)  # out of budget: do not claim there is none
 
 
 def _which_leads_to_matmul(a: ir.Value, b: ir.Value) -> ir.Value | None:
@@ -327,6 +354,7 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     _describe_shapes(site, q, v, None)
     site.num_heads = _static(q.shape[1])  # the operator defines 4-D inputs as [B, H, N, D]
     onnx_site.static_lengths = (_static_dims(q, -2)[0], _static_dims(k, -2)[0])
+    site.query_length = onnx_site.static_lengths[0]
     _set_scale(site, node, zero_is_default=False)
     return onnx_site
 
@@ -427,6 +455,7 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
     onnx_site.packing, onnx_site.masks = packing, masks
     onnx_site.static_batch = _static_dims(inputs[0], 0)[0]
     onnx_site.static_lengths = _contrib_lengths(packing)
+    site.query_length = onnx_site.static_lengths[0]
     onnx_site.causal_by_attribute = bool(attrs["unidirectional"].as_int()) if "unidirectional" in attrs else False
     heads = packing.num_heads
     q_size, _, v_size = packing.sizes

@@ -13,7 +13,7 @@ from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
-from attnrewrite.site import AttentionSite
+from attnrewrite.site import AttentionSite, single_query_reason
 from passes._onnx import DOMAIN
 
 
@@ -35,18 +35,19 @@ def rewritten_sites(model: ir.Model) -> list[ir.Node]:
 
 
 def rewrite_model(
-    model: ir.Model, to: str, layers: list[int] | None = None, **options
+    model: ir.Model, to: str, layers: list[int] | None = None, include_single_query: bool = False, **options
 ) -> tuple[ir.Model, RewriteRecord]:
-    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model."""
+    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
+    Sites with one query are left exact unless ``include_single_query``."""
     method = passes.get_pass(to)
     opts = passes.make_options(method, **options)
     model = infer_shapes(model)
     sites = analyze(model)
-    decisions = [_decide(s, method, opts, layers) for s in sites]
+    decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
     if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
         model = infer_shapes(upgrade_opset(model))
         sites = analyze(model)
-        decisions = [_decide(s, method, opts, layers) for s in sites]
+        decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
 
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
     splicer = Splicer(model) if any(reason is None for reason in decisions) else None
@@ -85,10 +86,10 @@ def read_record(model: ir.Model) -> dict | None:
     return json.loads(text) if text else None
 
 
-def _decide(s: OnnxSite, method, opts, layers: list[int] | None) -> str | None:
+def _decide(s: OnnxSite, method, opts, layers: list[int] | None, include_single_query: bool) -> str | None:
     """None when the site is to be rewritten, else the reason it is left alone."""
     if s.site.skip_reason:
         return s.site.skip_reason
     if layers is not None and s.site.layer not in layers:
         return "not selected (--layers)"
-    return method.supports(s.site, opts)
+    return single_query_reason(s.site, include_single_query) or method.supports(s.site, opts)
