@@ -46,7 +46,8 @@ class AttentionSite:
     """
 
     name: str
-    scale: float = 1.0
+    # None: the default 1/sqrt(head_dim) of a graph without shapes, read from q at run time
+    scale: float | None = 1.0
     mask: MaskKind = MaskKind.NONE
     rank: int | None = None
     num_heads: int | None = None

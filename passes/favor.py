@@ -93,10 +93,10 @@ class Options:
 def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed by a kernel feature map"
-    if not site.scale > 0:
-        return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
     if site.head_dim is None:
         return "the head dimension is unknown, and W [features, head_dim] is drawn at rewrite time"
+    if not site.scale > 0:
+        return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
     return None
 
 

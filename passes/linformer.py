@@ -124,7 +124,8 @@ def attend_projected(q, k_proj, v_proj, support, scale: float):
 
 
 class LinformerAttention(Module):
-    def __init__(self, scale: float, options: Options):
+    def __init__(self, scale: float | None, options: Options):
+        """scale None: 1/sqrt(head_dim), read from q (a torch graph without shapes)."""
         super().__init__()
         self.scale = scale
         self.options = options
@@ -159,7 +160,8 @@ class LinformerAttention(Module):
         k_proj, v_proj, support = project(k.float(), v.float(), keep, p_e, p_f)
         if pooled:  # a mean over each segment's kept keys
             k_proj, v_proj = k_proj / support.clamp_min(1.0), v_proj / support.clamp_min(1.0)
-        return attend_projected(q.float(), k_proj, v_proj, support, self.scale).to(v.dtype)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        return attend_projected(q.float(), k_proj, v_proj, support, scale).to(v.dtype)
 
     def extra_repr(self) -> str:
         o = self.options

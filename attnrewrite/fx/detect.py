@@ -500,12 +500,12 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
     if not isinstance(is_causal, bool):
         return _skipped(match, "is_causal is not a constant")
     if scale is None:
-        if not isinstance(site.head_dim, int):
-            return _skipped(match, "the default scale needs head_dim, which is unknown (pass example_inputs)")
-        scale = 1.0 / math.sqrt(site.head_dim)
-    site.scale = facts.scalar(scale) if facts.scalar(scale) is not None else scale
-    if not isinstance(site.scale, (int, float)):
-        return _skipped(match, "the scale is not a constant")
+        # SDPA's default, 1/sqrt(q.shape[-1]): without shapes the replacement reads it from q
+        site.scale = 1.0 / math.sqrt(site.head_dim) if isinstance(site.head_dim, int) else None
+    else:
+        site.scale = facts.scalar(scale) if facts.scalar(scale) is not None else scale
+        if not isinstance(site.scale, (int, float)):
+            return _skipped(match, "the scale is not a constant")
     q_shape = facts.shape(q)
     # grouped or multi-query heads (enable_gqa, or one key/value head broadcast): the splice
     # gives the replacement one key/value head per query head (kernels.expand_to_query_heads)
