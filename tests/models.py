@@ -462,13 +462,19 @@ def _reason(error: BaseException) -> str:
 # --- the hand-built ONNX Attention graph (opset 23) ---------------------------------------
 
 
-def attention_operator_model(heads: int = HEADS, head_dim: int = 8, causal: bool = False, with_mask: bool = True) -> onnx.ModelProto:
-    """q, k, v [batch, heads, seq, head_dim] into one ``Attention`` node, with a bool mask built
+def attention_operator_model(
+    heads: int = HEADS, head_dim: int = 8, causal: bool = False, with_mask: bool = True, kv_heads: int | None = None
+) -> onnx.ModelProto:
+    """q, k, v [batch, heads, seq, head_dim] into one ``Attention`` node (k and v with ``kv_heads``
+    heads when given: grouped-query attention), with a bool mask built
     in the graph from an ``attention_mask`` input [batch, seq] (1 = token) and expanded to
     [batch, 1, seq, seq] (onnxruntime's Attention does not broadcast a mask over queries). An
     Identity follows, so a spliced site must hand its output over to a consumer."""
     shape = ["batch", heads, "seq", head_dim]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("q", "k", "v")]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", h, "seq", head_dim])
+        for n, h in (("q", heads), ("k", kv_heads or heads), ("v", kv_heads or heads))
+    ]
     nodes, attention_inputs = [], ["q", "k", "v"]
     if with_mask:
         inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import exported, read_record
-from models import EXPORTERS, GROUPED_HEAD_MODELS, relative_error, run_onnx, run_pass_module, torch_reference
+from models import EXPORTERS, GROUPED_HEAD_MODELS, attention_operator_model, relative_error, run_onnx, run_pass_module, torch_reference
+from test_onnx_exports import attention_inputs
 from torch import nn
 
 import attnrewrite
@@ -76,3 +77,34 @@ def test_fx_sdpa_with_enable_gqa_is_rewritten_with_repeated_key_value_heads(meth
     expected = run_pass_module(module, q.numpy(), *repeated, None)
     with torch.no_grad():
         assert relative_error(gm(q, k, v).numpy(), expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["key_padding", "causal+key_padding"])
+@pytest.mark.parametrize("method", ["hydra", "linear", "favor", "lsh"])
+def test_attention_operator_with_grouped_key_value_heads(method, causal):
+    """The ONNX Attention op with kv_num_heads 2 < q_num_heads 4."""
+    model = attention_operator_model(heads=4, kv_heads=2, causal=causal)
+    options = {"favor": {"features": 32}, "lsh": {"n_buckets": 4, "chunk": 4}}.get(method, {})
+    out = attnrewrite.rewrite(model, to=method, **options)
+    assert [s["status"] for s in read_record(out)["sites"]] == ["rewritten"]
+
+    q, k, v, attention_mask = attention_inputs(heads=4)
+    k, v = k[:, :2], v[:, :2]
+    (site,) = attnrewrite.find_sites(model)
+    method_pass = passes.get_pass(method)
+    module = method_pass.torch_module(site, passes.make_options(method_pass, **options))
+    keep = attention_mask[:, None, :, None].float().numpy()
+    expected = run_pass_module(module, q.numpy(), *(x.repeat_interleave(2, dim=1).numpy() for x in (k, v)), keep)
+    feeds = {"q": q, "k": k, "v": v, "attention_mask": attention_mask}
+    assert relative_error(run_onnx(out, feeds), expected) < TOLERANCE
+
+
+def test_grouped_heads_are_the_ones_the_attention_operator_reads():
+    """Linformer with every key kept (9 keys <= proj_dim) is exact attention: equal to what
+    onnxruntime's Attention computes, so the repeated heads are grouped as the operator groups them."""
+    model = attention_operator_model(heads=4, kv_heads=2)
+    out = attnrewrite.rewrite(model, to="linformer")
+    assert [s["status"] for s in read_record(out)["sites"]] == ["rewritten"]
+    q, k, v, attention_mask = attention_inputs(heads=4, seq=9)
+    feeds = {"q": q, "k": k[:, :2], "v": v[:, :2], "attention_mask": attention_mask}
+    assert relative_error(run_onnx(out, feeds), run_onnx(model, feeds)) < TOLERANCE

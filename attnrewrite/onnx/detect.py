@@ -396,8 +396,12 @@ def _fused_attention_limits(node, q, past_key, past_value) -> str | None:
         return "Attention with 3-D inputs (heads packed into features) is not supported; 4-D expected"
     if q.shape is not None and node.inputs[1].shape is not None:
         qh, kh = q.shape[1], node.inputs[1].shape[1]
-        if isinstance(qh, int) and isinstance(kh, int) and qh != kh:
-            return f"grouped-query Attention ({qh} query heads, {kh} key heads) is not supported"
+        # grouped key/value heads are repeated by the splice; that needs both counts
+        if not (isinstance(qh, int) and isinstance(kh, int) and qh % kh == 0):
+            return (
+                f"grouped-query Attention ({qh} query heads, {kh} key heads): "
+                "the head counts must be static, the key heads dividing the query heads"
+            )
     return None
 
 

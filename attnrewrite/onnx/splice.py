@@ -95,14 +95,21 @@ class Splicer:
         return node.outputs[0]
 
     def _broadcast_to_queries(self, value: ir.Value, q: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
-        """k or v expanded to q's leading dims where the attention's MatMuls broadcast them
-        (multi-query attention: one key/value head for every query head), so that every method
-        sees one key/value head per query head, as the MatMuls did."""
+        """k or v with q's leading dims, as the attention reads them: one key/value head
+        broadcast by the MatMuls (multi-query attention) expanded, grouped heads (the Attention
+        op's kv_num_heads < q_num_heads) repeated, query head h reading key/value head
+        h // group. Every method then sees one key/value head per query head."""
         if not _broadcasts(value, q):
             return value
-        shape = self._node(new_nodes, "Concat", [self._node(new_nodes, "Shape", [q], [ir.AttrInt64("end", -2)]),
-                                                 self._node(new_nodes, "Shape", [value], [ir.AttrInt64("start", -2)])],
-                           [ir.AttrInt64("axis", 0)])
+        q_lead = self._node(new_nodes, "Shape", [q], [ir.AttrInt64("end", -2)])
+        rows = self._node(new_nodes, "Shape", [value], [ir.AttrInt64("start", -2)])
+        group = _head_group(value, q)
+        if group is not None:  # [.., Hkv, N, D] -> [.., Hkv, group, N, D] -> [.., Hkv * group, N, D]
+            lead = self._node(new_nodes, "Shape", [value], [ir.AttrInt64("end", -2)])
+            grouped = self._node(new_nodes, "Concat", [lead, self._const([group]), rows], [ir.AttrInt64("axis", 0)])
+            value = self._node(new_nodes, "Expand", [self._node(new_nodes, "Unsqueeze", [value, self._const([-3])]), grouped])
+            return self._node(new_nodes, "Reshape", [value, self._node(new_nodes, "Concat", [q_lead, rows], [ir.AttrInt64("axis", 0)])])
+        shape = self._node(new_nodes, "Concat", [q_lead, rows], [ir.AttrInt64("axis", 0)])
         return self._node(new_nodes, "Expand", [value, shape])
 
     def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
@@ -297,6 +304,17 @@ def _broadcasts(value: ir.Value, q: ir.Value) -> bool:
     if value_dims is None or q_dims is None or len(value_dims) != len(q_dims):
         return True
     return any(v is None or v != d for v, d in zip(value_dims[:-2], q_dims[:-2]))
+
+
+def _head_group(value: ir.Value, q: ir.Value) -> int | None:
+    """Query heads per key/value head, when value has static heads (dim -3) > 1 that divide q's."""
+    value_dims, q_dims = known_dims(value), known_dims(q)
+    if value_dims is None or q_dims is None or len(value_dims) != len(q_dims) or len(q_dims) < 3:
+        return None
+    kv_heads, heads = value_dims[-3], q_dims[-3]
+    if isinstance(kv_heads, int) and isinstance(heads, int) and 1 < kv_heads < heads and heads % kv_heads == 0:
+        return heads // kv_heads
+    return None
 
 
 def _untranspose_plan(k_t: ir.Value) -> tuple[ir.Value, list[int]] | None:
