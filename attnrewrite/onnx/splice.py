@@ -101,16 +101,22 @@ class Splicer:
         h // group. Every method then sees one key/value head per query head."""
         if not _broadcasts(value, q):
             return value
-        q_lead = self._node(new_nodes, "Shape", [q], [ir.AttrInt64("end", -2)])
-        rows = self._node(new_nodes, "Shape", [value], [ir.AttrInt64("start", -2)])
+
+        def shape_of(x, **slice_bounds):
+            return self._node(new_nodes, "Shape", [x], [ir.AttrInt64(k, b) for k, b in slice_bounds.items()])
+
+        def concat(*parts):
+            return self._node(new_nodes, "Concat", list(parts), [ir.AttrInt64("axis", 0)])
+
+        rows = shape_of(value, start=-2)
+        target = concat(shape_of(q, end=-2), rows)
         group = _head_group(value, q)
-        if group is not None:  # [.., Hkv, N, D] -> [.., Hkv, group, N, D] -> [.., Hkv * group, N, D]
-            lead = self._node(new_nodes, "Shape", [value], [ir.AttrInt64("end", -2)])
-            grouped = self._node(new_nodes, "Concat", [lead, self._const([group]), rows], [ir.AttrInt64("axis", 0)])
-            value = self._node(new_nodes, "Expand", [self._node(new_nodes, "Unsqueeze", [value, self._const([-3])]), grouped])
-            return self._node(new_nodes, "Reshape", [value, self._node(new_nodes, "Concat", [q_lead, rows], [ir.AttrInt64("axis", 0)])])
-        shape = self._node(new_nodes, "Concat", [q_lead, rows], [ir.AttrInt64("axis", 0)])
-        return self._node(new_nodes, "Expand", [value, shape])
+        if group is None:
+            return self._node(new_nodes, "Expand", [value, target])
+        # [.., Hkv, N, D] -> [.., Hkv, group, N, D] -> [.., Hkv * group, N, D]
+        unsqueezed = self._node(new_nodes, "Unsqueeze", [value, self._const([-3])])
+        grouped = self._node(new_nodes, "Expand", [unsqueezed, concat(shape_of(value, end=-2), self._const([group]), rows)])
+        return self._node(new_nodes, "Reshape", [grouped, target])
 
     def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         # a key index (lengths, ranges) becomes a keep row as long as the site's keys
