@@ -45,6 +45,8 @@ _FOLDABLE = {
 
 
 _MAX_ELEMENTS = 4096
+# What folding a graph that could not run raises (indices out of range, shapes that do not fit)
+_INVALID = (IndexError, ValueError, TypeError, ZeroDivisionError)
 
 
 def constant_array(value: ir.Value | None, depth: int = 16) -> np.ndarray | None:
@@ -71,7 +73,10 @@ def known_dims(value: ir.Value | None, depth: int = 16) -> list[Dim] | None:
         return dims
     if node.domain not in ("", "ai.onnx"):
         return dims
-    return _merge(dims, _derived_dims(node, depth - 1))
+    try:
+        return _merge(dims, _derived_dims(node, depth - 1))
+    except _INVALID:  # a graph whose shapes do not fit its ops: nothing more is known
+        return dims
 
 
 # Element-wise ops: the output is the inputs broadcast together.
@@ -199,9 +204,12 @@ def _fold(value: ir.Value | None, depth: int) -> np.ndarray | None:
     args = [None if v is None else _fold(v, depth - 1) for v in node.inputs]
     if any(a is None for a, v in zip(args, node.inputs) if v is not None):
         return None
-    if fold is None:
-        return _known(_object_if_symbolic(_INDEXING[node.op_type](node, *args)))
-    return _elementwise(fold, args)
+    try:
+        if fold is None:
+            return _known(_object_if_symbolic(_INDEXING[node.op_type](node, *args)))
+        return _elementwise(fold, args)
+    except _INVALID:  # e.g. a Gather past the end of a shape: not a constant this graph computes
+        return None
 
 
 def _partial_shape(shape_node: ir.Node, depth: int) -> np.ndarray | None:
