@@ -187,10 +187,13 @@ def causal_key_features(log_phi, key_keep, norm: float):
 class FavorAttention(Module):
     def __init__(
         self, projection, scale: float, causal: bool, chunk: int, variant: str, window: int = 0,
-        linear_log_weight=None,
+        linear_log_weight=None, learnable: bool = False,
     ):
         super().__init__()
-        self.register_buffer("projection", projection)  # fixed at rewrite time, saved with it
+        if learnable:  # calibration fits W, starting from the seeded draw
+            self.projection = torch.nn.Parameter(projection)
+        else:
+            self.register_buffer("projection", projection)  # fixed at rewrite time, saved with it
         self.scale = scale
         self.root_scale = math.sqrt(scale)
         self.causal = causal
@@ -233,6 +236,27 @@ class FavorAttention(Module):
             query_log_scale=log_q.amax(dim=-1, keepdim=True), key_log_scale=key_log_scale, eps=EPS,
         )
 
+    def attention_weights(self, q, k, key_keep=None):
+        """The normalized weights [..., Nq, Nk] the features give each key, N x N: for the
+        fitter's attention-weight cross-entropy, never for inference. phi(x_i).phi(y_j) =
+        exp(a_i + b_j) phi'(x_i).phi'(y_j) with a_i, b_j each row's max log feature, so the
+        product is taken in log space and nothing over- or underflows."""
+        if self.window:
+            raise ValueError("windowed favor gives no attention weights to fit")
+        w = self.projection.float()
+        hyperbolic = self.variant == "hyperbolic"
+        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
+        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        q_max, k_max = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
+        product = torch.exp(log_q - q_max) @ torch.exp(log_k - k_max).transpose(-2, -1)
+        log_scores = torch.log(product.clamp_min(1e-30)) + q_max + k_max.transpose(-2, -1)
+        hidden = torch.zeros_like(log_scores, dtype=torch.bool)
+        if key_keep is not None:
+            hidden = hidden | (key_keep.transpose(-2, -1) == 0)
+        if self.causal:
+            hidden = hidden | torch.ones_like(hidden).triu(1)
+        return torch.softmax(log_scores.masked_fill(hidden, LOWEST), dim=-1)
+
     def extra_repr(self) -> str:
         m, d = self.projection.shape
         window = f", window={self.window}" if self.window else ""
@@ -242,12 +266,18 @@ class FavorAttention(Module):
         )
 
 
-def torch_module(site: AttentionSite, options: Options) -> FavorAttention:
+def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> FavorAttention:
+    """``learnable``: the projection W is a parameter (calibration fits it), else a buffer."""
     projection = torch.from_numpy(projection_for(site, options))
     log_weight = kernels.initial_linear_log_weight(site) if options.window else None
     return FavorAttention(
-        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window, log_weight
+        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window, log_weight,
+        learnable,
     )
+
+
+def nothing_to_fit(options: Options) -> str | None:
+    return None
 
 
 # --- ONNX ------------------------------------------------------------------------------------

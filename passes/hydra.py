@@ -14,6 +14,7 @@ import dataclasses
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
+from passes import kernels
 from passes._options import UNUSED_SEED, option
 from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module
@@ -56,6 +57,7 @@ class HydraAttention(Module):
         return x / (x.square().sum(self.feature_axes, keepdim=True).sqrt() + self.eps)
 
     def forward(self, q, k, v, key_keep=None):
+        q, k = kernels.map_queries_and_keys(self, q, k)
         q, k = self.normalize(q.float()), self.normalize(k.float())
         if key_keep is not None:
             k = k * key_keep
@@ -67,11 +69,29 @@ class HydraAttention(Module):
         return f"causal={self.causal}, feature_axes={self.feature_axes}, eps={self.eps}"
 
 
-def torch_module(site: AttentionSite, options: Options) -> HydraAttention:
-    return HydraAttention(site.mask.causal, feature_axes(site), options.eps)
+def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HydraAttention:
+    """``learnable``: with identity query/key maps as parameters (kernels.add_query_key_maps)."""
+    module = HydraAttention(site.mask.causal, feature_axes(site), options.eps)
+    if learnable:
+        kernels.add_query_key_maps(module, site)
+    return module
 
 
-def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def nothing_to_fit(options: Options) -> str | None:
+    return None
+
+
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: a learnable module's state (query_map, key_map), as numpy arrays."""
+    lowering = _plain_lowering(site, options, opset_version)
+    if weights is None:
+        return lowering
+    return kernels.with_query_key_maps(lowering, weights, opset_version)
+
+
+def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     axes = feature_axes(site)
     eps = options.eps

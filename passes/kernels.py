@@ -16,9 +16,18 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import helper
 from onnxscript import script
 
-from passes._onnx import ATTNREWRITE, FLOAT, standard_opset
+from passes._onnx import (
+    ATTNREWRITE,
+    DOMAIN,
+    DOMAIN_VERSION,
+    FLOAT,
+    MIN_OPSET,
+    OnnxLowering,
+    standard_opset,
+)
 from passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
@@ -305,6 +314,11 @@ def expand_to_query_heads(x, q):
     return x.expand(*q.shape[:-2], *x.shape[-2:])
 
 
+def future_keys(rows, n_keys: int):
+    """[R, Nk] True where key j comes after query row rows[r] (hidden under a causal mask)."""
+    return torch.arange(n_keys, device=rows.device) > rows[:, None]
+
+
 def flatten_heads(x):
     """[..., N, F] -> [G, N, F]: the ONNX kernels below are written for rank 3."""
     return x.reshape(-1, *x.shape[-2:])
@@ -319,6 +333,61 @@ def fitted_heads(site) -> int:
 def initial_linear_log_weight(site) -> np.ndarray:
     """The window's per-head log mixing weight [heads, 1, 1] before fitting: 0, weight 1."""
     return np.zeros((fitted_heads(site), 1, 1), np.float32)
+
+
+# --- learnable query and key maps (linear, hydra) --------------------------------------------
+# Calibration fits a per-head linear map of q and k in front of a fixed feature map. The maps
+# exist only in learnable modules (identity at first, so the output is unchanged), and their
+# ONNX form wraps the plain entry function, so uncalibrated graphs are the ones they always were.
+
+QUERY_KEY_MAPS = ("query_map", "key_map")
+
+
+def query_key_map_shape(site) -> tuple[int, int, int]:
+    """[heads, d, d] when q is [batch, heads, N, d], else [1, d, d] (one map for every head)."""
+    if site.head_dim is None:
+        raise ValueError("the head dimension is unknown, so no query/key map can be fitted")
+    return fitted_heads(site), site.head_dim, site.head_dim
+
+
+def add_query_key_maps(module, site) -> None:
+    """Register identity maps as the module's trainable ``query_map`` and ``key_map``."""
+    heads, d, _ = query_key_map_shape(site)
+    for name in QUERY_KEY_MAPS:
+        module.register_parameter(name, torch.nn.Parameter(torch.eye(d).repeat(heads, 1, 1)))
+
+
+def map_queries_and_keys(module, q, k):
+    """(q W_q, k W_k) in float32 when the module has maps, else q and k as they are."""
+    if getattr(module, "query_map", None) is None:
+        return q, k
+    return q.float() @ module.query_map.float(), k.float() @ module.key_map.float()
+
+
+def with_query_key_maps(lowering: OnnxLowering, weights: dict, opset_version: int) -> OnnxLowering:
+    """The lowering behind an entry ``Learned<Entry>(q, k, v, key_keep, *constants, query_map,
+    key_map)`` that maps q and k (in float32, as map_queries_and_keys) and calls the entry."""
+    inner = lowering.functions[-1]
+    constants = list(inner.input[4:])
+    nodes = [
+        helper.make_node("Cast", ["q"], ["q_float"], to=FLOAT),
+        helper.make_node("MatMul", ["q_float", "query_map"], ["q_mapped"]),
+        helper.make_node("Cast", ["k"], ["k_float"], to=FLOAT),
+        helper.make_node("MatMul", ["k_float", "key_map"], ["k_mapped"]),
+        helper.make_node(
+            inner.name, ["q_mapped", "k_mapped", "v", "key_keep", *constants], ["out"], domain=DOMAIN
+        ),
+    ]
+    entry = helper.make_function(
+        DOMAIN,
+        f"Learned{inner.name}",
+        ["q", "k", "v", "key_keep", *constants, *QUERY_KEY_MAPS],
+        ["out"],
+        nodes,
+        [helper.make_opsetid("", max(opset_version, MIN_OPSET)), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+    )
+    maps = {name: np.asarray(weights[name], dtype=np.float32) for name in QUERY_KEY_MAPS}
+    return OnnxLowering([*lowering.functions, entry], {**lowering.constants, **maps})
 
 
 # --- ONNX ------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class LinearAttention(Module):
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
     def forward(self, q, k, v, key_keep=None):
+        q, k = kernels.map_queries_and_keys(self, q, k)  # learnable modules' maps (window too)
         phi_q = torch.nn.functional.elu(q.float()) + 1
         phi_k = torch.nn.functional.elu(k.float()) + 1
         if key_keep is not None:
@@ -70,26 +71,58 @@ class LinearAttention(Module):
             out = kernels.linear_attention(phi_q, phi_k, v.float())
         return out.to(v.dtype)
 
+    def attention_weights(self, q, k, key_keep=None):
+        """The normalized weights [..., Nq, Nk] this module gives each key, N x N: for the
+        fitter's attention-weight cross-entropy, never for inference."""
+        q, k = kernels.map_queries_and_keys(self, q, k)
+        phi_q = torch.nn.functional.elu(q.float()) + 1
+        phi_k = torch.nn.functional.elu(k.float()) + 1
+        if key_keep is not None:
+            phi_k = phi_k * key_keep
+        if not self.window:
+            return kernels.kernel_attention_weights(phi_q, phi_k, self.causal)
+        return kernels.windowed_attention_weights(
+            phi_q, phi_k, q.float(), k.float(), scale=self.scale, window=self.window, causal=self.causal,
+            key_keep=key_keep, linear_log_weight=self.linear_log_weight,
+        )
+
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window else ""
         return f"causal={self.causal}, chunk={self.chunk}{window}"
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
-    """``learnable``: the method has nothing of its own to fit; the window's linear_log_weight
-    is an nn.Parameter either way."""
+    """``learnable``: with identity query/key maps as parameters (kernels.add_query_key_maps);
+    the window's linear_log_weight is an nn.Parameter either way."""
     if not options.window:
-        return LinearAttention(site.mask.causal, options.chunk)
-    log_weight = kernels.initial_linear_log_weight(site)
-    return LinearAttention(site.mask.causal, options.chunk, site.scale, options.window, log_weight)
+        module = LinearAttention(site.mask.causal, options.chunk)
+    else:
+        log_weight = kernels.initial_linear_log_weight(site)
+        module = LinearAttention(site.mask.causal, options.chunk, site.scale, options.window, log_weight)
+    if learnable:
+        kernels.add_query_key_maps(module, site)
+    return module
+
+
+def nothing_to_fit(options: Options) -> str | None:
+    return None
 
 
 def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
 ) -> OnnxLowering:
-    """``weights``: a fitted module's state (linear_log_weight), as numpy arrays."""
+    """``weights``: a fitted module's state (linear_log_weight; query_map and key_map of a
+    learnable module, which select the Learned<Entry> function that applies them)."""
     if options.window:
-        return _windowed_lowering(site, options, opset_version).with_weights(weights)
+        lowering = _windowed_lowering(site, options, opset_version).with_weights(weights)
+    else:
+        lowering = _plain_lowering(site, options, opset_version)
+    if weights is None or kernels.QUERY_KEY_MAPS[0] not in weights:
+        return lowering
+    return kernels.with_query_key_maps(lowering, weights, opset_version)
+
+
+def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     if site.mask.causal:
         kernel = kernels.causal_linear_attention_function(opset_version, options.chunk)

@@ -124,19 +124,21 @@ def attend_projected(q, k_proj, v_proj, support, scale: float):
 
 
 class LinformerAttention(Module):
-    def __init__(self, scale: float | None, options: Options):
+    """E and F are named as the ONNX lowering's constants (state_dict names = constant names)."""
+
+    def __init__(self, scale: float | None, options: Options, learnable: bool = False):
         """scale None: 1/sqrt(head_dim), read from q (a torch graph without shapes)."""
         super().__init__()
         self.scale = scale
         self.options = options
         if options.stored:
             e, f = (torch.from_numpy(m) for m in projection_matrices(options))
-            if options.projection == "learned":
-                self.e = torch.nn.Parameter(e)
-                self.f = self.e if options.share_kv else torch.nn.Parameter(f.clone())
+            if options.projection == "learned" or learnable:
+                self.E = torch.nn.Parameter(e)
+                self.F = self.E if options.share_kv else torch.nn.Parameter(f.clone())
             else:
-                self.register_buffer("e", e)
-                self.register_buffer("f", f)
+                self.register_buffer("E", e)
+                self.register_buffer("F", f)
 
     def projections(self, n: int, device):
         """(P_E, P_F, pooled) for a sequence of n keys, each [n, min(n, k)]."""
@@ -151,7 +153,7 @@ class LinformerAttention(Module):
             raise ValueError(
                 f"sequence length {n} is longer than the Linformer projection's max_len {o.max_len}"
             )
-        return self.e[:n], self.f[:n], False
+        return self.E[:n], self.F[:n], False
 
     def forward(self, q, k, v, key_keep=None):
         keep = torch.ones((), device=k.device) if key_keep is None else key_keep.float()
@@ -171,8 +173,18 @@ class LinformerAttention(Module):
         )
 
 
-def torch_module(site: AttentionSite, options: Options) -> LinformerAttention:
-    return LinformerAttention(site.scale, options)
+def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinformerAttention:
+    """``learnable``: E and F are parameters (as for ``learned``); needs a stored projection."""
+    reason = nothing_to_fit(options) if learnable else None
+    if reason:
+        raise ValueError(reason)
+    return LinformerAttention(site.scale, options, learnable)
+
+
+def nothing_to_fit(options: Options) -> str | None:
+    if options.projection in ("gaussian", "learned"):
+        return None
+    return f"linformer's {options.projection!r} projection has nothing to fit (use gaussian or learned)"
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -221,7 +233,14 @@ def _rows_function(op, max_len: int):
     return ProjectionRows, proto
 
 
-def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: a fitted module's state; its ``E`` and ``F`` replace the drawn matrices."""
+    return _lowering(site, options, opset_version).with_weights(weights)
+
+
+def _lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     flatten = kernels.flatten_heads_function(opset_version)
     key_keep_3d = kernels.key_keep_function(opset_version)

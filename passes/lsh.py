@@ -272,8 +272,14 @@ class LSHAttention(Module):
         )
 
 
-def torch_module(site: AttentionSite, options: Options) -> LSHAttention:
+def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LSHAttention:
+    if learnable:
+        raise ValueError(nothing_to_fit(options))
     return LSHAttention(site.scale, site.mask.causal, site.head_dim, options)
+
+
+def nothing_to_fit(options: Options) -> str | None:
+    return "lsh has nothing to fit (its buckets come from random rotations and a sort)"
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -382,7 +388,15 @@ def _item_functions(op):
     return SortOrder, InChunks, WithPreviousChunk
 
 
-def onnx_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: values for the constants by name (lsh has nothing to fit; accepted for a
+    uniform interface)."""
+    return _lowering(site, options, opset_version).with_weights(weights)
+
+
+def _lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     flatten = kernels.flatten_heads_function(opset_version)
     key_keep_3d = kernels.key_keep_function(opset_version)

@@ -225,11 +225,11 @@ def test_learned_projections_are_parameters_that_train():
     module = linformer.torch_module(
         site(), linformer.Options(proj_dim=4, projection="learned", max_len=32)
     )
-    assert {name for name, _ in module.named_parameters()} == {"e", "f"}
+    assert {name for name, _ in module.named_parameters()} == {"E", "F"}
     q, k, v, keep = (torch.from_numpy(x) for x in inputs(20))
     module(q, k, v, keep).square().sum().backward()
-    assert module.e.grad.abs().sum() > 0 and module.f.grad.abs().sum() > 0
-    assert module.e.grad[20:].abs().sum() == 0  # rows past N are not used
+    assert module.E.grad.abs().sum() > 0 and module.F.grad.abs().sum() > 0
+    assert module.E.grad[20:].abs().sum() == 0  # rows past N are not used
     shared = linformer.torch_module(
         site(), linformer.Options(proj_dim=4, projection="learned", share_kv=True, max_len=32)
     )
@@ -325,5 +325,5 @@ def test_fx_rewrite_of_bert(exports):
         assert (exact(*args) - expected).abs().max() < 1e-5
         learned = attnrewrite.rewrite(program, to="linformer", proj_dim=8, projection="learned")
         assert (learned(*args) - expected).abs().max() > 1e-4
-    projections = [name for name, _ in learned.named_parameters() if name.endswith((".e", ".f"))]
+    projections = [name for name, _ in learned.named_parameters() if name.endswith((".E", ".F"))]
     assert len(projections) == 4  # E and F of both layers, trainable
