@@ -1,0 +1,226 @@
+"""Calibration: fit a learnable replacement to the exact softmax attention it replaces.
+
+"Attention transfer" (LoLCATs): the replacement's parameters are fitted, per site, so that its
+output matches softmax(scale * q k^T + mask) v on the model's own q, k, v (attention-output
+MSE), optionally plus Hedgehog's cross-entropy between the softmax weights and the
+replacement's own attention weights on sampled query rows. Both frontends use this one fitter:
+the ONNX frontend collects q, k, v and key_keep as extra graph outputs of onnxruntime, the FX
+frontend with forward hooks; neither does any math of its own.
+
+The samples are kept as a list of per-batch tensors (batches may differ in length); each step
+fits a minibatch of examples drawn from one batch, so memory stays that of one minibatch's
+attention whatever the amount of data. Everything is seeded: the same samples, module and seed
+give the same parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Iterable
+
+import numpy as np
+
+from passes import kernels
+from passes._torch import torch
+
+DEFAULT_STEPS = 200
+DEFAULT_LR = 1e-2
+EXAMPLES_PER_STEP = 8  # entries of the leading axis (batch rows, or batch x heads) per step
+CE_ROWS = 16  # query rows per step for the attention-weight cross-entropy
+CE_EXAMPLES = 2  # of the minibatch's examples, those the cross-entropy looks at
+LOG_FLOOR = 1e-30
+
+
+@dataclasses.dataclass
+class SiteSamples:
+    """q, k, v ([E, ..., N, D]) and key_keep ([E, ..., Nk, 1] or None) of many batches, as the
+    replacement receives them; the leading axis E indexes examples."""
+
+    q: list = dataclasses.field(default_factory=list)
+    k: list = dataclasses.field(default_factory=list)
+    v: list = dataclasses.field(default_factory=list)
+    key_keep: list = dataclasses.field(default_factory=list)
+
+    def add(self, q, k, v, key_keep=None) -> None:
+        q, k, v = (torch.as_tensor(x).detach().float().cpu() for x in (q, k, v))
+        if key_keep is not None:
+            key_keep = torch.as_tensor(key_keep).detach().float().cpu()
+            if bool((key_keep != 0).all()):
+                key_keep = None  # nothing is masked: the unmasked path is the same math
+            else:  # one row per example, so minibatches can index it like q
+                key_keep = key_keep.expand(*k.shape[:-1], 1).contiguous()
+        self.q.append(q)
+        self.k.append(k)
+        self.v.append(v)
+        self.key_keep.append(key_keep)
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    @property
+    def examples(self) -> int:
+        return sum(q.shape[0] for q in self.q)
+
+    def batch(self, index: int, rows=None):
+        """(q, k, v, key_keep) of one batch, restricted to the examples ``rows``."""
+        parts = (self.q[index], self.k[index], self.v[index], self.key_keep[index])
+        if rows is None:
+            return parts
+        return tuple(None if x is None else x[rows] for x in parts)
+
+
+@dataclasses.dataclass
+class FitResult:
+    loss_before: float  # attention-output MSE over every sample, before fitting
+    loss_after: float
+    steps: int
+    examples: int  # entries of the samples' leading axis
+    query_rows: int  # query rows the loss counts (padded queries are not counted)
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def exact_attention(q, k, v, scale: float, key_keep=None, causal: bool = False):
+    """softmax(scale * q k^T) v in float32; keys with key_keep == 0 and, when causal, keys after
+    the query are left out. A query that sees no key gets 0 (as the replacements give it)."""
+    logits = scale * (q.float() @ k.float().transpose(-2, -1))
+    hidden = _hidden_keys(logits, key_keep, causal)
+    weights = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.nan_to_num(weights, nan=0.0) @ v.float()
+
+
+def _hidden_keys(logits, key_keep, causal: bool, rows=None):
+    hidden = torch.zeros_like(logits, dtype=torch.bool)
+    if key_keep is not None:
+        hidden = hidden | (key_keep.transpose(-2, -1) == 0)
+    if causal:
+        rows = torch.arange(logits.shape[-2], device=logits.device) if rows is None else rows
+        hidden = hidden | kernels.future_keys(rows, logits.shape[-1])
+    return hidden
+
+
+def fit_site(
+    module,
+    samples: SiteSamples,
+    *,
+    scale: float,
+    causal: bool,
+    steps: int = DEFAULT_STEPS,
+    lr: float = DEFAULT_LR,
+    seed: int = 0,
+    ce_weight: float = 0.0,
+    device=None,
+    examples_per_step: int = EXAMPLES_PER_STEP,
+) -> FitResult:
+    """Fit ``module``'s parameters (in place, Adam) to exact attention on ``samples``.
+
+    Loss: MSE between the module's output and softmax attention over the query rows that are
+    real tokens (for self-attention, a padded query's output is never used), plus ``ce_weight``
+    times the cross-entropy of the module's ``attention_weights`` against the softmax weights on
+    sampled rows. Runs on ``device`` (default: where the module's parameters are)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(module).__name__} has no parameters to fit")
+    if not len(samples):
+        raise ValueError("no samples to fit on")
+    if ce_weight and not hasattr(module, "attention_weights"):
+        raise ValueError(f"{type(module).__name__} cannot give its attention weights for ce_weight")
+    device = torch.device(device) if device is not None else params[0].device
+    module.to(device)
+    started = time.perf_counter()
+    targets = [_targets(samples, i, scale, causal, device) for i in range(len(samples))]
+    loss_before, query_rows = _mean_loss(module, samples, targets, device)
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor([float(q.shape[0]) for q in samples.q])
+    optimizer = torch.optim.Adam(params, lr=lr)
+    module.train()
+    for _ in range(steps):
+        index = int(torch.multinomial(sizes, 1, generator=generator))
+        rows = torch.randperm(samples.q[index].shape[0], generator=generator)[:examples_per_step]
+        q, k, v, keep = _to(samples.batch(index, rows), device)
+        loss = _output_loss(module, q, k, v, keep, targets[index][rows].to(device))[0]
+        if ce_weight:
+            loss = loss + ce_weight * _weight_loss(module, q, k, keep, scale, causal, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    module.eval()
+    loss_after, _ = _mean_loss(module, samples, targets, device)
+    return FitResult(
+        loss_before, loss_after, steps, samples.examples, query_rows, time.perf_counter() - started
+    )
+
+
+def _to(parts, device):
+    return tuple(None if x is None else x.to(device) for x in parts)
+
+
+def _targets(samples: SiteSamples, index: int, scale: float, causal: bool, device):
+    """The exact outputs of one batch, a few examples at a time (the logits are N x N)."""
+    out = []
+    total = samples.q[index].shape[0]
+    with torch.no_grad():
+        for start in range(0, total, EXAMPLES_PER_STEP):
+            rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, total))
+            q, k, v, keep = _to(samples.batch(index, rows), device)
+            out.append(exact_attention(q, k, v, scale, keep, causal).cpu())
+    return torch.cat(out)
+
+
+def _query_weight(q, keep):
+    """1 for query rows to count: with a key mask on self-attention, the kept positions."""
+    if keep is None or keep.shape[-2] != q.shape[-2]:
+        return torch.ones(*q.shape[:-1], 1, device=q.device)
+    return keep
+
+
+def _output_loss(module, q, k, v, keep, target):
+    """(mean squared error over counted query rows and features, rows counted)."""
+    out = module(q, k, v, keep).float()
+    weight = _query_weight(q, keep).expand(*out.shape[:-1], 1)
+    counted = weight.sum()
+    loss = (weight * (out - target).square()).sum() / (counted.clamp_min(1.0) * out.shape[-1])
+    return loss, counted
+
+
+def _mean_loss(module, samples: SiteSamples, targets, device) -> tuple[float, int]:
+    total, counted = 0.0, 0.0
+    module.eval()
+    with torch.no_grad():
+        for index in range(len(samples)):
+            size = samples.q[index].shape[0]
+            for start in range(0, size, EXAMPLES_PER_STEP):
+                rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))
+                q, k, v, keep = _to(samples.batch(index, rows), device)
+                loss, n = _output_loss(module, q, k, v, keep, targets[index][rows].to(device))
+                dims = v.shape[-1]
+                total += float(loss) * float(n.clamp_min(1.0)) * dims
+                counted += float(n) * dims
+    return total / max(counted, 1.0), int(counted / max(samples.v[0].shape[-1], 1))
+
+
+def _weight_loss(module, q, k, keep, scale: float, causal: bool, generator):
+    """Cross-entropy of the module's attention weights against softmax's on sampled rows."""
+    q, k = q[:CE_EXAMPLES], k[:CE_EXAMPLES]
+    keep = None if keep is None else keep[:CE_EXAMPLES]
+    rows = torch.randperm(q.shape[-2], generator=generator)[:CE_ROWS].to(q.device)
+    logits = scale * (q.index_select(-2, rows).float() @ k.float().transpose(-2, -1))
+    hidden = _hidden_keys(logits, keep, causal, rows)
+    target = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
+    weights = module.attention_weights(q, k, keep, rows=rows)
+    return -(target * torch.log(weights.clamp_min(LOG_FLOOR))).sum(-1).mean()
+
+
+def fingerprint(arrays: Iterable[np.ndarray]) -> str:
+    """sha256 over the calibration arrays' dtypes, shapes and bytes: names the data in a
+    record without keeping it."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{list(array.shape)}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
