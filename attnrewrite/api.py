@@ -9,6 +9,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from attnrewrite import calibration
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import find_sites as _find_onnx_sites
@@ -19,7 +20,18 @@ from attnrewrite.site import AttentionSite
 
 
 def rewrite(
-    model: Any, to: str, layers: list[int] | None = None, validate: bool = True, include_single_query: bool = False, **options
+    model: Any,
+    to: str,
+    layers: list[int] | None = None,
+    validate: bool = True,
+    include_single_query: bool = False,
+    *,
+    calibrate: Any = None,
+    calibrate_steps: int = calibration.DEFAULT_STEPS,
+    calibrate_lr: float = calibration.DEFAULT_LR,
+    tokenizer: str | os.PathLike | None = None,
+    max_length: int = calibration.DEFAULT_MAX_LENGTH,
+    **options,
 ):
     """Replace every attention site it can prove it understands with method ``to``.
 
@@ -31,10 +43,25 @@ def rewrite(
     can be rewritten the model comes back unchanged, with that record, and a ``NothingRewritten``
     warning says so. A site with a single query (a decoder step) is left exact unless
     ``include_single_query``: linearizing it saves nothing.
+
+    ``calibrate``: fit every replacement to the attention it replaces on this data, site by
+    site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``). For ONNX: an
+    ``.npz`` path (arrays by input name), a text file path (one text per line, made into inputs
+    by ``tokenizer``, a tokenizer.json, truncated to ``max_length`` tokens), a dict of arrays
+    (batch axis stacked) or a list of such dicts. For torch: a list of example inputs, each a
+    tuple of positional arguments or a dict of keyword arguments.
     """
     if _is_onnx(model):
+        ir_model = _to_ir(model)
+        fitting = None
+        if calibrate is not None:
+            fitting = calibration.onnx_calibration(
+                calibrate, ir_model.graph, tokenizer=tokenizer, max_length=max_length,
+                steps=calibrate_steps, lr=calibrate_lr,
+            )
         ir_model, record = rewrite_model(
-            _to_ir(model), to, layers=layers, include_single_query=include_single_query, **options
+            ir_model, to, layers=layers, include_single_query=include_single_query,
+            calibration=fitting, **options,
         )
         _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))
         if not record.rewritten and not isinstance(model, ir.Model):
@@ -46,6 +73,8 @@ def rewrite(
         return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
     from attnrewrite.fx import rewrite_graph_module
 
+    if calibrate is not None:
+        options.update(calibrate=calibrate, calibrate_steps=calibrate_steps, calibrate_lr=calibrate_lr)
     gm = rewrite_graph_module(model, to, layers=layers, include_single_query=include_single_query, **options)
     _warn_if_nothing_rewritten(gm.meta[METADATA_KEY]["sites_found"], gm.meta[METADATA_KEY]["sites_rewritten"])
     return gm

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import passes
 from attnrewrite import __version__
+from attnrewrite import calibration
 from attnrewrite import check as check_mod
 from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
@@ -75,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
     parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
+    parser.add_argument(
+        "--calibrate", metavar="DATA",
+        help="fit each replacement to the attention it replaces on DATA: an .npz of model inputs by name "
+        "(batch axis stacked) or a text file, one text per line (with --tokenizer)",
+    )
+    parser.add_argument("--calibrate-steps", type=parse_positive, default=calibration.DEFAULT_STEPS, metavar="N",
+                        help="optimizer steps per site (default: %(default)s)")
+    parser.add_argument("--calibrate-lr", type=float, default=calibration.DEFAULT_LR, metavar="LR",
+                        help="Adam learning rate of calibration (default: %(default)s)")
+    parser.add_argument("--tokenizer", metavar="tokenizer.json", help="with a text --calibrate file: the tokenizer that makes the model's inputs")
+    parser.add_argument("--max-length", type=parse_positive, default=calibration.DEFAULT_MAX_LENGTH, metavar="N",
+                        help="with --tokenizer: truncate texts to N tokens (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="compare the rewritten outputs with the original's before writing")
     _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
@@ -325,8 +338,10 @@ def _run(argv: list[str]) -> int:
         check_length_fits(model.graph, args)
     # from the original's signature, before the rewrite changes the model in place
     inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
+    fitting = _calibration(args, model, options)
     model, record = rewrite_model(
-        model, args.to, layers=args.layers, include_single_query=args.include_single_query, **options
+        model, args.to, layers=args.layers, include_single_query=args.include_single_query,
+        calibration=fitting, **options,
     )
     check_layers_exist(args.layers, record)
     if record.outcomes:
@@ -355,6 +370,20 @@ def _run(argv: list[str]) -> int:
         + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
     )
     return 0
+
+
+def _calibration(args, model, options: dict[str, str]):
+    """The --calibrate data, loaded and checked before any rewriting (None without it)."""
+    if not args.calibrate:
+        if args.tokenizer:
+            raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
+        return None
+    method = passes.get_pass(args.to)
+    calibration.require_fittable(method, passes.make_options(method, **options))
+    return calibration.onnx_calibration(
+        args.calibrate, model.graph, tokenizer=args.tokenizer, max_length=args.max_length,
+        steps=args.calibrate_steps, lr=args.calibrate_lr,
+    )
 
 
 def _check_command(args) -> int:

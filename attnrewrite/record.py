@@ -20,15 +20,19 @@ class SiteOutcome:
     # repeated beside it.
     reason: str | None = None
     replacement: str | None = None  # e.g. "attnrewrite.Hydra"
+    calibration: dict[str, Any] | None = None  # how the replacement was fitted, if it was
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        entry = {
             **self.site.describe(),
             # a site left alone without a reason is one --list found and could rewrite
             "status": "rewritten" if self.rewritten else "skipped" if self.reason else "rewritable",
             "reason": self.reason,
             "replacement": self.replacement,
         }
+        if self.calibration is not None:  # uncalibrated records stay as they always were
+            entry["calibration"] = self.calibration
+        return entry
 
 
 @dataclasses.dataclass

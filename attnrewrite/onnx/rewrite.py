@@ -35,12 +35,23 @@ def rewritten_sites(model: ir.Model) -> list[ir.Node]:
 
 
 def rewrite_model(
-    model: ir.Model, to: str, layers: list[int] | None = None, include_single_query: bool = False, **options
+    model: ir.Model,
+    to: str,
+    layers: list[int] | None = None,
+    include_single_query: bool = False,
+    calibration=None,
+    **options,
 ) -> tuple[ir.Model, RewriteRecord]:
     """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
-    Sites with one query are left exact unless ``include_single_query``."""
+    Sites with one query are left exact unless ``include_single_query``. ``calibration``
+    (attnrewrite.calibration.Calibration): fit every replacement, in order, to the attention it
+    replaces (attnrewrite.onnx.calibrate)."""
     method = passes.get_pass(to)
     opts = passes.make_options(method, **options)
+    if calibration is not None:
+        from attnrewrite.calibration import require_fittable
+
+        require_fittable(method, opts)
     model = infer_shapes(model)
     sites = analyze(model)
     decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
@@ -51,6 +62,7 @@ def rewrite_model(
 
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
     splicer = Splicer(model) if any(reason is None for reason in decisions) else None
+    fitting = []  # (outcome, learnable module, names of its constants) per rewritten site
     for s, reason in zip(sites, decisions):
         if reason is None:
             try:
@@ -60,10 +72,21 @@ def rewrite_model(
         if reason is not None:
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
             continue
-        lowering = method.onnx_lowering(s.site, opts, default_opset(model))
+        module = weights = None
+        if calibration is not None:
+            module = method.torch_module(s.site, opts, learnable=True)
+            weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
+        lowering = method.onnx_lowering(s.site, opts, default_opset(model), weights=weights)
         replacement = splicer.splice(s, lowering)
-        record.outcomes.append(SiteOutcome(s.site, rewritten=True, replacement=replacement))
+        outcome = SiteOutcome(s.site, rewritten=True, replacement=replacement)
+        record.outcomes.append(outcome)
+        if module is not None:
+            fitting.append((outcome, module, list(lowering.constants)))
     record.bytes_added = splicer.bytes_added if splicer is not None else 0
+    if fitting:
+        from attnrewrite.onnx.calibrate import calibrate_replacements
+
+        calibrate_replacements(model, splicer.calls, fitting, calibration)
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = _record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record

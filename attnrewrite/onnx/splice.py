@@ -45,6 +45,7 @@ class Splicer:
         # old output -> its replacement: a site's q, k or v may be an earlier site's output
         # (attention feeding attention), captured before that site was spliced
         self._successor: dict[int, ir.Value] = {}
+        self.calls: dict[str, ir.Node] = {}  # site name -> its replacement node
         model.opset_imports[DOMAIN] = DOMAIN_VERSION
 
     def check(self, s: OnnxSite) -> None:
@@ -79,6 +80,7 @@ class Splicer:
         after: list[ir.Node] = []
         result = call.outputs[0] if s.packing is None else self._merge_heads(call.outputs[0], after)
         result.type, result.shape = s.output.type, s.output.shape
+        self.calls[s.site.name] = call
         self.graph.insert_before(anchor, [*new_nodes, call, *after])
         self._take_over(s.output, result)
         self._remove_dead(s.nodes)

@@ -1,0 +1,209 @@
+"""Calibration, the frontend-independent part: settings, checks, and the data to fit on.
+
+``--calibrate DATA`` fits every replacement to the exact attention it replaces (passes/fit.py
+does the fitting; the ONNX and FX frontends only collect each site's q, k, v and key_keep).
+DATA is model inputs: an ``.npz`` keyed by input name (batch axis stacked), a text file (one
+text per line) made into token ids by a ``tokenizers`` tokenizer.json, or arrays / tensors given
+to the API. The record keeps, per site, the loss before and after, the steps, how much data was
+used and a sha256 of it, never the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from attnrewrite.errors import AttnRewriteError
+
+DEFAULT_STEPS = 200
+DEFAULT_LR = 1e-2
+DEFAULT_MAX_LENGTH = 256
+BATCH_SIZE = 8  # examples per onnxruntime run while collecting
+# inputs a tokenizer's encoding gives, by the names models use for them
+TEXT_INPUTS = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+NPZ_MAGIC = b"PK\x03\x04"
+
+
+@dataclasses.dataclass
+class Calibration:
+    """What to fit on and how. ``batches``: the data as model-input dicts (one per run);
+    ``fingerprint``, ``examples``, ``tokens``: what the record says about it."""
+
+    batches: list
+    fingerprint: str
+    examples: int
+    tokens: int | None
+    steps: int = DEFAULT_STEPS
+    lr: float = DEFAULT_LR
+    seed: int = 0
+    ce_weight: float = 0.0
+    progress: Callable[[str], None] | None = None
+
+    def report(self, index: int, total: int, layer, result) -> dict[str, Any]:
+        """Say how site ``index`` went (stderr by default); the record's entry for it."""
+        line = (
+            f"calibrating site {index + 1}/{total} (layer {layer}): loss {result.loss_before:.4g} -> "
+            f"{result.loss_after:.4g} (steps {result.steps}, {result.seconds:.1f} s)"
+        )
+        (self.progress or _to_stderr)(line)
+        return {
+            "loss_before": result.loss_before,
+            "loss_after": result.loss_after,
+            "steps": result.steps,
+            "lr": self.lr,
+            "seed": self.seed,
+            "ce_weight": self.ce_weight,
+            "examples": self.examples,
+            "tokens": self.tokens,
+            "samples": result.examples,
+            "query_rows": result.query_rows,
+            "data_sha256": self.fingerprint,
+        }
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def require_fittable(method: types.ModuleType, options) -> None:
+    """One clear line, before any work, when calibration cannot run at all."""
+    from passes._torch import torch
+
+    if torch is None:
+        raise AttnRewriteError("calibration fits in PyTorch: pip install 'attnrewrite[torch]'")
+    reason = method.nothing_to_fit(options)
+    if reason:
+        raise AttnRewriteError(f"cannot calibrate: {reason}")
+
+
+# --- ONNX model inputs -----------------------------------------------------------------------
+
+
+def onnx_calibration(
+    data,
+    graph: ir.Graph,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int = BATCH_SIZE,
+    **settings,
+) -> Calibration:
+    """Calibration on ``data`` for the model whose signature ``graph`` has: an ``.npz`` path,
+    a text file path (with ``tokenizer``), a dict of arrays (batch axis stacked) or a list of
+    such dicts (one per batch)."""
+    from attnrewrite.check import _conform, load_inputs
+
+    if isinstance(data, dict):
+        batches = _split(_conform(data, graph, "the calibration inputs"), batch_size)
+    elif isinstance(data, (list, tuple)):
+        batches = [_conform(feeds, graph, "the calibration inputs") for feeds in data]
+    else:
+        path = Path(data)
+        if not path.is_file():
+            raise AttnRewriteError(f"{path}: no such file")
+        with open(path, "rb") as file:
+            is_npz = file.read(4) == NPZ_MAGIC
+        if is_npz:
+            batches = _split(load_inputs(path, graph), batch_size)
+        else:
+            texts = _read_texts(path)
+            if tokenizer is None:
+                raise AttnRewriteError(
+                    f"{path}: a text file needs --tokenizer tokenizer.json to make the model's inputs"
+                )
+            batches = _tokenize(texts, path, tokenizer, graph, max_length, batch_size)
+    if not batches or not any(_rows(feeds) for feeds in batches):
+        raise AttnRewriteError(f"{data if not isinstance(data, (dict, list, tuple)) else 'the calibration inputs'}: no examples")
+    names = [v.name for v in graph.inputs if not v.is_initializer()]
+    from passes.fit import fingerprint
+
+    return Calibration(
+        batches,
+        fingerprint(feeds[name] for feeds in batches for name in names),
+        sum(_rows(feeds) for feeds in batches),
+        _tokens(batches),
+        **settings,
+    )
+
+
+def _rows(feeds: dict[str, np.ndarray]) -> int:
+    first = next(iter(feeds.values()), None)
+    return 0 if first is None or first.ndim == 0 else int(first.shape[0])
+
+
+def _tokens(batches: list[dict[str, np.ndarray]]) -> int | None:
+    """Tokens the data holds: the attention mask's ones, else batch x length of token ids."""
+    if all("attention_mask" in feeds for feeds in batches):
+        return int(sum(int((feeds["attention_mask"] != 0).sum()) for feeds in batches))
+    if all("input_ids" in feeds for feeds in batches):
+        return int(sum(feeds["input_ids"].size for feeds in batches))
+    return None
+
+
+def _split(feeds: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
+    rows = _rows(feeds)
+    return [
+        {name: array[start : start + batch_size] for name, array in feeds.items()}
+        for start in range(0, rows, batch_size)
+    ]
+
+
+def _read_texts(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise AttnRewriteError(f"{path}: neither a .npz archive nor UTF-8 text (one text per line)") from None
+    texts = [line.strip() for line in lines if line.strip()]
+    if not texts:
+        raise AttnRewriteError(f"{path}: no text in it (one text per line)")
+    return texts
+
+
+def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: int, batch_size: int):
+    """Batches of encodings, padded per batch as the tokenizer's own padding settings say (to
+    the batch's longest text), truncated to ``max_length`` tokens."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise AttnRewriteError("calibrating on text needs the tokenizers library: pip install tokenizers") from None
+    try:
+        tokenizer = Tokenizer.from_file(os.fspath(tokenizer_path))
+    except Exception as error:  # the library's errors are plain exceptions with its message
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise AttnRewriteError(f"{tokenizer_path}: not a tokenizer.json ({first})") from error
+    wanted = {v.name: v for v in graph.inputs if not v.is_initializer()}
+    unknown = [name for name in wanted if name not in TEXT_INPUTS]
+    if unknown:
+        raise AttnRewriteError(
+            f"{path}: the model's input {unknown[0]!r} cannot be made from text "
+            f"(text gives {', '.join(TEXT_INPUTS)})"
+        )
+    tokenizer.enable_truncation(max_length)
+    padding = tokenizer.padding or {}
+    tokenizer.enable_padding(
+        direction=padding.get("direction", "right"),
+        pad_id=padding.get("pad_id", 0),
+        pad_type_id=padding.get("pad_type_id", 0),
+        pad_token=padding.get("pad_token", "[PAD]"),
+        pad_to_multiple_of=padding.get("pad_to_multiple_of"),
+        length=None,  # each batch to its longest text
+    )
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        encodings = tokenizer.encode_batch(texts[start : start + batch_size])
+        batches.append(
+            {
+                name: np.array([getattr(e, TEXT_INPUTS[name]) for e in encodings]).astype(
+                    value.dtype.numpy() if value.dtype is not None else np.int64
+                )
+                for name, value in wanted.items()
+            }
+        )
+    return batches

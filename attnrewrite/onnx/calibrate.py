@@ -1,0 +1,117 @@
+"""Calibrating an ONNX rewrite: collect each replacement's inputs with onnxruntime, fit, write.
+
+The replacements are already spliced (learnable lowerings, at their initial values). One
+session serves every site: each replacement's q, k, v and key_keep are exposed as extra graph
+outputs (cast to float32), and its fittable constants are made graph inputs as well as
+initializers, so each run is fed the values fitted so far. Site l is collected on the model
+whose sites before it are fitted (sequential), fitted by passes.fit, and its values are written
+into its initializers. The model is restored to its own inputs and outputs afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import numpy as np
+import onnx_ir as ir
+
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.io import saved_copy
+from attnrewrite.onnx.validate import make_session
+from attnrewrite.record import SiteOutcome
+
+ROLES = ("q", "k", "v", "key_keep")
+
+
+def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: list, calibration) -> None:
+    """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
+    in graph order; ``calls``: site name -> replacement node. Fits in place."""
+    from passes.fit import SiteSamples, fit_site
+
+    sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
+    with _collecting(model, sites) as session:
+        for index, site in enumerate(sites):
+            samples = SiteSamples()
+            fitted = {name: array for earlier in sites[:index] for name, array in earlier.feeds().items()}
+            for feeds in calibration.batches:
+                q, k, v, keep = _run(session, site.outputs, {**feeds, **fitted})
+                samples.add(q, k, v, keep)
+            result = fit_site(
+                site.module, samples, scale=site.outcome.site.scale, causal=site.outcome.site.mask.causal,
+                steps=calibration.steps, lr=calibration.lr, seed=calibration.seed, ce_weight=calibration.ce_weight,
+            )
+            site.write_fitted()
+            site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
+
+
+class _Site:
+    def __init__(self, outcome: SiteOutcome, module, call: ir.Node, constant_names: list[str]):
+        self.outcome = outcome
+        self.module = module
+        self.call = call
+        state = set(module.state_dict())
+        # the call reads (q, k, v, key_keep, *constants), constants in the lowering's order
+        self.constants = {
+            name: value for name, value in zip(constant_names, call.inputs[4:]) if name in state
+        }
+        self.outputs = [f"attnrewrite/calibrate/{outcome.site.name}/{role}" for role in ROLES]
+
+    def fitted_state(self) -> dict[str, np.ndarray]:
+        return {name: t.detach().cpu().numpy() for name, t in self.module.state_dict().items()}
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        """The fitted values under the initializers' names, to feed the collecting session."""
+        state = self.fitted_state()
+        return {value.name: state[name].astype(value.const_value.dtype.numpy()) for name, value in self.constants.items()}
+
+    def write_fitted(self) -> None:
+        for name, array in self.feeds().items():
+            value = next(v for v in self.constants.values() if v.name == name)
+            value.const_value = ir.tensor(array, name=name)
+
+
+@contextlib.contextmanager
+def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
+    """An onnxruntime session of the model with every site's inputs as extra float32 outputs
+    and its fittable initializers as overridable inputs; the model is restored afterwards."""
+    graph = model.graph
+    nodes, outputs, inputs = [], [], []
+    try:
+        for site in sites:
+            for value, name in zip(site.call.inputs[:4], site.outputs):
+                cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", ir.DataType.FLOAT)], name=name, num_outputs=1)
+                cast.outputs[0].name = name
+                cast.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+                graph.append(cast)
+                nodes.append(cast)
+                graph.outputs.append(cast.outputs[0])
+                outputs.append(cast.outputs[0])
+            for value in site.constants.values():
+                graph.inputs.append(value)  # an initializer that is also an input can be fed
+                inputs.append(value)
+        with saved_copy(model) as path:
+            try:
+                session = make_session(str(path))
+            except Exception as error:
+                raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
+        yield session
+    finally:
+        for value in outputs:
+            graph.outputs.remove(value)
+        for value in inputs:
+            graph.inputs.remove(value)
+        for node in reversed(nodes):
+            graph.remove(node, safe=True)
+
+
+def _run(session, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    known = {i.name for i in session.get_inputs()}
+    try:
+        return session.run(names, {name: array for name, array in feeds.items() if name in known})
+    except Exception as error:
+        raise AttnRewriteError(f"the model fails to run on the calibration data: {_first_line(error)}") from error
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
