@@ -83,6 +83,26 @@ def require_fittable(method: types.ModuleType, options) -> None:
         raise AttnRewriteError(f"cannot calibrate: {reason}")
 
 
+# --- torch example inputs --------------------------------------------------------------------
+
+
+def torch_calibration(examples, **settings) -> Calibration:
+    """Calibration on torch example inputs: each a tuple of positional arguments (or one
+    tensor) or a dict of keyword arguments; ``examples`` in the record counts them."""
+    from passes.fit import fingerprint
+
+    batches = [example if isinstance(example, (tuple, dict)) else (example,) for example in examples]
+    if not batches:
+        raise AttnRewriteError("the calibration inputs hold no example")
+    arguments = [list(e.values()) if isinstance(e, dict) else list(e) for e in batches]
+    arrays = [x.detach().cpu().numpy() for args in arguments for x in args if hasattr(x, "detach")]
+    masks = [e.get("attention_mask") for e in batches if isinstance(e, dict)]
+    tokens = None
+    if len(masks) == len(batches) and all(hasattr(m, "detach") for m in masks):
+        tokens = int(sum(int((m != 0).sum()) for m in masks))
+    return Calibration(batches, fingerprint(arrays), len(batches), tokens, **settings)
+
+
 # --- ONNX model inputs -----------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import passes
 from passes import kernels
+from attnrewrite import calibration
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes
 from attnrewrite.fx.masks import key_keep_from_mask
@@ -103,6 +104,9 @@ def rewrite_graph_module(
     *,
     example_inputs: tuple | None = None,
     include_single_query: bool = False,
+    calibrate: Any = None,
+    calibrate_steps: int = calibration.DEFAULT_STEPS,
+    calibrate_lr: float = calibration.DEFAULT_LR,
     **options: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
@@ -111,10 +115,18 @@ def rewrite_graph_module(
     ``layers``: rewrite only sites of these layer indices. ``example_inputs``: optional inputs,
     used for shapes when the graph has none (and to export models symbolic_trace cannot trace).
     ``include_single_query``: also rewrite sites with one query (left exact by default).
+    ``calibrate``: example inputs (tuples of positional arguments or dicts of keyword
+    arguments) to fit every replacement on, site by site (attnrewrite.fx.calibrate); the
+    fitted values are the pass modules' nn.Parameters.
     ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
     """
     method = passes.get_pass(to)
     method_options = passes.make_options(method, **options)
+    fitting_data = None
+    if calibrate is not None:
+        calibration.require_fittable(method, method_options)
+        fitting_data = calibration.torch_calibration(calibrate, steps=calibrate_steps, lr=calibrate_lr)
+    fitting = []
     gm = to_graph_module(model, example_inputs)
     facts = GraphFacts(gm)
     record = RewriteRecord(method.NAME, dataclasses.asdict(method_options))
@@ -127,7 +139,8 @@ def rewrite_graph_module(
         if reason is not None:
             record.outcomes.append(SiteOutcome(match.site, rewritten=False, reason=reason))
             continue
-        module = method.torch_module(match.site, method_options).to(_device(gm))
+        learnable = {"learnable": True} if fitting_data is not None else {}
+        module = method.torch_module(match.site, method_options, **learnable).to(_device(gm))
         if match.attention_path is not None:
             where = _swap_multihead_attention(gm, match, module)
             if match.container is not None:
@@ -135,16 +148,20 @@ def rewrite_graph_module(
         else:
             where = splicer.splice(match, module)
             replaced.update(match.probability_path)
-        record.outcomes.append(
-            SiteOutcome(match.site, rewritten=True, replacement=f"{type(module).__name__} at {where}")
-        )
+        outcome = SiteOutcome(match.site, rewritten=True, replacement=f"{type(module).__name__} at {where}")
+        record.outcomes.append(outcome)
         record.bytes_added += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        fitting.append((outcome, module))
 
     for path, causal in containers.items():
         _set_submodule(gm, path, slow_path_container(gm.get_submodule(path), causal))
     _erase_dead_code(gm, replaced)
     gm.graph.lint()
     gm.recompile()
+    if fitting_data is not None and fitting:
+        from attnrewrite.fx.calibrate import calibrate_modules
+
+        calibrate_modules(gm, fitting, fitting_data)
     gm.meta[METADATA_KEY] = record.as_dict()
     return gm
 
