@@ -5,12 +5,28 @@
   declared with ``passes._options.option(default, help, ...)`` so ``--list-options`` can say
   what it means;
 - ``supports(site, options) -> None | reason``: why a site cannot be replaced, if it cannot;
-- ``torch_module(site, options)``: an nn.Module ``forward(q, k, v, key_keep=None)``, the FX
-  lowering and the numeric reference (``key_keep``: 1.0 for keys to attend to, 0.0 for padding,
-  broadcastable to [..., Nk, 1]);
-- ``onnx_lowering(site, options, opset_version) -> OnnxLowering``: model-local functions in
-  domain ``attnrewrite`` with the same inputs, plus the constants (random features,
-  projections) they read.
+- ``torch_module(site, options, learnable=False)``: an nn.Module ``forward(q, k, v,
+  key_keep=None)``, the FX lowering and the numeric reference (``key_keep``: 1.0 for keys to
+  attend to, 0.0 for padding, broadcastable to [..., Nk, 1]);
+- ``onnx_lowering(site, options, opset_version, weights=None) -> OnnxLowering``: model-local
+  functions in domain ``attnrewrite`` with the same inputs, plus the constants (random
+  features, projections) they read;
+- ``nothing_to_fit(options) -> None | reason``: why calibration cannot fit this method.
+
+Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
+- ``torch_module(..., learnable=True)``: every fittable value is an ``nn.Parameter``, initialised
+  so that the output is the uncalibrated module's; fixed values stay buffers. What is fitted:
+  favor the projection W (from the seeded draw); linformer E and F (gaussian or learned;
+  pool/identity have nothing to fit); linear and hydra ``query_map`` / ``key_map``, a per-head
+  linear map of q and k before the feature map ([heads, d, d] when heads are known, else
+  [1, d, d]; identity at first; present only when learnable); lsh nothing.
+- The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
+  same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
+  linear and hydra it also selects the ``Learned<Entry>`` function that applies the maps
+  (kernels.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
+  exactly what it was before calibration existed.
+- Optional: ``attention_weights(q, k, key_keep=None, rows=None)`` on the module, its normalized
+  weights for query ``rows`` (linear, favor), for the fitter's attention-weight cross-entropy.
 
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
 take ``window`` (exact softmax nearby, the kernel beyond: kernels.windowed_kernel_attention);
