@@ -327,3 +327,33 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
             "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-length", "16", "--calibrate-steps", "10", "-o", str(out)]
     assert main(argv) == 0
     assert [s["calibration"]["tokens"] for s in read_record(onnx.load(out))["sites"]] == [data.tokens] * 2
+
+
+@pytest.mark.parametrize("method, options", [("linear", {}), ("favor", {"features": 24}), ("favor", {"features": 24, "variant": "hyperbolic"})])
+@pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL])
+def test_attention_weights_are_the_ones_the_module_applies(method, options, mask):
+    method_pass = passes.get_pass(method)
+    module = method_pass.torch_module(site(mask), passes.make_options(method_pass, **options), learnable=True)
+    perturbed_state(module)
+    q, k, v, keep = attention_inputs(HEADS, mask)
+    keep = keep if mask.key_padding else None
+    with torch.no_grad():
+        weights = module.attention_weights(q, k, keep)
+        assert relative_error((weights @ v).numpy(), module(q, k, v, keep).numpy()) < 1e-4
+        rows = torch.tensor([3, 0, 17])
+        sampled = module.attention_weights(q, k, keep, rows=rows)
+    assert torch.allclose(sampled, weights[..., rows, :], atol=1e-6)
+
+
+def test_cross_entropy_term_fits_too_and_is_seeded():
+    samples = clustered_site_samples(batches=2)
+    s = site()
+    runs = []
+    for _ in range(2):
+        module = passes.favor.torch_module(s, passes.favor.Options(features=32), learnable=True)
+        runs.append(fit.fit_site(module, samples, scale=s.scale, causal=False, steps=40, lr=3e-2, seed=3, ce_weight=0.1))
+    assert runs[0].loss_after < runs[0].loss_before / 2
+    assert runs[0].loss_after == runs[1].loss_after
+    with pytest.raises(ValueError, match="HydraAttention cannot give its attention weights"):
+        hydra = passes.hydra.torch_module(s, passes.hydra.Options(), learnable=True)
+        fit.fit_site(hydra, samples, scale=s.scale, causal=False, steps=1, ce_weight=1.0)
