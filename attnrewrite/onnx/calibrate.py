@@ -1,11 +1,12 @@
 """Calibrating an ONNX rewrite: collect each replacement's inputs with onnxruntime, fit, write.
 
-The replacements are already spliced (learnable lowerings, at their initial values). One
-session serves every site: each replacement's q, k, v and key_keep are exposed as extra graph
-outputs (cast to float32), and its fittable constants are made graph inputs as well as
-initializers, so each run is fed the values fitted so far. Site l is collected on the model
-whose sites before it are fitted (sequential), fitted by passes.fit, and its values are written
-into its initializers. The model is restored to its own inputs and outputs afterwards.
+The replacements are already spliced (learnable lowerings, at their initial values). Each
+replacement's q, k, v and key_keep are exposed as extra graph outputs (cast to float32), and
+its fittable constants are made graph inputs as well as initializers, so each run is fed the
+values fitted so far. Site l is collected on the model whose sites before it are fitted
+(sequential), by a session of only the nodes its inputs need (onnxruntime runs every node of a
+graph whatever outputs are asked for, so the graph is cut after site l), fitted by passes.fit,
+and its values are written into its initializers. The model is restored afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 from typing import Iterator
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
@@ -30,13 +32,15 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     from passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
-    with _collecting(model, sites) as session:
+    with _collecting(model, sites) as session_for:
         for index, site in enumerate(sites):
+            session = session_for(site)
             samples = SiteSamples()
             fitted = {name: array for earlier in sites[:index] for name, array in earlier.feeds().items()}
             for feeds in calibration.batches:
                 q, k, v, keep = _run(session, site.outputs, {**feeds, **fitted})
                 samples.add(q, k, v, keep)
+            del session
             result = fit_site(
                 site.module, samples, scale=site.outcome.site.scale, causal=site.outcome.site.mask.causal,
                 steps=calibration.steps, lr=calibration.lr, seed=calibration.seed, ce_weight=calibration.ce_weight,
@@ -91,11 +95,17 @@ def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
                 graph.inputs.append(value)  # an initializer that is also an input can be fed
                 inputs.append(value)
         with saved_copy(model) as path:
-            try:
-                session = make_session(str(path))
-            except Exception as error:
-                raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
-        yield session
+            proto = onnx.load(str(path), load_external_data=False)  # weights stay in their file
+
+            def session_for(site: _Site):
+                cut = path.with_name(f"site{sites.index(site)}.onnx")
+                onnx.save(_needed_for(proto, site.outputs), str(cut))
+                try:
+                    return make_session(str(cut))
+                except Exception as error:
+                    raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
+
+            yield session_for
     finally:
         for value in outputs:
             graph.outputs.remove(value)
@@ -103,6 +113,41 @@ def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
             graph.inputs.remove(value)
         for node in reversed(nodes):
             graph.remove(node, safe=True)
+
+
+def _needed_for(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with ``outputs`` as its outputs and only the nodes and initializers
+    they depend on (names read inside subgraphs count as read by their node)."""
+    needed, kept = set(outputs), []
+    for node in reversed(model.graph.node):
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(_names_read(node))
+    cut = onnx.ModelProto()
+    cut.CopyFrom(model)
+    graph = cut.graph
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    wanted = {o.name: o for o in model.graph.output}
+    del graph.output[:]
+    graph.output.extend(wanted[name] for name in outputs)
+    initializers = [t for t in model.graph.initializer if t.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    dropped = {t.name for t in model.graph.initializer} - needed  # some are inputs too
+    inputs = [i for i in model.graph.input if i.name not in dropped]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    return cut
+
+
+def _names_read(node: onnx.NodeProto) -> set[str]:
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for graph in [attribute.g, *attribute.graphs] if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) else []:
+            for inner in graph.node:
+                names |= _names_read(inner)
+    return names
 
 
 def _run(session, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
