@@ -120,11 +120,13 @@ def onnx_calibration(
     such dicts (one per batch)."""
     from attnrewrite.check import _conform, load_inputs
 
+    where = "the calibration inputs"
     if isinstance(data, dict):
-        batches = _split(_conform(data, graph, "the calibration inputs"), batch_size)
+        batches = _split(_conform(data, graph, where), batch_size)
     elif isinstance(data, (list, tuple)):
-        batches = [_conform(feeds, graph, "the calibration inputs") for feeds in data]
+        batches = [_conform(feeds, graph, where) for feeds in data]
     else:
+        where = str(data)
         path = Path(data)
         if not path.is_file():
             raise AttnRewriteError(f"{path}: no such file")
@@ -139,11 +141,11 @@ def onnx_calibration(
                     f"{path}: a text file needs --tokenizer tokenizer.json to make the model's inputs"
                 )
             batches = _tokenize(texts, path, tokenizer, graph, max_length, batch_size)
-    if not batches or not any(_rows(feeds) for feeds in batches):
-        raise AttnRewriteError(f"{data if not isinstance(data, (dict, list, tuple)) else 'the calibration inputs'}: no examples")
-    names = [v.name for v in graph.inputs if not v.is_initializer()]
+    if not any(_rows(feeds) for feeds in batches):
+        raise AttnRewriteError(f"{where}: no examples")
     from passes.fit import fingerprint
 
+    names = [v.name for v in graph.inputs if not v.is_initializer()]
     return Calibration(
         batches,
         fingerprint(feeds[name] for feeds in batches for name in names),

@@ -14,6 +14,7 @@ from conftest import read_record
 from onnx import numpy_helper
 
 from attention_graphs import lowering_session
+import models
 from models import SAMPLE_BERT, relative_error, run_onnx, text_args
 
 import attnrewrite
@@ -357,3 +358,35 @@ def test_cross_entropy_term_fits_too_and_is_seeded():
     with pytest.raises(ValueError, match="HydraAttention cannot give its attention weights"):
         hydra = passes.hydra.torch_module(s, passes.hydra.Options(), learnable=True)
         fit.fit_site(hydra, samples, scale=s.scale, causal=False, steps=1, ce_weight=1.0)
+
+
+def test_fx_calibration_of_swapped_multihead_attention_is_sequential_and_trainable():
+    encoder = models.MODELS["torch-encoder-padded"].build()
+    examples = [models.MODELS["torch-encoder-padded"].inputs(3, 10 + i) for i in range(3)]
+    gm = attnrewrite.rewrite(encoder, to="hydra", calibrate=examples, calibrate_steps=15)
+    sites = gm.meta["attnrewrite"]["sites"]
+    assert [s["layer"] for s in sites] == [0, 1]
+    assert all(s["calibration"]["loss_after"] < s["calibration"]["loss_before"] for s in sites)
+    assert {s["calibration"]["tokens"] for s in sites} == {int(sum(e["attention_mask"].sum() for e in examples))}
+    maps = [n for n, p in gm.named_parameters() if n.endswith(("query_map", "key_map"))]
+    assert len(maps) == 4
+    # sequential: layer 1 was fitted on activations of the model whose layer 0 is fitted, so
+    # its loss before is the unfitted layer-1 module's on what the final model gives it
+    layer1 = gm.get_submodule(sites[1]["replacement"].split(" at ")[1])
+    samples = fit.SiteSamples()
+    handle = layer1.register_forward_pre_hook(lambda _, args: samples.add(*args))
+    with torch.no_grad():
+        for example in examples:
+            gm(**example)
+    handle.remove()
+    fresh = passes.hydra.torch_module(sites_of(gm)[1], passes.hydra.Options(), learnable=True)
+    again = fit.fit_site(fresh, samples, scale=sites_of(gm)[1].scale, causal=False, steps=0)
+    assert again.loss_before == pytest.approx(sites[1]["calibration"]["loss_before"], rel=1e-6)
+
+
+def sites_of(gm) -> list[AttentionSite]:
+    return [
+        AttentionSite(s["name"], scale=s["scale"], mask=MaskKind(s["mask"]), rank=4, num_heads=s["num_heads"],
+                      head_dim=s["head_dim"], value_dim=s["value_dim"])
+        for s in gm.meta["attnrewrite"]["sites"]
+    ]

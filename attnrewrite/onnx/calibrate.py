@@ -61,18 +61,21 @@ class _Site:
         }
         self.outputs = [f"attnrewrite/calibrate/{outcome.site.name}/{role}" for role in ROLES]
 
-    def fitted_state(self) -> dict[str, np.ndarray]:
-        return {name: t.detach().cpu().numpy() for name, t in self.module.state_dict().items()}
+    def fitted(self) -> dict[ir.Value, np.ndarray]:
+        """Each fittable initializer and the module's current value for it."""
+        state = self.module.state_dict()
+        return {
+            value: state[name].detach().cpu().numpy().astype(value.const_value.dtype.numpy())
+            for name, value in self.constants.items()
+        }
 
     def feeds(self) -> dict[str, np.ndarray]:
         """The fitted values under the initializers' names, to feed the collecting session."""
-        state = self.fitted_state()
-        return {value.name: state[name].astype(value.const_value.dtype.numpy()) for name, value in self.constants.items()}
+        return {value.name: array for value, array in self.fitted().items()}
 
     def write_fitted(self) -> None:
-        for name, array in self.feeds().items():
-            value = next(v for v in self.constants.values() if v.name == name)
-            value.const_value = ir.tensor(array, name=name)
+        for value, array in self.fitted().items():
+            value.const_value = ir.tensor(array, name=value.name)
 
 
 @contextlib.contextmanager
