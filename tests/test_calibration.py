@@ -13,7 +13,7 @@ import torch
 from conftest import read_record
 from onnx import numpy_helper
 
-from attention_graphs import lowering_session
+from attention_graphs import AttentionSpec, build_attention_model, lowering_session, make_feeds
 import models
 from models import SAMPLE_BERT, relative_error, run_onnx, text_args
 
@@ -390,3 +390,15 @@ def sites_of(gm) -> list[AttentionSite]:
                       head_dim=s["head_dim"], value_dim=s["value_dim"])
         for s in gm.meta["attnrewrite"]["sites"]
     ]
+
+
+def test_a_site_whose_maps_cannot_be_built_is_left_alone_with_the_reason():
+    spec = AttentionSpec(layout="3d", mask="key_padding")
+    model = build_attention_model(spec)
+    for value in model.graph.input[:3]:  # q, k, v: the head dimension is not known
+        value.type.tensor_type.shape.dim[-1].dim_param = "d"
+    assert attnrewrite.find_sites(model)[0].head_dim is None
+    result = attnrewrite.rewrite(model, to="linear", calibrate=make_feeds(spec, batch=3, seq=6))
+    (entry,) = read_record(result)["sites"]
+    assert entry["status"] == "skipped"
+    assert entry["reason"] == "cannot be calibrated: the head dimension is unknown, so no query/key map can be fitted"

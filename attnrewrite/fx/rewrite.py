@@ -136,11 +136,16 @@ def rewrite_graph_module(
 
     for match in find_matches(facts):
         reason = _refusal(match.site, method, method_options, layers, include_single_query)
+        module = None
+        if reason is None:
+            try:
+                learnable = {"learnable": True} if fitting_data is not None else {}
+                module = method.torch_module(match.site, method_options, **learnable).to(_device(gm))
+            except ValueError as why:  # only learnable modules refuse: maps need a head dimension
+                reason = f"cannot be calibrated: {why}"
         if reason is not None:
             record.outcomes.append(SiteOutcome(match.site, rewritten=False, reason=reason))
             continue
-        learnable = {"learnable": True} if fitting_data is not None else {}
-        module = method.torch_module(match.site, method_options, **learnable).to(_device(gm))
         if match.attention_path is not None:
             where = _swap_multihead_attention(gm, match, module)
             if match.container is not None:

@@ -69,13 +69,17 @@ def rewrite_model(
                 splicer.check(s)
             except Unsupported as why:
                 reason = str(why)
+        module = weights = None
+        if reason is None and calibration is not None:
+            try:
+                module = method.torch_module(s.site, opts, learnable=True)
+            except ValueError as why:  # e.g. maps for a head dimension nobody knows
+                reason = f"cannot be calibrated: {why}"
+            else:
+                weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
         if reason is not None:
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
             continue
-        module = weights = None
-        if calibration is not None:
-            module = method.torch_module(s.site, opts, learnable=True)
-            weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
         lowering = method.onnx_lowering(s.site, opts, default_opset(model), weights=weights)
         replacement = splicer.splice(s, lowering)
         outcome = SiteOutcome(s.site, rewritten=True, replacement=replacement)
