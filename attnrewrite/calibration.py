@@ -21,9 +21,8 @@ import numpy as np
 import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
+from passes.fit import DEFAULT_LR, DEFAULT_STEPS, fingerprint
 
-DEFAULT_STEPS = 200
-DEFAULT_LR = 1e-2
 DEFAULT_MAX_LENGTH = 256
 BATCH_SIZE = 8  # examples per onnxruntime run while collecting
 # inputs a tokenizer's encoding gives, by the names models use for them
@@ -89,8 +88,6 @@ def require_fittable(method: types.ModuleType, options) -> None:
 def torch_calibration(examples, **settings) -> Calibration:
     """Calibration on torch example inputs: each a tuple of positional arguments (or one
     tensor) or a dict of keyword arguments; ``examples`` in the record counts them."""
-    from passes.fit import fingerprint
-
     batches = [example if isinstance(example, (tuple, dict)) else (example,) for example in examples]
     if not batches:
         raise AttnRewriteError("the calibration inputs hold no example")
@@ -143,8 +140,6 @@ def onnx_calibration(
             batches = _tokenize(texts, path, tokenizer, graph, max_length, batch_size)
     if not any(_rows(feeds) for feeds in batches):
         raise AttnRewriteError(f"{where}: no examples")
-    from passes.fit import fingerprint
-
     names = [v.name for v in graph.inputs if not v.is_initializer()]
     return Calibration(
         batches,

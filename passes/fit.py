@@ -25,9 +25,11 @@ import numpy as np
 from passes import kernels
 from passes._torch import torch
 
+# Measured on MiniLM (favor, layer 0, 100 texts): 200 steps of 4 examples at 3e-2 fit as well
+# as 200 of 8 at 1e-2 (loss 0.0367 -> 0.0131 vs 0.0147) in half the time.
 DEFAULT_STEPS = 200
-DEFAULT_LR = 1e-2
-EXAMPLES_PER_STEP = 8  # entries of the leading axis (batch rows, or batch x heads) per step
+DEFAULT_LR = 3e-2
+EXAMPLES_PER_STEP = 4  # entries of the leading axis (batch rows, or batch x heads) per step
 CE_ROWS = 16  # query rows per step for the attention-weight cross-entropy
 CE_EXAMPLES = 2  # of the minibatch's examples, those the cross-entropy looks at
 LOG_FLOOR = 1e-30
