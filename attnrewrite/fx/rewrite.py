@@ -136,16 +136,17 @@ def rewrite_graph_module(
 
     for match in find_matches(facts):
         reason = _refusal(match.site, method, method_options, layers, include_single_query)
-        module = None
-        if reason is None:
+        if reason is None and fitting_data is not None:
             try:
-                learnable = {"learnable": True} if fitting_data is not None else {}
-                module = method.torch_module(match.site, method_options, **learnable).to(_device(gm))
-            except ValueError as why:  # only learnable modules refuse: maps need a head dimension
+                module = method.torch_module(match.site, method_options, learnable=True)
+            except ValueError as why:  # e.g. maps for a head dimension nobody knows
                 reason = f"cannot be calibrated: {why}"
+        elif reason is None:
+            module = method.torch_module(match.site, method_options)
         if reason is not None:
             record.outcomes.append(SiteOutcome(match.site, rewritten=False, reason=reason))
             continue
+        module = module.to(_device(gm))
         if match.attention_path is not None:
             where = _swap_multihead_attention(gm, match, module)
             if match.container is not None:
