@@ -23,7 +23,7 @@ import passes
 from attnrewrite import calibration
 from attnrewrite.cli import main
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import fit, kernels
+from passes import fit
 
 HEADS, HEAD_DIM = 2, 16
 
