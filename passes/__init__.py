@@ -19,14 +19,16 @@ Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and wri
   favor the projection W (from the seeded draw); linformer E and F (gaussian or learned;
   pool/identity have nothing to fit); linear and hydra ``query_map`` / ``key_map``, a per-head
   linear map of q and k before the feature map ([heads, d, d] when heads are known, else
-  [1, d, d]; identity at first; present only when learnable); lsh nothing.
+  [1, d, d]; identity at first; present only when learnable; with ``window`` the window's exact
+  part sees the mapped q and k too); hedgehog W and b; lsh nothing. A window's
+  ``linear_log_weight`` is a parameter either way.
 - The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
   same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
   linear and hydra it also selects the ``Learned<Entry>`` function that applies the maps
   (kernels.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
   exactly what it was before calibration existed.
-- Optional: ``attention_weights(q, k, key_keep=None, rows=None)`` on the module, its normalized
-  weights for query ``rows`` (linear, favor), for the fitter's attention-weight cross-entropy.
+- Optional: ``attention_weights(q, k, key_keep=None)`` on the module, its normalized weights
+  [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy.
 
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
 take ``window`` (exact softmax nearby, the kernel beyond: kernels.windowed_kernel_attention);

@@ -31,7 +31,7 @@ DEFAULT_STEPS = 200
 DEFAULT_LR = 3e-2
 EXAMPLES_PER_STEP = 4  # entries of the leading axis (batch rows, or batch x heads) per step
 CE_ROWS = 16  # query rows per step for the attention-weight cross-entropy
-CE_EXAMPLES = 2  # of the minibatch's examples, those the cross-entropy looks at
+CE_EXAMPLES = 2  # of the minibatch's examples, those the cross-entropy looks at (N x N weights)
 LOG_FLOOR = 1e-30
 
 
@@ -213,7 +213,7 @@ def _weight_loss(module, q, k, keep, scale: float, causal: bool, generator):
     logits = scale * (q.index_select(-2, rows).float() @ k.float().transpose(-2, -1))
     hidden = _hidden_keys(logits, keep, causal, rows)
     target = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
-    weights = module.attention_weights(q, k, keep, rows=rows)
+    weights = module.attention_weights(q, k, keep).index_select(-2, rows)
     return -(target * torch.log(weights.clamp_min(LOG_FLOOR))).sum(-1).mean()
 
 

@@ -85,6 +85,8 @@ LEARNABLE = [
     ("linear", {}, MaskKind.KEY_PADDING, None),
     ("linear", {"chunk": 8}, MaskKind.CAUSAL, HEADS),
     ("linear", {"chunk": 8}, MaskKind.CAUSAL_KEY_PADDING, HEADS),
+    ("linear", {"window": 4}, MaskKind.KEY_PADDING, HEADS),
+    ("linear", {"window": 4}, MaskKind.CAUSAL, None),
     ("hydra", {}, MaskKind.NONE, HEADS),
     ("hydra", {}, MaskKind.KEY_PADDING, HEADS),
     ("hydra", {}, MaskKind.CAUSAL, None),
@@ -161,7 +163,7 @@ def test_lsh_and_unfittable_linformer_say_why():
         passes.lsh.torch_module(site(), passes.lsh.Options(), learnable=True)
     pool = passes.linformer.Options(projection="pool")
     assert "'pool' projection has nothing to fit" in passes.linformer.nothing_to_fit(pool)
-    for method in ("linear", "hydra", "favor", "linformer"):
+    for method in ("linear", "hydra", "favor", "linformer", "hedgehog"):
         assert passes.get_pass(method).nothing_to_fit(passes.make_options(passes.get_pass(method))) is None
 
 
@@ -330,7 +332,10 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
     assert [s["calibration"]["tokens"] for s in read_record(onnx.load(out))["sites"]] == [data.tokens] * 2
 
 
-@pytest.mark.parametrize("method, options", [("linear", {}), ("favor", {"features": 24}), ("favor", {"features": 24, "variant": "hyperbolic"})])
+@pytest.mark.parametrize(
+    "method, options",
+    [("linear", {}), ("linear", {"window": 4}), ("favor", {"features": 24}), ("favor", {"features": 24, "variant": "hyperbolic"})],
+)
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL])
 def test_attention_weights_are_the_ones_the_module_applies(method, options, mask):
     method_pass = passes.get_pass(method)
@@ -341,9 +346,7 @@ def test_attention_weights_are_the_ones_the_module_applies(method, options, mask
     with torch.no_grad():
         weights = module.attention_weights(q, k, keep)
         assert relative_error((weights @ v).numpy(), module(q, k, v, keep).numpy()) < 1e-4
-        rows = torch.tensor([3, 0, 17])
-        sampled = module.attention_weights(q, k, keep, rows=rows)
-    assert torch.allclose(sampled, weights[..., rows, :], atol=1e-6)
+        assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
 
 
 def test_cross_entropy_term_fits_too_and_is_seeded():
@@ -398,7 +401,8 @@ def test_a_site_whose_maps_cannot_be_built_is_left_alone_with_the_reason():
     for value in model.graph.input[:3]:  # q, k, v: the head dimension is not known
         value.type.tensor_type.shape.dim[-1].dim_param = "d"
     assert attnrewrite.find_sites(model)[0].head_dim is None
-    result = attnrewrite.rewrite(model, to="linear", calibrate=make_feeds(spec, batch=3, seq=6))
+    with pytest.warns(attnrewrite.errors.NothingRewritten):
+        result = attnrewrite.rewrite(model, to="linear", calibrate=make_feeds(spec, batch=3, seq=6))
     (entry,) = read_record(result)["sites"]
     assert entry["status"] == "skipped"
     assert entry["reason"] == "cannot be calibrated: the head dimension is unknown, so no query/key map can be fitted"
