@@ -246,6 +246,9 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
         assert len(calibration["data_sha256"]) == 64
         fitted = weights[f"{entry['name']}/projection"]
         assert fitted.shape == initial.shape and np.abs(fitted - initial).max() > 1e-4
+    # both sites start from the same draw, which an uncalibrated rewrite stores once: fitted, each owns its own
+    first, second = (weights[f"{entry['name']}/projection"] for entry in record["sites"])
+    assert not np.array_equal(first, second)
     # the API on the same data fits the same values, and the output passes the gates as written
     again = attnrewrite.rewrite(str(SAMPLE_BERT), to="favor", calibrate=str(tmp_path / "data.npz"), calibrate_steps=30)
     assert {t.name: numpy_helper.to_array(t).tobytes() for t in again.graph.initializer} == {

@@ -81,7 +81,7 @@ def rewrite_model(
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
             continue
         lowering = method.onnx_lowering(s.site, opts, default_opset(model), weights=weights)
-        replacement = splicer.splice(s, lowering)
+        replacement = splicer.splice(s, lowering, own=frozenset(weights or ()))
         outcome = SiteOutcome(s.site, rewritten=True, replacement=replacement)
         record.outcomes.append(outcome)
         if module is not None:

@@ -55,7 +55,9 @@ class Splicer:
         if s.site.mask.key_padding and any(t.rank is None for t in s.masks):
             raise Unsupported("the key padding mask's rank is unknown")
 
-    def splice(self, s: OnnxSite, lowering: OnnxLowering) -> str:
+    def splice(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str] = frozenset()) -> str:
+        """``own``: names of constants this site must not share with another (values that
+        calibration will fit per site, though they start equal)."""
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
         if s.packing is not None:
@@ -68,7 +70,10 @@ class Splicer:
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
             k, v = self._broadcast_to_queries(k, q, new_nodes), self._broadcast_to_queries(v, q, new_nodes)
         key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
-        constants = [self._constant(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
+        constants = [
+            self._initializer(f"{s.site.name}/{name}", array) if name in own else self._constant(f"{s.site.name}/{name}", array)
+            for name, array in lowering.constants.items()
+        ]
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
