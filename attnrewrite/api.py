@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any
@@ -14,6 +15,7 @@ from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import find_sites as _find_onnx_sites
 from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate as _validate
 from attnrewrite.record import METADATA_KEY
 from attnrewrite.site import AttentionSite
@@ -26,6 +28,7 @@ def rewrite(
     validate: bool = True,
     include_single_query: bool = False,
     *,
+    seq: int | None = None,
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
     calibrate_lr: float = calibration.DEFAULT_LR,
@@ -42,7 +45,9 @@ def rewrite(
     ``metadata_props["attnrewrite"]`` or the GraphModule's ``meta["attnrewrite"]``. When nothing
     can be rewritten the model comes back unchanged, with that record, and a ``NothingRewritten``
     warning says so. A site with a single query (a decoder step) is left exact unless
-    ``include_single_query``: linearizing it saves nothing.
+    ``include_single_query``: linearizing it saves nothing. ``seq``: the length of the generated
+    inputs the mask probe and the run gate start from (ONNX only; both double it until the
+    original model runs, e.g. past an audio model's convolutional front end).
 
     ``calibrate``: fit every replacement to the attention it replaces on this data, site by
     site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``). For ONNX: an
@@ -61,7 +66,7 @@ def rewrite(
             )
         ir_model, record = rewrite_model(
             ir_model, to, layers=layers, include_single_query=include_single_query,
-            calibration=fitting, **options,
+            calibration=fitting, seq=seq, **options,
         )
         _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))
         if not record.rewritten and not isinstance(model, ir.Model):
@@ -69,7 +74,9 @@ def rewrite(
             original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
             return _with_record(original, ir_model)
         if validate and record.rewritten:
-            _validate(ir_model)
+            gate = _validate(ir_model, seq=seq or DEFAULT_GATE_SEQ, original=_runnable(model))
+            if gate.note:
+                _add_note(ir_model, gate.note)
         return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
     from attnrewrite.fx import rewrite_graph_module
 
@@ -80,10 +87,11 @@ def rewrite(
     return gm
 
 
-def find_sites(model: Any) -> list[AttentionSite]:
-    """Every attention site in the model, rewritable or not (``skip_reason`` says why not)."""
+def find_sites(model: Any, seq: int | None = None) -> list[AttentionSite]:
+    """Every attention site in the model, rewritable or not (``skip_reason`` says why not).
+    ``seq``: the input length the ONNX mask probe starts from."""
     if _is_onnx(model):
-        return _find_onnx_sites(_to_ir(model))
+        return _find_onnx_sites(_to_ir(model), seq)
     from attnrewrite.fx import find_fx_sites
 
     return find_fx_sites(model)
@@ -95,6 +103,20 @@ def _warn_if_nothing_rewritten(found: int, rewritten: int) -> None:
         return
     why = "no softmax attention found" if not found else f"none of the {found} attention sites could be rewritten"
     warnings.warn(f"attnrewrite: {why}; the model is returned unchanged (the record says why)", NothingRewritten, stacklevel=3)
+
+
+def _runnable(model):
+    """The original model for onnxruntime (a path, or a ModelProto), when the rewrite left it intact:
+    an ``onnx_ir.Model`` is rewritten in place."""
+    if isinstance(model, onnx.ModelProto):
+        return model  # serialized only if the gate needs to run it
+    return None if isinstance(model, ir.Model) else os.fspath(model)
+
+
+def _add_note(model: ir.Model, note: str) -> None:
+    record = json.loads(model.metadata_props[METADATA_KEY])
+    record["notes"] = [*record.get("notes", []), note]
+    model.metadata_props[METADATA_KEY] = json.dumps(record, sort_keys=True)
 
 
 def _with_record(original: onnx.ModelProto, rewritten: ir.Model) -> onnx.ModelProto:

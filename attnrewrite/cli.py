@@ -30,7 +30,10 @@ from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
-from attnrewrite.onnx.validate import input_fails, validate_saved
+from attnrewrite.onnx.inputs import sequence_length
+from attnrewrite.onnx.masks import probe_note
+from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
+from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
 
 EXIT_FAILED = 1
@@ -107,7 +110,11 @@ def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
         "(logits, log-probabilities, probabilities)",
     )
     parser.add_argument("--inputs", metavar="FILE.npz", help="inputs to compare on, by input name (default: generated from the signature)")
-    parser.add_argument("--seq", type=parse_positive, default=check_mod.DEFAULT_SEQ, help="sequence length of generated inputs (default: %(default)s)")
+    parser.add_argument(
+        "--seq", type=parse_positive, default=None,
+        help=f"sequence length of generated inputs (default: {check_mod.DEFAULT_SEQ} for the comparison; "
+        f"the rewrite's mask probe and run gate start short and double it until the model runs)",
+    )
 
 
 def build_check_parser() -> argparse.ArgumentParser:
@@ -337,11 +344,12 @@ def _run(argv: list[str]) -> int:
     if checking:
         check_length_fits(model.graph, args)
     # from the original's signature, before the rewrite changes the model in place
-    inputs = check_mod.prepare_inputs(model, args.inputs, seq=args.seq) if checking else None
+    inputs = check_mod.prepare_inputs(model, args.inputs, seq=_check_seq(args)) if checking else None
+    given = inputs.feeds if args.inputs is not None else None
     fitting = _calibration(args, model, options)
     model, record = rewrite_model(
         model, args.to, layers=args.layers, include_single_query=args.include_single_query,
-        calibration=fitting, **options,
+        calibration=fitting, seq=_probe_seq(args, model.graph, given), **options,
     )
     check_layers_exist(args.layers, record)
     if record.outcomes:
@@ -351,13 +359,9 @@ def _run(argv: list[str]) -> int:
         raise _nothing_to_rewrite(record, model)
     # The gates run on the staged file itself, renamed into place only when all pass.
     with onnx_io.staged_save(model, args.output) as staged:
-        try:
-            validate_saved(staged, model.graph)
-        except RewriteFailed as failure:
-            why = input_fails(args.model, model.graph)
-            if why is None:
-                raise
-            raise AttnRewriteError(f"{args.model}: the input model itself fails on generated inputs: {why}") from failure
+        gate = validate_saved(staged, model.graph, seq=args.seq or DEFAULT_GATE_SEQ, original=args.model, feeds=given)
+        if gate.note:
+            print(f"note: {gate.note}")
         if checking:
             report = check_mod.check(args.model, staged, inputs)  # the very file to be renamed into place
             print(report.table())
@@ -386,11 +390,20 @@ def _calibration(args, model, options: dict[str, str]):
     )
 
 
+def _check_seq(args) -> int:
+    return args.seq or check_mod.DEFAULT_SEQ
+
+
+def _probe_seq(args, graph, given) -> int | None:
+    """The length the mask probe starts from: --seq, or that of the --inputs, else its own."""
+    return args.seq or (sequence_length(graph, given) if given is not None else None)
+
+
 def _check_command(args) -> int:
     if args.json:
         onnx_io.check_output_path(args.json, args.original, what="report")
     check_length_fits(onnx_io.load_model(args.original).graph, args)
-    report = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
+    report = check_mod.check(args.original, args.rewritten, args.inputs, seq=_check_seq(args))
     print(report.table())
     if args.json:
         thresholds = {"min_cosine": args.min_cosine, "min_agreement": args.min_agreement}
@@ -429,8 +442,8 @@ def check_length_fits(graph, args) -> None:
     if args.inputs is not None:
         return  # the user's own arrays: their length is theirs
     limit = position_limit(graph)
-    if limit is not None and args.seq > limit.positions:
-        raise AttnRewriteError(f"--seq {args.seq} is too long: {limit.describe()}; use --seq {limit.positions} or less")
+    if limit is not None and _check_seq(args) > limit.positions:
+        raise AttnRewriteError(f"--seq {_check_seq(args)} is too long: {limit.describe()}; use --seq {limit.positions} or less")
 
 
 def _check_rewrite_arguments(args, model) -> None:
@@ -461,7 +474,8 @@ def _nothing_to_rewrite(record: RewriteRecord, model) -> AttnRewriteError:
 
 
 def _list_sites(model, args) -> int:
-    sites = analyze(onnx_io.infer_shapes(model))
+    given = check_mod.load_inputs(args.inputs, model.graph) if args.inputs else None
+    sites = analyze(onnx_io.infer_shapes(model), seq=_probe_seq(args, model.graph, given))
     record = RewriteRecord("none", {}, [SiteOutcome(s.site, rewritten=False, reason=s.site.skip_reason) for s in sites])
     header = ("site", "layer", "heads", "head_dim", "mask", "scale", "status")
     rows = [
@@ -478,6 +492,9 @@ def _list_sites(model, args) -> int:
     ]
     print(format_table(header, rows))
     print(f"{len(sites)} attention sites, {sum(s.site.skip_reason is None for s in sites)} rewritable")
+    note = probe_note([s.site for s in sites])
+    if note:
+        print(f"note: {note}")
     _write_report(args.report, record)
     return 0
 

@@ -20,3 +20,8 @@ class NothingRewritten(UserWarning):
 class RewriteFailed(AttnRewriteError):
     """The input was fine but the result is not: the rewritten model failed a validation gate,
     or writing it failed part-way. Nothing was written (exit 1, not 2)."""
+
+
+class InputFails(AttnRewriteError):
+    """The input model itself does not run on the inputs the gates run the rewritten model
+    on: bad input (exit 2), the rewrite must not take the blame."""

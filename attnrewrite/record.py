@@ -41,6 +41,8 @@ class RewriteRecord:
     options: dict[str, Any]
     outcomes: list[SiteOutcome] = dataclasses.field(default_factory=list)
     bytes_added: int = 0  # constants (random features, projections) the replacements store
+    # what the run had to adapt to, one line each (e.g. inputs longer than asked for)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def rewritten(self) -> list[SiteOutcome]:
@@ -62,6 +64,7 @@ class RewriteRecord:
             "sites_rewritten": len(self.rewritten),
             "bytes_added": self.bytes_added,
             "sites": [o.as_dict() for o in self.outcomes],
+            **({"notes": self.notes} if self.notes else {}),
         }
 
     def to_json(self) -> str:
@@ -80,7 +83,7 @@ class RewriteRecord:
             )
             for o in self.outcomes
         ]
-        return format_table(header, rows)
+        return "\n".join([format_table(header, rows), *(f"note: {n}" for n in self.notes)])
 
 
 def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -12,6 +12,7 @@ never a fully masked row.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Callable, TypeVar
 
 import numpy as np
 import onnx
@@ -19,6 +20,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.onnx import io as onnx_io
+
+# A convolutional front end rejects short inputs (wav2vec2's feature encoder needs 400
+# samples for one frame): generated inputs then grow by doubling, up to this length, until
+# the model takes them. Long enough for audio encoders, short enough that a model failing
+# for another reason is not run on inputs that exhaust memory.
+MAX_SEARCHED_LENGTH = 4096
+
+T = TypeVar("T")
 
 
 def generate_inputs(
@@ -28,8 +37,10 @@ def generate_inputs(
     seed: int = 0,
     names: list[str] | None = None,
     padding_marked_by_one: Collection[str] = (),
+    end_padding: int = 2,
 ) -> dict[str, np.ndarray]:
-    """``padding_marked_by_one``: the names of mask inputs whose 1/True means padding."""
+    """``padding_marked_by_one``: the names of mask inputs whose 1/True means padding;
+    ``end_padding``: positions padded at the end of the padded rows (see padding_pattern)."""
     rng = np.random.default_rng(seed)
     bound: dict[str, int] = {}
     feeds = {}
@@ -37,7 +48,7 @@ def generate_inputs(
         if value.is_initializer() or (names is not None and value.name not in names):
             continue
         shape = [_bind(dim, axis, bound, batch, seq) for axis, dim in enumerate(value.shape or [])]
-        feeds[value.name] = _fill(value, shape, rng, value.name in padding_marked_by_one)
+        feeds[value.name] = _fill(value, shape, rng, value.name in padding_marked_by_one, end_padding)
     return feeds
 
 
@@ -50,22 +61,23 @@ def _bind(dim, axis: int, bound: dict[str, int], batch: int, seq: int) -> int:
     return bound[key]
 
 
-def _fill(value: ir.Value, shape: list[int], rng: np.random.Generator, padding_marked_by_one: bool) -> np.ndarray:
+def _fill(value: ir.Value, shape: list[int], rng: np.random.Generator, padding_marked_by_one: bool, end_padding: int) -> np.ndarray:
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)
     vocab = embedding_rows(value)
     if vocab is not None and np.issubdtype(dtype, np.integer):
         return rng.integers(0, vocab, size=shape).astype(dtype)
-    pattern = padding_pattern(shape)
+    pattern = padding_pattern(shape, end_padding)
     return (1 - pattern if padding_marked_by_one else pattern).astype(dtype)
 
 
-def padding_pattern(shape: list[int]) -> np.ndarray:
-    """1 = a real position, 0 = padding, along the last axis; row 0 of the batch unpadded."""
+def padding_pattern(shape: list[int], end: int = 2) -> np.ndarray:
+    """1 = a real position, 0 = padding, along the last axis; row 0 of the batch unpadded, the
+    others padded at the first position and the last ``end``."""
     pattern = np.ones(shape, dtype=np.int64)
-    if len(shape) >= 2 and shape[0] > 1 and shape[-1] > 3:
-        pattern[1:, ..., -2:] = 0
+    if len(shape) >= 2 and shape[0] > 1 and shape[-1] > end + 1:
+        pattern[1:, ..., -end:] = 0
         pattern[1:, ..., :1] = 0
     return pattern
 
@@ -137,3 +149,36 @@ def model_around(graph: ir.Graph) -> ir.Model:
     """A model for a bare graph, at the oldest IR version its opsets allow (one onnxruntime loads)."""
     opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in graph.opset_imports.items()]
     return ir.Model(graph, ir_version=onnx.helper.find_min_ir_version_for(opsets))
+
+
+def searched_lengths(seq: int) -> list[int]:
+    """seq, 2 seq, 4 seq, ... up to MAX_SEARCHED_LENGTH (seq itself always)."""
+    lengths = [seq]
+    while lengths[-1] * 2 <= MAX_SEARCHED_LENGTH:
+        lengths.append(lengths[-1] * 2)
+    return lengths
+
+
+def first_that_runs(run: Callable[[int], T], seq: int) -> tuple[int, T]:
+    """(length, run(length)) for the first of searched_lengths(seq) at which ``run`` does not
+    raise; when none does, the error at ``seq`` (what the user asked for) is raised."""
+    first_error = None
+    for length in searched_lengths(seq):
+        try:
+            return length, run(length)
+        except Exception as error:
+            if first_error is None:
+                first_error = error
+    raise first_error
+
+
+def sequence_length(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> int | None:
+    """The length given inputs have along their first symbolic axis after the batch axis (the
+    length generate_inputs would bind ``seq`` to), or None when no input has one."""
+    for value in graph.inputs:
+        if value.name not in feeds or value.shape is None:
+            continue
+        for axis, dim in enumerate(value.shape):
+            if axis > 0 and not isinstance(dim, int) and axis < feeds[value.name].ndim:
+                return int(feeds[value.name].shape[axis])
+    return None

@@ -18,45 +18,84 @@ import onnxruntime as ort
 
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, Unsupported, find_onnx_sites
-from attnrewrite.onnx.inputs import generate_inputs
-from attnrewrite.site import MaskKind
+from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
+from attnrewrite.site import AttentionSite, MaskKind
 
 PROBE_LENGTHS = (6, 9)  # two lengths, so a mask that is causal only at one size is caught
 PROBE_BATCH = 2
 MAX_INLINED_BYTES = 64 * 2**20  # masks read small buffers; never copy a weight into a probe
 
 
-def classify_masks(model: ir.Model, sites: list[OnnxSite]) -> None:
-    """Set ``site.mask`` (or ``site.skip_reason``) for every site that has mask terms."""
+def probe_lengths(seq: int | None = None) -> tuple[int, int]:
+    """The two input lengths the probe starts from: PROBE_LENGTHS, or the user's ``seq`` and
+    half as much again (different lengths, so a mask that is causal only at one is caught)."""
+    return PROBE_LENGTHS if seq is None else (seq, max(seq + 1, seq * 3 // 2))
+
+
+def classify_masks(model: ir.Model, sites: list[OnnxSite], seq: int | None = None) -> tuple[int, ...] | None:
+    """Set ``site.mask`` (or ``site.skip_reason``) for every site that has mask terms.
+
+    The probe starts at ``probe_lengths(seq)``; where the mask's subgraph does not run at a
+    length (a convolutional front end needs more samples) it doubles the length until it does.
+    Returns the lengths the probe ran at, None when there was nothing to probe."""
     pending = [s for s in sites if s.site.skip_reason is None and s.masks]
     if not pending:
-        return
+        return None
     values = list({id(t.value): t.value for s in pending for t in s.masks}.values())
     try:
-        probes = [_evaluate(model, values, seq) for seq in PROBE_LENGTHS]
+        probe = _MaskProbe(model, values)
+        runs = [first_that_runs(probe.run, start) for start in probe_lengths(seq)]
     except Exception as error:  # a mask we cannot run is a mask we do not understand
         if len(pending) > 1:  # ... but it must not hide the masks of the other sites
-            for s in pending:
-                classify_masks(model, [s])
-            return
+            lengths = [classify_masks(model, [s], seq) for s in pending]
+            return next((found for found in lengths if found is not None), None)
         for s in pending:
             s.site.skip_reason = f"could not evaluate the attention mask to classify it ({_first_line(error)})"
-        return
+            s.site.mask = MaskKind.UNKNOWN
+        return None
     for s in pending:
         try:
-            kinds = {_classify_site(s, arrays, seq) for arrays, seq in zip(probes, PROBE_LENGTHS)}
+            kinds = {_classify_site(s, arrays, length) for length, arrays in runs}
         except Unsupported as reason:
             s.site.skip_reason = str(reason)
             s.site.mask = MaskKind.BIAS
             continue
         if len(kinds) != 1:
+            kinds = _key_padding_seen_at_one_length(kinds)
+        if len(kinds) != 1:
             s.site.skip_reason = "the mask behaves differently at different sequence lengths"
+            s.site.mask = MaskKind.UNKNOWN
             continue
         s.site.mask = kinds.pop()
+    lengths = tuple(length for length, _ in runs)
+    if lengths != probe_lengths(seq):
+        for s in pending:
+            s.site.provenance["mask_probe_lengths"] = {"asked": list(probe_lengths(seq)), "ran": list(lengths)}
+    return lengths
+
+
+def probe_note(sites: list[AttentionSite]) -> str | None:
+    """One line when the mask probe had to run on longer inputs than it was asked to."""
+    moved = [s.provenance["mask_probe_lengths"] for s in sites if "mask_probe_lengths" in s.provenance]
+    if not moved:
+        return None
+    asked, ran = (" and ".join(map(str, moved[0][key])) for key in ("asked", "ran"))
+    return f"mask probe: the mask subgraph does not run on inputs of length {asked}; probed at {ran}"
+
+
+def _key_padding_seen_at_one_length(kinds: set[MaskKind]) -> set[MaskKind]:
+    """Padding a few samples of an audio model's input removes a frame at one length and none
+    at another: a key padding mask that kept every key at one probe length is one all the same
+    (the rewrite reads which keys are kept from the mask when it runs)."""
+    for padded in (MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING):
+        unpadded = {MaskKind.KEY_PADDING: MaskKind.NONE, MaskKind.CAUSAL_KEY_PADDING: MaskKind.CAUSAL}[padded]
+        if kinds == {padded, unpadded}:
+            return {padded}
+    return kinds
 
 
 def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> MaskKind:
-    queries, keys = (static or seq for static in s.static_lengths)
+    keys = s.static_lengths[1] or seq  # what a contrib mask index counts positions in
     keep = None
     for term in s.masks:
         array = arrays[id(term.value)]
@@ -66,12 +105,25 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
             # the logits could not take both terms either: a graph that cannot run
             raise Unsupported(f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together")
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
+    queries, keys = _attention_lengths(s, keep, seq)
     kind = classify_keep_matrix(keep, queries, keys)
     if any(t.key_only for t in s.masks):  # key padding by definition, whether the probe padded or not
         kind = {MaskKind.NONE: MaskKind.KEY_PADDING, MaskKind.CAUSAL: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
         kind = {MaskKind.NONE: MaskKind.CAUSAL, MaskKind.KEY_PADDING: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     return kind
+
+
+def _attention_lengths(s: OnnxSite, keep: np.ndarray, seq: int) -> tuple[int, int]:
+    """(queries, keys) of the logits in a probe run on ``seq``-long inputs. Static lengths are
+    known; a dynamic one is ``seq`` unless the mask spans another length: a convolutional front
+    end (audio) makes fewer frames than it reads samples, and a mask that broadcasts to the
+    logits with an axis longer than 1 has the logits' length there."""
+    static_queries, static_keys = s.static_lengths
+    rows, columns = (1,) * max(0, 2 - keep.ndim) + keep.shape[-2:]
+    keys = static_keys or (columns if columns > 1 else seq)
+    queries = static_queries or (rows if rows > 1 else keys)
+    return queries, keys
 
 
 def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -177,10 +229,25 @@ def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
     return marked
 
 
-def _evaluate(model: ir.Model, values: list[ir.Value], seq: int) -> dict[int, np.ndarray]:
-    session, names, as_float32 = _probe_session(model, values)
-    outputs = session.run(None, _probe_feeds(model.graph, names, seq, as_float32))
-    return {id(v): out for v, out in zip(values, outputs)}
+class _MaskProbe:
+    """The subgraph computing the mask values, as its own onnxruntime session, run on inputs
+    generated at a given length."""
+
+    def __init__(self, model: ir.Model, values: list[ir.Value]):
+        self.graph, self.values = model.graph, values
+        self.session, self.names, self.as_float32 = _probe_session(model, values)
+
+    def run(self, seq: int) -> dict[int, np.ndarray]:
+        # a quarter padded: an audio front end pools hundreds of samples into one frame, and
+        # padding must remove a frame to show (text probes at PROBE_LENGTHS pad 2 as before)
+        feeds = _probe_feeds(self.graph, self.names, seq, self.as_float32, end_padding=max(2, seq // 4))
+        outputs = self.session.run(None, feeds)
+        for out in outputs:
+            if out.size == 0 or (out.ndim >= 2 and out.shape[-2:] == (1, 1)):
+                # a front end that shrinks its input (audio convolutions) made no frame, or one:
+                # a mask over one key says nothing about its kind
+                raise ValueError(f"the mask has shape {list(out.shape)} on inputs of length {seq}")
+        return {id(v): out for v, out in zip(self.values, outputs)}
 
 
 def _probe_session(model: ir.Model, values: list[ir.Value]) -> tuple[ort.InferenceSession, list[str], bool]:
@@ -202,8 +269,8 @@ def _probe_session(model: ir.Model, values: list[ir.Value]) -> tuple[ort.Inferen
     return session, names, as_float32
 
 
-def _probe_feeds(graph: ir.Graph, names: list[str], seq: int, as_float32: bool) -> dict[str, np.ndarray]:
-    feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names)
+def _probe_feeds(graph: ir.Graph, names: list[str], seq: int, as_float32: bool, end_padding: int = 2) -> dict[str, np.ndarray]:
+    feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names, end_padding=end_padding)
     if as_float32:
         feeds = {name: a.astype(np.float32) if a.dtype == bfloat16.ml_dtypes.bfloat16 else a for name, a in feeds.items()}
     return feeds

@@ -10,23 +10,24 @@ import onnx_ir as ir
 import passes
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
-from attnrewrite.onnx.masks import classify_masks
+from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
 from attnrewrite.site import AttentionSite, single_query_reason
 from passes._onnx import DOMAIN
 
 
-def analyze(model: ir.Model) -> list[OnnxSite]:
-    """Every attention site in the model's main graph, with its mask classified."""
+def analyze(model: ir.Model, seq: int | None = None) -> list[OnnxSite]:
+    """Every attention site in the model's main graph, with its mask classified (probed from
+    inputs of length ``seq`` when given)."""
     sites = find_onnx_sites(model.graph)
     mark_unsupported_masks(sites)
-    classify_masks(model, sites)
+    classify_masks(model, sites, seq)
     return sites
 
 
-def find_sites(model: ir.Model) -> list[AttentionSite]:
-    return [s.site for s in analyze(infer_shapes(model))]
+def find_sites(model: ir.Model, seq: int | None = None) -> list[AttentionSite]:
+    return [s.site for s in analyze(infer_shapes(model), seq)]
 
 
 def rewritten_sites(model: ir.Model) -> list[ir.Node]:
@@ -40,12 +41,14 @@ def rewrite_model(
     layers: list[int] | None = None,
     include_single_query: bool = False,
     calibration=None,
+    seq: int | None = None,
     **options,
 ) -> tuple[ir.Model, RewriteRecord]:
     """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
     Sites with one query are left exact unless ``include_single_query``. ``calibration``
     (attnrewrite.calibration.Calibration): fit every replacement, in order, to the attention it
-    replaces (attnrewrite.onnx.calibrate)."""
+    replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
+    (default: masks.PROBE_LENGTHS)."""
     method = passes.get_pass(to)
     opts = passes.make_options(method, **options)
     if calibration is not None:
@@ -53,14 +56,17 @@ def rewrite_model(
 
         require_fittable(method, opts)
     model = infer_shapes(model)
-    sites = analyze(model)
+    sites = analyze(model, seq)
     decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
     if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
         model = infer_shapes(upgrade_opset(model))
-        sites = analyze(model)
+        sites = analyze(model, seq)
         decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
 
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
+    note = probe_note([s.site for s in sites])
+    if note:
+        record.notes.append(note)
     splicer = Splicer(model) if any(reason is None for reason in decisions) else None
     fitting = []  # (outcome, learnable module, names of its constants) per rewritten site
     for s, reason in zip(sites, decisions):

@@ -3,27 +3,44 @@ the full ONNX check, an onnxruntime session, and a run on inputs of the original
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from attnrewrite.errors import RewriteFailed
+from attnrewrite.errors import InputFails, RewriteFailed
 from attnrewrite.onnx import bfloat16
-from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
 from attnrewrite.onnx.io import saved_copy
 
+DEFAULT_SEQ = 16  # generated inputs' length when the user gives none
 
-def validate(model: ir.Model, seq: int = 16) -> list[np.ndarray]:
-    """Raise RewriteFailed naming the failed gate; return the outputs of the test run."""
+
+@dataclasses.dataclass
+class GateRun:
+    outputs: list[np.ndarray]  # of the rewritten model's test run
+    note: str | None = None  # set when the run needed longer inputs than asked for
+
+
+def validate(model: ir.Model, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None) -> GateRun:
+    """Raise RewriteFailed naming the failed gate (InputFails when ``original`` itself fails
+    the run); see validate_saved."""
     with saved_copy(model) as path:
-        return validate_saved(path, model.graph, seq)
+        return validate_saved(path, model.graph, seq, original, feeds)
 
 
-def validate_saved(path, graph: ir.Graph, seq: int = 16) -> list[np.ndarray]:
+def validate_saved(path, graph: ir.Graph, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None) -> GateRun:
     """The gates on a model already written to `path` (the CLI's staged output: checking the
     file that will be renamed into place, and writing big weights only once); `graph` is the
-    in-memory graph it was written from, for the input signature."""
+    in-memory graph it was written from, for the input signature.
+
+    The run gate uses ``feeds``, or inputs generated at length ``seq``. ``original`` (the input
+    model: a path, a ModelProto or its bytes) is run only when the rewritten model fails: if it fails
+    too, the input is to blame (InputFails); if it runs only on longer generated inputs (a
+    convolutional front end), the rewritten model is run on the shortest of those instead."""
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as error:
@@ -32,21 +49,39 @@ def validate_saved(path, graph: ir.Graph, seq: int = 16) -> list[np.ndarray]:
         session = make_session(str(path))
     except Exception as error:
         raise RewriteFailed(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
+    which = "the given inputs" if feeds is not None else "generated inputs"
     try:
-        return bfloat16.run(session, generate_inputs(graph, seq=seq))
+        return GateRun(bfloat16.run(session, feeds if feeds is not None else generate_inputs(graph, seq=seq)))
     except Exception as error:
-        raise RewriteFailed(f"the rewritten model fails to run on generated inputs: {_first_line(error)}") from error
+        failure = RewriteFailed(f"the rewritten model fails to run on {which}: {_first_line(error)}")
+        failure.__cause__ = error
+    if original is None:
+        raise failure
+    length = _length_the_original_runs_at(original, graph, seq, feeds)
+    if length == seq or feeds is not None:
+        raise failure
+    try:
+        outputs = bfloat16.run(session, generate_inputs(graph, seq=length))
+    except Exception as error:
+        raise RewriteFailed(f"the rewritten model fails to run on generated inputs of length {length}: {_first_line(error)}") from error
+    return GateRun(outputs, f"the original model does not run on generated inputs of length {seq}; validated at length {length}")
 
 
-def input_fails(path, graph: ir.Graph, seq: int = 16) -> str | None:
-    """Why the input model itself cannot load or run on the inputs the gates generate, or None.
-    Asked when the rewritten model fails them: a model that never ran is bad input, and the
-    rewrite must not take the blame."""
+def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> int:
+    """The shortest searched length (``seq`` doubled) of generated inputs that ``original`` runs
+    on, or ``seq`` when it runs on ``feeds``; InputFails when there is none."""
+    which = "the given inputs" if feeds is not None else "generated inputs"
+    shown = f"{os.fspath(original)}: " if isinstance(original, (str, os.PathLike)) else ""
+    if isinstance(original, onnx.ModelProto):
+        original = original.SerializeToString()
     try:
-        bfloat16.run(make_session(str(path)), generate_inputs(graph, seq=seq))
+        session = make_session(os.fspath(original) if isinstance(original, os.PathLike) else original)
+        if feeds is not None:
+            bfloat16.run(session, feeds)
+            return seq
+        return first_that_runs(lambda n: bfloat16.run(session, generate_inputs(graph, seq=n)), seq)[0]
     except Exception as error:
-        return _first_line(error)
-    return None
+        raise InputFails(f"{shown}the input model itself fails on {which}: {_first_line(error)}") from error
 
 
 def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
