@@ -78,6 +78,10 @@ class ModelSpec:
     # path leaves heads unknown
     heads_in_layout: bool = True
     head_dim: int = HIDDEN // HEADS
+    output_axes: dict[int, str] | None = None  # default: batch, and seq when inputs have it
+    # dynamo: let torch.export find the dynamic dims (Dim.AUTO) where named Dims fail its
+    # constraints (a convolution over audio samples wants the length a multiple of its stride)
+    auto_dims: bool = False
 
     def inputs(self, batch: int = EXPORT_BATCH, seq: int = EXPORT_SEQ) -> dict[str, torch.Tensor]:
         return self.make_inputs(batch, seq)
@@ -376,7 +380,290 @@ GROUPED_HEAD_MODELS: dict[str, ModelSpec] = {
 }
 
 
-ALL_MODELS = {**MODELS, **NEGATIVE_MODELS, **GROUPED_HEAD_MODELS}
+# --- audio encoders (tests/test_audio.py) and the regression corpus (tests/test_corpus.py) ----------
+
+
+class AudioEncoder(nn.Module):
+    """forward(input_values[, attention_mask]) of a wav2vec2-like encoder, frames out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_values, attention_mask=None):
+        return self.model(input_values, attention_mask=attention_mask).last_hidden_state
+
+
+class Seq2Seq(nn.Module):
+    """forward(input_ids, attention_mask, decoder_input_ids) of an encoder-decoder: the decoder's states."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).last_hidden_state
+
+
+class SpeechSeq2Seq(nn.Module):
+    """forward(input_features, decoder_input_ids) of Whisper: the decoder's states."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features, decoder_input_ids):
+        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids).last_hidden_state
+
+
+class TorchTransformer(nn.Module):
+    """nn.Transformer (encoder and decoder, nn.MultiheadAttention inside), causal decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Transformer(
+            HIDDEN, HEADS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS, dim_feedforward=2 * HIDDEN,
+            dropout=0.0, batch_first=True,
+        )
+
+    def forward(self, src, tgt):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=tgt.dtype)
+        return self.model(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+
+
+# Audio: the feature encoder turns 10 * frames + 10 samples into `frames` frames (kernels 10, 3;
+# strides 5, 2), so make_inputs(batch, seq) gives `seq` frames of attention.
+SAMPLES_PER_FRAME = 10
+
+
+def _audio_config(config_class, **overrides):
+    return config_class(
+        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+        conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, vocab_size=VOCAB,
+        # no SpecAugment or LayerDrop: both draw random numbers, which torch.export cannot trace
+        apply_spec_augment=False, layerdrop=0.0, **overrides,
+    )
+
+
+def _wav2vec2(norm: str):
+    """``norm`` "layer": wav2vec2-large-lv60 style (its processor passes an attention_mask);
+    "group": wav2vec2-base style (its processor does not: padding is zeros in the audio)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = _audio_config(Wav2Vec2Config, feat_extract_norm=norm, do_stable_layer_norm=norm == "layer")
+    return AudioEncoder(Wav2Vec2Model(config))
+
+
+def _hubert():
+    from transformers import HubertConfig, HubertModel
+
+    return AudioEncoder(HubertModel(_audio_config(HubertConfig, feat_extract_norm="layer", do_stable_layer_norm=True)))
+
+
+def _wavlm():
+    """WavLM adds a gated relative position bias to the logits: not a mask."""
+    from transformers import WavLMConfig, WavLMModel
+
+    config = _audio_config(WavLMConfig, feat_extract_norm="layer", do_stable_layer_norm=True, num_buckets=8, max_bucket_distance=16)
+    return AudioEncoder(WavLMModel(config))
+
+
+def audio_attention_mask(batch: int, samples: int) -> torch.Tensor:
+    """1 = a sample, 0 = padding at the end of odd rows, whole frames of it (a few padded samples
+    would not remove a frame)."""
+    mask = torch.ones(batch, samples, dtype=torch.int64)
+    for row in range(1, batch, 2):
+        mask[row, samples - (2 + row) * SAMPLES_PER_FRAME :] = 0
+    return mask
+
+
+def _audio_inputs(batch: int, seq: int, with_mask: bool = True) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    samples = SAMPLES_PER_FRAME * (seq + 1)
+    inputs = {"input_values": torch.randn(batch, samples, generator=generator)}
+    if with_mask:
+        inputs["attention_mask"] = audio_attention_mask(batch, samples)
+    return inputs
+
+
+def _audio(name, build, with_mask=True, mask="key_padding"):
+    names = ("input_values", "attention_mask") if with_mask else ("input_values",)
+    return ModelSpec(
+        name, _seeded(build), names, lambda b, s: _audio_inputs(b, s, with_mask),
+        {n: {0: "batch", 1: "samples"} for n in names}, layers=LAYERS, mask=mask, swap="transformers",
+        output_axes={0: "batch", 1: "frames"}, auto_dims=True,
+    )
+
+
+AUDIO_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _audio("wav2vec2", lambda: _wav2vec2("layer")),
+        _audio("wav2vec2-group", lambda: _wav2vec2("group"), with_mask=False, mask="none"),
+        _audio("hubert", _hubert),
+        _audio("wavlm", _wavlm, mask="bias"),
+    )
+}
+
+
+# The corpus: tiny configs of many families, random weights. What each must give is in
+# tests/test_corpus.py; ``layers`` here is the number of attention sites, ``mask`` "mixed"
+# where the sites differ (encoder-decoders).
+
+
+def _tiny_text_config(config_class, **overrides):
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS,
+    )
+    return config_class(**{**fields, **overrides})
+
+
+def _hf_text(model_name: str, config_name: str, **overrides):
+    """TextEncoder around transformers.<model_name> built from a tiny <config_name>."""
+    import transformers
+
+    def build():
+        config = _tiny_text_config(getattr(transformers, config_name), **overrides)
+        return TextEncoder(getattr(transformers, model_name)(config))
+
+    return build
+
+
+def _hf_vision(model_name: str, config_name: str, **overrides):
+    import transformers
+
+    def build():
+        fields = dict(
+            image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+        )
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**fields, **overrides}))
+        _randomize_position_biases(model)
+        return ImageEncoder(model)
+
+    return build
+
+
+def _randomize_position_biases(model: nn.Module) -> None:
+    """Relative position bias tables start at zero (a zero bias is no bias): make them what a
+    trained model has."""
+    for name, parameter in model.named_parameters():
+        if "relative_position_bias_table" in name:
+            nn.init.normal_(parameter, std=1.0)
+
+
+def _segformer():
+    from transformers import SegformerConfig, SegformerModel
+
+    config = SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+    )
+    return ImageEncoder(SegformerModel(config))
+
+
+def _bart():
+    from transformers import BartConfig, BartModel
+
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )
+    return Seq2Seq(BartModel(config))
+
+
+WHISPER_MELS, WHISPER_FRAMES = 8, 16  # Whisper's encoder takes exactly 2 * max_source_positions frames
+
+
+def _whisper():
+    from transformers import WhisperConfig, WhisperModel
+
+    config = WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=WHISPER_MELS, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, d_model=HIDDEN, encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN, max_source_positions=WHISPER_FRAMES // 2, max_target_positions=MAX_POSITIONS,
+        pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 2,
+        suppress_tokens=[], begin_suppress_tokens=[],
+    )
+    return SpeechSeq2Seq(WhisperModel(config))
+
+
+def _seq2seq_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    inputs = _text_inputs(batch, seq, low=3)
+    generator = torch.Generator().manual_seed(seq * 1000 + batch + 1)
+    return {**inputs, "decoder_input_ids": torch.randint(3, VOCAB, (batch, seq), generator=generator)}
+
+
+def _whisper_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    return {
+        "input_features": torch.randn(batch, WHISPER_MELS, WHISPER_FRAMES, generator=generator),
+        "decoder_input_ids": torch.randint(0, VOCAB - 2, (batch, seq), generator=generator),
+    }
+
+
+def _torch_transformer_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seq * 1000 + batch)
+    return {"src": torch.randn(batch, seq, HIDDEN, generator=generator), "tgt": torch.randn(batch, seq, HIDDEN, generator=generator)}
+
+
+def _corpus(name, build, input_names, make_inputs, dynamic, layers, mask="mixed", **details):
+    return ModelSpec(name, _seeded(build), input_names, make_inputs, dynamic, layers=layers, mask=mask, swap="transformers", **details)
+
+
+def _corpus_text(name, build, layers=LAYERS, inputs=_text_inputs, **details):
+    return _corpus(name, build, ("input_ids", "attention_mask"), inputs, TEXT_AXES, layers, **details)
+
+
+def _corpus_image(name, build, layers=LAYERS, **details):
+    return _corpus(name, build, ("pixel_values",), _image_inputs, {"pixel_values": {0: "batch"}}, layers, **details)
+
+
+_TEXT_IDS_FROM_2 = lambda b, s: _text_inputs(b, s, low=2)  # noqa: E731  (ids off RoBERTa-style pad id 1)
+SEQ2SEQ_AXES = {**TEXT_AXES, "decoder_input_ids": {0: "batch", 1: "target"}}
+
+CORPUS_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _corpus_text("albert", _hf_text("AlbertModel", "AlbertConfig", embedding_size=16)),
+        _corpus_text("electra", _hf_text("ElectraModel", "ElectraConfig", embedding_size=HIDDEN)),
+        _corpus_text("xlm-roberta", _hf_text("XLMRobertaModel", "XLMRobertaConfig", max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1), inputs=_TEXT_IDS_FROM_2),
+        _corpus("bart", _bart, ("input_ids", "attention_mask", "decoder_input_ids"), _seq2seq_inputs, SEQ2SEQ_AXES, 3 * LAYERS,
+                output_axes={0: "batch", 1: "target"}),
+        _corpus("whisper", _whisper, ("input_features", "decoder_input_ids"), _whisper_inputs,
+                {"input_features": {0: "batch"}, "decoder_input_ids": {0: "batch", 1: "target"}}, 3 * LAYERS,
+                output_axes={0: "batch", 1: "target"}),
+        _corpus_text("clip-text", _hf_text("CLIPTextModel", "CLIPTextConfig", eos_token_id=VOCAB - 1), mask="causal+key_padding"),
+        _corpus_image("clip-vision", _hf_vision("CLIPVisionModel", "CLIPVisionConfig"), mask="none"),
+        _corpus_image("siglip-vision", _hf_vision("SiglipVisionModel", "SiglipVisionConfig"), mask="none"),
+        _corpus_image("segformer", _segformer, mask="none", heads=None),
+        _corpus_text("opt", _hf_text("OPTModel", "OPTConfig", ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, pad_token_id=1), mask="causal+key_padding"),
+        _corpus_text("llama", _hf_text("LlamaModel", "LlamaConfig", num_key_value_heads=HEADS), mask="causal+key_padding"),
+        _corpus_text("qwen2", _hf_text("Qwen2Model", "Qwen2Config", num_key_value_heads=2), mask="causal+key_padding"),
+        _corpus_text("falcon", _hf_text("FalconModel", "FalconConfig", multi_query=True, new_decoder_architecture=False, alibi=False), mask="causal+key_padding"),
+        _corpus_text("esm", _hf_text("EsmModel", "EsmConfig", pad_token_id=1, mask_token_id=VOCAB - 1, token_dropout=False,
+                                     position_embedding_type="rotary"), inputs=_TEXT_IDS_FROM_2),
+        _corpus("nn-transformer", TorchTransformer, ("src", "tgt"), _torch_transformer_inputs,
+                {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "target"}}, 3 * LAYERS, output_axes={0: "batch", 1: "target"}),
+        # negatives: every site must be refused
+        _corpus_text("deberta", _hf_text("DebertaModel", "DebertaConfig", relative_attention=True, max_relative_positions=8), mask="bias"),
+        _corpus_text("deberta-v2", _hf_text("DebertaV2Model", "DebertaV2Config", relative_attention=True, position_buckets=8), mask="bias"),
+        _corpus_text("mpnet", _hf_text("MPNetModel", "MPNetConfig"), inputs=_TEXT_IDS_FROM_2, mask="bias"),
+        _corpus_image("beit", _hf_vision("BeitModel", "BeitConfig", use_relative_position_bias=True), mask="bias"),
+        _corpus_text("bloom", _hf_text("BloomModel", "BloomConfig", n_head=HEADS, n_layer=LAYERS), mask="bias"),
+        _corpus_text("mpt", _hf_text("MptModel", "MptConfig", d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, expansion_ratio=2, max_seq_len=MAX_POSITIONS), mask="bias"),
+        _corpus_text("gemma2", _hf_text("Gemma2Model", "Gemma2Config", num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
+                                        attn_logit_softcapping=50.0, final_logit_softcapping=None, sliding_window=MAX_POSITIONS), mask="causal+key_padding"),
+        _corpus_text("gpt-neo", _hf_text("GPTNeoModel", "GPTNeoConfig", num_layers=LAYERS, num_heads=HEADS, attention_types=[[["local"], LAYERS]], window_size=4), mask="bias"),
+        _corpus_text("mistral", _hf_text("MistralModel", "MistralConfig", num_key_value_heads=HEADS, sliding_window=4), mask="bias"),
+    )
+}
+
+
+ALL_MODELS = {**MODELS, **NEGATIVE_MODELS, **GROUPED_HEAD_MODELS, **AUDIO_MODELS, **CORPUS_MODELS}
 
 
 # --- export ------------------------------------------------------------------------------
@@ -395,7 +682,7 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
     inputs = spec.inputs()
     args = tuple(inputs[n] for n in spec.input_names)
     axes = spec.dynamic if dynamic else {}
-    output_axes = {0: "batch", 1: "seq"} if any(1 in a for a in axes.values()) else {0: "batch"}
+    output_axes = spec.output_axes or ({0: "batch", 1: "seq"} if any(1 in a for a in axes.values()) else {0: "batch"})
     try:
         with warnings.catch_warnings(), _quiet():
             warnings.simplefilter("ignore")
@@ -407,7 +694,10 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
             else:
                 dims: dict[str, torch.export.Dim] = {}
                 shapes = {
-                    name: {axis: dims.setdefault(dim, torch.export.Dim(dim)) for axis, dim in axes.get(name, {}).items()}
+                    name: {
+                        axis: torch.export.Dim.AUTO if spec.auto_dims else dims.setdefault(dim, torch.export.Dim(dim))
+                        for axis, dim in axes.get(name, {}).items()
+                    }
                     for name in spec.input_names
                 }
                 program = torch.onnx.export(
