@@ -20,9 +20,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 from conftest import exported, read_record
-from models import AUDIO_MODELS, EXPORTERS, op_counts, relative_error, run_onnx, torch_reference
+from models import APPROXIMATING_OPTIONS, AUDIO_MODELS, EXPORTERS, op_counts, relative_error, run_onnx, torch_reference
 from test_hardening import one_line, run
-from test_onnx_exports import APPROXIMATING, TOLERANCE
+from test_onnx_exports import TOLERANCE
 from test_onnx_negative import BIAS
 
 import attnrewrite
@@ -64,7 +64,7 @@ def test_sites_and_their_masks(exports, name, exporter):
 def test_rewrite_matches_torch_with_the_same_attention(exports, name, exporter, method):
     export = exported(exports, name, exporter)
     spec = export.spec
-    options = APPROXIMATING.get(method, {})
+    options = APPROXIMATING_OPTIONS.get(method, {})
     model = attnrewrite.rewrite(export.load(), to=method, **options)
     record = read_record(model)
 
