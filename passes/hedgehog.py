@@ -101,31 +101,12 @@ class HedgehogAttention(Module):
 
     def forward(self, q, k, v, key_keep=None):
         phi_q, phi_k = self.features(q), self.features(k)
-        if key_keep is not None:
-            phi_k = phi_k * key_keep  # padded keys leave numerator and denominator
-        if self.window:
-            out = kernels.windowed_kernel_attention(
-                phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
-                key_keep=key_keep, linear_log_weight=self.linear_log_weight,
-            )
-        elif self.causal:
-            out = kernels.causal_linear_attention(phi_q, phi_k, v.float(), self.chunk)
-        else:
-            out = kernels.linear_attention(phi_q, phi_k, v.float())
-        return out.to(v.dtype)
+        return kernels.feature_map_attention(self, phi_q, phi_k, q, k, v, key_keep).to(v.dtype)
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalised weights [..., Nq, Nk] this module gives each key, N x N: for the
         attention-weight (cross-entropy) loss Hedgehog is fitted with, never for inference."""
-        phi_q, phi_k = self.features(q), self.features(k)
-        if key_keep is not None:
-            phi_k = phi_k * key_keep
-        if not self.window:
-            return kernels.kernel_attention_weights(phi_q, phi_k, self.causal)
-        return kernels.windowed_attention_weights(
-            phi_q, phi_k, q.float(), k.float(), scale=self.scale, window=self.window, causal=self.causal,
-            key_keep=key_keep, linear_log_weight=self.linear_log_weight,
-        )
+        return kernels.feature_map_attention_weights(self, self.features(q), self.features(k), q, k, key_keep)
 
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape

@@ -163,6 +163,36 @@ def windowed_kernel_attention(
     return layout.unblock(out).reshape(*lead, n, v.shape[-1])
 
 
+def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
+    """Attention with the feature maps phi_q, phi_k of a module that has ``causal``, ``chunk``,
+    ``window``, ``scale`` and ``linear_log_weight`` (linear, hedgehog): the window hybrid when
+    it has a window, else the plain or causal chunked kernel. Padded keys leave numerator and
+    denominator (their phi_k rows are zeroed here)."""
+    if key_keep is not None:
+        phi_k = phi_k * key_keep
+    if module.window:
+        return windowed_kernel_attention(
+            phi_q, phi_k, q, k, v, scale=module.scale, window=module.window, causal=module.causal,
+            key_keep=key_keep, linear_log_weight=module.linear_log_weight,
+        )
+    if module.causal:
+        return causal_linear_attention(phi_q, phi_k, v.float(), module.chunk)
+    return linear_attention(phi_q, phi_k, v.float())
+
+
+def feature_map_attention_weights(module, phi_q, phi_k, q, k, key_keep=None):
+    """The normalised weights [..., Nq, Nk] feature_map_attention gives each key. N x N: for
+    the fitter's attention-weight cross-entropy, never for inference."""
+    if key_keep is not None:
+        phi_k = phi_k * key_keep
+    if not module.window:
+        return kernel_attention_weights(phi_q, phi_k, module.causal)
+    return windowed_attention_weights(
+        phi_q, phi_k, q.float(), k.float(), scale=module.scale, window=module.window, causal=module.causal,
+        key_keep=key_keep, linear_log_weight=module.linear_log_weight,
+    )
+
+
 def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATOR_EPS):
     """The normalised weights [..., Nq, Nk] kernel attention gives each key (phi_k zero on
     padded keys). N x N: for attention-weight losses when fitting, never for inference."""

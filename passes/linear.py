@@ -43,6 +43,10 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
+def elu_plus_one(x):
+    return torch.nn.functional.elu(x.float()) + 1
+
+
 class LinearAttention(Module):
     def __init__(self, causal: bool, chunk: int, scale: float = 1.0, window: int = 0, linear_log_weight=None):
         super().__init__()
@@ -56,35 +60,13 @@ class LinearAttention(Module):
 
     def forward(self, q, k, v, key_keep=None):
         q, k = kernels.map_queries_and_keys(self, q, k)  # learnable modules' maps (window too)
-        phi_q = torch.nn.functional.elu(q.float()) + 1
-        phi_k = torch.nn.functional.elu(k.float()) + 1
-        if key_keep is not None:
-            phi_k = phi_k * key_keep  # padded keys leave numerator and denominator
-        if self.window:
-            out = kernels.windowed_kernel_attention(
-                phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
-                key_keep=key_keep, linear_log_weight=self.linear_log_weight,
-            )
-        elif self.causal:
-            out = kernels.causal_linear_attention(phi_q, phi_k, v.float(), self.chunk)
-        else:
-            out = kernels.linear_attention(phi_q, phi_k, v.float())
-        return out.to(v.dtype)
+        return kernels.feature_map_attention(self, elu_plus_one(q), elu_plus_one(k), q, k, v, key_keep).to(v.dtype)
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalized weights [..., Nq, Nk] this module gives each key, N x N: for the
         fitter's attention-weight cross-entropy, never for inference."""
         q, k = kernels.map_queries_and_keys(self, q, k)
-        phi_q = torch.nn.functional.elu(q.float()) + 1
-        phi_k = torch.nn.functional.elu(k.float()) + 1
-        if key_keep is not None:
-            phi_k = phi_k * key_keep
-        if not self.window:
-            return kernels.kernel_attention_weights(phi_q, phi_k, self.causal)
-        return kernels.windowed_attention_weights(
-            phi_q, phi_k, q.float(), k.float(), scale=self.scale, window=self.window, causal=self.causal,
-            key_keep=key_keep, linear_log_weight=self.linear_log_weight,
-        )
+        return kernels.feature_map_attention_weights(self, elu_plus_one(q), elu_plus_one(k), q, k, key_keep)
 
     def extra_repr(self) -> str:
         window = f", window={self.window}" if self.window else ""
