@@ -7,8 +7,10 @@ the batch dynamic nothing of that is a constant to shape inference, yet every si
 static: detection must fold it (scale 1/sqrt(head_dim), heads, head_dim), and every method,
 those that need head_dim too, must rewrite the sites and match its torch reference.
 The sequence stays fixed: this exporter bakes the traced length into MultiheadAttention's
-Reshapes (tests/models.py exports it at a fixed shape for that reason); torchvision's ViT has
-the same attention, but torchvision has no CPU wheel for this torch here, so it is not tested.
+Reshapes (tests/models.py exports it at a fixed shape for that reason). torchvision has no CPU
+wheel for this torch here, so its ViT is rebuilt as torchvision writes it (VisionTransformer:
+conv patches, class token, learned positions, pre-norm EncoderBlocks around
+nn.MultiheadAttention(batch_first=True) called with need_weights=False).
 """
 
 from __future__ import annotations
@@ -61,6 +63,46 @@ class TorchTransformer(nn.Module):
         return self.transformer(memory, x, src_is_causal=False, tgt_is_causal=False, memory_is_causal=False)
 
 
+class TorchvisionStyleViT(nn.Module):
+    """torchvision.models.VisionTransformer's structure at toy size: 16x16 images in 4x4 patches."""
+
+    IMAGE, PATCH = 16, 4
+
+    def __init__(self):
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, HIDDEN, kernel_size=self.PATCH, stride=self.PATCH)
+        self.class_token = nn.Parameter(torch.randn(1, 1, HIDDEN))
+        self.pos_embedding = nn.Parameter(0.02 * torch.randn(1, (self.IMAGE // self.PATCH) ** 2 + 1, HIDDEN))
+        self.blocks = nn.ModuleList(_EncoderBlock() for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(HIDDEN)
+
+    def forward(self, images):
+        x = self.conv_proj(images).flatten(2).transpose(1, 2)  # [batch, patches, hidden]
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x)
+
+
+class _EncoderBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.self_attention = nn.MultiheadAttention(HIDDEN, HEADS, dropout=0.0, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+
+    def forward(self, x):
+        y = self.ln_1(x)
+        y, _ = self.self_attention(y, y, y, need_weights=False)
+        x = x + y
+        return x + self.mlp(self.ln_2(x))
+
+
+def _images(batch: int, seq: int) -> dict[str, torch.Tensor]:  # seq: fixed by the image size
+    size = TorchvisionStyleViT.IMAGE
+    return {"images": torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(batch))}
+
+
 def _inputs(*names_and_lengths):
     def make(batch: int, seq: int) -> dict[str, torch.Tensor]:  # seq is fixed: see the module doc
         generator = torch.Generator().manual_seed(batch)
@@ -85,6 +127,13 @@ SPECS = {
         _spec("encoder", lambda: TorchEncoder(causal=False), [("x", SEQ)], LAYERS, ["none"] * LAYERS),
         _spec("decoder", TorchDecoder, [("x", SEQ), ("memory", MEMORY)], 2, ["causal", "none"]),
         _spec("transformer", TorchTransformer, [("x", SEQ), ("memory", MEMORY)], 3, ["none"] * 3),
+        (
+            ModelSpec(
+                "torchvision-vit", _seeded(TorchvisionStyleViT), ("images",), _images, {"images": {0: "batch"}},
+                layers=LAYERS, mask="none", swap="sdpa",
+            ),
+            ["none"] * LAYERS,
+        ),
     )
 }
 
