@@ -11,20 +11,22 @@ import onnx
 import onnx_ir as ir
 
 from attnrewrite import calibration
-from attnrewrite.errors import NothingRewritten
+from attnrewrite import check as check_mod
+from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import find_sites as _find_onnx_sites
 from attnrewrite.onnx.rewrite import rewrite_model
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate as _validate
 from attnrewrite.record import METADATA_KEY
+from attnrewrite.select import select_onnx
 from attnrewrite.site import AttentionSite
 
 
 def rewrite(
     model: Any,
     to: str,
-    layers: list[int] | None = None,
+    layers: list[int] | str | None = None,
     validate: bool = True,
     include_single_query: bool = False,
     *,
@@ -34,9 +36,17 @@ def rewrite(
     calibrate_lr: float = calibration.DEFAULT_LR,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = calibration.DEFAULT_MAX_LENGTH,
+    min_cosine: float | None = None,
+    inputs: str | os.PathLike | dict | None = None,
     **options,
 ):
     """Replace every attention site it can prove it understands with method ``to``.
+
+    ``layers``: the site indices to replace (default: all), or ``"auto"`` with ``min_cosine``
+    (ONNX models): replace the sites that cost least while the model's outputs keep that cosine
+    on ``inputs`` (a ``.npz`` path or arrays by input name; default: generated from the
+    signature), as ``attnrewrite.select`` describes; the record's ``selection`` says what each
+    site cost.
 
     ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model``, a path to an ONNX file (an
     ``onnx.ModelProto`` is returned), or a torch ``nn.Module`` / ``GraphModule`` /
@@ -56,6 +66,11 @@ def rewrite(
     (batch axis stacked) or a list of such dicts. For torch: a list of example inputs, each a
     tuple of positional arguments or a dict of keyword arguments.
     """
+    if layers == "auto":
+        options = {**options, "include_single_query": include_single_query}
+        return _rewrite_auto(model, to, validate, min_cosine, inputs, options)
+    if min_cosine is not None or inputs is not None:
+        raise AttnRewriteError("min_cosine and inputs choose layers: they go with layers='auto'")
     if _is_onnx(model):
         ir_model = _to_ir(model)
         fitting = None
@@ -85,6 +100,37 @@ def rewrite(
     gm = rewrite_graph_module(model, to, layers=layers, include_single_query=include_single_query, **options)
     _warn_if_nothing_rewritten(gm.meta[METADATA_KEY]["sites_found"], gm.meta[METADATA_KEY]["sites_rewritten"])
     return gm
+
+
+def _rewrite_auto(model, to: str, validate: bool, min_cosine, inputs, options):
+    if not _is_onnx(model):
+        raise AttnRewriteError("layers='auto' measures fidelity with onnxruntime: it takes an ONNX model")
+    if min_cosine is None:
+        raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
+    fresh = _fresh_copies(model)
+    prepared = check_mod.prepare_inputs(fresh(), inputs)
+    ir_model, record, selection = select_onnx(fresh, to, options, min_cosine, prepared)
+    if not record.rewritten and selection.choices:
+        warnings.warn(
+            f"attnrewrite: layer selection: no site keeps the cosine >= {min_cosine:g}; the model is returned "
+            "unchanged (the record's selection says what each site cost)", NothingRewritten, stacklevel=2,
+        )
+    else:
+        _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))
+    if not record.rewritten and not isinstance(model, ir.Model):
+        original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+        return _with_record(original, ir_model)
+    if validate and record.rewritten:
+        _validate(ir_model)
+    return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
+
+
+def _fresh_copies(model):
+    """A function returning a new ir.Model of ``model`` at each call (a rewrite changes its model)."""
+    if isinstance(model, (str, os.PathLike)):
+        return lambda: onnx_io.load_model(model)
+    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
+    return lambda: onnx_io.from_proto(proto)
 
 
 def find_sites(model: Any, seq: int | None = None) -> list[AttentionSite]:

@@ -35,6 +35,7 @@ from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
+from attnrewrite.select import select_onnx
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -68,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to", type=method_name, choices=list(passes.PASSES), help="the replacement method")
     parser.add_argument("-o", "--output", help="where to write the rewritten model")
     parser.add_argument("--list", action="store_true", help="only report the attention sites found")
-    parser.add_argument("--layers", type=parse_layers, help="sites to rewrite, by index: 0,2,5-7 (default: all)")
+    parser.add_argument(
+        "--layers", type=parse_layers,
+        help="sites to rewrite, by index: 0,2,5-7 (default: all); 'auto' with --min-cosine X: measure what each "
+        "site costs alone and replace the least harmful while the model's cosine stays >= X",
+    )
     parser.add_argument(
         "--include-single-query", action="store_true",
         help="also rewrite sites with one query (a decoder step), which stay exact by default: linearizing them saves nothing",
@@ -205,9 +210,11 @@ def parse_fraction(text: str) -> float:
     return value
 
 
-def parse_layers(text: str) -> list[int]:
-    """0,2,5-7 -> [0, 2, 5, 6, 7]. Whether the model has those layers is checked against its
-    sites (check_layers_exist)."""
+def parse_layers(text: str) -> list[int] | str:
+    """0,2,5-7 -> [0, 2, 5, 6, 7]; "auto" is layer selection (attnrewrite.select). Whether the
+    model has those layers is checked against its sites (check_layers_exist)."""
+    if text == "auto":
+        return text
     layers: set[int] = set()
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
@@ -347,13 +354,22 @@ def _run(argv: list[str]) -> int:
     inputs = check_mod.prepare_inputs(model, args.inputs, seq=_check_seq(args)) if checking else None
     given = inputs.feeds if args.inputs is not None else None
     fitting = _calibration(args, model, options)
-    model, record = rewrite_model(
-        model, args.to, layers=args.layers, include_single_query=args.include_single_query,
-        calibration=fitting, seq=_probe_seq(args, model.graph, given), **options,
-    )
-    check_layers_exist(args.layers, record)
+    probe_seq = _probe_seq(args, model.graph, given)
+    if args.layers == "auto":
+        model, record, selection = select_onnx(
+            lambda: onnx_io.load_model(args.model), args.to,
+            {**options, "include_single_query": args.include_single_query, "seq": probe_seq}, args.min_cosine, inputs,
+        )
+    else:
+        model, record = rewrite_model(
+            model, args.to, layers=args.layers, include_single_query=args.include_single_query,
+            calibration=fitting, seq=probe_seq, **options,
+        )
+        check_layers_exist(args.layers, record)
     if record.outcomes:
         print(record.table())
+    if record.selection is not None:
+        print(selection.table())
     _write_report(args.report, record)
     if not record.rewritten:
         raise _nothing_to_rewrite(record, model)
@@ -451,6 +467,8 @@ def _check_rewrite_arguments(args, model) -> None:
         raise AttnRewriteError("choose a method with --to (or --list to only report)")
     if not args.output:
         raise AttnRewriteError("give the output path with -o")
+    if args.layers == "auto" and args.min_cosine is None:
+        raise AttnRewriteError("--layers auto needs --min-cosine X: the cosine the rewritten model must keep")
     onnx_io.check_output_path(args.output, args.model, reads=onnx_io.files_read_by(model))
 
 
@@ -465,12 +483,23 @@ def _check_report_argument(args, model) -> None:
 
 
 def _nothing_to_rewrite(record: RewriteRecord, model) -> AttnRewriteError:
+    if record.selection is not None and record.selection["sites"]:
+        best = record.selection["sites"][0]
+        return NothingToRewrite(
+            f"layer selection: no site can be replaced keeping cosine >= {record.selection['min_cosine']:g} "
+            f"(the least harmful, layer {best['layer']} alone, gives {_cosine_text(best['alone_cosine'])}); nothing written",
+            record,
+        )
     if not record.outcomes:
         done = len(rewritten_sites(model))
         if done:
             return NothingToRewrite(f"no softmax attention left: {done} sites were already rewritten; nothing written", record)
         return NothingToRewrite("no softmax attention found; nothing written", record)
     return NothingToRewrite(f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written", record)
+
+
+def _cosine_text(value) -> str:
+    return f"{value:.6f}" if isinstance(value, float) else str(value)  # JSON writes NaN as text
 
 
 def _list_sites(model, args) -> int:

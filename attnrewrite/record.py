@@ -43,6 +43,7 @@ class RewriteRecord:
     bytes_added: int = 0  # constants (random features, projections) the replacements store
     # what the run had to adapt to, one line each (e.g. inputs longer than asked for)
     notes: list[str] = dataclasses.field(default_factory=list)
+    selection: dict[str, Any] | None = None  # --layers auto: what each site cost and why it was chosen
 
     @property
     def rewritten(self) -> list[SiteOutcome]:
@@ -65,6 +66,7 @@ class RewriteRecord:
             "bytes_added": self.bytes_added,
             "sites": [o.as_dict() for o in self.outcomes],
             **({"notes": self.notes} if self.notes else {}),
+            **({"selection": self.selection} if self.selection is not None else {}),
         }
 
     def to_json(self) -> str:

@@ -1,0 +1,176 @@
+"""Layer selection under a fidelity budget (``--layers auto --min-cosine X``).
+
+Replacing every attention of a trained model can cost more fidelity than a user accepts, and
+the layers do not cost the same. Selection measures what replacing each site ALONE costs on
+held-out inputs, then replaces sites from the least to the most harmful while the whole model
+still passes the ``--min-cosine`` gate of ``attnrewrite.check`` (the same comparison, the same
+threshold); it stops at the first site that would break it, so the result is a prefix of the
+cost ordering and its measured cosine is >= X.
+
+``select_layers`` is the search, frontend-agnostic: it only calls ``measure(layers)``.
+``select_onnx`` runs it on an ONNX model: each trial is a fresh rewrite of the given layers
+compared with the original by ``check.check``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import onnx_ir as ir
+
+from attnrewrite import check as check_mod
+from attnrewrite.check import CheckInputs, FidelityBelowThreshold
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table
+
+NOT_TRIED = "not tried: a less harmful site already broke the budget"
+
+
+@dataclasses.dataclass
+class Measurement:
+    cosine: float  # the gate's metric: the worst output's cosine
+    passes: bool  # the --min-cosine gate accepts it
+
+
+@dataclasses.dataclass
+class SiteChoice:
+    layer: int
+    name: str
+    alone: float  # the model's cosine with only this site replaced
+    together: float | None = None  # with it and every less harmful site chosen before it; None: not tried
+    replaced: bool = False
+
+    def why_kept(self, min_cosine: float) -> str | None:
+        if self.replaced:
+            return None
+        if self.together is None:
+            return NOT_TRIED
+        return f"with it the model's cosine is {_fmt(self.together)} < {min_cosine:g}"
+
+    def result(self, min_cosine: float) -> str:
+        return "replaced" if self.replaced else f"kept: {self.why_kept(min_cosine)}"
+
+    def as_dict(self, min_cosine: float) -> dict[str, Any]:
+        return {
+            "layer": self.layer, "site": self.name, "alone_cosine": _json(self.alone),
+            "cumulative_cosine": _json(self.together), "replaced": self.replaced, "reason": self.why_kept(min_cosine),
+        }
+
+
+@dataclasses.dataclass
+class Selection:
+    min_cosine: float
+    choices: list[SiteChoice]  # in the order tried: least harmful first
+    inputs: str  # what the costs were measured on
+
+    @property
+    def chosen(self) -> list[int]:
+        return [c.layer for c in self.choices if c.replaced]
+
+    @property
+    def final_cosine(self) -> float | None:
+        replaced = [c for c in self.choices if c.replaced]
+        return replaced[-1].together if replaced else None
+
+    def summary(self) -> str:
+        final = "" if self.final_cosine is None else f", model cosine {_fmt(self.final_cosine)}"
+        return (
+            f"layer selection (--min-cosine {self.min_cosine:g}, inputs: {self.inputs}): "
+            f"{len(self.chosen)} of {len(self.choices)} sites replaced{final}"
+        )
+
+    def table(self) -> str:
+        header = ("order", "layer", "site", "alone_cosine", "cumulative_cosine", "result")
+        rows = [
+            (str(i), str(c.layer), c.name, _fmt(c.alone), "-" if c.together is None else _fmt(c.together), c.result(self.min_cosine))
+            for i, c in enumerate(self.choices)
+        ]
+        return "\n".join([format_table(header, rows), self.summary()])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "min_cosine": self.min_cosine, "inputs": self.inputs, "chosen": self.chosen,
+            "final_cosine": _json(self.final_cosine), "sites": [c.as_dict(self.min_cosine) for c in self.choices],
+        }
+
+
+def select_layers(
+    candidates: dict[int, str], measure: Callable[[list[int]], Measurement], min_cosine: float, inputs: str
+) -> Selection:
+    """``candidates``: layer -> site name, the sites the method can replace. ``measure(layers)``:
+    the model with exactly those sites replaced, compared with the original."""
+    alone = {layer: measure([layer]) for layer in candidates}
+    # least harmful first; NaN sorts last; ties by layer so the order is reproducible
+    order = sorted(candidates, key=lambda layer: (-_sortable(alone[layer].cosine), layer))
+    choices = [SiteChoice(layer, candidates[layer], alone[layer].cosine) for layer in order]
+    chosen: list[int] = []
+    for choice in choices:
+        together = alone[choice.layer] if not chosen else measure(sorted([*chosen, choice.layer]))
+        choice.together = together.cosine
+        if not together.passes:
+            break  # what follows costs more alone; the prefix ends here
+        choice.replaced = True
+        chosen.append(choice.layer)
+    return Selection(min_cosine, choices, inputs)
+
+
+def gate_measurement(report: check_mod.CheckReport, min_cosine: float) -> Measurement:
+    """The --min-cosine gate's own verdict on a check report, and its metric."""
+    try:
+        report.gate(min_cosine)
+    except FidelityBelowThreshold:
+        return Measurement(report.min_cosine, passes=False)
+    return Measurement(report.min_cosine, passes=True)
+
+
+# --- the ONNX frontend ---------------------------------------------------------------------------
+
+
+def select_onnx(
+    fresh: Callable[[], ir.Model],
+    method: str,
+    options: dict[str, Any],
+    min_cosine: float,
+    inputs: CheckInputs,
+) -> tuple[ir.Model, RewriteRecord, Selection]:
+    """Choose the layers of the ONNX model ``fresh()`` returns (a new copy at each call: a rewrite
+    changes its model) and rewrite them. Returns the rewritten model (the original, unchanged,
+    when no site fits the budget), its record (unselected sites say why) and the selection."""
+    from attnrewrite.onnx.rewrite import _record_json as record_json, rewrite_model
+
+    _, full_record = rewrite_model(fresh(), method, **options)  # which sites the method can replace
+    candidates = {o.site.layer: o.site.name for o in full_record.rewritten}
+    base = fresh()
+    earlier_record = base.metadata_props.get(METADATA_KEY)
+
+    with onnx_io.saved_copy(base) as original:  # every trial runs the original from one file
+
+        def measure(layers: list[int]) -> Measurement:
+            model, _ = rewrite_model(fresh(), method, layers=layers, **options)
+            return gate_measurement(check_mod.check(original, model, inputs), min_cosine)
+
+        selection = select_layers(candidates, measure, min_cosine, inputs.source)
+
+    # rewrites are deterministic (seeded): this is the model measured last for the chosen layers
+    model, record = rewrite_model(fresh(), method, layers=sorted(selection.chosen), **options)
+    reasons = {c.layer: f"layer selection: {c.why_kept(min_cosine)}" for c in selection.choices if not c.replaced}
+    for outcome in record.outcomes:
+        if outcome.site.layer in reasons:
+            outcome.reason = reasons[outcome.site.layer]
+    record.selection = selection.as_dict()
+    model.metadata_props[METADATA_KEY] = record_json(record, earlier_record)
+    return model, record, selection
+
+
+def _sortable(value: float) -> float:
+    return -math.inf if math.isnan(value) else value
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6f}"
+
+
+def _json(value: float | None):
+    return check_mod._json_float(value) if value is not None else None
