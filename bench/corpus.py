@@ -11,7 +11,8 @@ How it is made, so anyone can rebuild it byte for byte on the same Python versio
 2. text is split into paragraphs at blank lines and whitespace is normalised; a paragraph is
    kept only if it reads as English prose (``is_prose``): no indented (code) block, no
    doctest, mostly words, few code-like tokens, a full stop;
-3. a paragraph found in more than one source is dropped everywhere (no text on both sides);
+3. a paragraph with a sentence found in more than one source is dropped everywhere (no text
+   on both sides, also where one docstring repeats part of another);
 4. within a source, consecutive paragraphs are packed into passages of ``MIN_TOKENS`` to
    ``MAX_TOKENS`` tokens under the all-MiniLM-L6-v2 tokenizer (with [CLS] and [SEP]);
 5. sources are split by name, every ``HELDOUT_EVERY``-nd of the sorted list held out, so the two
@@ -107,11 +108,12 @@ def build_corpus(tokenizer=None) -> Corpus:
     tokenizer = tokenizer or minilm_tokenizer()
     names = sources()
     paragraphs = {name: source_paragraphs(name) for name in names}
-    seen_in = Counter(p for found in paragraphs.values() for p in set(found))
+    # a sentence written in two sources (a method documented like the module that calls it)
+    seen_in = Counter(s for found in paragraphs.values() for s in {s for p in found for s in sentences(p)})
     heldout_sources = set(names[HELDOUT_EVERY - 1 :: HELDOUT_EVERY])
     sets: dict[bool, list[str]] = {True: [], False: []}
     for name in names:
-        unique = [p for p in paragraphs[name] if seen_in[p] == 1]
+        unique = [p for p in paragraphs[name] if all(seen_in[s] == 1 for s in sentences(p))]
         sets[name in heldout_sources].extend(pack_passages(unique, tokenizer))
     return Corpus(
         calibration=thin(sets[False], CALIBRATION_TEXTS),
@@ -208,13 +210,17 @@ def _fitting_pieces(paragraphs: list[str], tokenizer):
             yield paragraph
             continue
         piece = []
-        for sentence in re.split(r"(?<=[a-z]\.)\s+(?=[A-Z])", paragraph):
+        for sentence in sentences(paragraph):
             if piece and token_count(" ".join([*piece, sentence]), tokenizer) > MAX_TOKENS:
                 yield " ".join(piece)
                 piece = []
             piece.append(sentence)
         if piece:
             yield " ".join(piece)
+
+
+def sentences(paragraph: str) -> list[str]:
+    return re.split(r"(?<=[a-z]\.)\s+(?=[A-Z])", paragraph)
 
 
 def _emit(current: list[str], passages: list[str], tokenizer) -> None:

@@ -107,10 +107,14 @@ def embeddings(model_path: Path, token_ids: list[np.ndarray], batch: int, thread
     session = make_session(str(model_path), threads=threads)
     rows, start = [], time.perf_counter()
     for feed in batches(token_ids, batch):
-        hidden = session.run(None, feed)[0]
-        mask = feed["attention_mask"][..., None].astype(np.float64)
-        rows.append((hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9))
+        rows.append(mean_pool(session.run(None, feed)[0], feed["attention_mask"]))
     return np.concatenate(rows), time.perf_counter() - start
+
+
+def mean_pool(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """[batch, seq, d] -> [batch, d]: the mean over real tokens (sentence-transformers' pooling)."""
+    mask = attention_mask[..., None].astype(np.float64)
+    return (hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
 
 
 def fidelity(original: np.ndarray, rewritten: np.ndarray) -> dict:

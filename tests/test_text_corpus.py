@@ -1,0 +1,81 @@
+"""bench/corpus.py (the held-out text of bench/FIDELITY.md) and bench/fidelity.py's metrics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+
+import corpus  # noqa: E402
+import fidelity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return corpus.minilm_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def built(tokenizer):
+    return corpus.build_corpus(tokenizer)
+
+
+def test_held_out_and_calibration_are_disjoint_by_source(built):
+    assert len(built.heldout) >= 200 and len(built.calibration) <= corpus.CALIBRATION_TEXTS
+    assert not set(built.heldout_sources) & set(built.calibration_sources)
+    assert sorted(built.heldout_sources + built.calibration_sources) == sorted(corpus.sources())
+    assert not set(built.heldout) & set(built.calibration)
+    # no paragraph on both sides (a passage is whole paragraphs, or sentences of one)
+    heldout_text = " ".join(built.heldout)
+    assert not [p for p in set(_paragraphs(built.calibration)) if len(p) > 80 and p in heldout_text]
+
+
+def _paragraphs(passages):
+    for name in corpus.sources():
+        for paragraph in corpus.source_paragraphs(name):
+            if any(paragraph in p for p in passages):
+                yield paragraph
+
+
+def test_passages_are_the_token_range_and_deterministic(built, tokenizer):
+    lengths = [corpus.token_count(t, tokenizer) for t in built.heldout + built.calibration]
+    assert min(lengths) >= corpus.MIN_TOKENS and max(lengths) <= corpus.MAX_TOKENS
+    again = corpus.build_corpus(tokenizer)
+    assert again.heldout == built.heldout and again.calibration == built.calibration
+
+
+def test_prose_filter():
+    sentence = "The event loop runs callbacks in the order in which they were registered with it."
+    assert corpus.is_prose(sentence)
+    assert not corpus.is_prose(">>> loop.call_soon(callback, *args)  # the event loop runs callbacks in order.")
+    assert not corpus.is_prose("Example:\n    loop.run_forever()\n    loop.close() and some more words to pass the count.")
+    assert not corpus.is_prose("Too short to be a passage.")
+    assert corpus.paragraphs_of("1. The loop runs the callbacks in the order in which\n   they were registered with the loop.") == [
+        "The loop runs the callbacks in the order in which they were registered with the loop."
+    ]
+
+
+def test_fidelity_metrics():
+    rng = np.random.default_rng(0)
+    original = rng.standard_normal((6, 8))
+    same = fidelity.fidelity(original, 3.0 * original)  # a scale changes no cosine
+    assert same["mean_cosine"] == pytest.approx(1.0) and same["nn_agreement"] == 1.0
+    flipped = original.copy()
+    flipped[2] *= -1
+    worse = fidelity.fidelity(original, flipped)
+    assert worse["min_cosine"] == pytest.approx(-1.0)
+    assert worse["mean_cosine"] == pytest.approx(4 / 6)
+
+
+def test_batches_pad_and_pooling_ignores_the_padding():
+    batch = next(fidelity.batches([np.array([101, 5, 102]), np.array([101, 7, 8, 9, 102])], 2))
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["input_ids"][0].tolist() == [101, 5, 102, 0, 0]
+    hidden = np.arange(2 * 5 * 2, dtype=np.float32).reshape(2, 5, 2)
+    hidden[0, 3:] = 1e6  # padding positions: must not count
+    pooled = fidelity.mean_pool(hidden, batch["attention_mask"])
+    np.testing.assert_allclose(pooled, [hidden[0, :3].mean(axis=0), hidden[1].mean(axis=0)])
