@@ -44,6 +44,7 @@ from attnrewrite.onnx.validate import make_session  # noqa: E402
 
 WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
+ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
 MODES = ("zero-shot", "calibrated", "selected")
 SELECTION_PASSAGES = 8  # calibration passages (never held-out ones) that --select measures costs on
 
@@ -150,7 +151,9 @@ def calibration_supported() -> bool:
 def measure(config: Config, mode: str, model_path: Path, data: "Data", reference: np.ndarray, args) -> dict:
     extra = {}
     if mode == "calibrated":
-        extra = {"calibrate": data.calibration_feeds(), "calibrate_steps": args.calibrate_steps}
+        extra = {"calibrate": data.calibration_feeds()}
+        if args.calibrate_steps is not None:
+            extra["calibrate_steps"] = args.calibrate_steps
     if mode == "selected":
         extra = {"layers": "auto", "min_cosine": args.select, "inputs": data.selection_feeds()}
     start = time.perf_counter()
@@ -172,7 +175,7 @@ def measure(config: Config, mode: str, model_path: Path, data: "Data", reference
         # calibration happens inside rewrite(): for a calibrated run this is the calibration time
         "rewrite_seconds": round(rewrite_seconds, 2),
         "heldout_seconds": round(run_seconds, 2),
-        **({"calibrate_steps": args.calibrate_steps} if mode == "calibrated" else {}),
+        **({"calibration": [s.get("calibration") for s in record["sites"]]} if mode == "calibrated" else {}),
         **({"selection": record["selection"]} if mode == "selected" else {}),
     }
 
@@ -289,7 +292,15 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
     if results.get("calibration"):
         lines += ["", f"Calibrated rows: {results['calibration']}."]
+    lines += ["", _kept_analysis(path)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _kept_analysis(path: Path) -> str:
+    text = path.read_text() if path.is_file() else ""
+    if ANALYSIS_START in text and ANALYSIS_END in text:
+        return text[text.index(ANALYSIS_START) : text.index(ANALYSIS_END) + len(ANALYSIS_END)]
+    return f"{ANALYSIS_START}\n{ANALYSIS_END}"
 
 
 def _order(name: str) -> int:
