@@ -359,6 +359,7 @@ def _run(argv: list[str]) -> int:
         model, record, selection = select_onnx(
             lambda: onnx_io.load_model(args.model), args.to,
             {**options, "include_single_query": args.include_single_query, "seq": probe_seq}, args.min_cosine, inputs,
+            args.min_agreement,
         )
     else:
         model, record = rewrite_model(

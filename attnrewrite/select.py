@@ -116,10 +116,11 @@ def select_layers(
     return Selection(min_cosine, choices, inputs)
 
 
-def gate_measurement(report: check_mod.CheckReport, min_cosine: float) -> Measurement:
-    """The --min-cosine gate's own verdict on a check report, and its metric."""
+def gate_measurement(report: check_mod.CheckReport, min_cosine: float, min_agreement: float | None = None) -> Measurement:
+    """The gates' own verdict on a check report (--min-cosine, and --min-agreement when given),
+    and the cosine they compare."""
     try:
-        report.gate(min_cosine)
+        report.gate(min_cosine, min_agreement)
     except FidelityBelowThreshold:
         return Measurement(report.min_cosine, passes=False)
     return Measurement(report.min_cosine, passes=True)
@@ -134,6 +135,7 @@ def select_onnx(
     options: dict[str, Any],
     min_cosine: float,
     inputs: CheckInputs,
+    min_agreement: float | None = None,
 ) -> tuple[ir.Model, RewriteRecord, Selection]:
     """Choose the layers of the ONNX model ``fresh()`` returns (a new copy at each call: a rewrite
     changes its model) and rewrite them. Returns the rewritten model (the original, unchanged,
@@ -149,7 +151,7 @@ def select_onnx(
 
         def measure(layers: list[int]) -> Measurement:
             model, _ = rewrite_model(fresh(), method, layers=layers, **options)
-            return gate_measurement(check_mod.check(original, model, inputs), min_cosine)
+            return gate_measurement(check_mod.check(original, model, inputs), min_cosine, min_agreement)
 
         selection = select_layers(candidates, measure, min_cosine, inputs.source)
 
