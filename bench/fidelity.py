@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # corpus.py
-sys.path.insert(0, str(HERE.parent / "samples"))  # export_minilm.py
+sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "samples")]  # this checkout's code first
 
 import corpus  # noqa: E402
 import onnx  # noqa: E402
@@ -215,7 +214,20 @@ def machine() -> dict:
         "load_average_at_start": [round(x, 2) for x in load] if load else None,
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
+        "attnrewrite": str(Path(attnrewrite.__file__).parent),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _cpu_name() -> str:
@@ -250,7 +262,7 @@ def write_markdown(results: dict, path: Path) -> None:
         f"work (load average {results['machine']['load_average_at_start']} at the start), onnxruntime "
         f"{results['machine']['onnxruntime']} CPU, {results['threads']} thread(s). Times are wall-clock on that "
         "shared machine: indicative only.",
-        f"- **Date**: {results['date']}.",
+        f"- **Date**: {results['date']} (the last run; each row in the JSON names the commit it was measured at).",
         "",
         "| configuration | mode | sites | mean cos | min cos | p5 cos | NN agree | rewrite (+calibration) s | held-out run s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -359,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results["not_run"].pop(name, None)
             for mode in modes:
-                row = measure(config, mode, model_path, data, reference, args)
+                row = {**measure(config, mode, model_path, data, reference, args), "commit": results["machine"]["commit"]}
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode == "selected" else "")
                 results["rows"][key] = row
                 print(json.dumps(row), flush=True)
