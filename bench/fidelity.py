@@ -282,8 +282,8 @@ def write_markdown(results: dict, path: Path) -> None:
             "",
             f"`rewrite(model, to=M, layers=\"auto\", min_cosine=X)` (the CLI's `--layers auto --min-cosine X`), each site's "
             f"cost measured on the first {SELECTION_PASSAGES} calibration passages (never held-out ones) with the cosine "
-            "`--check` gates on (the whole last hidden state, flattened); the held-out numbers of the model it chose "
-            "are the `selected` rows above.",
+            "`--min-cosine` gates on (check.py: the smallest per-passage cosine of the last hidden state); the "
+            "held-out numbers of the model it chose are the `selected` rows above.",
         ]
         for r in selected:
             selection = r["selection"]
