@@ -113,7 +113,7 @@ def _rewrite_auto(model, to: str, validate: bool, min_cosine, inputs, options):
     if not record.rewritten and selection.choices:
         warnings.warn(
             f"attnrewrite: layer selection: no site keeps the cosine >= {min_cosine:g}; the model is returned "
-            "unchanged (the record's selection says what each site cost)", NothingRewritten, stacklevel=2,
+            "unchanged (the record's selection says what each site cost)", NothingRewritten, stacklevel=3,
         )
     else:
         _warn_if_nothing_rewritten(len(record.outcomes), len(record.rewritten))

@@ -13,7 +13,7 @@ import pytest
 import attnrewrite
 from attnrewrite.check import check
 from attnrewrite.cli import main
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.record import METADATA_KEY
 from attnrewrite.select import NOT_TRIED, Measurement, select_layers
 
@@ -123,7 +123,8 @@ def test_api_auto(tmp_path):
     model = attnrewrite.rewrite(str(SAMPLE), to="hydra", layers="auto", min_cosine=-1.0)
     record = json.loads({p.key: p.value for p in model.metadata_props}[METADATA_KEY])
     assert record["sites_rewritten"] == 2 and len(record["selection"]["sites"]) == 2
-    unchanged = attnrewrite.rewrite(onnx.load(SAMPLE), to="hydra", layers="auto", min_cosine=1.0)
+    with pytest.warns(NothingRewritten, match="layer selection: no site keeps the cosine >= 1; the model is returned unchanged"):
+        unchanged = attnrewrite.rewrite(onnx.load(SAMPLE), to="hydra", layers="auto", min_cosine=1.0)
     assert [n.op_type for n in unchanged.graph.node] == [n.op_type for n in onnx.load(SAMPLE).graph.node]
     with pytest.raises(AttnRewriteError, match="layers='auto' needs min_cosine"):
         attnrewrite.rewrite(str(SAMPLE), to="hydra", layers="auto")
