@@ -241,7 +241,10 @@ def _cpu_name() -> str:
 
 
 def write_markdown(results: dict, path: Path) -> None:
-    rows = sorted(results["rows"].values(), key=lambda r: (_order(r["config"]), MODES.index(r["mode"])))
+    rows = sorted(
+        results["rows"].values(),
+        key=lambda r: (_order(r["config"]), MODES.index(r["mode"]), -r.get("selection", {}).get("min_cosine", 0)),
+    )
     lines = [
         "# Held-out fidelity on a trained sentence encoder",
         "",
@@ -269,7 +272,7 @@ def write_markdown(results: dict, path: Path) -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['mode']} | {r['sites_rewritten']}/{r['sites_found']} | {r['mean_cosine']:.4f} | "
+            f"| {r['config']} | {_mode(r)} | {r['sites_rewritten']}/{r['sites_found']} | {r['mean_cosine']:.4f} | "
             f"{r['min_cosine']:.4f} | {r['p5_cosine']:.4f} | {r['nn_agreement']:.3f} | {r['rewrite_seconds']:.1f} | "
             f"{r['heldout_seconds']:.1f} |"
         )
@@ -306,6 +309,10 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["", f"Calibrated rows: {results['calibration']}."]
     lines += ["", _kept_analysis(path)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _mode(row: dict) -> str:
+    return f"selected, min cos {row['selection']['min_cosine']:g}" if row["mode"] == "selected" else row["mode"]
 
 
 def _kept_analysis(path: Path) -> str:
