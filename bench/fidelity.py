@@ -45,6 +45,7 @@ WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
 MODES = ("zero-shot", "calibrated", "selected")
+CALIBRATION_BATCH = 8
 SELECTION_PASSAGES = 8  # calibration passages (never held-out ones) that --select measures costs on
 
 
@@ -185,9 +186,9 @@ class Data:
     calibration: list[np.ndarray]
     description: str
 
-    def calibration_feeds(self) -> dict[str, np.ndarray]:
-        """Every calibration passage, right-padded into one batch (the mask says where)."""
-        return next(batches(self.calibration, len(self.calibration)))
+    def calibration_feeds(self) -> list[dict[str, np.ndarray]]:
+        """Every calibration passage, in batches each right-padded to its longest passage."""
+        return list(batches(self.calibration, CALIBRATION_BATCH))
 
     def selection_feeds(self) -> dict[str, np.ndarray]:
         """The first calibration passages, one padded batch: what layer selection measures on."""
