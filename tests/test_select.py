@@ -16,8 +16,9 @@ from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.record import METADATA_KEY
 from attnrewrite.select import NOT_TRIED, Measurement, select_layers
+from models import SAMPLE_BERT
 
-SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
+SAMPLE = SAMPLE_BERT
 
 
 def run(capsys, *argv):
