@@ -19,7 +19,7 @@ from attnrewrite.onnx.rewrite import rewrite_model
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate as _validate
 from attnrewrite.record import METADATA_KEY
-from attnrewrite.select import select_onnx
+from attnrewrite.select import hold_out_for_selection, select_onnx
 from attnrewrite.site import AttentionSite
 
 
@@ -45,8 +45,9 @@ def rewrite(
     ``layers``: the site indices to replace (default: all), or ``"auto"`` with ``min_cosine``
     (ONNX models): replace the sites that cost least while the model's outputs keep that cosine
     on ``inputs`` (a ``.npz`` path or arrays by input name; default: generated from the
-    signature), as ``attnrewrite.select`` describes; the record's ``selection`` says what each
-    site cost.
+    signature; with ``calibrate`` and no ``inputs``, the last batch of the calibration data,
+    which is then not fitted on), as ``attnrewrite.select`` describes; the record's
+    ``selection`` says what each site cost.
 
     ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model``, a path to an ONNX file (an
     ``onnx.ModelProto`` is returned), or a torch ``nn.Module`` / ``GraphModule`` /
@@ -68,7 +69,8 @@ def rewrite(
     """
     if layers == "auto":
         options = {**options, "include_single_query": include_single_query}
-        return _rewrite_auto(model, to, validate, min_cosine, inputs, options)
+        fit = dict(tokenizer=tokenizer, max_length=max_length, steps=calibrate_steps, lr=calibrate_lr)
+        return _rewrite_auto(model, to, validate, min_cosine, inputs, calibrate, fit, options)
     if min_cosine is not None or inputs is not None:
         raise AttnRewriteError("min_cosine and inputs choose layers: they go with layers='auto'")
     if _is_onnx(model):
@@ -102,14 +104,19 @@ def rewrite(
     return gm
 
 
-def _rewrite_auto(model, to: str, validate: bool, min_cosine, inputs, options):
+def _rewrite_auto(model, to: str, validate: bool, min_cosine, inputs, calibrate, fit_settings: dict, options):
     if not _is_onnx(model):
         raise AttnRewriteError("layers='auto' measures fidelity with onnxruntime: it takes an ONNX model")
     if min_cosine is None:
         raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
     fresh = _fresh_copies(model)
-    prepared = check_mod.prepare_inputs(fresh(), inputs)
-    ir_model, record, selection = select_onnx(fresh, to, options, min_cosine, prepared)
+    base = fresh()
+    fitting = None if calibrate is None else calibration.onnx_calibration(calibrate, base.graph, **fit_settings)
+    if fitting is not None and inputs is None:
+        fitting, prepared = hold_out_for_selection(fitting, base.graph)
+    else:
+        prepared = check_mod.prepare_inputs(base, inputs)
+    ir_model, record, selection = select_onnx(fresh, to, options, min_cosine, prepared, calibration=fitting)
     if not record.rewritten and selection.choices:
         warnings.warn(
             f"attnrewrite: layer selection: no site keeps the cosine >= {min_cosine:g}; the model is returned "

@@ -35,7 +35,7 @@ from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
-from attnrewrite.select import select_onnx
+from attnrewrite.select import hold_out_for_selection, select_onnx
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -356,10 +356,12 @@ def _run(argv: list[str]) -> int:
     fitting = _calibration(args, model, options)
     probe_seq = _probe_seq(args, model.graph, given)
     if args.layers == "auto":
+        if fitting is not None and args.inputs is None:
+            fitting, inputs = hold_out_for_selection(fitting, model.graph)
         model, record, selection = select_onnx(
             lambda: onnx_io.load_model(args.model), args.to,
             {**options, "include_single_query": args.include_single_query, "seq": probe_seq}, args.min_cosine, inputs,
-            args.min_agreement,
+            args.min_agreement, calibration=fitting,
         )
     else:
         model, record = rewrite_model(

@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, FidelityBelowThreshold
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table
 
@@ -136,10 +137,13 @@ def select_onnx(
     min_cosine: float,
     inputs: CheckInputs,
     min_agreement: float | None = None,
+    calibration=None,
 ) -> tuple[ir.Model, RewriteRecord, Selection]:
     """Choose the layers of the ONNX model ``fresh()`` returns (a new copy at each call: a rewrite
     changes its model) and rewrite them. Returns the rewritten model (the original, unchanged,
-    when no site fits the budget), its record (unselected sites say why) and the selection."""
+    when no site fits the budget), its record (unselected sites say why) and the selection.
+    With ``calibration`` (attnrewrite.calibration) every trial is calibrated: a site's cost is
+    its cost once fitted, and the chosen sites are fitted in the model returned."""
     from attnrewrite.onnx.rewrite import _record_json as record_json, rewrite_model
 
     _, full_record = rewrite_model(fresh(), method, **options)  # which sites the method can replace
@@ -149,14 +153,17 @@ def select_onnx(
 
     with onnx_io.saved_copy(base) as original:  # every trial runs the original from one file
 
+        # trials fit silently; the final rewrite below reports its fits
+        quiet = None if calibration is None else dataclasses.replace(calibration, progress=lambda line: None)
+
         def measure(layers: list[int]) -> Measurement:
-            model, _ = rewrite_model(fresh(), method, layers=layers, **options)
+            model, _ = rewrite_model(fresh(), method, layers=layers, calibration=quiet, **options)
             return gate_measurement(check_mod.check(original, model, inputs), min_cosine, min_agreement)
 
         selection = select_layers(candidates, measure, min_cosine, inputs.source)
 
     # rewrites are deterministic (seeded): this is the model measured last for the chosen layers
-    model, record = rewrite_model(fresh(), method, layers=sorted(selection.chosen), **options)
+    model, record = rewrite_model(fresh(), method, layers=sorted(selection.chosen), calibration=calibration, **options)
     reasons = {c.layer: f"layer selection: {c.why_kept(min_cosine)}" for c in selection.choices if not c.replaced}
     for outcome in record.outcomes:
         if outcome.site.layer in reasons:
@@ -164,6 +171,25 @@ def select_onnx(
     record.selection = selection.as_dict()
     model.metadata_props[METADATA_KEY] = record_json(record, earlier_record)
     return model, record, selection
+
+
+def hold_out_for_selection(calibration, graph: ir.Graph) -> tuple[Any, CheckInputs]:
+    """Layer selection with calibration data and no inputs of its own: the last batch of the
+    data measures the costs and is never fitted on; the batches before it are fitted on.
+    Returns (the calibration to fit with, the inputs to measure on)."""
+    from attnrewrite.calibration import onnx_calibration
+
+    if len(calibration.batches) < 2:
+        raise AttnRewriteError(
+            f"layer selection measures costs on calibration data it does not fit on: {calibration.examples} "
+            "examples make one batch; give more, or inputs to measure on (--inputs)"
+        )
+    fitted, held = calibration.batches[:-1], calibration.batches[-1]
+    settings = {name: getattr(calibration, name) for name in ("steps", "lr", "seed", "ce_weight", "progress")}
+    rows = next(iter(held.values())).shape[0]
+    # rebuilt from the fitted batches, so the record's examples and sha256 describe what was fitted
+    fit = dataclasses.replace(onnx_calibration(list(fitted), graph), **settings)
+    return fit, CheckInputs(held, f"the last {rows} calibration examples (not fitted on)")
 
 
 def _sortable(value: float) -> float:

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -131,3 +132,31 @@ def test_api_auto(tmp_path):
         attnrewrite.rewrite(str(SAMPLE), to="hydra", layers="auto")
     with pytest.raises(AttnRewriteError, match="go with layers='auto'"):
         attnrewrite.rewrite(str(SAMPLE), to="hydra", min_cosine=0.9)
+
+
+def test_cli_auto_with_calibration_measures_on_examples_it_does_not_fit(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, (12, 10))
+    data = tmp_path / "data.npz"
+    np.savez(data, input_ids=ids, attention_mask=np.ones_like(ids))
+    output = tmp_path / "out.onnx"
+    code, out, err = run(
+        capsys, SAMPLE, "--to", "favor", "--layers", "auto", "--min-cosine", "-1", "--calibrate", data,
+        "--calibrate-steps", "3", "-o", output,
+    )
+    assert code == 0, err
+    record = _selection(output)
+    held = int(record["selection"]["inputs"].split()[2])  # "the last N calibration examples (not fitted on)"
+    assert record["selection"]["inputs"] == f"the last {held} calibration examples (not fitted on)" and 0 < held < 12
+    assert record["sites_rewritten"] == 2
+    assert [s["calibration"]["examples"] for s in record["sites"]] == [12 - held] * 2
+    assert err.count("calibrating site") == 2  # the final fit reports; the trials' fits are silent
+
+
+def test_auto_with_calibration_of_one_batch_is_refused(tmp_path):
+    ids = np.arange(40).reshape(4, 10)
+    with pytest.raises(AttnRewriteError, match="4 examples make one batch; give more, or inputs to measure on"):
+        attnrewrite.rewrite(
+            str(SAMPLE), to="favor", layers="auto", min_cosine=-1.0,
+            calibrate={"input_ids": ids, "attention_mask": np.ones_like(ids)}, calibrate_steps=1,
+        )
