@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", help=f"configurations, comma-separated (default: all): {', '.join(all_configs)}")
     parser.add_argument("--only-zero-shot", action="store_true", help="skip the calibrated runs")
+    parser.add_argument("--only-calibrated", action="store_true", help="skip the zero-shot runs")
     parser.add_argument(
         "--select", type=float, metavar="X",
         help=f"only layer selection: rewrite(layers='auto', min_cosine=X), costs measured on {SELECTION_PASSAGES} calibration passages",
@@ -358,11 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}, "not_run": {}}
     data = load_data(args.limit)
     modes = ["zero-shot"] if args.only_zero_shot or not calibration_supported() else ["zero-shot", "calibrated"]
+    if args.only_calibrated and calibration_supported():
+        modes = ["calibrated"]
     if args.select is not None:
         modes = ["selected"]
     with tempfile.TemporaryDirectory() as folder:
         model_path = args.model or _export(Path(folder))
         reference, original_seconds = embeddings(model_path, data.heldout, args.batch, args.threads)
+        results.pop("calibration", None)
         if not calibration_supported():
             results["calibration"] = "not measured: rewrite() takes no calibrate= on this checkout"
         results.update(
