@@ -68,7 +68,7 @@ def rewrite(
     tuple of positional arguments or a dict of keyword arguments.
     """
     if layers == "auto":
-        options = {**options, "include_single_query": include_single_query}
+        options = {**options, "include_single_query": include_single_query, "seq": seq}
         fit = dict(tokenizer=tokenizer, max_length=max_length, steps=calibrate_steps, lr=calibrate_lr)
         return _rewrite_auto(model, to, validate, min_cosine, inputs, calibrate, fit, options)
     if min_cosine is not None or inputs is not None:
@@ -128,7 +128,9 @@ def _rewrite_auto(model, to: str, validate: bool, min_cosine, inputs, calibrate,
         original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
         return _with_record(original, ir_model)
     if validate and record.rewritten:
-        _validate(ir_model)
+        gate = _validate(ir_model, seq=options.get("seq") or DEFAULT_GATE_SEQ, original=_runnable(model))
+        if gate.note:
+            _add_note(ir_model, gate.note)
     return ir_model if isinstance(model, ir.Model) else ir.serde.serialize_model(ir_model)
 
 
