@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import read_record
 from models import (
-    HEADS, HIDDEN, LAYERS, Export, ExportUnsupported, ModelSpec, TorchEncoder, _seeded, export_onnx, relative_error, run_onnx,
+    APPROXIMATING_OPTIONS, HEADS, HIDDEN, LAYERS, Export, ExportUnsupported, ModelSpec, TorchEncoder, _seeded, export_onnx, relative_error, run_onnx,
     torch_reference,
 )
 from torch import nn
@@ -29,13 +29,7 @@ import passes
 
 SEQ, MEMORY = 8, 5
 TOLERANCE = 1e-5
-METHODS = {
-    "hydra": {},
-    "linear": {},
-    "favor": {"features": 32},
-    "linformer": {"proj_dim": 4},
-    "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
-}
+METHODS = {"hydra": {}, "linear": {}, **APPROXIMATING_OPTIONS}
 
 
 class TorchDecoder(nn.Module):
