@@ -19,7 +19,7 @@ from attnrewrite.onnx.rewrite import rewrite_model
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate as _validate
 from attnrewrite.record import METADATA_KEY
-from attnrewrite.select import hold_out_for_selection, select_onnx
+from attnrewrite.layer_selection import hold_out_for_selection, select_onnx
 from attnrewrite.site import AttentionSite
 
 
@@ -46,7 +46,7 @@ def rewrite(
     (ONNX models): replace the sites that cost least while the model's outputs keep that cosine
     on ``inputs`` (a ``.npz`` path or arrays by input name; default: generated from the
     signature; with ``calibrate`` and no ``inputs``, the last batch of the calibration data,
-    which is then not fitted on), as ``attnrewrite.select`` describes; the record's
+    which is then not fitted on), as ``attnrewrite.layer_selection`` describes; the record's
     ``selection`` says what each site cost.
 
     ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model``, a path to an ONNX file (an

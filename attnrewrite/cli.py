@@ -35,7 +35,7 @@ from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
-from attnrewrite.select import hold_out_for_selection, select_onnx
+from attnrewrite.layer_selection import hold_out_for_selection, select_onnx
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -211,7 +211,7 @@ def parse_fraction(text: str) -> float:
 
 
 def parse_layers(text: str) -> list[int] | str:
-    """0,2,5-7 -> [0, 2, 5, 6, 7]; "auto" is layer selection (attnrewrite.select). Whether the
+    """0,2,5-7 -> [0, 2, 5, 6, 7]; "auto" is layer selection (attnrewrite.layer_selection). Whether the
     model has those layers is checked against its sites (check_layers_exist)."""
     if text == "auto":
         return text

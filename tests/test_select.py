@@ -16,7 +16,7 @@ from attnrewrite.check import check
 from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.record import METADATA_KEY
-from attnrewrite.select import NOT_TRIED, Measurement, select_layers
+from attnrewrite.layer_selection import NOT_TRIED, Measurement, select_layers
 from models import SAMPLE_BERT
 
 SAMPLE = SAMPLE_BERT
