@@ -683,9 +683,9 @@ def windowed_kernel_attention_functions(
         return numerator, op.ReduceSum(weighted, op.Constant(value_ints=[-1]), keepdims=1)
 
     @script(ATTNREWRITE, default_opset=op)
-    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+    def LocalPart(q, k, v, key_keep):
+        """v in blocks, and the local softmax sums of every query block (LocalSoftmaxSums)."""
         zero = op.Constant(value_float=0.0)
-        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4 = WindowBlocks(flatten(v), zero)
         local_num, local_den, local_max = LocalSoftmaxSums(
             WindowBlocks(flatten(q), zero),
@@ -693,6 +693,13 @@ def windowed_kernel_attention_functions(
             v4,
             WindowBlocks(op.Cast(expand_keep(key_keep, k), to=FLOAT), zero),
         )
+        return v4, local_num, local_den, local_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        zero = op.Constant(value_float=0.0)
+        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
         far_kv, far_key_sum = FarStates(WindowBlocks(flatten(phi_k), zero), v4)
         far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
         out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
@@ -734,13 +741,7 @@ def windowed_kernel_attention_functions(
     ):
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        v4 = WindowBlocks(flatten(v), zero)
-        local_num, local_den, local_max = LocalSoftmaxSums(
-            WindowBlocks(flatten(q), zero),
-            WindowBlocks(flatten(k), zero),
-            v4,
-            WindowBlocks(op.Cast(expand_keep(key_keep, k), to=FLOAT), zero),
-        )
+        v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
         far_kv, far_key_sum, far_log_scale = rescaled_far_states(
             WindowBlocks(flatten(phi_k), zero), v4, key_log_scale
         )
@@ -756,7 +757,7 @@ def windowed_kernel_attention_functions(
     common = [flatten, expand_keep, WindowBlocks, UnblockLike, ShiftBlocks, WithPreviousBlock, KeptLocalKeys]
     if causal:
         common.append(CausalKeptLocalKeys)
-    common += [LocalSoftmaxSums, EarlierBlocksSum]
+    common += [LocalSoftmaxSums, LocalPart, EarlierBlocksSum]
     if not causal:
         common.append(FarBlocksSum)
     common += [FarStates, KernelSums]
