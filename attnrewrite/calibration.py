@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import onnx_ir as ir
 
+import passes
 from attnrewrite.errors import AttnRewriteError
 from passes.fit import DEFAULT_LR, DEFAULT_STEPS, fingerprint
 
@@ -77,7 +78,7 @@ def require_fittable(method: types.ModuleType, options) -> None:
 
     if torch is None:
         raise AttnRewriteError("calibration fits in PyTorch: pip install 'attnrewrite[torch]'")
-    reason = method.nothing_to_fit(options)
+    reason = passes.nothing_to_fit(method, options)
     if reason:
         raise AttnRewriteError(f"cannot calibrate: {reason}")
 

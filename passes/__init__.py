@@ -11,7 +11,8 @@
 - ``onnx_lowering(site, options, opset_version, weights=None) -> OnnxLowering``: model-local
   functions in domain ``attnrewrite`` with the same inputs, plus the constants (random
   features, projections) they read;
-- ``nothing_to_fit(options) -> None | reason``: why calibration cannot fit this method.
+- ``nothing_to_fit(options) -> None | reason`` (only where it can happen): why calibration cannot
+  fit this method; ``passes.nothing_to_fit`` answers None for methods without one.
 
 Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
 - ``torch_module(..., learnable=True)``: every fittable value is an ``nn.Parameter``, initialised
@@ -58,6 +59,12 @@ def get_pass(name: str) -> types.ModuleType:
         return PASSES[name]
     except KeyError:
         raise OptionError(f"unknown method {name!r}; choose one of: {', '.join(PASSES)}") from None
+
+
+def nothing_to_fit(method: types.ModuleType, options) -> str | None:
+    """Why calibration cannot fit ``method`` with ``options``; None when it can."""
+    reason = getattr(method, "nothing_to_fit", None)
+    return reason(options) if reason is not None else None
 
 
 def make_options(method: types.ModuleType, **values):

@@ -276,9 +276,6 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     )
 
 
-def nothing_to_fit(options: Options) -> str | None:
-    return None
-
 
 # --- ONNX ------------------------------------------------------------------------------------
 

@@ -119,10 +119,6 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, options.window, learnable)
 
 
-def nothing_to_fit(options: Options) -> str | None:
-    """Why calibration could not fit this method: never, W and b are always there to fit."""
-    return None
-
 
 # --- ONNX ------------------------------------------------------------------------------------
 

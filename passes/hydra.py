@@ -77,9 +77,6 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     return module
 
 
-def nothing_to_fit(options: Options) -> str | None:
-    return None
-
 
 def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None

@@ -164,7 +164,7 @@ def test_lsh_and_unfittable_linformer_say_why():
     pool = passes.linformer.Options(projection="pool")
     assert "'pool' projection has nothing to fit" in passes.linformer.nothing_to_fit(pool)
     for method in ("linear", "hydra", "favor", "linformer", "hedgehog"):
-        assert passes.get_pass(method).nothing_to_fit(passes.make_options(passes.get_pass(method))) is None
+        assert passes.nothing_to_fit(passes.get_pass(method), passes.make_options(passes.get_pass(method))) is None
 
 
 # --- both frontends ---------------------------------------------------------------------------
