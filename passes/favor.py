@@ -27,8 +27,9 @@ cancels, and r_i never looks at the future. All of this runs in float32, whateve
 dtype.
 
 ``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
-positions and the previous one, FAVOR+ over the rest, one normaliser. The exact part is in units
-of e^(s_ij - m_i), m_i the row's local max. FAVOR+ estimates e^(s_ij) itself, and its
+positions, the previous one, the next one (bidirectional, ``window_next``) and the first
+``sinks`` positions, FAVOR+ over the rest, one normaliser. The exact part is in units of
+e^(s_ij - m_i), m_i the row's max over its exact keys. FAVOR+ estimates e^(s_ij) itself, and its
 stabilisers divide query i's features by e^(a_i) (a_i its row max) and key j's by e^(b_j) (the
 head max, or its own max when causal): constants per row and per key, which a learned per-head
 weight could not absorb. So the kernel gets a_i and b_j as log scales and weighs
@@ -76,6 +77,8 @@ class Options:
     window: int = option(
         0, "exact softmax over blocks of this many positions, FAVOR+ beyond (0: off)", valid=">= 0"
     )
+    window_next: bool = kernels.window_next_option()
+    sinks: int = kernels.sinks_option()
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -86,8 +89,7 @@ class Options:
             raise ValueError(f"favor features must be >= 1, got {self.features}")
         if self.chunk < 1:
             raise ValueError(f"favor chunk must be >= 1, got {self.chunk}")
-        if self.window < 0:
-            raise ValueError(f"favor window must be >= 0 (0: off), got {self.window}")
+        kernels.check_window_options(NAME, self.window, self.sinks)
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -187,7 +189,7 @@ def causal_key_features(log_phi, key_keep, norm: float):
 class FavorAttention(Module):
     def __init__(
         self, projection, scale: float, causal: bool, chunk: int, variant: str, window: int = 0,
-        linear_log_weight=None, learnable: bool = False,
+        window_next: bool = False, sinks: int = 0, linear_log_weight=None, learnable: bool = False,
     ):
         super().__init__()
         if learnable:  # calibration fits W, starting from the seeded draw
@@ -200,7 +202,7 @@ class FavorAttention(Module):
         self.chunk = chunk
         self.variant = variant
         self.norm = 1 / math.sqrt(feature_count(projection, variant))
-        self.window = window
+        self.window, self.window_next, self.sinks = window, window_next, sinks
         self.linear_log_weight = None
         if window:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
@@ -232,7 +234,7 @@ class FavorAttention(Module):
             phi_k, key_log_scale = key_features(log_k, keep, self.norm), kept_head_max(log_k, keep)
         return kernels.windowed_kernel_attention(
             phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
-            key_keep=keep, linear_log_weight=self.linear_log_weight,
+            window_next=self.window_next, sinks=self.sinks, key_keep=keep, linear_log_weight=self.linear_log_weight,
             query_log_scale=log_q.amax(dim=-1, keepdim=True), key_log_scale=key_log_scale, eps=EPS,
         )
 
@@ -259,10 +261,9 @@ class FavorAttention(Module):
 
     def extra_repr(self) -> str:
         m, d = self.projection.shape
-        window = f", window={self.window}" if self.window else ""
         return (
             f"features={m}, head_dim={d}, variant={self.variant}, causal={self.causal}, "
-            f"chunk={self.chunk}{window}"
+            f"chunk={self.chunk}{kernels.window_repr(self)}"
         )
 
 
@@ -271,8 +272,8 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     projection = torch.from_numpy(projection_for(site, options))
     log_weight = kernels.initial_linear_log_weight(site) if options.window else None
     return FavorAttention(
-        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window, log_weight,
-        learnable,
+        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window,
+        options.window_next, options.sinks, log_weight, learnable,
     )
 
 
@@ -340,7 +341,8 @@ def onnx_lowering(
 
     if options.window:
         *kernel_helpers, kernel = kernels.windowed_kernel_attention_functions(
-            opset_version, options.window, site.scale, site.mask.causal, rescaled=True, eps=EPS
+            opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
+            sinks=options.sinks, rescaled=True, eps=EPS,
         )
 
         @script(ATTNREWRITE, default_opset=op)

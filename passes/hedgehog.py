@@ -15,8 +15,9 @@ attention's temperature rather than at that of raw q and k (whose norms grow wit
 other constant factor would be something W has to learn first.
 
 ``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
-positions and the previous one, Hedgehog over the rest, one normaliser; a per-head
-``linear_log_weight`` weighs the kernel part.
+positions, the previous one, the next one (bidirectional, ``window_next``) and the first
+``sinks`` positions, Hedgehog over the rest, one normaliser; a per-head ``linear_log_weight``
+weighs the kernel part.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ class Options:
     window: int = option(
         0, "exact softmax over blocks of this many positions, Hedgehog beyond (0: off)", valid=">= 0"
     )
+    window_next: bool = kernels.window_next_option()
+    sinks: int = kernels.sinks_option()
     seed: int = option(0, "unused: the feature map starts at the identity; accepted for a uniform interface")
 
     def __post_init__(self):
         if self.chunk < 1:
             raise ValueError(f"hedgehog chunk must be >= 1, got {self.chunk}")
-        if self.window < 0:
-            raise ValueError(f"hedgehog window must be >= 0 (0: off), got {self.window}")
+        kernels.check_window_options(NAME, self.window, self.sinks)
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -77,7 +79,10 @@ def initial_values(site: AttentionSite, options: Options) -> dict[str, np.ndarra
 
 
 class HedgehogAttention(Module):
-    def __init__(self, values: dict, scale: float, causal: bool, chunk: int, window: int, learnable: bool):
+    def __init__(
+        self, values: dict, scale: float, causal: bool, chunk: int, window: int, window_next: bool, sinks: int,
+        learnable: bool,
+    ):
         super().__init__()
         for name in ("weight", "bias"):
             value = torch.from_numpy(values[name])
@@ -92,7 +97,7 @@ class HedgehogAttention(Module):
         self.root_scale = math.sqrt(scale)
         self.causal = causal
         self.chunk = chunk
-        self.window = window
+        self.window, self.window_next, self.sinks = window, window_next, sinks
 
     def features(self, x):
         """[softmax(z), softmax(-z)], z = W (x scale^(1/2)) + b, in float32."""
@@ -110,13 +115,16 @@ class HedgehogAttention(Module):
 
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape
-        return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}, window={self.window}"
+        return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}{kernels.window_repr(self)}"
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HedgehogAttention:
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
     values = initial_values(site, options)
-    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, options.window, learnable)
+    return HedgehogAttention(
+        values, site.scale, site.mask.causal, options.chunk, options.window, options.window_next, options.sinks,
+        learnable,
+    )
 
 
 
@@ -139,7 +147,8 @@ def onnx_lowering(
 
     if options.window:
         *callees, kernel = kernels.windowed_kernel_attention_functions(
-            opset_version, options.window, site.scale, site.mask.causal
+            opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
+            sinks=options.sinks,
         )
 
         @script(ATTNREWRITE, default_opset=op)

@@ -19,6 +19,7 @@ import onnx
 from onnx import helper
 from onnxscript import script
 
+from passes._options import option
 from passes._onnx import (
     ATTNREWRITE,
     DOMAIN,
@@ -108,27 +109,35 @@ def causal_rescaled_linear_attention(
 
 
 def windowed_kernel_attention(
-    phi_q, phi_k, q, k, v, *, scale: float, window: int, causal: bool, key_keep=None,
-    linear_log_weight=None, query_log_scale=None, key_log_scale=None, eps: float = DENOMINATOR_EPS,
+    phi_q, phi_k, q, k, v, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
+    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None,
+    eps: float = DENOMINATOR_EPS,
 ):
-    """Exact softmax over nearby keys plus kernel attention over the rest, one normaliser.
+    """Exact softmax over nearby keys and sink keys plus kernel attention over the rest, one
+    normaliser.
 
-    Queries go in blocks of ``window``; block c attends exactly to the keys of blocks c-1 and c
-    (causal: c-1 and the causal part of c), the kernel covers every other key (causal: blocks
-    <= c-2). Row i is
-        (sum_local e^(s_ij - m_i) v_j + w_h sum_far phi_i.phi_j v_j) / (the same without v_j)
-    with s_ij = scale * q_i.k_j, m_i the max over row i's local keys and w_h =
+    Queries go in blocks of ``window`` (laid out by _ChunkLayout, padded at the front); block c's
+    exact keys are
+    - its local keys: blocks c-1, c and, when bidirectional and ``window_next``, c+1 (causal:
+      c-1 and the causal part of c; a causal site never sees later keys, whatever window_next);
+    - the sinks: sequence positions 0..sinks-1, for every query (attention sinks such as
+      [CLS]), unless the sink is already a local key of the block (no key counts twice) or,
+      causal, comes after the query.
+    The kernel covers every other key: blocks <= c-2 and >= c+2 (>= c+1 without window_next;
+    causal: <= c-2), never a sink. Row i is
+        (sum_exact e^(s_ij - m_i) v_j + w_h sum_far phi_i.phi_j v_j) / (the same without v_j)
+    with s_ij = scale * q_i.k_j, m_i the max over row i's exact keys and w_h =
     exp(linear_log_weight) ([heads, 1, 1], broadcast like phi_q's leading axes).
 
     Where phi_q_i.phi_k_j * exp(query_log_scale_i + key_log_scale_j) estimates e^(s_ij) itself
     (FAVOR+'s stabilised features, see favor.py), the log scales say so and the kernel part is
-    moved to the local part's units e^(s_ij - m_i): w_h = 1 is then the unbiased hybrid.
+    moved to the exact part's units e^(s_ij - m_i): w_h = 1 is then the unbiased hybrid.
     ``key_log_scale``: one per head ([..., 1, 1]) for bidirectional sites, one per key
     ([..., N, 1], the lowest log scale for padding) for causal ones. The two parts are scaled
     by exp(-max(t, 0)) and exp(min(t, 0)) with t their log ratio, so neither overflows.
 
-    ``key_keep`` masks the local part; phi_k must already be zero on padded keys. Memory is
-    O(N * window + N * F + N / window * F * Dv); nothing is N x N. All in float32.
+    ``key_keep`` masks the exact part; phi_k must already be zero on padded keys. Memory is
+    O(N * (3 * window + sinks) + N * F + N / window * F * Dv); nothing is N x N. All in float32.
     """
     lead, n = q.shape[:-2], q.shape[-2]
     q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
@@ -138,22 +147,27 @@ def windowed_kernel_attention(
         torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
     )
     layout = _ChunkLayout(n, window)
+    following = window_next and not causal
     local_num, local_den, local_max = _local_softmax_sums(
-        *(layout.blocks(x) for x in (q, k, v, keep)), scale, causal
+        layout.blocks(q), *_exact_keys(layout, k, v, keep, causal, following, sinks), scale
     )
-    pq4, pk4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
+    # The kernel never sees a sink: zero features, and (per-key log scales) the lowest log
+    # scale, so that no sink raises a running max.
+    sink = torch.arange(n, device=q.device).unsqueeze(-1) < sinks
+    pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
+    pk4 = layout.blocks(torch.where(sink, 0.0, phi_k))
     if key_log_scale is not None and causal:
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
-            pk4, layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
+            pk4, layout.blocks(torch.where(sink, LOWEST_LOG_SCALE, key_log_scale.float()), LOWEST_LOG_SCALE)[..., 0], v4
         )
     else:
-        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, causal)
-        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), causal)
+        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, causal, following)
+        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), causal, following)
         far_log_scale = None if key_log_scale is None else flatten_heads(key_log_scale.float())[..., None]
     far_num = pq4 @ far_kv
     far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
     if far_log_scale is not None:
-        # log of (kernel part's unit / local part's unit), per query row
+        # log of (kernel part's unit / exact part's unit), per query row
         ratio = layout.blocks(query_log_scale) + far_log_scale - local_max
         local_factor = torch.exp(-torch.clamp_min(ratio, 0.0))
         far_factor = torch.exp(torch.clamp_max(ratio, 0.0))
@@ -165,7 +179,7 @@ def windowed_kernel_attention(
 
 def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
     """Attention with the feature maps phi_q, phi_k of a module that has ``causal``, ``chunk``,
-    ``window``, ``scale`` and ``linear_log_weight`` (linear, hedgehog): the window hybrid when
+    ``window``, ``window_next``, ``sinks``, ``scale`` and ``linear_log_weight`` (linear, hedgehog): the window hybrid when
     it has a window, else the plain or causal chunked kernel. Padded keys leave numerator and
     denominator (their phi_k rows are zeroed here)."""
     if key_keep is not None:
@@ -173,7 +187,8 @@ def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
     if module.window:
         return windowed_kernel_attention(
             phi_q, phi_k, q, k, v, scale=module.scale, window=module.window, causal=module.causal,
-            key_keep=key_keep, linear_log_weight=module.linear_log_weight,
+            window_next=module.window_next, sinks=module.sinks, key_keep=key_keep,
+            linear_log_weight=module.linear_log_weight,
         )
     if module.causal:
         return causal_linear_attention(phi_q, phi_k, v.float(), module.chunk)
@@ -189,7 +204,8 @@ def feature_map_attention_weights(module, phi_q, phi_k, q, k, key_keep=None):
         return kernel_attention_weights(phi_q, phi_k, module.causal)
     return windowed_attention_weights(
         phi_q, phi_k, q.float(), k.float(), scale=module.scale, window=module.window, causal=module.causal,
-        key_keep=key_keep, linear_log_weight=module.linear_log_weight,
+        window_next=module.window_next, sinks=module.sinks, key_keep=key_keep,
+        linear_log_weight=module.linear_log_weight,
     )
 
 
@@ -203,56 +219,77 @@ def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATO
 
 
 def windowed_attention_weights(
-    phi_q, phi_k, q, k, *, scale: float, window: int, causal: bool, key_keep=None,
-    linear_log_weight=None, query_log_scale=None, key_log_scale=None, eps: float = DENOMINATOR_EPS,
+    phi_q, phi_k, q, k, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
+    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None,
+    eps: float = DENOMINATOR_EPS,
 ):
     """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
-    matrix of its definition (same blocks, same units), in the inputs' dtype: for
+    matrix of its definition (same exact keys, same units), in the inputs' dtype: for
     attention-weight losses when fitting, and as the reference the blocked form is tested
     against; never for inference."""
     n = q.shape[-2]
-    block = (torch.arange(n, device=q.device) + _ChunkLayout(n, window).pad) // window
+    position = torch.arange(n, device=q.device)
+    block = (position + _ChunkLayout(n, window).pad) // window
     offset = block.unsqueeze(0) - block.unsqueeze(1)  # key's block - query's block
-    local = (offset == 0) | (offset == -1)
+    following = window_next and not causal
+    exact = (offset >= -1) & (offset <= int(following)) | (position < sinks)
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if key_keep is not None:
         visible = visible & (key_keep.transpose(-2, -1) > 0)
     if causal:
         visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    far = ~exact & visible
+    exact = exact & visible
     logits = scale * q @ k.transpose(-2, -1)
-    row_max = torch.where(local & visible, logits, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
-    exact = torch.where(local & visible, torch.exp(torch.clamp_max(logits - row_max, 0.0)), 0.0)
+    row_max = torch.where(exact, logits, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+    exact_weights = torch.where(exact, torch.exp(torch.clamp_max(logits - row_max, 0.0)), 0.0)
     kernel = phi_q @ phi_k.transpose(-2, -1)
     if linear_log_weight is not None:
         kernel = kernel * torch.exp(linear_log_weight)
     if key_log_scale is not None:
         # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
         ratio = query_log_scale + key_log_scale.transpose(-2, -1) - row_max
-        ratio_max = torch.where(~local & visible, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+        ratio_max = torch.where(far, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
         shift = torch.clamp_min(ratio_max, 0.0)
-        exact = exact * torch.exp(-shift)
+        exact_weights = exact_weights * torch.exp(-shift)
         kernel = kernel * torch.exp(torch.clamp_max(ratio - shift, 0.0))
-    weights = exact + torch.where(~local & visible, kernel, 0.0)
+    weights = exact_weights + torch.where(far, kernel, 0.0)
     return weights / (weights.sum(-1, keepdim=True) + eps)
 
 
-def _local_softmax_sums(q4, k4, v4, keep4, scale: float, causal: bool):
-    """Block c's queries over the keys of blocks c-1 and c: the unnormalised numerator and
-    denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
-    where no local key is kept; its weights are then all zero, never NaN)."""
-    k_local, v_local, keep_local = (_with_previous_block(x) for x in (k4, v4, keep4))
-    allowed = keep_local.transpose(-2, -1) > 0  # [G, chunks, 1, 2 * window]
+def _exact_keys(layout, k, v, keep, causal: bool, following: bool, sinks: int):
+    """Every query block's exact keys [G, chunks, 2 or 3 * window + sinks, *]: its local blocks
+    (_local_blocks), then the sink columns; their values likewise; and which of them each query
+    takes ([G, chunks, window, keys]): kept ones, causally visible, a sink only outside the
+    block's local keys."""
+    k_x, v_x, keep_x = (_local_blocks(layout.blocks(x), following) for x in (k, v, keep))
+    allowed = keep_x.transpose(-2, -1) > 0
     if causal:
-        allowed = allowed & _local_causal_mask(q4.shape[2], q4.device)
-    scores = torch.where(allowed, (q4 @ k_local.transpose(-2, -1)) * scale, LOWEST_LOG_SCALE)
+        allowed = allowed & _local_causal_mask(layout.chunk, k.device)
+    if not sinks:
+        return k_x, v_x, allowed
+    k_s, v_s, keep_s = (_sink_rows(x, sinks, layout.chunks) for x in (k, v, keep))
+    sink_allowed = (keep_s.transpose(-2, -1) > 0) & _sink_mask(layout, sinks, causal, following, k.device)
+    return torch.cat([k_x, k_s], dim=2), torch.cat([v_x, v_s], dim=2), torch.cat([allowed, sink_allowed], dim=-1)
+
+
+def _local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
+    """Block c's queries over its exact keys (_exact_keys): the unnormalised numerator and
+    denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
+    where no exact key is kept; its weights are then all zero, never NaN)."""
+    scores = torch.where(allowed, (q4 @ k_x.transpose(-2, -1)) * scale, LOWEST_LOG_SCALE)
     row_max = scores.amax(dim=-1, keepdim=True)
     weights = torch.exp(scores - row_max) * allowed
-    return weights @ v_local, weights.sum(-1, keepdim=True), row_max
+    return weights @ v_x, weights.sum(-1, keepdim=True), row_max
 
 
-def _with_previous_block(x4):
-    """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then block c's."""
-    return torch.cat([_shift_right(x4, 0.0), x4], dim=2)
+def _local_blocks(x4, following: bool):
+    """[G, chunks, window, F] -> [G, chunks, 2 or 3 * window, F]: block c-1's rows, c's and,
+    ``following``, c+1's."""
+    blocks = [_shift_right(x4, 0.0), x4]
+    if following:
+        blocks.append(_shift_left(x4, 0.0))
+    return torch.cat(blocks, dim=2)
 
 
 def _local_causal_mask(window: int, device):
@@ -260,12 +297,34 @@ def _local_causal_mask(window: int, device):
     return torch.ones(window, 2 * window, dtype=torch.bool, device=device).tril(window)
 
 
-def _far_blocks_sum(x, causal: bool):
-    """Per block c (dim 1), the sum of x over blocks <= c-2 and, unless causal, >= c+1."""
+def _sink_rows(x, sinks: int, chunks: int):
+    """[..., N, F] -> [G, chunks, sinks, F]: rows 0..sinks-1 (zero beyond N) for every block.
+    Padded at the end before the slice, so its size never depends on N (see _ChunkLayout)."""
+    rows = torch.nn.functional.pad(flatten_heads(x), (0, 0, 0, sinks))[:, :sinks]
+    return rows.unsqueeze(1).expand(-1, chunks, -1, -1)
+
+
+def _sink_mask(layout, sinks: int, causal: bool, following: bool, device):
+    """[chunks, window or 1, sinks]: True where block c's query takes sink s as an extra exact
+    key: s lies outside the block's local keys and (causal) not after the query. Positions are
+    the padded layout's (sink s at s + pad)."""
+    at = torch.arange(sinks, device=device) + layout.pad
+    offset = at // layout.chunk - torch.arange(layout.chunks, device=device).unsqueeze(-1)
+    outside = ((offset < -1) | (offset > int(following))).unsqueeze(1)
+    if not causal:
+        return outside
+    query_at = torch.arange(layout.chunks * layout.chunk, device=device).reshape(layout.chunks, layout.chunk, 1)
+    return outside & (at <= query_at)
+
+
+def _far_blocks_sum(x, causal: bool, following: bool):
+    """Per block c (dim 1), the sum of x over blocks <= c-2 and, unless causal, >= c+2
+    (``following``) or >= c+1."""
     before = _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
     if causal:
         return before
-    return before + torch.flip(_exclusive_cumsum(torch.flip(x, [1])), [1])
+    from_here = torch.flip(torch.cumsum(torch.flip(x, [1]), dim=1), [1])  # blocks >= c
+    return before + _shift_left(from_here, 0.0, steps=2 if following else 1)
 
 
 def _rescaled_earlier_states(pk4, s, v4):
@@ -325,6 +384,12 @@ def _shift_right(x, fill: float, steps: int = 1):
     return torch.nn.functional.pad(x, pads, value=fill)[:, :-steps]
 
 
+def _shift_left(x, fill: float, steps: int = 1):
+    """x moved ``steps`` chunks earlier along dim 1, fill last (as _shift_right)."""
+    pads = [0, 0] * (x.dim() - 2) + [0, steps]
+    return torch.nn.functional.pad(x, pads, value=fill)[:, steps:]
+
+
 def _running_max(x):
     """Running max over the last axis as a lower-triangular masked max ([..., L] -> [..., L, L]),
     as the ONNX RunningMax: torch.cummax has no ONNX conversion."""
@@ -358,6 +423,40 @@ def fitted_heads(site) -> int:
     """Heads a per-head fitted value has: site.num_heads when q is known to be [batch, heads,
     seq, head_dim] (so [heads, ...] broadcasts against it), else 1 (shared by every head)."""
     return site.num_heads if site.rank == 4 and site.num_heads is not None else 1
+
+
+def window_next_option():
+    """The ``window_next`` field of a windowed method's Options."""
+    return option(
+        True,
+        "with window, bidirectional sites: the next block's keys are exact too "
+        "(causal sites never see later keys, so there it changes nothing)",
+    )
+
+
+def sinks_option():
+    """The ``sinks`` field of a windowed method's Options."""
+    return option(
+        1,
+        "with window: the first S key positions are exact for every query "
+        "(attention sinks such as [CLS]); 0: none",
+        valid=">= 0",
+    )
+
+
+def check_window_options(method: str, window: int, sinks: int) -> None:
+    """The checks of ``window`` and ``sinks`` every windowed method's Options make."""
+    if window < 0:
+        raise ValueError(f"{method} window must be >= 0 (0: off), got {window}")
+    if sinks < 0:
+        raise ValueError(f"{method} sinks must be >= 0 (0: none), got {sinks}")
+
+
+def window_repr(module) -> str:
+    """The window's part of a windowed method's extra_repr ("" without a window)."""
+    if not module.window:
+        return ""
+    return f", window={module.window}, window_next={module.window_next}, sinks={module.sinks}"
 
 
 def initial_linear_log_weight(site) -> np.ndarray:
@@ -583,20 +682,24 @@ def causal_rescaled_linear_attention_functions(
 
 
 def windowed_kernel_attention_functions(
-    opset_version: int, window: int, scale: float, causal: bool, rescaled: bool = False,
-    eps: float = DENOMINATOR_EPS,
+    opset_version: int, window: int, scale: float, causal: bool, *, window_next: bool, sinks: int,
+    rescaled: bool = False, eps: float = DENOMINATOR_EPS,
 ):
     """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
 
     The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight) as the passes have
     them ([..., N, *], key_keep broadcastable to [..., N, 1]), with ``rescaled`` also
     (query_log_scale, key_log_scale) after phi_k, and returns float32 [..., N, Dv]. Blocks are
-    laid out as _ChunkLayout does (padded at the front), so both lowerings pick the same keys.
+    laid out as _ChunkLayout does (padded at the front), so both lowerings pick the same keys;
+    ``causal``, ``window_next`` and ``sinks`` choose the bodies at rewrite time.
     """
     op = standard_opset(opset_version)
     flatten = flatten_heads_function(opset_version)
     expand_keep = key_keep_function(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
+    following = window_next and not causal
+    sink_positions = list(range(sinks))
+    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowBlocks(x, fill):
@@ -625,10 +728,25 @@ def windowed_kernel_attention_functions(
         return op.Slice(shifted, op.Constant(value_ints=[0]), op.Neg(steps), one)
 
     @script(ATTNREWRITE, default_opset=op)
+    def ShiftBlocksEarlier(x, fill, steps):
+        """x moved ``steps`` blocks earlier along axis 1, fill last."""
+        one = op.Constant(value_ints=[1])
+        shifted = op.Pad(x, op.Concat(op.Constant(value_ints=[0]), steps, axis=0), fill, one)
+        return op.Slice(shifted, steps, op.Constant(value_ints=[2147483647]), one)
+
+    @script(ATTNREWRITE, default_opset=op)
     def WithPreviousBlock(x4):
         """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then c's."""
         previous = ShiftBlocks(x4, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
         return op.Concat(previous, x4, axis=2)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithNeighbourBlocks(x4):
+        """[G, chunks, window, F] -> [G, chunks, 3 * window, F]: blocks c-1, c, then c+1."""
+        following_block = ShiftBlocksEarlier(x4, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
+        return op.Concat(WithPreviousBlock(x4), following_block, axis=2)
+
+    local_blocks = WithNeighbourBlocks if following else WithPreviousBlock
 
     @script(ATTNREWRITE, default_opset=op)
     def KeptLocalKeys(keep_local):
@@ -644,17 +762,87 @@ def windowed_kernel_attention_functions(
     local_keys = CausalKeptLocalKeys if causal else KeptLocalKeys
 
     @script(ATTNREWRITE, default_opset=op)
-    def LocalSoftmaxSums(q4, k4, v4, keep4):
-        """Numerator, denominator and row max m_i of the softmax over blocks c-1 and c."""
-        k_local = WithPreviousBlock(k4)
-        allowed = local_keys(WithPreviousBlock(keep4))
-        logits = op.MatMul(q4, op.Transpose(k_local, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
+    def LocalKeys(k, v, keep):
+        """Blocked v, and every block's local keys, their values and which each query takes
+        (kernels._exact_keys without sinks)."""
+        zero = op.Constant(value_float=0.0)
+        v4 = WindowBlocks(v, zero)
+        allowed = local_keys(local_blocks(WindowBlocks(keep, zero)))
+        return v4, local_blocks(WindowBlocks(k, zero)), local_blocks(v4), allowed
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkRows(x, chunks):
+        """[G, N, F] -> [G, chunks, sinks, F]: rows 0..sinks-1 (zero beyond N) for every block."""
+        one = op.Constant(value_ints=[1])
+        padded = op.Pad(x, op.Constant(value_ints=[0, sinks]), op.Constant(value_float=0.0), one)
+        rows = op.Slice(padded, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
+        return op.Expand(op.Unsqueeze(rows, one), op.Concat(one, chunks, one, one, axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkOutsideWindow(n):
+        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys, and the
+        sinks' positions in the padded layout (sink s at s + pad)."""
+        w = op.Constant(value_ints=[window])
+        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
+        at = op.Constant(value_ints=sink_positions) + (chunks * w - n)
+        blocks = op.Range(op.Constant(value_int=0), op.Squeeze(chunks), op.Constant(value_int=1))
+        offset = op.Unsqueeze(op.Div(at, w), op.Constant(value_ints=[0])) - op.Unsqueeze(
+            blocks, op.Constant(value_ints=[1])
+        )
+        outside = op.Or(
+            op.Less(offset, op.Constant(value_int=-1)), op.Greater(offset, op.Constant(value_int=int(following)))
+        )
+        return op.Unsqueeze(outside, op.Constant(value_ints=[1])), at
+
+    @script(ATTNREWRITE, default_opset=op)
+    def BidirectionalSinkMask(n):
+        """[chunks, 1, sinks]: which sinks block c's queries take (kernels._sink_mask)."""
+        outside, at = SinkOutsideWindow(n)
+        return outside
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalSinkMask(n):
+        """[chunks, window, sinks]: as BidirectionalSinkMask, and never a sink after the query."""
+        outside, at = SinkOutsideWindow(n)
+        w = op.Constant(value_ints=[window])
+        rows = op.Div(n + w + w - op.Constant(value_ints=[1]), w) * w
+        query_at = op.Reshape(
+            op.Range(op.Constant(value_int=0), op.Squeeze(rows), op.Constant(value_int=1)),
+            op.Constant(value_ints=[-1, window, 1]),
+        )
+        return op.And(outside, op.LessOrEqual(at, query_at))
+
+    sink_mask = CausalSinkMask if causal else BidirectionalSinkMask
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LocalAndSinkKeys(k, v, keep):
+        """LocalKeys with the sink columns after each block's local keys (kernels._exact_keys)."""
+        v4, k_x, v_x, allowed = LocalKeys(k, v, keep)
+        chunks = op.Shape(v4, start=1, end=2)
+        taken = op.And(KeptLocalKeys(SinkRows(keep, chunks)), sink_mask(op.Shape(v, start=1, end=2)))
+        k_all = op.Concat(k_x, SinkRows(k, chunks), axis=2)
+        v_all = op.Concat(v_x, SinkRows(v, chunks), axis=2)
+        return v4, k_all, v_all, op.Concat(allowed, taken, axis=3)
+
+    exact_keys = LocalAndSinkKeys if sinks else LocalKeys
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithoutSinks(x, fill):
+        """[G, N, F] with rows 0..sinks-1 set to fill: the kernel never sees a sink key."""
+        n = op.Squeeze(op.Shape(x, start=1, end=2))
+        position = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+        sink = op.Unsqueeze(op.Less(position, op.Constant(value_int=sinks)), op.Constant(value_ints=[0, 2]))
+        return op.Where(sink, fill, x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LocalSoftmaxSums(q4, k_x, v_x, allowed):
+        """Numerator, denominator and row max m_i of the softmax over each block's exact keys."""
+        logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
         scores = op.Where(allowed, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
         last = op.Constant(value_ints=[-1])
         row_max = op.ReduceMax(scores, last, keepdims=1)
         weights = op.Exp(scores - row_max) * op.Cast(allowed, to=FLOAT)
-        numerator = op.MatMul(weights, WithPreviousBlock(v4))
-        return numerator, op.ReduceSum(weights, last, keepdims=1), row_max
+        return op.MatMul(weights, v_x), op.ReduceSum(weights, last, keepdims=1), row_max
 
     @script(ATTNREWRITE, default_opset=op)
     def EarlierBlocksSum(x):
@@ -664,8 +852,9 @@ def windowed_kernel_attention_functions(
 
     @script(ATTNREWRITE, default_opset=op)
     def FarBlocksSum(x):
-        """Per block c (axis 1), the sum of x over blocks <= c-2 and >= c+1."""
-        later = op.CumSum(x, op.Constant(value_int=1), exclusive=1, reverse=1)
+        """Per block c (axis 1), the sum of x over blocks <= c-2 and >= c + far_gap."""
+        from_here = op.CumSum(x, op.Constant(value_int=1), reverse=1)
+        later = ShiftBlocksEarlier(from_here, op.Constant(value_float=0.0), op.Constant(value_ints=[far_gap]))
         return EarlierBlocksSum(x) + later
 
     far_sum = EarlierBlocksSum if causal else FarBlocksSum
@@ -684,23 +873,24 @@ def windowed_kernel_attention_functions(
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalPart(q, k, v, key_keep):
-        """v in blocks, and the local softmax sums of every query block (LocalSoftmaxSums)."""
+        """v in blocks, and the exact part's softmax sums of every query block."""
         zero = op.Constant(value_float=0.0)
-        v4 = WindowBlocks(flatten(v), zero)
-        local_num, local_den, local_max = LocalSoftmaxSums(
-            WindowBlocks(flatten(q), zero),
-            WindowBlocks(flatten(k), zero),
-            v4,
-            WindowBlocks(op.Cast(expand_keep(key_keep, k), to=FLOAT), zero),
-        )
+        v4, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
+        local_num, local_den, local_max = LocalSoftmaxSums(WindowBlocks(flatten(q), zero), k_x, v_x, allowed)
         return v4, local_num, local_den, local_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarKeyFeatures(phi_k):
+        """phi_k in blocks, zero on the sinks."""
+        zero = op.Constant(value_float=0.0)
+        return WindowBlocks(WithoutSinks(flatten(phi_k), zero), zero)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
-        far_kv, far_key_sum = FarStates(WindowBlocks(flatten(phi_k), zero), v4)
+        far_kv, far_key_sum = FarStates(FarKeyFeatures(phi_k), v4)
         far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
         out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
         return UnblockLike(out, q, v)
@@ -708,10 +898,11 @@ def windowed_kernel_attention_functions(
     @script(ATTNREWRITE, default_opset=op)
     def CausalRescaledFarStates(pk4, v4, key_log_scale):
         """States over blocks <= c-2 when key j's features are pk_j * exp(s_j), referenced to
-        R_c, the max of s over those blocks (see _rescaled_earlier_states)."""
+        R_c, the max of s over those blocks (see _rescaled_earlier_states); sinks count as
+        missing keys."""
         lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
         last = op.Constant(value_ints=[-1])
-        s = op.Squeeze(WindowBlocks(flatten(key_log_scale), lowest), last)  # [G, chunks, window]
+        s = op.Squeeze(WindowBlocks(WithoutSinks(flatten(key_log_scale), lowest), lowest), last)
         block_max = op.ReduceMax(s, last, keepdims=0)
         running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
         reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
@@ -742,11 +933,9 @@ def windowed_kernel_attention_functions(
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
-        far_kv, far_key_sum, far_log_scale = rescaled_far_states(
-            WindowBlocks(flatten(phi_k), zero), v4, key_log_scale
-        )
+        far_kv, far_key_sum, far_log_scale = rescaled_far_states(FarKeyFeatures(phi_k), v4, key_log_scale)
         far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
-        # log of (kernel part's unit / local part's unit), per query row; each side scaled <= 1
+        # log of (kernel part's unit / exact part's unit), per query row; each side scaled <= 1
         ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - local_max
         local_factor = op.Exp(op.Neg(op.Max(ratio, zero)))
         far_factor = op.Exp(op.Min(ratio, zero))
@@ -754,13 +943,22 @@ def windowed_kernel_attention_functions(
         denominator = local_den * local_factor + far_den * far_factor
         return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
 
-    common = [flatten, expand_keep, WindowBlocks, UnblockLike, ShiftBlocks, WithPreviousBlock, KeptLocalKeys]
+    common = [flatten, expand_keep, WindowBlocks, UnblockLike, ShiftBlocks]
+    if not causal:
+        common.append(ShiftBlocksEarlier)
+    common.append(WithPreviousBlock)
+    if following:
+        common.append(WithNeighbourBlocks)
+    common.append(KeptLocalKeys)
     if causal:
         common.append(CausalKeptLocalKeys)
-    common += [LocalSoftmaxSums, LocalPart, EarlierBlocksSum]
+    common.append(LocalKeys)
+    if sinks:
+        common += [SinkRows, SinkOutsideWindow, sink_mask, LocalAndSinkKeys]
+    common += [WithoutSinks, LocalSoftmaxSums, EarlierBlocksSum]
     if not causal:
         common.append(FarBlocksSum)
-    common += [FarStates, KernelSums]
+    common += [FarStates, KernelSums, LocalPart, FarKeyFeatures]
     if not rescaled:
         return [*common, WindowedKernelAttention]
     if causal:

@@ -5,8 +5,9 @@ the reassociated order phi(Q) (phi(K)^T V): O(N) in sequence length. The logits'
 applied: elu+1 is the kernel the method defines, not an estimate of exp(scale * q.k).
 
 ``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
-positions and the previous one, elu+1 over the rest, one normaliser; a per-head
-``linear_log_weight`` (an nn.Parameter, 0 at first) weighs the kernel part.
+positions, the previous one, the next one (bidirectional, ``window_next``) and the first
+``sinks`` positions, elu+1 over the rest, one normaliser; a per-head ``linear_log_weight`` (an
+nn.Parameter, 0 at first) weighs the kernel part.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class Options:
     window: int = option(
         0, "exact softmax over blocks of this many positions, linear beyond (0: off)", valid=">= 0"
     )
+    window_next: bool = kernels.window_next_option()
+    sinks: int = kernels.sinks_option()
 
     def __post_init__(self):
-        if self.window < 0:
-            raise ValueError(f"linear window must be >= 0 (0: off), got {self.window}")
+        kernels.check_window_options(NAME, self.window, self.sinks)
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -48,12 +50,15 @@ def elu_plus_one(x):
 
 
 class LinearAttention(Module):
-    def __init__(self, causal: bool, chunk: int, scale: float = 1.0, window: int = 0, linear_log_weight=None):
+    def __init__(
+        self, causal: bool, chunk: int, scale: float = 1.0, window: int = 0, window_next: bool = False,
+        sinks: int = 0, linear_log_weight=None,
+    ):
         super().__init__()
         self.causal = causal
         self.chunk = chunk
         self.scale = scale  # of the window's exact softmax only
-        self.window = window
+        self.window, self.window_next, self.sinks = window, window_next, sinks
         self.linear_log_weight = None
         if window:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
@@ -69,7 +74,7 @@ class LinearAttention(Module):
         return kernels.feature_map_attention_weights(self, elu_plus_one(q), elu_plus_one(k), q, k, key_keep)
 
     def extra_repr(self) -> str:
-        window = f", window={self.window}" if self.window else ""
+        window = kernels.window_repr(self)
         return f"causal={self.causal}, chunk={self.chunk}{window}"
 
 
@@ -80,7 +85,10 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
         module = LinearAttention(site.mask.causal, options.chunk)
     else:
         log_weight = kernels.initial_linear_log_weight(site)
-        module = LinearAttention(site.mask.causal, options.chunk, site.scale, options.window, log_weight)
+        module = LinearAttention(
+            site.mask.causal, options.chunk, site.scale, options.window, options.window_next, options.sinks,
+            log_weight,
+        )
     if learnable:
         kernels.add_query_key_maps(module, site)
     return module
@@ -128,7 +136,8 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
 def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     *callees, kernel = kernels.windowed_kernel_attention_functions(
-        opset_version, options.window, site.scale, site.mask.causal
+        opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
+        sinks=options.sinks,
     )
 
     @script(ATTNREWRITE, default_opset=op)
