@@ -1,7 +1,9 @@
 """The local-softmax + kernel hybrid (``window=W``, kernels.windowed_kernel_attention) shared by
-linear, favor and hedgehog: equal to its definition written as an N x N matrix, exact softmax
-when the window covers the sequence, ONNX == torch, causal, NaN-free where keys are missing,
-and refused by the methods it cannot serve."""
+linear, favor and hedgehog: its exact keys (previous, own and, bidirectional, next block, and
+the sinks), equal to its definition written as an N x N matrix, exact softmax when the window
+covers the sequence, sinks kept from the kernel, ONNX == torch, causal, NaN-free where keys are
+missing, the options changing nothing without a window, and refused by the methods it cannot
+serve."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ WINDOWED = (linear, favor, hedgehog)
 B, H, D, DV = 2, 3, 8, 5
 SCALE = D**-0.5
 LOWEST = kernels.LOWEST_LOG_SCALE
+# (window_next, sinks): the exact keys' variants the tests run through
+EXACT_KEYS = [(False, 0), (True, 0), (False, 1), (True, 1), (False, 3), (True, 3)]
+exact_keys_ids = lambda value: f"next={value[0]}-sinks={value[1]}"  # noqa: E731
 
 
 def make_site(mask: MaskKind, rank: int = 4) -> AttentionSite:
@@ -59,14 +64,17 @@ def fitted_module(method, site, options, seed: int = 0):
 # --- the definition, as an N x N matrix ---------------------------------------------------------
 
 
-def windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight, query_log_scale=None, key_log_scale=None):
+def windowed_by_definition(
+    phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale=None, key_log_scale=None
+):
     """kernels.windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
-    own and previous block, w phi_i.phi_j [e^(a_i + b_j - m_i)] elsewhere, one normaliser)
-    in float64, times v."""
+    previous, own and next block and the sinks, w phi_i.phi_j [e^(a_i + b_j - m_i)] elsewhere,
+    one normaliser) in float64, times v."""
     as64 = lambda x: None if x is None else torch.as_tensor(x).double()  # noqa: E731
+    window_next, sinks = exact_keys
     weights = kernels.windowed_attention_weights(
         as64(phi_q), as64(phi_k), as64(q), as64(k), scale=SCALE, window=window, causal=causal,
-        key_keep=as64(keep), linear_log_weight=as64(log_weight), query_log_scale=as64(query_log_scale),
+        window_next=window_next, sinks=sinks, key_keep=as64(keep), linear_log_weight=as64(log_weight), query_log_scale=as64(query_log_scale),
         key_log_scale=as64(key_log_scale), eps=0.0,
     )
     return torch.nan_to_num(weights @ as64(v)).numpy()  # a row without any key: 0, as the kernels give
@@ -77,42 +85,56 @@ def elu_features(q, k, keep):
     return phi(q), phi(k) * torch.from_numpy(keep)
 
 
-# N = 7 in windows of 3: blocks {0}, {1, 2, 3}, {4, 5, 6} (the layout pads 5 rows in front)
+# N = 7 in windows of 3: blocks {0}, {1, 2, 3}, {4, 5, 6} (the layout pads 5 rows in front).
+# Each query's keys in the previous and its own block, and with the next block too.
 LOCAL_KEYS = np.array([[1, 0, 0, 0, 0, 0, 0]] + [[1, 1, 1, 1, 0, 0, 0]] * 3 + [[0, 1, 1, 1, 1, 1, 1]] * 3, bool)
+WITH_NEXT_KEYS = np.array([[1, 1, 1, 1, 0, 0, 0]] + [[1, 1, 1, 1, 1, 1, 1]] * 3 + [[0, 1, 1, 1, 1, 1, 1]] * 3, bool)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_local_keys_are_the_own_and_the_previous_block(causal):
-    """With a zero kernel part the hybrid is softmax over exactly the local keys."""
+@pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
+def test_exact_keys_are_the_neighbouring_blocks_and_the_sinks(causal, exact_keys):
+    """With a zero kernel part the hybrid is softmax over exactly the exact keys: previous and
+    own block, the next one when bidirectional with window_next, and positions < sinks."""
+    window_next, sinks = exact_keys
     q, k, v = (torch.from_numpy(x) for x in qkv(7))
     zero = torch.zeros(B, H, 7, 4)
-    local = LOCAL_KEYS & np.tri(7, dtype=bool) if causal else LOCAL_KEYS
-    weights = kernels.windowed_attention_weights(zero, zero, q, k, scale=SCALE, window=3, causal=causal)
+    local = WITH_NEXT_KEYS if window_next and not causal else LOCAL_KEYS.copy()
+    local[:, :sinks] = True
+    if causal:
+        local &= np.tri(7, dtype=bool)
+    options = dict(scale=SCALE, window=3, causal=causal, window_next=window_next, sinks=sinks)
+    weights = kernels.windowed_attention_weights(zero, zero, q, k, **options)
     np.testing.assert_array_equal(weights.numpy() > 0, np.broadcast_to(local, (B, H, 7, 7)))
     logits = (SCALE * q @ k.transpose(-2, -1)).masked_fill(torch.from_numpy(~local), -math.inf)
     expected = torch.softmax(logits, -1) @ v
-    out = kernels.windowed_kernel_attention(zero, zero, q, k, v, scale=SCALE, window=3, causal=causal)
-    assert relative_error(out.numpy(), expected.numpy()) < 1e-6
+    out = kernels.windowed_kernel_attention(zero, zero, q, k, v, **options)
+    assert relative_error(out.numpy(), expected.numpy()) < 3e-6  # float32 rounding
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("window", [16, 7])
-def test_kernel_equals_its_definition(causal, window):
+@pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
+def test_kernel_equals_its_definition(causal, window, exact_keys):
+    """Key padding at both ends: in the second batch row the first 3 positions, so sinks are
+    padded there (sinks=3 straddles two blocks for both windows)."""
     q, k, v = qkv(50)
     keep = np.broadcast_to(padded_keep(50), (B, H, 50, 1)).copy()
     phi_q, phi_k = elu_features(q, k, keep)
     log_weight = torch.randn(H, 1, 1, generator=torch.Generator().manual_seed(1))
+    window_next, sinks = exact_keys
     out = kernels.windowed_kernel_attention(
         phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-        key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
+        window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
     )
-    expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight)
+    expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight)
     assert relative_error(out.numpy(), expected) < 1e-5
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("window", [16, 7])
-def test_kernel_with_log_scales_equals_its_definition(causal, window):
+@pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
+def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys):
     """FAVOR+'s form: features stabilised per query row, per head (bidirectional) or per key
     (causal, log scales spread over +-30 so that the carry between blocks matters)."""
     q, k, v = qkv(50)
@@ -128,17 +150,21 @@ def test_kernel_with_log_scales_equals_its_definition(causal, window):
         key_log_scale = torch.randn(B, H, 1, 1, generator=generator) * 3
         per_key = key_log_scale.expand(B, H, 50, 1)
     log_weight = torch.randn(H, 1, 1, generator=generator)
+    window_next, sinks = exact_keys
     out = kernels.windowed_kernel_attention(
         phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-        key_keep=torch.from_numpy(keep), linear_log_weight=log_weight, query_log_scale=query_log_scale,
-        key_log_scale=key_log_scale, eps=favor.EPS,
+        window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
+        query_log_scale=query_log_scale, key_log_scale=key_log_scale, eps=favor.EPS,
     )
-    expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, log_weight, query_log_scale, per_key)
+    expected = windowed_by_definition(
+        phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale, per_key
+    )
     assert relative_error(out.numpy(), expected) < 1e-5
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal):
+@pytest.mark.parametrize("exact_keys", [(False, 0), (True, 3)], ids=exact_keys_ids)
+def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal, exact_keys):
     """Features that represent e^(s_ij) exactly (one feature per key: phi_q_i = e^(s_i. - a_i),
     phi_k_j = onehot_j e^(-b_j)) turn the hybrid into exact softmax for every window: the
     kernel part is in the local part's units, whatever the stabilisers a_i and b_j."""
@@ -151,13 +177,47 @@ def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal):
     key_log_scale = torch.randn(B, H, n, 1, generator=generator) * 20 if causal else torch.full((B, H, 1, 1), -7.0)
     phi_q = torch.exp(s - query_log_scale)
     phi_k = torch.eye(n).expand(B, H, n, n) * torch.exp(-key_log_scale) * torch.from_numpy(keep)
+    window_next, sinks = exact_keys
     for window in (4, 9):
         out = kernels.windowed_kernel_attention(
             phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-            key_keep=torch.from_numpy(keep), query_log_scale=query_log_scale, key_log_scale=key_log_scale,
+            window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), query_log_scale=query_log_scale, key_log_scale=key_log_scale,
             eps=favor.EPS,
         )
         assert relative_error(out.numpy(), exact(q, k, v, keep, causal)) < 1e-5, window
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("window_next", [False, True], ids=["own", "next"])
+def test_sink_keys_never_reach_the_kernel_part(causal, window_next):
+    """A sink's features and log scale (huge, so it would raise every running max) change
+    nothing, in the blocked form and in the N x N definition; a later key's features do."""
+    n, sinks, window = 40, 3, 4
+    q, k, v = map(torch.from_numpy, qkv(n))
+    generator = torch.Generator().manual_seed(4)
+    phi_q, phi_k = (torch.rand(B, H, n, 6, generator=generator) for _ in range(2))
+    query_log_scale = torch.randn(B, H, n, 1, generator=generator)
+    key_log_scale = torch.randn(B, H, n, 1, generator=generator) if causal else torch.zeros(B, H, 1, 1)
+    changed_phi_k, changed_log_scale = phi_k.clone(), key_log_scale.clone()
+    changed_phi_k[..., :sinks, :] *= 1e3
+    if causal:
+        changed_log_scale[..., :sinks, :] = 80.0
+    options = dict(scale=SCALE, window=window, causal=causal, window_next=window_next, sinks=sinks, eps=favor.EPS)
+
+    def both(phi_k, key_log_scale):
+        scales = dict(query_log_scale=query_log_scale, key_log_scale=key_log_scale)
+        out = kernels.windowed_kernel_attention(phi_q, phi_k, q, k, v, **options, **scales)
+        if not causal:  # the definition takes the head's log scale per key
+            scales["key_log_scale"] = key_log_scale.expand(B, H, n, 1)
+        return out, kernels.windowed_attention_weights(phi_q, phi_k, q, k, **options, **scales)
+
+    out, weights = both(phi_k, key_log_scale)
+    changed_out, changed_weights = both(changed_phi_k, changed_log_scale)
+    np.testing.assert_array_equal(changed_out.numpy(), out.numpy())
+    np.testing.assert_array_equal(changed_weights.numpy(), weights.numpy())
+    later_phi_k = phi_k.clone()
+    later_phi_k[..., sinks, :] *= 1e3  # the first key after the sinks: far for the last queries
+    assert np.abs(both(later_phi_k, key_log_scale)[0].numpy() - out.numpy())[..., -1, :].max() > 1e-3
 
 
 # --- the passes -----------------------------------------------------------------------------
@@ -165,22 +225,27 @@ def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal):
 
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
-def test_window_covering_the_sequence_is_exact_softmax_attention(method, mask):
+@pytest.mark.parametrize("exact_keys", [(False, 0), (True, 1), (True, 3)], ids=exact_keys_ids)
+def test_window_covering_the_sequence_is_exact_softmax_attention(method, mask, exact_keys):
     site = make_site(mask)
     q, k, v = qkv(50)
     keep = padded_keep(50)
+    window_next, sinks = exact_keys
     for window in (50, 64):
-        module = fitted_module(method, site, method.Options(window=window))
+        module = fitted_module(method, site, method.Options(window=window, window_next=window_next, sinks=sinks))
         expected = exact(q, k, v, keep, mask.causal)
         assert relative_error(run_pass_module(module, q, k, v, keep), expected) < 1e-5, window
 
 
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 @pytest.mark.parametrize("mask", list(MaskKind)[:4], ids=lambda m: m.value)
-def test_onnx_equals_torch(method, mask):
-    """N = 50 in windows of 16 (a partial block), fitted values written through ``weights``."""
+@pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
+def test_onnx_equals_torch(method, mask, exact_keys):
+    """N = 50 in windows of 16 (a partial block), fitted values written through ``weights``;
+    with key padding the first 3 positions of the second batch row are padded (sinks too)."""
     site = make_site(mask)
-    options = method.Options(window=16)
+    window_next, sinks = exact_keys
+    options = method.Options(window=16, window_next=window_next, sinks=sinks)
     module = fitted_module(method, site, options)
     weights = {name: value.numpy() for name, value in module.state_dict().items()}
     lowering = method.onnx_lowering(site, options, 20, weights)
@@ -213,10 +278,14 @@ def test_onnx_equals_torch_with_heads_folded_into_the_batch(method):
 
 
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
-def test_causal_outputs_ignore_later_positions(method):
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_causal_outputs_ignore_later_positions(method, sinks):
+    """Also with sinks; window_next changes nothing at a causal site."""
     site = make_site(MaskKind.CAUSAL)
-    module = fitted_module(method, site, method.Options(window=8))
+    module = fitted_module(method, site, method.Options(window=8, sinks=sinks))
+    without_next = fitted_module(method, site, method.Options(window=8, window_next=False, sinks=sinks))
     q, k, v = qkv(45)
+    np.testing.assert_array_equal(run_pass_module(without_next, q, k, v, None), run_pass_module(module, q, k, v, None))
     t = 30
     later = [x.copy() for x in (q, k, v)]
     for x in later:
@@ -228,11 +297,14 @@ def test_causal_outputs_ignore_later_positions(method):
 
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
-def test_rows_without_local_keys_are_finite(method, mask):
-    """Left padding of 20 keys with windows of 4: early queries have no kept local key. They
-    take the kernel part alone (bidirectional), or have no key at all and give 0 (causal)."""
+@pytest.mark.parametrize("exact_keys", [(False, 0), (True, 2)], ids=exact_keys_ids)
+def test_rows_without_exact_keys_are_finite(method, mask, exact_keys):
+    """Left padding of 20 keys with windows of 4: early queries have no kept exact key (the
+    sinks are padded too). They take the kernel part alone (bidirectional), or have no key at
+    all and give 0 (causal)."""
     site = make_site(mask)
-    options = method.Options(window=4)
+    window_next, sinks = exact_keys
+    options = method.Options(window=4, window_next=window_next, sinks=sinks)
     module = fitted_module(method, site, options)
     q, k, v = qkv(40)
     keep = np.ones((B, 1, 40, 1), np.float32)
@@ -280,6 +352,31 @@ def test_methods_without_per_key_kernel_weights_refuse_a_window(method):
 
 
 @pytest.mark.parametrize("method", ["linear", "favor", "hedgehog"])
-def test_negative_window_is_an_option_error(method):
+def test_negative_window_or_sinks_is_an_option_error(method):
     with pytest.raises(OptionError, match=rf"^method '{method}': {method} window must be >= 0 \(0: off\), got -1$"):
         make_options(get_pass(method), window="-1")
+    with pytest.raises(OptionError, match=rf"^method '{method}': {method} sinks must be >= 0 \(0: none\), got -1$"):
+        make_options(get_pass(method), window="8", sinks="-1")
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+def test_the_next_block_and_one_sink_are_exact_by_default(method):
+    options = make_options(method, window="8")
+    assert (options.window_next, options.sinks) == (True, 1)
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("mask", list(MaskKind)[:4], ids=lambda m: m.value)
+def test_without_a_window_its_options_change_nothing(method, mask):
+    """window=0: the same ONNX functions and constants, byte for byte, and the same module."""
+    site = make_site(mask)
+    plain, other = method.Options(), method.Options(window_next=False, sinks=3)
+    serialized = lambda lowering: [f.SerializeToString() for f in lowering.functions]  # noqa: E731
+    lowerings = [method.onnx_lowering(site, options, 20) for options in (plain, other)]
+    assert serialized(lowerings[0]) == serialized(lowerings[1])
+    assert lowerings[0].constants.keys() == lowerings[1].constants.keys()
+    for name, value in lowerings[0].constants.items():
+        np.testing.assert_array_equal(lowerings[1].constants[name], value)
+    q, k, v = qkv(30)
+    modules = [method.torch_module(site, options) for options in (plain, other)]
+    np.testing.assert_array_equal(*(run_pass_module(module, q, k, v, padded_keep(30)) for module in modules))
