@@ -32,7 +32,8 @@ Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and wri
   [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy.
 
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
-take ``window`` (exact softmax nearby, the kernel beyond: kernels.windowed_kernel_attention);
+take ``window`` (exact softmax over neighbouring blocks and sink keys, the kernel beyond, with
+``window_next`` and ``sinks``: kernels.windowed_kernel_attention);
 a method that cannot says why in ``NO_WINDOW``, which ``make_options`` reports.
 """
 

@@ -6,10 +6,11 @@ cumulative sum of per-chunk key-value states, so memory stays O(N*F + N/chunk * 
 of the O(N*F*Dv) of a per-position prefix sum.
 
 The window hybrid (``window=W`` of linear, favor, hedgehog) is here too, once per lowering:
-exact softmax over each query's block of W positions and the previous block, the kernel over
-the other keys, one shared normaliser (windowed_kernel_attention). Its blocks decide which keys
-are exact, so both lowerings lay them out alike; windowed_attention_weights writes the same
-thing as an N x N matrix, for fitting losses and tests.
+exact softmax over each query's block of W positions, the previous block, the next one
+(bidirectional, ``window_next``) and the first ``sinks`` positions, the kernel over the other
+keys, one shared normaliser (windowed_kernel_attention). Its blocks decide which keys are
+exact, so both lowerings lay them out alike; windowed_attention_weights writes the same thing
+as an N x N matrix, for fitting losses and tests.
 """
 
 from __future__ import annotations
