@@ -853,7 +853,7 @@ def test_report_records_rewritten_and_skipped_sites(tmp_path, capsys):
     stored = json.loads({p.key: p.value for p in onnx.load(out).metadata_props}[METADATA_KEY])
     assert written == stored  # the report is the record the model carries
     assert (written["method"], written["sites_found"], written["sites_rewritten"]) == ("linear", 3, 1)
-    assert written["options"] == {"chunk": 32, "window": 0, "seed": 0}
+    assert written["options"] == {"chunk": 32, "window": 0, "window_next": True, "sinks": 1, "seed": 0}
     sites = {s["name"]: s for s in written["sites"]}
     assert set(sites) == {"/layer0/Softmax", "/layer1/Softmax", "/layer2/Softmax"}
     assert sites["/layer0/Softmax"]["status"] == "rewritten"
