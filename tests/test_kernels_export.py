@@ -72,6 +72,8 @@ EXPORTS = [
     pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 5, {}, id="favor-causal-padding-5"),
     # the window hybrid (its block layout is _ChunkLayout's), in its most involved form
     pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 40, {"window": 8}, id="favor-causal-padding-window8-40"),
+    # bidirectional: the next block and sinks, more of them than the shortest lengths have keys
+    pytest.param(linear, MaskKind.KEY_PADDING, 40, {"window": 8, "sinks": 3}, id="linear-padding-window8-sinks3-40"),
 ]
 
 
