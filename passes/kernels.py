@@ -233,7 +233,8 @@ def windowed_attention_weights(
     block = (position + _ChunkLayout(n, window).pad) // window
     offset = block.unsqueeze(0) - block.unsqueeze(1)  # key's block - query's block
     following = window_next and not causal
-    exact = (offset >= -1) & (offset <= int(following)) | (position < sinks)
+    local = (offset >= -1) & (offset <= int(following))
+    exact = local | (position < sinks)  # the sinks: for every query
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if key_keep is not None:
         visible = visible & (key_keep.transpose(-2, -1) > 0)
@@ -780,40 +781,39 @@ def windowed_kernel_attention_functions(
         return op.Expand(op.Unsqueeze(rows, one), op.Concat(one, chunks, one, one, axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
-    def SinkOutsideWindow(n):
-        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys, and the
-        sinks' positions in the padded layout (sink s at s + pad)."""
+    def SinkPositions(n):
+        """[sinks]: the sinks' positions in the padded layout (sink s at s + pad)."""
         w = op.Constant(value_ints=[window])
         chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
-        at = op.Constant(value_ints=sink_positions) + (chunks * w - n)
+        return op.Constant(value_ints=sink_positions) + (chunks * w - n)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkMask(n):
+        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys, so block c's
+        queries take it as an extra exact key (kernels._sink_mask)."""
+        w = op.Constant(value_ints=[window])
+        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
         blocks = op.Range(op.Constant(value_int=0), op.Squeeze(chunks), op.Constant(value_int=1))
-        offset = op.Unsqueeze(op.Div(at, w), op.Constant(value_ints=[0])) - op.Unsqueeze(
+        offset = op.Unsqueeze(op.Div(SinkPositions(n), w), op.Constant(value_ints=[0])) - op.Unsqueeze(
             blocks, op.Constant(value_ints=[1])
         )
         outside = op.Or(
             op.Less(offset, op.Constant(value_int=-1)), op.Greater(offset, op.Constant(value_int=int(following)))
         )
-        return op.Unsqueeze(outside, op.Constant(value_ints=[1])), at
-
-    @script(ATTNREWRITE, default_opset=op)
-    def BidirectionalSinkMask(n):
-        """[chunks, 1, sinks]: which sinks block c's queries take (kernels._sink_mask)."""
-        outside, at = SinkOutsideWindow(n)
-        return outside
+        return op.Unsqueeze(outside, op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalSinkMask(n):
-        """[chunks, window, sinks]: as BidirectionalSinkMask, and never a sink after the query."""
-        outside, at = SinkOutsideWindow(n)
+        """[chunks, window, sinks]: as SinkMask, and never a sink after the query."""
         w = op.Constant(value_ints=[window])
         rows = op.Div(n + w + w - op.Constant(value_ints=[1]), w) * w
         query_at = op.Reshape(
             op.Range(op.Constant(value_int=0), op.Squeeze(rows), op.Constant(value_int=1)),
             op.Constant(value_ints=[-1, window, 1]),
         )
-        return op.And(outside, op.LessOrEqual(at, query_at))
+        return op.And(SinkMask(n), op.LessOrEqual(SinkPositions(n), query_at))
 
-    sink_mask = CausalSinkMask if causal else BidirectionalSinkMask
+    sink_mask = CausalSinkMask if causal else SinkMask
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalAndSinkKeys(k, v, keep):
@@ -955,7 +955,10 @@ def windowed_kernel_attention_functions(
         common.append(CausalKeptLocalKeys)
     common.append(LocalKeys)
     if sinks:
-        common += [SinkRows, SinkOutsideWindow, sink_mask, LocalAndSinkKeys]
+        common += [SinkRows, SinkPositions, SinkMask]
+        if causal:
+            common.append(CausalSinkMask)
+        common.append(LocalAndSinkKeys)
     common += [WithoutSinks, LocalSoftmaxSums, EarlierBlocksSum]
     if not causal:
         common.append(FarBlocksSum)

@@ -264,6 +264,23 @@ def test_onnx_equals_torch(method, mask, exact_keys):
 
 
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
+def test_fewer_positions_than_sinks(method, mask):
+    """N = 1, 2 with sinks=3 (the sink rows beyond N are zero keys, masked): exact softmax in
+    both lowerings."""
+    site = make_site(mask)
+    options = method.Options(window=4, sinks=3)
+    module = fitted_module(method, site, options)
+    session = lowering_session(method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4)
+    for n in (1, 2):
+        q, k, v = qkv(n, seed=n)
+        keep = np.ones((B, 1, n, 1), np.float32)
+        expected = exact(q, k, v, keep, mask.causal)
+        assert relative_error(run_pass_module(module, q, k, v, keep), expected) < 1e-5, n
+        assert relative_error(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-5, n
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 def test_onnx_equals_torch_with_heads_folded_into_the_batch(method):
     """[batch * heads, N, d] with heads unknown: one linear_log_weight shared by every head."""
     site = make_site(MaskKind.CAUSAL, rank=3)
