@@ -123,7 +123,8 @@ def windowed_kernel_attention(
       c-1 and the causal part of c; a causal site never sees later keys, whatever window_next);
     - the sinks: sequence positions 0..sinks-1, for every query (attention sinks such as
       [CLS]), unless the sink is already a local key of the block (no key counts twice) or,
-      causal, comes after the query.
+      causal, comes after the query. Positions, not the first kept keys: under left padding
+      the sinks are padding, masked like any padded key.
     The kernel covers every other key: blocks <= c-2 and >= c+2 (>= c+1 without window_next;
     causal: <= c-2), never a sink. Row i is
         (sum_exact e^(s_ij - m_i) v_j + w_h sum_far phi_i.phi_j v_j) / (the same without v_j)
@@ -158,8 +159,9 @@ def windowed_kernel_attention(
     pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
     pk4 = layout.blocks(torch.where(sink, 0.0, phi_k))
     if key_log_scale is not None and causal:
+        far_key_log_scale = torch.where(sink, LOWEST_LOG_SCALE, key_log_scale.float())
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
-            pk4, layout.blocks(torch.where(sink, LOWEST_LOG_SCALE, key_log_scale.float()), LOWEST_LOG_SCALE)[..., 0], v4
+            pk4, layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
         )
     else:
         far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, causal, following)
@@ -180,9 +182,9 @@ def windowed_kernel_attention(
 
 def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
     """Attention with the feature maps phi_q, phi_k of a module that has ``causal``, ``chunk``,
-    ``window``, ``window_next``, ``sinks``, ``scale`` and ``linear_log_weight`` (linear, hedgehog): the window hybrid when
-    it has a window, else the plain or causal chunked kernel. Padded keys leave numerator and
-    denominator (their phi_k rows are zeroed here)."""
+    ``window``, ``window_next``, ``sinks``, ``scale`` and ``linear_log_weight`` (linear,
+    hedgehog): the window hybrid when it has a window, else the plain or causal chunked kernel.
+    Padded keys leave numerator and denominator (their phi_k rows are zeroed here)."""
     if key_keep is not None:
         phi_k = phi_k * key_keep
     if module.window:
