@@ -23,23 +23,34 @@ Masks. Padded keys are sorted after every bucket (they use no chunk space) and m
 a key is visible only at a position <= the query's, by original positions; every query also
 sees the key at its own position (a separate slot, taken out of the chunk window so it is
 counted once), so no causal row is empty and the first position is exact. A query that sees
-no kept key in any round outputs 0. Memory is O(n_hashes * N * chunk) per head.
+no kept key in any round outputs 0. Memory is O(n_hashes * N * chunk) per head in torch; the
+ONNX body runs the rounds one after another, O(N * chunk) per head (see the ONNX section).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 
 import numpy as np
 import onnx
+from onnx import helper
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
 from passes import kernels
 from passes._options import option
-from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from passes._onnx import (
+    ATTNREWRITE,
+    DOMAIN,
+    DOMAIN_VERSION,
+    FLOAT,
+    MIN_OPSET,
+    OnnxLowering,
+    standard_opset,
+)
 from passes._torch import Module, torch
 
 NAME = "lsh"
@@ -283,29 +294,38 @@ def nothing_to_fit(options: Options) -> str | None:
 
 
 # --- ONNX ------------------------------------------------------------------------------------
-# The numbers (scale, chunk, the rotations) are inputs, so one body serves every site; causal
-# is a separate entry function. Items are kept rank 4, [G, H, M, F] (F = 1 for positions).
+# The numbers (scale, 2 * chunk, the rotations) are inputs, so one body serves every site; causal
+# is a separate entry function. Items are kept rank 4, [G, H, M, F] (F = 1 for positions), one
+# round (H = 1) at a time from the sort on.
+#
+# Written for onnxruntime's CUDA provider as well as its CPU one (issue 12's profile):
+# - no op without a CUDA kernel for its type: buckets by TopK(k = 1), not ArgMax (CUDA has it
+#   for old opsets only); chunks padded by Concat with an Expand block, not Pad (no int64 CUDA
+#   kernel, and the positions are int64);
+# - positions and ranks come from CumSum over data-shaped ones and gathers use GatherND's
+#   batch_dims, not Range over shape scalars, which onnxruntime keeps with the shape
+#   arithmetic on the CPU (a copy to the device per use); the sort's stride comes from the
+#   positions' maximum for the same reason; and the
+#   chunk length arrives as the initializer ``items`` (2 * chunk), not computed from ``chunk``,
+#   so the chunk counts stay CPU shape arithmetic instead of a device tensor copied back;
+# - rounds are unrolled at rewrite time (n_hashes is a Python number), so no intermediate holds
+#   more than one round's window logits [G, 1, C, 2 * chunk, 4 * chunk]: at [1, 12, 131072, 64]
+#   that is 8e8 elements where all 4 rounds together were 3.2e9, past cuDNN's int32 sizes;
+# - hidden keys are masked by an additive bias built at the window's size (see
+#   AttendInChunks), not a Where over the full logits and a mask product over the weights.
 
+_ONE_INT64 = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64))
 _ZERO_INT64 = onnx.numpy_helper.from_array(np.array([0], dtype=np.int64))
-_FALSE = onnx.numpy_helper.from_array(np.array(False))
 
 
 def _gather_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def GatherItems(table, index):
         """table [B, M, F], index [B, ..., L] (into M) -> [B, ..., L, F]."""
-        b = op.Shape(table, start=0, end=1)
-        m = op.Shape(table, start=1, end=2)
         minus_one = op.Constant(value_ints=[-1])
-        base = op.Unsqueeze(
-            op.Range(op.Constant(value_int=0), op.Squeeze(b * m), op.Squeeze(m)), minus_one
-        )
-        flat_index = op.Reshape(index, op.Concat(b, minus_one, axis=0)) + base  # rows of [B * M, F]
-        rows = op.Gather(
-            op.Reshape(table, op.Concat(minus_one, op.Shape(table, start=2), axis=0)),
-            flat_index,
-            axis=0,
-        )
+        per_batch = op.Concat(op.Shape(table, start=0, end=1), minus_one, axis=0)
+        flat_index = op.Unsqueeze(op.Reshape(index, per_batch), minus_one)  # [B, K, 1]
+        rows = op.GatherND(table, flat_index, batch_dims=1)
         return op.Reshape(rows, op.Concat(op.Shape(index), op.Shape(table, start=2), axis=0))
 
     return GatherItems
@@ -329,33 +349,37 @@ def _hash_function(op, n_buckets: int):
 
     @script(ATTNREWRITE, default_opset=op)
     def AngularBuckets(x, rotations):
-        """[G, N, D] -> argmax([xR, -xR]) [G, H, N] int64, one R [D, B/2] per round."""
+        """[G, N, D] -> argmax([xR, -xR]) [G, H, N] int64, one R [D, B/2] per round. TopK
+        keeps the lower index of a tie, as argmax does."""
         rotated = op.MatMul(op.Unsqueeze(x, op.Constant(value_ints=[1])), rotations)
-        return op.ArgMax(op.Concat(rotated, op.Neg(rotated), axis=-1), axis=-1, keepdims=0)
+        both = op.Concat(rotated, op.Neg(rotated), axis=-1)
+        _, top = op.TopK(both, op.Constant(value_ints=[1]), axis=-1, largest=1, sorted=1)
+        return op.Squeeze(top, op.Constant(value_ints=[-1]))
 
     return AngularBuckets
 
 
-def _item_functions(op):
+def _item_functions(op, n_buckets: int):
     @script(ATTNREWRITE, default_opset=op)
-    def SortOrder(q_buckets, k_buckets, keep, padded_bucket):
-        """[G, H, Nq], [G, H, Nk] buckets, keep [G, Nk, 1] -> permutation [G, H, Nq + Nk] by
-        (bucket, position, query first); padded keys go after every bucket."""
-        nq = op.Shape(q_buckets, start=2, end=3)
-        nk = op.Shape(k_buckets, start=2, end=3)
-        zero, one, two = (
-            op.Constant(value_int=0),
-            op.Constant(value_int=1),
-            op.Constant(value_int=2),
+    def Positions(x, axis):
+        """0, 1, 2, ... along axis of an int64 tensor shaped as x: a CumSum on the device."""
+        return op.CumSum(op.ConstantOfShape(op.Shape(x), value=_ONE_INT64), axis) - op.Constant(
+            value_int=1
         )
-        kept = op.Unsqueeze(
-            op.Squeeze(keep, op.Constant(value_ints=[2])), op.Constant(value_ints=[1])
-        )
-        k_buckets = op.Where(kept > op.Constant(value_float=0.0), k_buckets, padded_bucket)
-        stride = op.Max(nq, nk) * two
-        q_key = q_buckets * stride + op.Range(zero, op.Squeeze(nq), one) * two
-        k_key = k_buckets * stride + op.Range(zero, op.Squeeze(nk), one) * two + one
-        _, order = op.TopK(op.Concat(q_key, k_key, axis=2), nq + nk, axis=-1, largest=0, sorted=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SortOrder(q_buckets, k_buckets, q_pos, k_pos, keep):
+        """[G, H, Nq], [G, H, Nk] buckets, positions [G, 1, N], keep [G, Nk, 1] -> permutation
+        [G, H, Nq + Nk] by (bucket, position, query first); padded keys go after every bucket."""
+        two = op.Constant(value_int=2)
+        kept = op.Transpose(keep, perm=[0, 2, 1]) > op.Constant(value_float=0.0)
+        k_buckets = op.Where(kept, k_buckets, op.Constant(value_int=n_buckets))
+        # Keys 2 * position (+ 1 for keys) are below stride; from the positions' data, not shapes.
+        stride = two * op.Max(op.ReduceMax(q_pos), op.ReduceMax(k_pos)) + two
+        q_key = q_buckets * stride + q_pos * two
+        k_key = k_buckets * stride + k_pos * two + op.Constant(value_int=1)
+        m = op.Shape(q_buckets, start=2, end=3) + op.Shape(k_buckets, start=2, end=3)
+        _, order = op.TopK(op.Concat(q_key, k_key, axis=2), m, axis=-1, largest=0, sorted=1)
         return order
 
     @script(ATTNREWRITE, default_opset=op)
@@ -363,29 +387,25 @@ def _item_functions(op):
         """[G, H, M, F] -> [G, H, C, items, F], padded at the end with fill."""
         m = op.Shape(x, start=2, end=3)
         chunks = op.Div(m + items - op.Constant(value_ints=[1]), items)
-        zero = op.Constant(value_ints=[0])
-        pads = op.Concat(zero, zero, zero, zero, zero, zero, chunks * items - m, zero, axis=0)
-        padded = op.Pad(x, pads, op.CastLike(fill, x))
+        lead, features = op.Shape(x, start=0, end=2), op.Shape(x, start=3)
+        pad = op.Expand(op.CastLike(fill, x), op.Concat(lead, chunks * items - m, features, axis=0))
         return op.Reshape(
-            padded,
-            op.Concat(op.Shape(x, start=0, end=2), chunks, items, op.Shape(x, start=3), axis=0),
+            op.Concat(x, pad, axis=2), op.Concat(lead, chunks, items, features, axis=0)
         )
 
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousChunk(x, fill):
         """[G, H, C, L, F] -> [G, H, C, 2L, F]: each chunk preceded by the one before it (the
         first by a chunk of fill)."""
-        shift = op.Constant(value_ints=[0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
-        previous = op.Pad(x, shift, op.CastLike(fill, x))
-        previous = op.Slice(
-            previous,
-            op.Constant(value_ints=[0]),
-            op.Shape(x, start=2, end=3),
-            op.Constant(value_ints=[2]),
+        axis2 = op.Constant(value_ints=[2])
+        one_chunk = op.Concat(
+            op.Shape(x, start=0, end=2), op.Constant(value_ints=[1]), op.Shape(x, start=3), axis=0
         )
-        return op.Concat(previous, x, axis=3)
+        first = op.Expand(op.CastLike(fill, x), one_chunk)
+        earlier = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), axis2)
+        return op.Concat(op.Concat(first, earlier, axis=2), x, axis=3)
 
-    return SortOrder, InChunks, WithPreviousChunk
+    return Positions, SortOrder, InChunks, WithPreviousChunk
 
 
 def onnx_lowering(
@@ -402,180 +422,199 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
     key_keep_3d = kernels.key_keep_function(opset_version)
     gather_items = _gather_function(op)
     hash_buckets = _hash_function(op, options.n_buckets)
-    sort_items, in_chunks, with_previous = items_fns = _item_functions(op)
+    positions, sort_items, in_chunks, with_previous = items_fns = _item_functions(
+        op, options.n_buckets
+    )
 
     @script(ATTNREWRITE, default_opset=op)
     def RoundsTogether(query_chunk, key_chunk, rows_pos, cols_pos):
-        """How many rounds put each (row query, column key) pair in one window: query_chunk
-        [G, Nq, H], key_chunk [G, Nk, H] (each position's chunk per round), rows_pos
-        [G, H, C, L, 1], cols_pos [G, H, C, 2L, 1] (-1: none) -> ([G, H, C, L, 2L] float, and
-        for the own-position key, which every round shows: H)."""
+        """-log(rounds that put each (row query, column key) pair in one window), so a key
+        seen in several rounds counts once overall: query_chunk [G, Nq, H], key_chunk
+        [G, Nk, H] (each position's chunk per round), rows_pos [G, 1, C, L, 1], cols_pos
+        [G, 1, C, 1, 2L] (-1: none) -> ([G, 1, C, L, 2L], and for the own-position key, which
+        every round shows, -log(H))."""
         zero = op.Constant(value_int=0)
         per_batch = op.Concat(
             op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[-1]), axis=0
         )
         rows = op.Reshape(op.Max(rows_pos, zero), per_batch)
         cols = op.Reshape(op.Max(cols_pos, zero), per_batch)
-        col_shape = op.Concat(
-            op.Shape(cols_pos, start=0, end=3),
-            op.Constant(value_ints=[1]),
-            op.Shape(cols_pos, start=3, end=4),
-            axis=0,
-        )
         rounds = op.Shape(query_chunk, start=2, end=3)
         count = op.ConstantOfShape(
             op.Concat(
-                op.Shape(rows_pos, start=0, end=4), op.Shape(cols_pos, start=3, end=4), axis=0
+                op.Shape(rows_pos, start=0, end=4), op.Shape(cols_pos, start=4, end=5), axis=0
             )
         )
         for r in range(op.Squeeze(rounds)):  # one round at a time: memory of one count
             row_chunk = op.GatherElements(op.Gather(query_chunk, r, axis=2), rows, axis=1)
             row_chunk = op.Reshape(row_chunk, op.Shape(rows_pos))
             col_chunk = op.GatherElements(op.Gather(key_chunk, r, axis=2), cols, axis=1)
-            col_chunk = op.Reshape(col_chunk, col_shape)
+            col_chunk = op.Reshape(col_chunk, op.Shape(cols_pos))
             previous = op.Equal(col_chunk, row_chunk - op.Constant(value_int=1))
             count = count + op.Cast(op.Or(op.Equal(col_chunk, row_chunk), previous), to=FLOAT)
-        return count, op.Cast(rounds, to=FLOAT)
+        one = op.Constant(value_float=1.0)
+        return op.Neg(op.Log(op.Max(count, one))), op.Neg(op.Log(op.Cast(rounds, to=FLOAT)))
 
     @script(ATTNREWRITE, default_opset=op)
     def EachRoundApart(query_chunk, key_chunk, rows_pos, cols_pos):
-        """No dedup: every round counts its keys, so each pair's and own key's count is 1."""
-        return op.Constant(value_float=1.0), op.Constant(value_float=1.0)
+        """No dedup: every round counts its keys, so no logit loses anything."""
+        return op.Constant(value_float=0.0), op.Constant(value_float=0.0)
 
     count_rounds = RoundsTogether if options.dedup else EachRoundApart
 
     @script(ATTNREWRITE, default_opset=op)
-    def SortedChunks(q3, k3, v3, keep, rotations, chunk):
-        """Sort, chunk and window the items of every round; see the module docstring."""
-        g = op.Shape(q3, start=0, end=1)
+    def Items(q, k, v, key_keep, scale, rotations, items):
+        """Every round's sort of the items, and the per-item tables a round gathers from:
+        vectors (q for queries, k for keys), values (0 for queries), query and key positions
+        [G, M, 1] (-1: not a query / not a visible key); and what the own-position slot reads."""
+        q3, k3, v3, keep = flatten(q) * scale, flatten(k), flatten(v), key_keep_3d(key_keep, k)
         nq = op.Shape(q3, start=1, end=2)
-        nk = op.Shape(k3, start=1, end=2)
-        zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+        axis1, one = op.Constant(value_ints=[1]), op.Constant(value_int=1)
         none = op.Constant(value_int=-1)
-        items = chunk * op.Constant(value_ints=[2])
-        padded_bucket = op.Shape(rotations, start=2, end=3) * op.Constant(value_ints=[2])
+        first = op.Slice(q3, op.Constant(value_ints=[0]), axis1, op.Constant(value_ints=[2]))
+        q_pos = positions(first, one)  # [G, Nq, 1]
+        k_pos = positions(keep, one)  # [G, Nk, 1]
         order = sort_items(
-            hash_buckets(q3, rotations), hash_buckets(k3, rotations), keep, padded_bucket
+            hash_buckets(q3, rotations),
+            hash_buckets(k3, rotations),
+            op.Transpose(q_pos, perm=[0, 2, 1]),
+            op.Transpose(k_pos, perm=[0, 2, 1]),
+            keep,
         )
-        m = nq + nk
-        ranks = op.Expand(op.Range(zero, op.Squeeze(m), one), op.Shape(order))
-        inverse = op.ScatterElements(
-            op.ConstantOfShape(op.Shape(order), value=_ZERO_INT64), order, ranks, axis=2
-        )
-        chunk_of = op.Transpose(inverse / items, perm=[0, 2, 1])  # [G, M, H]
+        # Each item's rank per round; order is a permutation, so every slot of its copy is written.
+        ranks = positions(order, op.Constant(value_int=2))
+        inverse = op.ScatterElements(order, order, ranks, axis=2)
+        chunk_of = op.Transpose(inverse / items, perm=[0, 2, 1])
+
+        vectors = op.Concat(q3, k3, axis=1)
+        no_values = op.Concat(op.Shape(q3, end=2), op.Shape(v3, start=2), axis=0)
+        values = op.Concat(op.Expand(op.Constant(value_float=0.0), no_values), v3, axis=1)
+        kept_pos = op.Where(keep > op.Constant(value_float=0.0), k_pos, none)
+        query_pos = op.Concat(q_pos, op.Expand(none, op.Shape(k_pos)), axis=1)
+        key_pos = op.Concat(op.Expand(none, op.Shape(q_pos)), kept_pos, axis=1)
+        return order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, k3, v3, keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SortedChunks(order, chunk_of, vectors, values, query_pos, key_pos, nq, items):
+        """One round's items (order [G, 1, M]) sorted, chunked and windowed; see the module
+        docstring."""
         axis1 = op.Constant(value_ints=[1])
         query_chunk = op.Slice(chunk_of, op.Constant(value_ints=[0]), nq, axis1)
-        key_chunk = op.Slice(chunk_of, nq, m, axis1)
-
-        # Per item: vector (q for queries, k for keys), value, key position (-1: not a visible
-        # key) and query position (-1: not a query); the last two as [G, M, 1].
-        vectors = op.Concat(q3, k3, axis=1)
-        no_values = op.ConstantOfShape(op.Concat(g, nq, op.Shape(v3, start=2), axis=0))
-        values = op.Concat(no_values, v3, axis=1)
-        kept = op.Squeeze(keep, op.Constant(value_ints=[2])) > op.Constant(value_float=0.0)
-        key_pos = op.Where(kept, op.Range(zero, op.Squeeze(nk), one), none)
-        key_pos = op.Concat(op.Expand(none, op.Concat(g, nq, axis=0)), key_pos, axis=1)
-        query_pos = op.Concat(op.Range(zero, op.Squeeze(nq), one), op.Expand(none, nk), axis=0)
-        query_pos = op.Expand(query_pos, op.Concat(g, m, axis=0))
-        last = op.Constant(value_ints=[-1])
-        no_float, no_pos = op.Constant(value_float=0.0), op.Constant(value_float=-1.0)
-
+        key_chunk = op.Slice(chunk_of, nq, op.Shape(chunk_of, start=1, end=2), axis1)
+        no_float, no_pos = op.Constant(value_float=0.0), op.Constant(value_int=-1)
         rows_x = in_chunks(gather_items(vectors, order), items, no_float)
-        rows_pos = in_chunks(gather_items(op.Unsqueeze(query_pos, last), order), items, no_pos)
+        rows_pos = in_chunks(gather_items(query_pos, order), items, no_pos)
         cols_x = with_previous(rows_x, no_float)  # keys are read from the same item vectors
         cols_v = with_previous(in_chunks(gather_items(values, order), items, no_float), no_float)
-        cols_pos = with_previous(
-            in_chunks(gather_items(op.Unsqueeze(key_pos, last), order), items, no_pos), no_pos
-        )
-        seen, own_seen = count_rounds(query_chunk, key_chunk, rows_pos, cols_pos)
-        return inverse, rows_x, rows_pos, cols_x, cols_v, cols_pos, seen, own_seen
+        cols_pos = with_previous(in_chunks(gather_items(key_pos, order), items, no_pos), no_pos)
+        cols_pos = op.Transpose(cols_pos, perm=[0, 1, 2, 4, 3])  # [G, 1, C, 1, 2L]
+        seen_bias, own_seen_bias = count_rounds(query_chunk, key_chunk, rows_pos, cols_pos)
+        return rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias
 
     @script(ATTNREWRITE, default_opset=op)
-    def CombineRounds(out, lse, inverse, q, v):
-        """Sorted rows [G, H, C, L, Dv] and their log-sum-exp [G, H, C, L, 1] -> q's layout."""
-        gh = op.Shape(inverse, start=0, end=2)
-        nq = op.Shape(q, start=-2, end=-1)
-        dv = op.Shape(v, start=-1)
-        one, minus_one = op.Constant(value_ints=[1]), op.Constant(value_ints=[-1])
-        rows = op.ReduceProd(gh, keepdims=1)
-        index = op.Reshape(
-            op.Slice(inverse, op.Constant(value_ints=[0]), nq, op.Constant(value_ints=[2])),
-            op.Concat(rows, one, nq, axis=0),
-        )
-        out = gather_items(op.Reshape(out, op.Concat(rows, minus_one, dv, axis=0)), index)
-        lse = gather_items(op.Reshape(lse, op.Concat(rows, minus_one, one, axis=0)), index)
-        out = op.Reshape(out, op.Concat(gh, nq, dv, axis=0))
-        lse = op.Reshape(lse, op.Concat(gh, nq, one, axis=0))
-        combined = op.ReduceSum(op.Softmax(lse, axis=1) * out, one, keepdims=0)
-        return op.CastLike(op.Reshape(combined, op.Concat(op.Shape(q, end=-1), dv, axis=0)), v)
+    def AttendInChunks(rows_x, cols_x, cols_v, bias, own_logit, own_v):
+        """Each row's softmax over its window [G, 1, C, L, 2L] plus its own-position slot
+        [G, 1, C, L, 1] -> (out [G, 1, C, L, Dv], log-sum-exp [G, 1, C, L, 1]).
 
-    @script(ATTNREWRITE, default_opset=op)
-    def AttendInChunks(rows_x, cols_x, cols_v, visible, seen, own_logit, own_v, own_visible):
-        """Each row's softmax over its window [G, H, C, L, 2L] plus its own-position slot
-        [G, H, C, L, 1] -> (out [G, H, C, L, Dv], log-sum-exp [G, H, C, L, 1])."""
-        masked = op.Constant(value_float=MASKED_LOGIT)
+        bias is 0 for a visible key and MASKED_LOGIT for a hidden one, added to the logits
+        instead of a Where over them: one broadcast Add, and the weights need no mask product
+        afterwards, since a hidden logit sits ~1e30 below row_max, floored at MASKED_LOGIT / 2
+        for a row that sees nothing, and its exp is exactly 0."""
         last = op.Constant(value_ints=[-1])
-        # dedup: a key seen in several rounds counts once overall, each round's logit loses
-        # log(rounds); without, seen is 1.
-        logits = op.MatMul(rows_x, op.Transpose(cols_x, perm=[0, 1, 2, 4, 3]))
-        logits = op.Where(
-            visible, logits - op.Log(op.Max(seen, op.Constant(value_float=1.0))), masked
-        )
-        own_logit = op.Where(own_visible, own_logit, masked)
-        row_max = op.Max(op.ReduceMax(logits, last, keepdims=1), own_logit)
-        weights = op.Exp(logits - row_max) * op.Cast(visible, to=FLOAT)
-        own_weight = op.Exp(own_logit - row_max) * op.Cast(own_visible, to=FLOAT)
+        logits = op.MatMul(rows_x, op.Transpose(cols_x, perm=[0, 1, 2, 4, 3])) + bias
+        floor = op.Constant(value_float=MASKED_LOGIT / 2)
+        row_max = op.Max(op.ReduceMax(logits, last, keepdims=1), own_logit, floor)
+        weights = op.Exp(logits - row_max)
+        own_weight = op.Exp(own_logit - row_max)
         total = op.ReduceSum(weights, last, keepdims=1) + own_weight
         out = (op.MatMul(weights, cols_v) + own_weight * own_v) / op.Max(
             total, op.Constant(value_float=TINY)
         )
+        masked = op.Constant(value_float=MASKED_LOGIT)
         lse = op.Where(total > op.Constant(value_float=0.0), row_max + op.Log(total), masked)
         return out, lse
 
     @script(ATTNREWRITE, default_opset=op)
-    def LSHAttention(q, k, v, key_keep, scale, rotations, chunk):
-        inverse, rows_x, rows_pos, cols_x, cols_v, cols_pos, seen, own_seen = SortedChunks(
-            flatten(q) * scale, flatten(k), flatten(v), key_keep_3d(key_keep, k), rotations, chunk
+    def InQueryOrder(x, inverse, nq):
+        """A round's sorted rows [G, 1, C, L, F] -> [G, 1, Nq, F], by inverse [G, 1, M]."""
+        index = op.Slice(inverse, op.Constant(value_ints=[0]), nq, op.Constant(value_ints=[2]))
+        rows = op.Concat(
+            op.Shape(x, start=0, end=1), op.Constant(value_ints=[-1]), op.Shape(x, start=-1), axis=0
         )
-        visible = op.Transpose(cols_pos, perm=[0, 1, 2, 4, 3]) >= op.Constant(value_int=0)
-        nothing = op.Constant(value_float=0.0)  # no own-position slot
-        out, lse = AttendInChunks(
-            rows_x, cols_x, cols_v, visible, seen, nothing, nothing, op.Constant(value=_FALSE)
-        )
-        return CombineRounds(out, lse, inverse, q, v)
+        return gather_items(op.Reshape(x, rows), index)
 
     @script(ATTNREWRITE, default_opset=op)
-    def CausalLSHAttention(q, k, v, key_keep, scale, rotations, chunk):
-        k3 = flatten(k)
-        v3 = flatten(v)
-        keep = key_keep_3d(key_keep, k)
-        inverse, rows_x, rows_pos, cols_x, cols_v, cols_pos, seen, own_seen = SortedChunks(
-            flatten(q) * scale, k3, v3, keep, rotations, chunk
+    def Round(
+        round_index, order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, items
+    ):
+        """One hash round, no own-position slot -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
+        order = op.Gather(order, round_index, axis=1)
+        inverse = op.Gather(inverse, round_index, axis=1)
+        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = SortedChunks(
+            order, chunk_of, vectors, values, query_pos, key_pos, nq, items
+        )
+        masked = op.Constant(value_float=MASKED_LOGIT)
+        # [G, 1, C, 1, 2L]: built at 1 / (2 * chunk) of the logits' size (dedup: full size).
+        bias = op.Where(cols_pos >= op.Constant(value_int=0), seen_bias, masked)
+        nothing = op.Constant(value_float=0.0)
+        out, lse = AttendInChunks(rows_x, cols_x, cols_v, bias, masked, nothing)
+        return InQueryOrder(out, inverse, nq), InQueryOrder(lse, inverse, nq)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalRound(
+        round_index,
+        order,
+        inverse,
+        chunk_of,
+        vectors,
+        values,
+        query_pos,
+        key_pos,
+        nq,
+        items,
+        k3,
+        v3,
+        keep,
+    ):
+        """One hash round: keys at earlier positions in the window, plus the key at the row's
+        own position, which every round shows -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
+        order = op.Gather(order, round_index, axis=1)
+        inverse = op.Gather(inverse, round_index, axis=1)
+        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = SortedChunks(
+            order, chunk_of, vectors, values, query_pos, key_pos, nq, items
         )
         zero = op.Constant(value_int=0)
-        cols_pos = op.Transpose(cols_pos, perm=[0, 1, 2, 4, 3])
-        visible = op.And(cols_pos >= zero, cols_pos < rows_pos)  # earlier positions; own: below
+        masked = op.Constant(value_float=MASKED_LOGIT)
+        # Causal visibility is per (row, column) pair, so this bias has one round's logits' size;
+        # the kept-key part is selected at the window's size first (as Round's bias).
+        key_bias = op.Where(cols_pos >= zero, seen_bias, masked)
+        bias = op.Where(cols_pos < rows_pos, key_bias, masked)
 
-        # The key at the row's own position, which every round shows.
         last = op.Constant(value_ints=[-1])
-        own = op.Reshape(
-            op.Max(rows_pos, zero),
-            op.Concat(
-                op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[1]), last, axis=0
-            ),
+        per_batch = op.Concat(
+            op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[1]), last, axis=0
         )
+        own = op.Reshape(op.Max(rows_pos, zero), per_batch)
         row_shape = op.Concat(op.Shape(rows_pos, start=0, end=4), last, axis=0)
         own_k = op.Reshape(gather_items(k3, own), row_shape)
         own_v = op.Reshape(gather_items(v3, own), row_shape)
         own_keep = op.Reshape(gather_items(keep, own), row_shape)
         own_visible = op.And(rows_pos >= zero, own_keep > op.Constant(value_float=0.0))
-        own_logit = op.ReduceSum(rows_x * own_k, last, keepdims=1) - op.Log(own_seen)
-        out, lse = AttendInChunks(
-            rows_x, cols_x, cols_v, visible, seen, own_logit, own_v, own_visible
-        )
-        return CombineRounds(out, lse, inverse, q, v)
+        own_logit = op.ReduceSum(rows_x * own_k, last, keepdims=1) + own_seen_bias
+        own_logit = op.Where(own_visible, own_logit, masked)
+        out, lse = AttendInChunks(rows_x, cols_x, cols_v, bias, own_logit, own_v)
+        return InQueryOrder(out, inverse, nq), InQueryOrder(lse, inverse, nq)
 
-    entry = CausalLSHAttention if site.mask.causal else LSHAttention
+    @script(ATTNREWRITE, default_opset=op)
+    def CombineRounds(out, lse, q, v):
+        """Every round's out [G, H, Nq, Dv] weighted by the softmax of its log-sum-exp
+        [G, H, Nq, 1] over rounds -> q's layout."""
+        rounds = op.Constant(value_ints=[1])
+        combined = op.ReduceSum(op.Softmax(lse, axis=1) * out, rounds, keepdims=0)
+        shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+        return op.CastLike(op.Reshape(combined, shape), v)
+
+    one_round = CausalRound if site.mask.causal else Round
     functions = [
         f.to_function_proto()
         for f in (
@@ -585,15 +624,59 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
             hash_buckets,
             *items_fns,
             count_rounds,
+            Items,
             SortedChunks,
             AttendInChunks,
+            InQueryOrder,
+            one_round,
             CombineRounds,
-            entry,
         )
     ]
+    entry = _unrolled_entry(
+        "CausalLSHAttention" if site.mask.causal else "LSHAttention",
+        (Items.name, one_round.name, CombineRounds.name),
+        options.n_hashes,
+        site.mask.causal,
+        opset_version,
+    )
     constants = {
         "scale": np.array(site.scale, dtype=np.float32),
         "rotations": rotations(options, site.head_dim),
-        "chunk": np.array([options.chunk], dtype=np.int64),
+        "items": np.array([2 * options.chunk], dtype=np.int64),
     }
-    return OnnxLowering(functions, constants)
+    return OnnxLowering([*functions, entry], constants)
+
+
+def _unrolled_entry(name: str, calls, n_hashes: int, causal: bool, opset_version: int):
+    """Entry(q, k, v, key_keep, scale, rotations, items), calling (items, one round, combine):
+    the items sorted for every round at once (small: [G, hashes, 2N] int64), then one call per
+    round, each holding only its own window logits, and the rounds combined by their
+    log-sum-exp. Written out here because a script function cannot unroll a Python loop."""
+    items_fn, round_fn, combine_fn = calls
+    call = functools.partial(helper.make_node, domain=DOMAIN)
+    inputs = ["q", "k", "v", "key_keep", "scale", "rotations", "items"]
+    tables = ["order", "inverse", "chunk_of", "vectors", "values", "query_pos", "key_pos", "nq"]
+    own_slot = ["k3", "v3", "keep"]
+    nodes = [call(items_fn, inputs, [*tables, *own_slot])]
+    for r in range(n_hashes):
+        round_inputs = [f"round{r}", *tables, "items", *(own_slot if causal else [])]
+        nodes += [
+            helper.make_node("Constant", [], [f"round{r}"], value_ints=[r]),
+            call(round_fn, round_inputs, [f"out{r}", f"lse{r}"]),
+        ]
+    nodes += [
+        helper.make_node("Concat", [f"out{r}" for r in range(n_hashes)], ["out"], axis=1),
+        helper.make_node("Concat", [f"lse{r}" for r in range(n_hashes)], ["lse"], axis=1),
+        call(combine_fn, ["out", "lse", "q", "v"], ["result"]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        name,
+        inputs,
+        ["result"],
+        nodes,
+        [
+            helper.make_opsetid("", max(opset_version, MIN_OPSET)),
+            helper.make_opsetid(DOMAIN, DOMAIN_VERSION),
+        ],
+    )

@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import onnx
+import onnx.inliner
 import onnxruntime as ort
 import pytest
 import torch
@@ -227,6 +228,78 @@ def test_row_without_a_visible_key_is_zero_not_nan():
     q, k, v, keep = inputs(12)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.zeros_like(keep)))[0]
     assert np.array_equal(out, np.zeros_like(out))
+
+
+LONG_MASKS = [MaskKind.NONE, MaskKind.CAUSAL_KEY_PADDING]
+
+
+def lowered_model(s: AttentionSite, options: lsh.Options, shape) -> onnx.ModelProto:
+    """The lowering as one model with its functions inlined, every intermediate a graph output,
+    q, k, v of a fixed shape [B, H, N, D] (D = the site's head dim, here also v's)."""
+    lowering = lsh.onnx_lowering(s, options, 20)
+    helper = onnx.helper
+    inputs = ["q", "k", "v", "key_keep", *lowering.constants]
+    node = helper.make_node(lowering.op_type, inputs, ["out"], domain="attnrewrite")
+    b, _, n, _ = shape
+    graph = helper.make_graph(
+        [node],
+        "lsh",
+        [
+            *(helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, shape) for x in "qkv"),
+            helper.make_tensor_value_info("key_keep", onnx.TensorProto.FLOAT, [b, 1, n, 1]),
+        ],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(a, name) for name, a in lowering.constants.items()],
+    )
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)]
+    model = onnx.inliner.inline_local_functions(
+        helper.make_model(graph, functions=lowering.functions, ir_version=10, opset_imports=opsets)
+    )
+    produced = [x for node in model.graph.node for x in node.output if x and x != "out"]
+    model.graph.output.extend(helper.make_empty_tensor_value_info(x) for x in produced)
+    return model
+
+
+def intermediate_sizes(model: onnx.ModelProto, n: int, shape) -> dict[str, int]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    b, h, _, d = shape
+    x = np.random.default_rng(0).standard_normal((b, h, n, d)).astype(np.float32)
+    keep = np.ones((b, 1, n, 1), np.float32)
+    outputs = session.run(None, dict(q=x, k=x, v=x, key_keep=keep))
+    return {o.name: a.size for o, a in zip(session.get_outputs(), outputs)}
+
+
+@pytest.mark.parametrize("mask", LONG_MASKS, ids=lambda m: m.value)
+def test_body_has_cuda_kernels_and_no_tensor_past_int32_sizes_at_131072(mask):
+    """What onnxruntime's CUDA provider needs (issue 12): no ArgMax (no CUDA kernel at opset
+    12+), no Pad (none for int64), and, at [1, 12, 131072, 64] with the default options, no
+    intermediate over 2^31 elements (cuDNN's reductions hold int sizes; all four rounds' window
+    logits together were 3.2e9). Every size is linear in N (chunks of a fixed size), so it is
+    measured at three lengths, checked to be linear, and extrapolated to N = 131072."""
+    options = lsh.Options(dedup=mask.causal)  # dedup adds the pair counts, as large as the logits
+    shape = (1, 12, 131072, 64)
+    model = lowered_model(site(mask, head_dim=64), options, (1, 12, "n", 64))
+    ops = {node.op_type for node in model.graph.node}
+    assert not ops & {"ArgMax", "Pad", "Range"}, ops
+    small = [intermediate_sizes(model, n, shape) for n in (256, 512, 1024)]
+    per_position = {x: (small[2][x] - small[1][x]) / 512 for x in small[0]}
+    for x in small[0]:
+        assert small[1][x] - small[0][x] == 256 * per_position[x], x  # linear in N
+    at_131072 = {x: small[2][x] + per_position[x] * (131072 - 1024) for x in small[0]}
+    largest = max(at_131072, key=at_131072.get)
+    assert at_131072[largest] < 2**31, (largest, at_131072[largest])
+    # one round's window logits, [G, 1, C, 2 * chunk, 4 * chunk], are the largest
+    assert at_131072[largest] == 12 * (2 * 131072 // 128) * 128 * 256
+
+
+@pytest.mark.parametrize("mask", LONG_MASKS, ids=lambda m: m.value)
+def test_onnx_matches_torch_at_a_long_sequence(mask):
+    options = lsh.Options(n_hashes=1, seed=3)  # default buckets and chunk: 128 chunks
+    s = site(mask)
+    session = lowering_session(lsh.onnx_lowering(s, options, 20), 4)
+    q, k, v, keep = inputs(8192, lead=(1, 2), pad=mask.key_padding, seed=4)
+    out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+    assert rel_err(out, run_pass_module(lsh.torch_module(s, options), q, k, v, keep)) < 1e-5
 
 
 @pytest.mark.slow
