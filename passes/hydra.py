@@ -10,6 +10,7 @@ drops out of a cosine kernel.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from onnxscript import script
 
@@ -90,13 +91,26 @@ def onnx_lowering(
 
 def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
-    axes = feature_axes(site)
     eps = options.eps
+    over_heads = feature_axes(site) == [1, 3]
+    keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HeadSquaredNorm(x):
+        # per head over head_dim, then over heads: two contiguous reductions (one over axes
+        # [1, 3] is a strided one, cuDNN's slow path on CUDA); the sum over heads in float32
+        per_head = op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
+        return op.ReduceSum(op.Cast(per_head, to=FLOAT), op.Constant(value_ints=[1]), keepdims=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SquaredNorm(x):
+        return op.Cast(op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1), to=FLOAT)
+
+    squared_norm = HeadSquaredNorm if over_heads else SquaredNorm
 
     @script(ATTNREWRITE, default_opset=op)
     def HydraNormalize(x):
-        norm = op.Sqrt(op.ReduceSumSquare(x, op.Constant(value_ints=axes), keepdims=1))
-        return x / (norm + op.Constant(value_float=eps))
+        return x / (op.Sqrt(squared_norm(x)) + op.Constant(value_float=eps))
 
     @script(ATTNREWRITE, default_opset=op)
     def GlobalFeatureSum(x):
@@ -110,11 +124,45 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
 
     @script(ATTNREWRITE, default_opset=op)
     def Hydra(q, k, v, key_keep):
-        k_hat = HydraNormalize(op.Cast(k, to=FLOAT)) * key_keep
+        k_hat = keys(HydraNormalize(op.Cast(k, to=FLOAT)), key_keep)
         kv = fold(k_hat * op.Cast(v, to=FLOAT))
         return op.CastLike(HydraNormalize(op.Cast(q, to=FLOAT)) * kv, v)
 
-    entry = Hydra.to_function_proto()
-    if site.mask.causal:
-        entry.name = "CausalHydra"
-    return OnnxLowering([HydraNormalize.to_function_proto(), fold.to_function_proto(), entry])
+    normalize, entry = HydraNormalize, Hydra
+    half = _half_precision_scales(site)
+    if half is not None:
+        pre_scale, out_scale = half
+
+        @script(ATTNREWRITE, default_opset=op)
+        def HalfHydraNormalize(x):
+            """x / |x| in x's own dtype: x scaled by a power of two near 1/sqrt(head_dim) first,
+            so that no square or per-head sum overflows, the sum over heads in float32."""
+            scaled = x * op.CastLike(op.Constant(value_float=pre_scale), x)
+            norm = op.Sqrt(squared_norm(scaled)) + op.Constant(value_float=eps * pre_scale)
+            return scaled / op.CastLike(norm, x)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def HalfHydra(q, k, v, key_keep):
+            # fp16 throughout but for the sum over N (float32); the product q_hat * kv as
+            # (q_hat * s) * (kv / s) with s ~ sqrt(features): q_hat * s has RMS 1, and kv / s
+            # overflows only where a typical query's output would overflow anyway
+            k_hat = keys(HalfHydraNormalize(k), op.CastLike(key_keep, k))
+            kv = fold(op.Cast(k_hat * v, to=FLOAT)) * op.Constant(value_float=1 / out_scale)
+            q_hat = HalfHydraNormalize(q) * op.CastLike(op.Constant(value_float=out_scale), q)
+            return q_hat * op.CastLike(kv, v)
+
+        normalize, entry = HalfHydraNormalize, HalfHydra
+    proto = entry.to_function_proto()
+    proto.name = "CausalHydra" if site.mask.causal else "Hydra"
+    callees = [keys, squared_norm, normalize, fold]
+    return OnnxLowering([*(f.to_function_proto() for f in callees), proto])
+
+
+def _half_precision_scales(site: AttentionSite) -> tuple[float, float] | None:
+    """(pre_scale, out_scale) of the float16 body, powers of two (exact in float16) near
+    1/sqrt(head_dim) and sqrt(features normalized together); None (the float32 body) for
+    other dtypes or when head_dim is not known at rewrite time."""
+    if site.dtype != "float16" or site.head_dim is None:
+        return None
+    features = site.head_dim * (site.num_heads if feature_axes(site) == [1, 3] else 1)
+    return 2.0 ** -round(math.log2(site.head_dim) / 2), 2.0 ** round(math.log2(features) / 2)

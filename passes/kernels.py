@@ -556,6 +556,23 @@ def key_keep_function(opset_version: int):
     return KeyKeep
 
 
+def key_mask_function(opset_version: int, key_padding: bool):
+    """KeptKeys(features, key_keep): the keys' features zeroed on padding, or, for a site
+    without key padding (key_keep all ones), AllKeys: the features as they are, not a
+    full-size multiplication by ones."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptKeys(features, key_keep):
+        return features * key_keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def AllKeys(features, key_keep):
+        return op.Identity(features)
+
+    return KeptKeys if key_padding else AllKeys
+
+
 def linear_attention_function(opset_version: int, eps: float = DENOMINATOR_EPS):
     op = standard_opset(opset_version)
 

@@ -22,7 +22,10 @@ Key padding: padded keys are zeroed before projecting, so they leave every proje
 value. A projected key with no kept key in it (a pooling segment of padding only, an identity
 column of a padded key) is left out of the softmax; ``pool`` divides each segment by its count
 of kept keys. For ``gaussian``, right padding then gives exactly the result of the unpadded
-sequence (the kept keys meet the same rows of E) as long as the kept length is > k.
+sequence (the kept keys meet the same rows of E) as long as the kept length is > k. A site
+without key padding gets bodies that do none of this (no product with the keep vector, no
+select on the [.., N, k] logits): full passes over K, V and the logits that would only
+multiply by one.
 Causal masks cannot be expressed: every projected key mixes all positions.
 """
 
@@ -192,7 +195,14 @@ def nothing_to_fit(options: Options) -> str | None:
 # site of a model; the variants (pool, shared E = F) are separate functions.
 
 
-def _body_functions(op):
+def _low_rank_functions(op, key_padding: bool, pooled: bool):
+    """The functions behind LowRank(q, k, v, key_keep, p_e, p_f, scale) -> [G, N, Dv], the
+    projections' attention, last: with key padding they zero padded keys and leave empty
+    projected keys out; without (key_keep all ones) they neither multiply by key_keep nor
+    select on the [G, N, k] logits. ``pooled``: a segment's mean over its (kept) keys."""
+    flatten = kernels.flatten_heads_function(op.version)
+    key_keep_3d = kernels.key_keep_function(op.version)
+
     @script(ATTNREWRITE, default_opset=op)
     def Project(k, v, keep, p_e, p_f):
         # k [G, N, D], v [G, N, Dv], keep [G, N, 1], p_e / p_f [N, m]
@@ -209,7 +219,35 @@ def _body_functions(op):
         logits = op.Where(valid, logits, op.Constant(value_float=MASKED_LOGIT))
         return op.MatMul(op.Softmax(logits, axis=-1), v_proj)
 
-    return Project, AttendProjected
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptLowRank(q, k, v, key_keep, p_e, p_f, scale):
+        keep = key_keep_3d(key_keep, k)
+        k_proj, v_proj, support = Project(flatten(k), flatten(v), keep, p_e, p_f)
+        return AttendProjected(flatten(q), k_proj, v_proj, support, scale)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptPooledLowRank(q, k, v, key_keep, p_e, p_f, scale):
+        keep = key_keep_3d(key_keep, k)
+        k_proj, v_proj, support = Project(flatten(k), flatten(v), keep, p_e, p_f)
+        count = op.Max(support, op.Constant(value_float=1.0))  # kept keys per segment
+        return AttendProjected(flatten(q), k_proj / count, v_proj / count, support, scale)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LowRank(q, k, v, key_keep, p_e, p_f, scale):
+        # every key kept: key_keep is all ones and not read
+        k_proj = op.MatMul(op.Transpose(p_e), flatten(k))
+        v_proj = op.MatMul(op.Transpose(p_f), flatten(v))
+        logits = op.MatMul(flatten(q), op.Transpose(k_proj, perm=[0, 2, 1])) * scale
+        return op.MatMul(op.Softmax(logits, axis=-1), v_proj)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PooledLowRank(q, k, v, key_keep, p_e, p_f, scale):
+        means = p_e / op.ReduceSum(p_e, op.Constant(value_ints=[0]), keepdims=1)  # [N, m] / [1, m]
+        return LowRank(q, k, v, key_keep, means, means, scale)
+
+    if key_padding:
+        return [flatten, key_keep_3d, Project, AttendProjected, KeptPooledLowRank if pooled else KeptLowRank]
+    return [flatten, LowRank, PooledLowRank] if pooled else [flatten, LowRank]
 
 
 _ONE_INT64 = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64))
@@ -242,18 +280,22 @@ def onnx_lowering(
 
 def _lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    key_keep_3d = kernels.key_keep_function(opset_version)
-    project_kv, attend = body = _body_functions(op)
-    functions = [f.to_function_proto() for f in (flatten, key_keep_3d, *body)]
+    *callees, low_rank = _low_rank_functions(op, site.mask.key_padding, options.projection == "pool")
+    functions = [f.to_function_proto() for f in (*callees, low_rank)]
     constants = {"scale": np.array(site.scale, dtype=np.float32)}
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithHeadsOf(out, q, v):
+        """[G, N, Dv] -> q's leading axes + [N, Dv], in v's dtype."""
+        return op.CastLike(op.Reshape(out, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)), v)
+
+    functions.append(WithHeadsOf.to_function_proto())
 
     if options.projection == "pool":
 
         @script(ATTNREWRITE, default_opset=op)
         def LinformerPool(q, k, v, key_keep, scale, proj_dim):
-            k3 = flatten(k)
-            n = op.Shape(k3, start=1, end=2)
+            n = op.Shape(k, start=-2, end=-1)
             segments = op.Min(n, proj_dim)
             zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
             segment = op.Range(zero, op.Squeeze(n), one) * segments / n  # floor(j * m / N)
@@ -261,12 +303,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
             p = op.Cast(
                 op.Equal(op.Unsqueeze(segment, op.Constant(value_ints=[1])), columns), to=FLOAT
             )
-            k_proj, v_proj, support = project_kv(k3, flatten(v), key_keep_3d(key_keep, k), p, p)
-            count = op.Max(support, op.Constant(value_float=1.0))  # kept keys per segment
-            out = attend(flatten(q), k_proj / count, v_proj / count, support, scale)
-            return op.CastLike(
-                op.Reshape(out, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)), v
-            )
+            return WithHeadsOf(low_rank(q, k, v, key_keep, p, p, scale), q, v)
 
         constants["proj_dim"] = np.array([options.proj_dim], dtype=np.int64)
         return OnnxLowering([*functions, LinformerPool.to_function_proto()], constants)
@@ -275,20 +312,14 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
 
     @script(ATTNREWRITE, default_opset=op)
     def Linformer(q, k, v, key_keep, scale, exact_if_short, e, f):
-        k3 = flatten(k)
-        n = op.Shape(k3, start=1, end=2)
+        n = op.Shape(k, start=-2, end=-1)
         if op.Squeeze(op.And(exact_if_short, op.LessOrEqual(n, op.Shape(e, start=1)))):
             p_e = op.EyeLike(op.ConstantOfShape(op.Concat(n, n, axis=0)))  # exact attention
             p_f = op.Identity(p_e)
         else:
             p_e = rows(e, n)
             p_f = rows(f, n)
-        k_proj, v_proj, support = project_kv(k3, flatten(v), key_keep_3d(key_keep, k), p_e, p_f)
-        out = attend(flatten(q), k_proj, v_proj, support, scale)
-        return op.CastLike(
-            op.Reshape(out, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)), v
-        )
-
+        return WithHeadsOf(low_rank(q, k, v, key_keep, p_e, p_f, scale), q, v)
     @script(ATTNREWRITE, default_opset=op)
     def LinformerSharedKV(q, k, v, key_keep, scale, exact_if_short, e):
         return Linformer(q, k, v, key_keep, scale, exact_if_short, e, e)

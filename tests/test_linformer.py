@@ -54,16 +54,24 @@ def test_onnx_matches_torch_for_every_length(projection, share_kv, rank):
         assert rel_err(out, run_pass_module(module, q, k, v, keep)) < 1e-5, n
 
 
-@pytest.mark.parametrize("projection", ["gaussian", "pool"])
-def test_onnx_without_key_padding_accepts_a_scalar_like_keep(projection):
-    # The frontend passes a [1, 1] ones tensor for sites without a key padding mask.
-    options = linformer.Options(proj_dim=8, projection=projection)
+@pytest.mark.parametrize("projection", linformer.PROJECTIONS)
+def test_onnx_without_key_padding_reads_no_keep_and_selects_nothing(projection):
+    # The frontend passes a [1, 1] ones tensor for sites without a key padding mask; their
+    # lowering is the unmasked one: no product with key_keep, no Where on the logits.
+    options = linformer.Options(proj_dim=8, projection=projection, max_len=64)
     s = site(mask=MaskKind.NONE)
     lowering = linformer.onnx_lowering(s, options, 20)
-    q, k, v, _ = inputs(20, pad=False)
+    names = [f.name for f in lowering.functions]
+    assert "LowRank" in names and not {"KeyKeep", "Project", "AttendProjected", "KeptLowRank"} & set(names)
+    assert not [n for f in lowering.functions for n in f.node if n.op_type == "Where"]
+    masked = [f.name for f in linformer.onnx_lowering(site(), options, 20).functions]
+    assert "AttendProjected" in masked and "LowRank" not in masked
     session = lowering_session(lowering, 4, keep_rank=2)
-    out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
-    assert rel_err(out, run_pass_module(linformer.torch_module(s, options), q, k, v, None)) < 1e-5
+    module = linformer.torch_module(s, options)
+    for n in (5, 8, 9, 20, 64):
+        q, k, v, _ = inputs(n, pad=False)
+        out = session.run(None, dict(q=q, k=k, v=v, key_keep=np.ones((1, 1), np.float32)))[0]
+        assert rel_err(out, run_pass_module(module, q, k, v, None)) < 1e-5, n
 
 
 def test_identity_projection_with_k_equal_n_is_softmax_attention():
@@ -251,7 +259,7 @@ def test_gaussian_projection_is_seeded_with_jl_scale():
 def test_lowering_stores_the_drawn_matrices_and_shares_bodies_across_scales():
     options = linformer.Options(proj_dim=4, max_len=16)
     a = linformer.onnx_lowering(site(), options, 20)
-    b = linformer.onnx_lowering(AttentionSite("layer1", scale=0.9, rank=4), options, 20)
+    b = linformer.onnx_lowering(AttentionSite("layer1", scale=0.9, mask=MaskKind.KEY_PADDING, rank=4), options, 20)
     assert np.array_equal(a.constants["E"], linformer.projection_matrices(options)[0])
     assert a.constants["scale"] == np.float32(SCALE) and b.constants["scale"] == np.float32(0.9)
     assert [f.SerializeToString() for f in a.functions] == [
