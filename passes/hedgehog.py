@@ -162,9 +162,9 @@ def onnx_lowering(
         functions = [HedgehogFeatures, *callees, kernel]
     else:
         if site.mask.causal:
-            kernel = kernels.causal_linear_attention_function(opset_version, options.chunk)
+            *callees, kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk)
         else:
-            kernel = kernels.linear_attention_function(opset_version)
+            *callees, kernel = kernels.linear_attention_functions(opset_version)
 
         @script(ATTNREWRITE, default_opset=op)
         def Hedgehog(q, k, v, key_keep, weight, bias):
@@ -176,6 +176,6 @@ def onnx_lowering(
 
         entry = Hedgehog.to_function_proto()
         entry.name = "CausalHedgehog" if site.mask.causal else "Hedgehog"
-        functions = [HedgehogFeatures, flatten, kernel]
+        functions = [HedgehogFeatures, flatten, *callees, kernel]
     lowering = OnnxLowering([*(f.to_function_proto() for f in functions), entry], initial_values(site, options))
     return lowering.with_weights(weights)

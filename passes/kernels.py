@@ -573,22 +573,43 @@ def key_mask_function(opset_version: int, key_padding: bool):
     return KeptKeys if key_padding else AllKeys
 
 
-def linear_attention_function(opset_version: int, eps: float = DENOMINATOR_EPS):
+_ONE_FLOAT = helper.make_tensor("one", FLOAT, [1], [1.0])
+
+
+def sequence_sum_function(opset_version: int):
+    """SequenceSum(x): [..., N, F] -> [..., 1, F], the sum over positions as a product with a
+    row of ones: GEMM speed whatever the layout (a reduction over a middle axis is strided on
+    CPU and not a plain row or column sum for onnxruntime's CUDA reductions)."""
     op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SequenceSum(x):
+        size = op.Concat(op.Constant(value_ints=[1]), op.Shape(x, start=-2, end=-1), axis=0)
+        return op.MatMul(op.CastLike(op.ConstantOfShape(size, value=_ONE_FLOAT), x), x)
+
+    return SequenceSum
+
+
+def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS):
+    """ONNX form of linear_attention: the function it calls, then itself last."""
+    op = standard_opset(opset_version)
+    sequence_sum = sequence_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def KernelAttention(phi_q, phi_k, v):
         kv = op.MatMul(op.Transpose(phi_k, perm=[0, 2, 1]), v)
         numerator = op.MatMul(phi_q, kv)
-        key_sum = op.ReduceSum(phi_k, op.Constant(value_ints=[1]), keepdims=1)
-        denominator = op.ReduceSum(phi_q * key_sum, op.Constant(value_ints=[2]), keepdims=1)
+        key_sum = op.Transpose(sequence_sum(phi_k), perm=[0, 2, 1])  # [G, F, 1]
+        denominator = op.MatMul(phi_q, key_sum)
         return numerator / (denominator + op.Constant(value_float=eps))
 
-    return KernelAttention
+    return [sequence_sum, KernelAttention]
 
 
-def causal_linear_attention_function(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+    """ONNX form of causal_linear_attention: the function it calls, then itself last."""
     op = standard_opset(opset_version)
+    sequence_sum = sequence_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalKernelAttention(phi_q, phi_k, v):
@@ -606,24 +627,18 @@ def causal_linear_attention_function(opset_version: int, chunk: int, eps: float 
         v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
         k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
         state = op.CumSum(op.MatMul(k4t, v4), op.Constant(value_int=1), exclusive=1)
-        key_sum = op.CumSum(
-            op.ReduceSum(k4, op.Constant(value_ints=[2]), keepdims=1),
-            op.Constant(value_int=1),
-            exclusive=1,
-        )
+        key_sum = op.CumSum(sequence_sum(k4), op.Constant(value_int=1), exclusive=1)
         scores = op.Trilu(op.MatMul(q4, k4t), upper=0)
         numerator = op.MatMul(q4, state) + op.MatMul(scores, v4)
-        last = op.Constant(value_ints=[3])
-        denominator = op.ReduceSum(q4 * key_sum, last, keepdims=1) + op.ReduceSum(
-            scores, last, keepdims=1
-        )
+        earlier = op.MatMul(q4, op.Transpose(key_sum, perm=[0, 1, 3, 2]))
+        denominator = earlier + op.ReduceSum(scores, op.Constant(value_ints=[3]), keepdims=1)
         out = op.Reshape(
             numerator / (denominator + op.Constant(value_float=eps)),
             op.Concat(minus_one, chunks * c, dv, axis=0),
         )
         return op.Slice(out, zero, n, op.Constant(value_ints=[1]))
 
-    return CausalKernelAttention
+    return [sequence_sum, CausalKernelAttention]
 
 
 def running_max_functions(opset_version: int):

@@ -112,17 +112,17 @@ def onnx_lowering(
 def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     if site.mask.causal:
-        kernel = kernels.causal_linear_attention_function(opset_version, options.chunk)
+        *callees, kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk)
     else:
-        kernel = kernels.linear_attention_function(opset_version)
-
+        *callees, kernel = kernels.linear_attention_functions(opset_version)
     flatten = kernels.flatten_heads_function(opset_version)
+    keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def LinearAttention(q, k, v, key_keep):
         one = op.Constant(value_float=1.0)
         phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
-        phi_k = (op.Elu(op.Cast(k, to=FLOAT)) + one) * key_keep
+        phi_k = keys(op.Elu(op.Cast(k, to=FLOAT)) + one, key_keep)
         out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
         out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
         return op.CastLike(op.Reshape(out, out_shape), v)
@@ -130,7 +130,8 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     fn = LinearAttention.to_function_proto()
     if site.mask.causal:
         fn.name = "CausalLinearAttention"
-    return OnnxLowering([flatten.to_function_proto(), kernel.to_function_proto(), fn])
+    functions = [keys, flatten, *callees, kernel]
+    return OnnxLowering([*(f.to_function_proto() for f in functions), fn])
 
 
 def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:

@@ -179,8 +179,8 @@ def test_causal_kernels_equal_their_onnx_functions(n):
     feeds = {"phi_q": phi_q.numpy(), "phi_k": phi_k.numpy(), "v": v.numpy()}
 
     plain = kernels.causal_linear_attention(phi_q, phi_k, v, CHUNK)
-    function = kernels.causal_linear_attention_function(18, CHUNK)
-    assert rel_err(plain, run_kernel_function([function.to_function_proto()], feeds)) < 1e-5
+    functions = kernels.causal_linear_attention_functions(18, CHUNK)
+    assert rel_err(plain, run_kernel_function([f.to_function_proto() for f in functions], feeds)) < 1e-5
 
     rescaled = kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, CHUNK)
     functions = kernels.causal_rescaled_linear_attention_functions(18, CHUNK)
