@@ -291,19 +291,22 @@ def onnx_lowering(
     norm = 1 / math.sqrt(feature_count(projection, options.variant))
 
     @script(ATTNREWRITE, default_opset=op)
-    def PositiveLogFeatures(x, projection):
-        wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
-        half_square = op.ReduceSumSquare(x, op.Constant(value_ints=[-1]), keepdims=1)
-        return wx - half_square * op.Constant(value_float=0.5)
+    def PositiveProjection(x, projection):
+        return op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
 
     @script(ATTNREWRITE, default_opset=op)
-    def HyperbolicLogFeatures(x, projection):
+    def HyperbolicProjection(x, projection):
         wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
-        half_square = op.ReduceSumSquare(x, op.Constant(value_ints=[-1]), keepdims=1)
-        return op.Concat(wx, op.Neg(wx), axis=-1) - half_square * op.Constant(value_float=0.5)
+        return op.Concat(wx, op.Neg(wx), axis=-1)
 
-    hyperbolic = options.variant == "hyperbolic"
-    log_features_fn = HyperbolicLogFeatures if hyperbolic else PositiveLogFeatures
+    project = HyperbolicProjection if options.variant == "hyperbolic" else PositiveProjection
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LogFeatures(x, projection):
+        # |x|^2 as a last-axis ReduceSum of x * x: ReduceSumSquare (and any reduction CUDA
+        # cannot treat as rows of a matrix) goes through cuDNN with a scratch copy of x * x
+        square = op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
+        return project(x, projection) - square * op.Constant(value_float=0.5)
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorQueryFeatures(log_phi):
@@ -311,14 +314,27 @@ def onnx_lowering(
         return op.Exp(log_phi - row_max) * op.Constant(value_float=norm)
 
     @script(ATTNREWRITE, default_opset=op)
-    def FavorKeyFeatures(log_phi, keep):
+    def HeadMax(x):
+        """The max over the last two axes, as two last-axis reductions (cuDNN reduces a
+        multi-axis max far slower on CUDA)."""
+        row_max = op.ReduceMax(x, op.Constant(value_ints=[-1]), keepdims=1)
+        return op.ReduceMax(row_max, op.Constant(value_ints=[-2]), keepdims=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorHeadLogScale(log_phi, keep):
+        # kept_head_max: the bidirectional keys' stabiliser
         kept = op.Greater(keep, op.Constant(value_float=0.0))
-        lowest = op.Constant(value_float=LOWEST)
-        head_max = op.ReduceMax(
-            op.Where(kept, log_phi, lowest), op.Constant(value_ints=[-2, -1]), keepdims=1
-        )
-        stabilized = op.Min(log_phi - head_max, op.Constant(value_float=0.0))
+        return HeadMax(op.Where(kept, log_phi, op.Constant(value_float=LOWEST)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorKeyFeatures(log_phi, keep):
+        stabilized = op.Min(log_phi - FavorHeadLogScale(log_phi, keep), op.Constant(value_float=0.0))
         return op.Exp(stabilized) * op.Constant(value_float=norm) * keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorAllKeyFeatures(log_phi, keep):
+        # every key kept (keep all ones, not read): no select, no product, nothing to clamp
+        return op.Exp(log_phi - HeadMax(log_phi)) * op.Constant(value_float=norm)
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorCausalKeyFeatures(log_phi, keep):
@@ -329,12 +345,23 @@ def onnx_lowering(
         return phi, log_scale
 
     @script(ATTNREWRITE, default_opset=op)
+    def FavorCausalAllKeyFeatures(log_phi, keep):
+        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
+        return op.Exp(log_phi - row_max) * op.Constant(value_float=norm), row_max
+
+    masked = site.mask.key_padding
+    key_features = FavorKeyFeatures if masked else FavorAllKeyFeatures
+    causal_key_features = FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
+    key_fns = [FavorHeadLogScale, FavorKeyFeatures] if masked else [FavorAllKeyFeatures]
+
+    @script(ATTNREWRITE, default_opset=op)
     def FavorFeatures(q, k, projection):
-        # Both in float32; scale^(1/2) on each side so that x.y are the original logits.
+        # Both in float32; scale^(1/2) on each side so that x.y are the original logits. The
+        # queries' -|x|^2/2 is one constant per row, which their row max takes out again.
         w = op.Cast(projection, to=FLOAT)
         root = op.Constant(value_float=root_scale)
-        log_q = log_features_fn(op.Cast(q, to=FLOAT) * root, w)
-        log_k = log_features_fn(op.Cast(k, to=FLOAT) * root, w)
+        log_q = project(op.Cast(q, to=FLOAT) * root, w)
+        log_k = LogFeatures(op.Cast(k, to=FLOAT) * root, w)
         return FavorQueryFeatures(log_q), log_k
 
     flatten = kernels.flatten_heads_function(opset_version)
@@ -346,25 +373,18 @@ def onnx_lowering(
         )
 
         @script(ATTNREWRITE, default_opset=op)
-        def FavorHeadLogScale(log_phi, keep):
-            # kept_head_max: the bidirectional keys' stabiliser, which the window needs as such
-            kept = op.Greater(keep, op.Constant(value_float=0.0))
-            masked = op.Where(kept, log_phi, op.Constant(value_float=LOWEST))
-            return op.ReduceMax(masked, op.Constant(value_ints=[-2, -1]), keepdims=1)
-
-        @script(ATTNREWRITE, default_opset=op)
         def FavorHeadKeys(log_phi, keep):
-            return FavorKeyFeatures(log_phi, keep), FavorHeadLogScale(log_phi, keep)
+            return key_features(log_phi, keep), FavorHeadLogScale(log_phi, keep)
 
         # (phi_k, key log scale): one per key when causal, one per head otherwise
-        keys_fn = FavorCausalKeyFeatures if site.mask.causal else FavorHeadKeys
+        keys_fn = causal_key_features if site.mask.causal else FavorHeadKeys
 
         @script(ATTNREWRITE, default_opset=op)
         def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
             w = op.Cast(projection, to=FLOAT)
             root = op.Constant(value_float=root_scale)
-            log_q = log_features_fn(op.Cast(q, to=FLOAT) * root, w)
-            log_k = log_features_fn(op.Cast(k, to=FLOAT) * root, w)
+            log_q = LogFeatures(op.Cast(q, to=FLOAT) * root, w)
+            log_k = LogFeatures(op.Cast(k, to=FLOAT) * root, w)
             query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
             phi_k, key_log_scale = keys_fn(log_k, op.Cast(key_keep, to=FLOAT))
             out = kernel(
@@ -375,8 +395,8 @@ def onnx_lowering(
 
         entry = WindowedFavor.to_function_proto()
         entry.name = "CausalWindowedFavor" if site.mask.causal else "WindowedFavor"
-        key_fns = [keys_fn] if site.mask.causal else [FavorKeyFeatures, FavorHeadLogScale, keys_fn]
-        callees = [log_features_fn, FavorQueryFeatures, *key_fns]
+        head_keys = [HeadMax, FavorHeadLogScale, *([FavorKeyFeatures] if masked else [FavorAllKeyFeatures])]
+        callees = [project, LogFeatures, FavorQueryFeatures, *([keys_fn] if site.mask.causal else [*head_keys, keys_fn])]
         functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel]]
         constants = {"projection": projection, "linear_log_weight": kernels.initial_linear_log_weight(site)}
         return OnnxLowering([*functions, entry], constants).with_weights(weights)
@@ -389,25 +409,25 @@ def onnx_lowering(
         @script(ATTNREWRITE, default_opset=op)
         def CausalFavor(q, k, v, key_keep, projection):
             phi_q, log_k = FavorFeatures(q, k, projection)
-            phi_k, log_scale = FavorCausalKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
+            phi_k, log_scale = causal_key_features(log_k, op.Cast(key_keep, to=FLOAT))
             out = kernel(flatten(phi_q), flatten(phi_k), flatten(log_scale), flatten(v))
             out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
             return op.CastLike(op.Reshape(out, out_shape), v)
 
-        key_fn, entry = FavorCausalKeyFeatures, CausalFavor
+        key_fns, entry = [causal_key_features], CausalFavor
     else:
-        kernel_helpers, kernel = [], kernels.linear_attention_function(opset_version, EPS)
+        *kernel_helpers, kernel = kernels.linear_attention_functions(opset_version, EPS)
 
         @script(ATTNREWRITE, default_opset=op)
         def Favor(q, k, v, key_keep, projection):
             phi_q, log_k = FavorFeatures(q, k, projection)
-            phi_k = FavorKeyFeatures(log_k, op.Cast(key_keep, to=FLOAT))
+            phi_k = key_features(log_k, op.Cast(key_keep, to=FLOAT))
             out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
             out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
             return op.CastLike(op.Reshape(out, out_shape), v)
 
-        key_fn, entry = FavorKeyFeatures, Favor
+        key_fns, entry = [HeadMax, *key_fns], Favor
 
-    callees = [log_features_fn, FavorQueryFeatures, FavorFeatures, key_fn, flatten]
+    callees = [project, LogFeatures, FavorQueryFeatures, FavorFeatures, *key_fns, flatten]
     functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
     return OnnxLowering(functions, constants={"projection": projection}).with_weights(weights)
