@@ -94,17 +94,30 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     eps = options.eps
     over_heads = feature_axes(site) == [1, 3]
     keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
+    unit = _half_precision_unit(site)  # None: the float32 body
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RowSquareSum(x):
+        return op.ReduceSumSquare(x, op.Constant(value_ints=[-1]), keepdims=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HalfRowSquareSum(x):
+        # ReduceSum(x * x): CUDA's row reduction; its ReduceSumSquare is a cuDNN call on a
+        # scratch copy of x * x. (float32 keeps ReduceSumSquare, one pass on the CPU.)
+        return op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
+
+    row_square_sum = RowSquareSum if unit is None else HalfRowSquareSum
 
     @script(ATTNREWRITE, default_opset=op)
     def HeadSquaredNorm(x):
-        # per head over head_dim, then over heads: two contiguous reductions (one over axes
-        # [1, 3] is a strided one, cuDNN's slow path on CUDA); the sum over heads in float32
-        per_head = op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
-        return op.ReduceSum(op.Cast(per_head, to=FLOAT), op.Constant(value_ints=[1]), keepdims=1)
+        # per head over head_dim, then over heads, in float32: two contiguous reductions (one
+        # over axes [1, 3] is strided, and cuDNN's slow path on CUDA)
+        per_head = op.Cast(row_square_sum(x), to=FLOAT)
+        return op.ReduceSum(per_head, op.Constant(value_ints=[1]), keepdims=1)
 
     @script(ATTNREWRITE, default_opset=op)
     def SquaredNorm(x):
-        return op.Cast(op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1), to=FLOAT)
+        return op.Cast(row_square_sum(x), to=FLOAT)
 
     squared_norm = HeadSquaredNorm if over_heads else SquaredNorm
 
@@ -113,14 +126,10 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
         return x / (op.Sqrt(squared_norm(x)) + op.Constant(value_float=eps))
 
     @script(ATTNREWRITE, default_opset=op)
-    def GlobalFeatureSum(x):
-        return op.ReduceSum(x, op.Constant(value_ints=[-2]), keepdims=1)
-
-    @script(ATTNREWRITE, default_opset=op)
     def PrefixFeatureSum(x):
         return op.CumSum(x, op.Constant(value_int=-2))
 
-    fold = PrefixFeatureSum if site.mask.causal else GlobalFeatureSum
+    fold = PrefixFeatureSum if site.mask.causal else kernels.sequence_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def Hydra(q, k, v, key_keep):
@@ -129,40 +138,39 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
         return op.CastLike(HydraNormalize(op.Cast(q, to=FLOAT)) * kv, v)
 
     normalize, entry = HydraNormalize, Hydra
-    half = _half_precision_scales(site)
-    if half is not None:
-        pre_scale, out_scale = half
+    if unit is not None:
 
         @script(ATTNREWRITE, default_opset=op)
         def HalfHydraNormalize(x):
-            """x / |x| in x's own dtype: x scaled by a power of two near 1/sqrt(head_dim) first,
-            so that no square or per-head sum overflows, the sum over heads in float32."""
-            scaled = x * op.CastLike(op.Constant(value_float=pre_scale), x)
-            norm = op.Sqrt(squared_norm(scaled)) + op.Constant(value_float=eps * pre_scale)
+            # x / unit first: the squares and per-head sums are then at most a mean square
+            scaled = x * op.CastLike(op.Constant(value_float=1 / unit), x)
+            norm = op.Sqrt(squared_norm(scaled)) + op.Constant(value_float=eps / unit)
             return scaled / op.CastLike(norm, x)
 
         @script(ATTNREWRITE, default_opset=op)
         def HalfHydra(q, k, v, key_keep):
-            # fp16 throughout but for the sum over N (float32); the product q_hat * kv as
-            # (q_hat * s) * (kv / s) with s ~ sqrt(features): q_hat * s has RMS 1, and kv / s
-            # overflows only where a typical query's output would overflow anyway
+            # q_hat * kv as (q_hat * unit) * (kv / unit): q_hat * unit has RMS 1, and kv / unit
+            # overflows only where a query of typical entries would overflow the output anyway
             k_hat = keys(HalfHydraNormalize(k), op.CastLike(key_keep, k))
-            kv = fold(op.Cast(k_hat * v, to=FLOAT)) * op.Constant(value_float=1 / out_scale)
-            q_hat = HalfHydraNormalize(q) * op.CastLike(op.Constant(value_float=out_scale), q)
+            kv = fold(op.Cast(k_hat * v, to=FLOAT)) * op.Constant(value_float=1 / unit)
+            q_hat = HalfHydraNormalize(q) * op.CastLike(op.Constant(value_float=unit), q)
             return q_hat * op.CastLike(kv, v)
 
         normalize, entry = HalfHydraNormalize, HalfHydra
     proto = entry.to_function_proto()
     proto.name = "CausalHydra" if site.mask.causal else "Hydra"
-    callees = [keys, squared_norm, normalize, fold]
+    callees = [keys, row_square_sum, squared_norm, normalize, fold]
     return OnnxLowering([*(f.to_function_proto() for f in callees), proto])
 
 
-def _half_precision_scales(site: AttentionSite) -> tuple[float, float] | None:
-    """(pre_scale, out_scale) of the float16 body, powers of two (exact in float16) near
-    1/sqrt(head_dim) and sqrt(features normalized together); None (the float32 body) for
-    other dtypes or when head_dim is not known at rewrite time."""
+def _half_precision_unit(site: AttentionSite) -> float | None:
+    """The float16 body's unit: the power of two (exact in float16) nearest sqrt(F), F the
+    features normalized together, so that the squares of x / unit sum to about x's mean
+    square. They and their per-head sums stay finite for vectors of RMS up to 256 (per head;
+    256 * sqrt(heads) when heads are normalized together, the sum over heads being float32)
+    and round coarsely (subnormal squares) only for vectors of RMS below ~0.2. None (the
+    float32 body) for other dtypes, or when head_dim is unknown at rewrite time."""
     if site.dtype != "float16" or site.head_dim is None:
         return None
     features = site.head_dim * (site.num_heads if feature_axes(site) == [1, 3] else 1)
-    return 2.0 ** -round(math.log2(site.head_dim) / 2), 2.0 ** round(math.log2(features) / 2)
+    return 2.0 ** round(math.log2(features) / 2)

@@ -224,11 +224,17 @@ def _apply_mask(b: _Builder, logits: str, keep: str, is_int: bool) -> str:
 
 
 def lowering_session(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_rank: int | None = None):
-    """An onnxruntime session of one attnrewrite node reading graph inputs q, k, v (rank ``rank``,
-    type ``dtype``), key_keep (float, rank ``keep_rank``, default ``rank``), every dim dynamic,
-    and the lowering's constants as initializers."""
+    """An onnxruntime session of lowering_model."""
     import onnxruntime as ort
 
+    model = lowering_model(lowering, rank, dtype, keep_rank)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def lowering_model(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_rank: int | None = None):
+    """A model of one attnrewrite node reading graph inputs q, k, v (rank ``rank``, type
+    ``dtype``), key_keep (float, rank ``keep_rank``, default ``rank``), every dim dynamic, and
+    the lowering's constants as initializers."""
     names = list(lowering.constants)
     node = helper.make_node(
         lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
@@ -253,7 +259,7 @@ def lowering_session(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_r
         opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("attnrewrite", 1)],
     )
     onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return model
 
 
 # --- inputs and the reference ----------------------------------------------------------------

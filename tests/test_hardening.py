@@ -18,13 +18,16 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx.inliner
+import onnx.reference
 import onnxruntime as ort
 import pytest
 import torch
-from attention_graphs import AttentionSpec, build_attention_model, make_feeds, reference_qkv
+from attention_graphs import AttentionSpec, build_attention_model, lowering_model, make_feeds, reference_qkv
 from onnx import TensorProto, helper, numpy_helper
 
 import passes
+from attnrewrite.site import AttentionSite, MaskKind
+from passes import hydra
 from attnrewrite.cli import main
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx import io as onnx_io
@@ -692,7 +695,12 @@ def test_low_precision_models(dtype, method):
         interface = lambda m: [(v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]]  # noqa: E731
         assert interface(proto) == interface(original)
         computed_on = replacement_arithmetic_types(proto)
-        assert computed_on and all(types <= {TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL} for types in computed_on.values()), computed_on
+        allowed = {TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL}
+        if method == "hydra" and dtype == TensorProto.FLOAT16:
+            # normalisation and products in float16; the sums over positions in float32
+            assert TensorProto.FLOAT16 not in computed_on["MatMul" if mask == "key_padding" else "CumSum"]
+            allowed.add(TensorProto.FLOAT16)
+        assert computed_on and all(types <= allowed for types in computed_on.values()), computed_on
         if dtype == TensorProto.BFLOAT16 and form == "additive":
             continue  # the mask's own bf16 arithmetic (outside the replacement) has no CPU kernel
         feeds = make_feeds(spec, 2, 70)
@@ -702,6 +710,8 @@ def test_low_precision_models(dtype, method):
         assert np.isfinite(got).all()
         expected = _reference(method, outcome.site, spec, feeds)
         tolerance = 2 ** -10 if dtype == TensorProto.FLOAT16 else 2 ** -7  # one rounding of the output
+        if method == "hydra" and dtype == TensorProto.FLOAT16:
+            tolerance = 2 ** -8  # and the float16 roundings of q_hat, k_hat * v and the product
         assert np.allclose(got, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
 
 
@@ -728,6 +738,37 @@ def test_fp16_sums_that_would_overflow_stay_finite():
     assert np.isfinite(got).all()
     expected = _reference("linear", record.outcomes[0].site, spec, feeds)
     assert np.allclose(got.astype(np.float32), expected, rtol=2**-10, atol=2**-10 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("mask", [MaskKind.NONE, MaskKind.KEY_PADDING, MaskKind.CAUSAL])
+def test_hydra_fp16_body_stays_finite_and_accurate_for_large_inputs(mask):
+    """Hydra's float16 body normalises and multiplies in float16: |x| ~ 200 over 12 heads of 64
+    features squares to ~3e7 and the key-value sum over 8192 positive keys reaches ~1e5, both
+    past float16's 65504, yet the output equals the float64 reference to float16 precision.
+    onnxruntime's CPU provider computes float16 nodes in float32, so the float16 arithmetic
+    CUDA does is checked with onnx's reference evaluator, which keeps every tensor float16."""
+    n, heads, d = 8192, 12, 64
+    rng = np.random.default_rng(0)
+    q = (200 * rng.standard_normal((1, heads, n, d))).astype(np.float16)
+    k, v = ((np.abs(200 * rng.standard_normal((1, heads, n, d))) + 200 * i).astype(np.float16) for i in range(2))
+    keep = (rng.random((1, 1, n, 1)) > 0.1).astype(np.float32) if mask.key_padding else np.ones((1, 1), np.float32)
+    site = AttentionSite("s", 0.125, mask, rank=4, num_heads=heads, head_dim=d, value_dim=d, dtype="float16")
+    lowering = hydra.onnx_lowering(site, hydra.Options(), 20)
+    assert "HalfHydraNormalize" in [f.name for f in lowering.functions]
+    model = lowering_model(lowering, 4, TensorProto.FLOAT16, keep_rank=keep.ndim)
+    feeds = {"q": q, "k": k, "v": v, "key_keep": keep}
+    (on_cpu,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    (in_float16,) = onnx.reference.ReferenceEvaluator(model).run(None, feeds)
+    q64, k64, v64 = (torch.from_numpy(x.astype(np.float64)) for x in (q, k, v))
+    module = hydra.torch_module(site, hydra.Options())
+    with torch.no_grad():
+        expected = module(q64, k64, v64, torch.from_numpy(keep).double() if mask.key_padding else None).numpy()
+        assert (q64.square().sum((1, 3)) > np.finfo(np.float16).max).all()  # squares overflow float16
+        if not mask.causal:
+            assert (module.normalize(k64) * v64).sum(-2).max() > np.finfo(np.float16).max  # so does the sum
+    for got in (on_cpu, in_float16):  # a few float16 roundings (q_hat, kv, the product, the output)
+        assert got.dtype == np.float16 and np.isfinite(got).all()
+        assert np.abs(got.astype(np.float64) - expected).max() < 2**-8 * np.abs(expected).max()
 
 
 # --- dynamic dimensions ----------------------------------------------------------------------
