@@ -5,6 +5,11 @@ q and k are L2-normalized over all features (every head of a token together when
 global feature vector kv = sum_t k_t * v_t, and out_t = q_t * kv: O(N * D) time and memory.
 Causal sites use a cumulative sum over positions instead of the global sum. The logits' scale
 drops out of a cosine kernel.
+
+The ONNX body computes in float32, except for float16 sites (the GPU case) with a known
+head_dim: there q and k are normalised, and k_hat * v and the output formed, in float16, on
+values scaled by a power of two so that nothing overflows (_half_precision_unit says for
+which inputs); the norms' sum over heads and the sum over positions stay float32.
 """
 
 from __future__ import annotations
