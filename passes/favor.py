@@ -353,7 +353,6 @@ def onnx_lowering(
     masked = site.mask.key_padding
     key_features = FavorKeyFeatures if masked else FavorAllKeyFeatures
     causal_key_features = FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
-    key_fns = [FavorHeadLogScale, FavorKeyFeatures] if masked else [FavorAllKeyFeatures]
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorFeatures(q, k, projection):
@@ -396,7 +395,7 @@ def onnx_lowering(
 
         entry = WindowedFavor.to_function_proto()
         entry.name = "CausalWindowedFavor" if site.mask.causal else "WindowedFavor"
-        head_keys = [HeadMax, FavorHeadLogScale, *([FavorKeyFeatures] if masked else [FavorAllKeyFeatures])]
+        head_keys = [HeadMax, FavorHeadLogScale, key_features]
         callees = [project, LogFeatures, FavorQueryFeatures, *([keys_fn] if site.mask.causal else [*head_keys, keys_fn])]
         functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel]]
         constants = {"projection": projection, "linear_log_weight": kernels.initial_linear_log_weight(site)}
@@ -427,7 +426,8 @@ def onnx_lowering(
             out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
             return op.CastLike(op.Reshape(out, out_shape), v)
 
-        key_fns, entry = [HeadMax, *key_fns], Favor
+        key_fns = [HeadMax, FavorHeadLogScale, key_features] if masked else [HeadMax, key_features]
+        entry = Favor
 
     callees = [project, LogFeatures, FavorQueryFeatures, FavorFeatures, *key_fns, flatten]
     functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
