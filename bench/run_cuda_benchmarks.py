@@ -80,17 +80,23 @@ class Plan:
     notes: dict[tuple[str, str], list[str]] = dataclasses.field(default_factory=dict)
 
 
-def build_models(folder: Path, lengths: list[int], methods: list[str]) -> tuple[dict[str, Path], dict[str, dict[str, Path]], dict[str, list[str]]]:
-    """(originals, {section: {key: fp32 model}}, {section: notes}) for both sections."""
+def build_models(
+    folder: Path, lengths: list[int], methods: list[str], dtypes: list[str]
+) -> tuple[dict[str, Path], dict[tuple[str, str], dict[str, Path]], dict[tuple[str, str], list[str]]]:
+    """(originals, {(section, dtype): {key: model}}, {(section, dtype): notes}). fp16 models are
+    rewritten from the fp16 original, so the passes see float16 sites and lower them as they
+    would for a user's fp16 model (hydra's float16 body, for one)."""
     originals = {
         "attention": models.export_attention(folder / "attention.onnx", **standard.ATTENTION),
         "layer": models.export_encoder(folder / "layer.onnx", **standard.LAYER),
     }
     paths, notes = {}, {}
     for section, original in originals.items():
-        variants, refused = standard.rewritten_variants(original, folder, lengths, with_bound=section == "layer", methods=methods)
-        notes[section] = [f"{method} not measured: {why}" for method, why in refused.items()]
-        paths[section] = variants
+        for dtype in dtypes:
+            source = as_fp16(original) if dtype == "fp16" else original
+            variants, refused = standard.rewritten_variants(source, folder, lengths, with_bound=section == "layer", methods=methods)
+            notes[section, dtype] = [f"{method} not measured: {why}" for method, why in refused.items()]
+            paths[section, dtype] = variants
     return originals, paths, notes
 
 
@@ -121,13 +127,12 @@ def column_title(key: str) -> str:
 
 
 def plan_sweep(args, folder: Path) -> tuple[Plan, dict[str, Path]]:
-    originals, fp32_paths, refused = build_models(folder, args.lengths, args.methods)
+    originals, built, refused = build_models(folder, args.lengths, args.methods, args.dtypes)
     plan = Plan(args.provider, args.lengths)
     for section, original in originals.items():
         for dtype in args.dtypes:
-            fp16 = dtype == "fp16"
-            paths = {k: (as_fp16(p) if fp16 else p) for k, p in fp32_paths[section].items()}
-            fused, how = fused_model(original, fp16, folder)
+            paths = built[section, dtype]
+            fused, how = fused_model(original, dtype == "fp16", folder)
             if fused is not None:
                 paths = {"softmax": paths["softmax"], "fused": fused, **{k: p for k, p in paths.items() if k != "softmax"}}
             keys = list(paths)
@@ -135,7 +140,7 @@ def plan_sweep(args, folder: Path) -> tuple[Plan, dict[str, Path]]:
                 keys += [f"torch:{m}" for m in args.methods] + ["torch:sdpa"]
             plan.columns[(section, dtype)] = {k: column_title(k) for k in keys}
             plan.onnx[(section, dtype)] = paths
-            plan.notes[(section, dtype)] = [how, *refused[section]]
+            plan.notes[(section, dtype)] = [how, *refused[section, dtype]]
     return plan, originals
 
 
