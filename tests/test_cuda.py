@@ -167,9 +167,10 @@ LONG = dict(batch=1, heads=12, n=131072, head_dim=64)
 
 
 def lsh_window_logits_elements(options: passes.lsh.Options, heads: int, n: int) -> int:
-    """Elements of LSHAttention's window logits [G, hashes, chunks, 2*chunk, 4*chunk]: the
-    queries and keys sorted together make 2N items, cut into chunks of 2*chunk items, each
-    seeing its own and the previous chunk."""
+    """Elements the window logits of all hash rounds together [G, hashes, chunks, 2*chunk,
+    4*chunk] would hold (queries and keys sorted together make 2N items, cut into chunks of
+    2*chunk items, each seeing its own and the previous chunk): past 2^31, the length at which
+    the ONNX body must attend one round at a time (as passes/lsh.py lowers it)."""
     items = 2 * options.chunk
     return heads * options.n_hashes * (2 * n // items) * items * 2 * items
 
