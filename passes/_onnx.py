@@ -21,6 +21,17 @@ def standard_opset(version: int) -> Opset:
     return Opset("", max(version, MIN_OPSET))
 
 
+def make_function(name: str, inputs: list[str], outputs: list[str], nodes, opset_version: int) -> onnx.FunctionProto:
+    """A function of our domain written node by node (what a script function cannot express:
+    an unrolled loop, a wrapper around a function chosen at rewrite time), importing the same
+    opsets as the onnxscript bodies."""
+    opsets = [
+        onnx.helper.make_opsetid("", max(opset_version, MIN_OPSET)),
+        onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION),
+    ]
+    return onnx.helper.make_function(DOMAIN, name, inputs, outputs, nodes, opsets)
+
+
 @dataclasses.dataclass
 class OnnxLowering:
     """One replacement node: call `function` with (q, k, v[, key_keep], *constants).

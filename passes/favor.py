@@ -18,8 +18,9 @@ num_i / den_i with num_i = sum_j (phi(x_i).phi(y_j)) v_j and den_i the same sum 
 Dividing phi(x_i) by any constant of row i divides both sums by it, so it cancels: queries use
 their own max over features (of the whole exponent w.x - |x|^2/2, so each row's largest feature
 is exactly 1/sqrt(m): nothing overflows and never all of a row underflows; the ONNX body
-leaves out the query's -|x|^2/2, one constant of the row, which that max takes out anyway). A key constant cancels
-only if it is the same for every key in row i's sum; a per-key max would reweigh the keys.
+leaves out the query's -|x|^2/2, one constant of the row, which that max takes out anyway). A
+key constant cancels only if it is the same for every key in row i's sum; a per-key max would
+reweigh the keys.
 Bidirectional sites use one max over all kept keys and features of a head. Causal sites divide
 each key by its own max (which reads nothing after it) and hand that max to the kernel as the
 key's log scale; the kernel weighs key j in row i by exp(its max - r_i), r_i the running max over

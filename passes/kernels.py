@@ -21,15 +21,7 @@ from onnx import helper
 from onnxscript import script
 
 from passes._options import option
-from passes._onnx import (
-    ATTNREWRITE,
-    DOMAIN,
-    DOMAIN_VERSION,
-    FLOAT,
-    MIN_OPSET,
-    OnnxLowering,
-    standard_opset,
-)
+from passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
 from passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
@@ -155,11 +147,10 @@ def windowed_kernel_attention(
     )
     # The kernel never sees a sink: zero features, and (per-key log scales) the lowest log
     # scale, so that no sink raises a running max.
-    sink = torch.arange(n, device=q.device).unsqueeze(-1) < sinks
     pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
-    pk4 = layout.blocks(torch.where(sink, 0.0, phi_k))
+    pk4 = layout.blocks(_without_sinks(phi_k, sinks, 0.0))
     if key_log_scale is not None and causal:
-        far_key_log_scale = torch.where(sink, LOWEST_LOG_SCALE, key_log_scale.float())
+        far_key_log_scale = _without_sinks(key_log_scale.float(), sinks, LOWEST_LOG_SCALE)
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
             pk4, layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
         )
@@ -299,6 +290,14 @@ def _local_blocks(x4, following: bool):
 def _local_causal_mask(window: int, device):
     """[window, 2 * window]: all of the previous block, own block up to the query itself."""
     return torch.ones(window, 2 * window, dtype=torch.bool, device=device).tril(window)
+
+
+def _without_sinks(x, sinks: int, fill: float):
+    """x [..., N, F] with rows 0..sinks-1 set to ``fill`` (x itself without sinks)."""
+    if not sinks:
+        return x
+    sink = torch.arange(x.shape[-2], device=x.device).unsqueeze(-1) < sinks
+    return torch.where(sink, fill, x)
 
 
 def _sink_rows(x, sinks: int, chunks: int):
@@ -511,13 +510,9 @@ def with_query_key_maps(lowering: OnnxLowering, weights: dict, opset_version: in
             inner.name, ["q_mapped", "k_mapped", "v", "key_keep", *constants], ["out"], domain=DOMAIN
         ),
     ]
-    entry = helper.make_function(
-        DOMAIN,
-        f"Learned{inner.name}",
-        ["q", "k", "v", "key_keep", *constants, *QUERY_KEY_MAPS],
-        ["out"],
-        nodes,
-        [helper.make_opsetid("", max(opset_version, MIN_OPSET)), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+    entry = make_function(
+        f"Learned{inner.name}", ["q", "k", "v", "key_keep", *constants, *QUERY_KEY_MAPS], ["out"], nodes,
+        opset_version,
     )
     maps = {name: np.asarray(weights[name], dtype=np.float32) for name in QUERY_KEY_MAPS}
     return OnnxLowering([*lowering.functions, entry], {**lowering.constants, **maps})
@@ -738,12 +733,18 @@ def windowed_kernel_attention_functions(
     far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
 
     @script(ATTNREWRITE, default_opset=op)
+    def BlockCount(n):
+        """[1]: the blocks of N positions, ceil(N/window) + 1 (_ChunkLayout's count)."""
+        w = op.Constant(value_ints=[window])
+        return op.Div(n + w + w - op.Constant(value_ints=[1]), w)
+
+    @script(ATTNREWRITE, default_opset=op)
     def WindowBlocks(x, fill):
-        """[G, N, F] -> [G, chunks, window, F], padded at the front, chunks = ceil(N/window) + 1."""
+        """[G, N, F] -> [G, chunks, window, F], padded at the front (BlockCount blocks)."""
         n = op.Shape(x, start=1, end=2)
         w = op.Constant(value_ints=[window])
         zero = op.Constant(value_ints=[0])
-        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
+        chunks = BlockCount(n)
         pads = op.Concat(zero, chunks * w - n, zero, zero, zero, zero, axis=0)
         shape = op.Concat(op.Constant(value_ints=[-1]), chunks, w, op.Shape(x, start=2), axis=0)
         return op.Reshape(op.Pad(x, pads, fill), shape)
@@ -817,17 +818,14 @@ def windowed_kernel_attention_functions(
     @script(ATTNREWRITE, default_opset=op)
     def SinkPositions(n):
         """[sinks]: the sinks' positions in the padded layout (sink s at s + pad)."""
-        w = op.Constant(value_ints=[window])
-        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
-        return op.Constant(value_ints=sink_positions) + (chunks * w - n)
+        return op.Constant(value_ints=sink_positions) + (BlockCount(n) * op.Constant(value_ints=[window]) - n)
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkMask(n):
         """[chunks, 1, sinks]: True where sink s lies outside block c's local keys, so block c's
         queries take it as an extra exact key (kernels._sink_mask)."""
         w = op.Constant(value_ints=[window])
-        chunks = op.Div(n + w + w - op.Constant(value_ints=[1]), w)
-        blocks = op.Range(op.Constant(value_int=0), op.Squeeze(chunks), op.Constant(value_int=1))
+        blocks = op.Range(op.Constant(value_int=0), op.Squeeze(BlockCount(n)), op.Constant(value_int=1))
         offset = op.Unsqueeze(op.Div(SinkPositions(n), w), op.Constant(value_ints=[0])) - op.Unsqueeze(
             blocks, op.Constant(value_ints=[1])
         )
@@ -839,8 +837,7 @@ def windowed_kernel_attention_functions(
     @script(ATTNREWRITE, default_opset=op)
     def CausalSinkMask(n):
         """[chunks, window, sinks]: as SinkMask, and never a sink after the query."""
-        w = op.Constant(value_ints=[window])
-        rows = op.Div(n + w + w - op.Constant(value_ints=[1]), w) * w
+        rows = BlockCount(n) * op.Constant(value_ints=[window])
         query_at = op.Reshape(
             op.Range(op.Constant(value_int=0), op.Squeeze(rows), op.Constant(value_int=1)),
             op.Constant(value_ints=[-1, window, 1]),
@@ -868,6 +865,12 @@ def windowed_kernel_attention_functions(
         position = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
         sink = op.Unsqueeze(op.Less(position, op.Constant(value_int=sinks)), op.Constant(value_ints=[0, 2]))
         return op.Where(sink, fill, x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def NoSinks(x, fill):
+        return op.Identity(x)
+
+    without_sinks = WithoutSinks if sinks else NoSinks
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalSoftmaxSums(q4, k_x, v_x, allowed):
@@ -918,7 +921,7 @@ def windowed_kernel_attention_functions(
     def FarKeyFeatures(phi_k):
         """phi_k in blocks, zero on the sinks."""
         zero = op.Constant(value_float=0.0)
-        return WindowBlocks(WithoutSinks(flatten(phi_k), zero), zero)
+        return WindowBlocks(without_sinks(flatten(phi_k), zero), zero)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
@@ -937,7 +940,7 @@ def windowed_kernel_attention_functions(
         missing keys."""
         lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
         last = op.Constant(value_ints=[-1])
-        s = op.Squeeze(WindowBlocks(WithoutSinks(flatten(key_log_scale), lowest), lowest), last)
+        s = op.Squeeze(WindowBlocks(without_sinks(flatten(key_log_scale), lowest), lowest), last)
         block_max = op.ReduceMax(s, last, keepdims=0)
         running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
         reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
@@ -978,7 +981,7 @@ def windowed_kernel_attention_functions(
         denominator = local_den * local_factor + far_den * far_factor
         return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
 
-    common = [flatten, expand_keep, WindowBlocks, UnblockLike, ShiftBlocks]
+    common = [flatten, expand_keep, BlockCount, WindowBlocks, UnblockLike, ShiftBlocks]
     if not causal:
         common.append(ShiftBlocksEarlier)
     common.append(WithPreviousBlock)
@@ -993,7 +996,7 @@ def windowed_kernel_attention_functions(
         if causal:
             common.append(CausalSinkMask)
         common.append(LocalAndSinkKeys)
-    common += [WithoutSinks, LocalSoftmaxSums, EarlierBlocksSum]
+    common += [without_sinks, LocalSoftmaxSums, EarlierBlocksSum]
     if not causal:
         common.append(FarBlocksSum)
     common += [FarStates, KernelSums, LocalPart, FarKeyFeatures]

@@ -42,15 +42,7 @@ from onnxscript import script
 from attnrewrite.site import AttentionSite
 from passes import kernels
 from passes._options import option
-from passes._onnx import (
-    ATTNREWRITE,
-    DOMAIN,
-    DOMAIN_VERSION,
-    FLOAT,
-    MIN_OPSET,
-    OnnxLowering,
-    standard_opset,
-)
+from passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
 from passes._torch import Module, torch
 
 NAME = "lsh"
@@ -669,14 +661,4 @@ def _unrolled_entry(name: str, calls, n_hashes: int, causal: bool, opset_version
         helper.make_node("Concat", [f"lse{r}" for r in range(n_hashes)], ["lse"], axis=1),
         call(combine_fn, ["out", "lse", "q", "v"], ["result"]),
     ]
-    return helper.make_function(
-        DOMAIN,
-        name,
-        inputs,
-        ["result"],
-        nodes,
-        [
-            helper.make_opsetid("", max(opset_version, MIN_OPSET)),
-            helper.make_opsetid(DOMAIN, DOMAIN_VERSION),
-        ],
-    )
+    return make_function(name, inputs, ["result"], nodes, opset_version)
