@@ -257,6 +257,51 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
     assert len({entry["calibration"]["data_sha256"] for entry in record["sites"]}) == 1
 
 
+def test_onnx_calibration_is_sequential(tmp_path):
+    """Site 2 is fitted on what the model with site 1 fitted gives it: its recorded loss before
+    fitting is the unfitted module's on the inputs the written model feeds its replacement, not
+    on those the model with site 1 unfitted would feed it."""
+    arrays = calibration_npz(tmp_path / "data.npz", examples=8)
+    original = peaked_bert(tmp_path / "peaked.onnx")
+    model = attnrewrite.rewrite(original, to="hedgehog", calibrate=str(tmp_path / "data.npz"), calibrate_steps=30)
+    entries = read_record(model)["sites"]
+    second = sites_of(entries)[1]
+
+    def loss_before_on_inputs_of(rewritten) -> float:
+        samples = fit.SiteSamples()
+        samples.add(*replacement_inputs(rewritten, 1, arrays))
+        fresh = passes.hedgehog.torch_module(second, passes.hedgehog.Options(), learnable=True)
+        return fit.fit_site(fresh, samples, scale=second.scale, causal=False, steps=0).loss_before
+
+    recorded = entries[1]["calibration"]["loss_before"]
+    assert loss_before_on_inputs_of(model) == pytest.approx(recorded, rel=1e-5)
+    assert loss_before_on_inputs_of(attnrewrite.rewrite(original, to="hedgehog")) != pytest.approx(recorded, rel=1e-2)
+
+
+def peaked_bert(path) -> str:
+    """samples/tiny_bert.onnx with every square projection 8x larger: random-init attention is
+    nearly uniform, which a kernel gets right unfitted; these logits (64x) are peaked."""
+    model = onnx.load(SAMPLE_BERT)
+    for tensor in model.graph.initializer:
+        if len(tensor.dims) == 2 and tensor.dims[0] == tensor.dims[1]:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * 8, tensor.name))
+    onnx.save(model, path)
+    return str(path)
+
+
+def replacement_inputs(model: onnx.ModelProto, index: int, feeds: dict) -> list[np.ndarray]:
+    """q, k, v and key_keep (float32) of the index-th replacement, run on ``feeds``."""
+    import onnxruntime as ort
+
+    call = [n for n in model.graph.node if n.domain == passes._onnx.DOMAIN][index]
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in call.input[:4])
+    session = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
+    *qkv, keep = session.run(list(call.input[:4]), feeds)
+    return [*qkv, keep.astype(np.float32)]
+
+
 def model_head_dim(record) -> int:
     return record["sites"][0]["head_dim"]
 
@@ -385,16 +430,18 @@ def test_fx_calibration_of_swapped_multihead_attention_is_sequential_and_trainab
         for example in examples:
             gm(**example)
     handle.remove()
-    fresh = passes.hydra.torch_module(sites_of(gm)[1], passes.hydra.Options(), learnable=True)
-    again = fit.fit_site(fresh, samples, scale=sites_of(gm)[1].scale, causal=False, steps=0)
+    layer1_site = sites_of(sites)[1]
+    fresh = passes.hydra.torch_module(layer1_site, passes.hydra.Options(), learnable=True)
+    again = fit.fit_site(fresh, samples, scale=layer1_site.scale, causal=False, steps=0)
     assert again.loss_before == pytest.approx(sites[1]["calibration"]["loss_before"], rel=1e-6)
 
 
-def sites_of(gm) -> list[AttentionSite]:
+def sites_of(entries: list[dict]) -> list[AttentionSite]:
+    """The sites a record's entries describe."""
     return [
         AttentionSite(s["name"], scale=s["scale"], mask=MaskKind(s["mask"]), rank=4, num_heads=s["num_heads"],
                       head_dim=s["head_dim"], value_dim=s["value_dim"])
-        for s in gm.meta["attnrewrite"]["sites"]
+        for s in entries
     ]
 
 

@@ -154,7 +154,8 @@ def _names_read(node: onnx.NodeProto) -> set[str]:
 
 
 def _run(session, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    known = {i.name for i in session.get_inputs()}
+    # get_inputs() leaves out initializers that are also inputs: the fitted values are those
+    known = {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
     try:
         return session.run(names, {name: array for name, array in feeds.items() if name in known})
     except Exception as error:
