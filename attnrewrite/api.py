@@ -34,6 +34,8 @@ def rewrite(
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
     calibrate_lr: float = calibration.DEFAULT_LR,
+    calibrate_ce_weight: float = 0.0,
+    calibrate_seed: int = 0,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = calibration.DEFAULT_MAX_LENGTH,
     min_cosine: float | None = None,
@@ -61,15 +63,19 @@ def rewrite(
     original model runs, e.g. past an audio model's convolutional front end).
 
     ``calibrate``: fit every replacement to the attention it replaces on this data, site by
-    site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``). For ONNX: an
+    site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``, minibatches drawn
+    by ``calibrate_seed``; with ``calibrate_ce_weight`` > 0 the loss adds that times Hedgehog's
+    cross-entropy between the softmax weights and the replacement's on sampled rows: linear,
+    favor without a window, hedgehog). For ONNX: an
     ``.npz`` path (arrays by input name), a text file path (one text per line, made into inputs
     by ``tokenizer``, a tokenizer.json, truncated to ``max_length`` tokens), a dict of arrays
     (batch axis stacked) or a list of such dicts. For torch: a list of example inputs, each a
     tuple of positional arguments or a dict of keyword arguments.
     """
+    fit = dict(steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed)
     if layers == "auto":
         options = {**options, "include_single_query": include_single_query, "seq": seq}
-        fit = dict(tokenizer=tokenizer, max_length=max_length, steps=calibrate_steps, lr=calibrate_lr)
+        fit.update(tokenizer=tokenizer, max_length=max_length)
         return _rewrite_auto(model, to, validate, min_cosine, inputs, calibrate, fit, options)
     if min_cosine is not None or inputs is not None:
         raise AttnRewriteError("min_cosine and inputs choose layers: they go with layers='auto'")
@@ -78,8 +84,7 @@ def rewrite(
         fitting = None
         if calibrate is not None:
             fitting = calibration.onnx_calibration(
-                calibrate, ir_model.graph, tokenizer=tokenizer, max_length=max_length,
-                steps=calibrate_steps, lr=calibrate_lr,
+                calibrate, ir_model.graph, tokenizer=tokenizer, max_length=max_length, **fit
             )
         ir_model, record = rewrite_model(
             ir_model, to, layers=layers, include_single_query=include_single_query,
@@ -98,7 +103,7 @@ def rewrite(
     from attnrewrite.fx import rewrite_graph_module
 
     if calibrate is not None:
-        options.update(calibrate=calibrate, calibrate_steps=calibrate_steps, calibrate_lr=calibrate_lr)
+        options.update(calibrate=calibrate, **{f"calibrate_{name}": value for name, value in fit.items()})
     gm = rewrite_graph_module(model, to, layers=layers, include_single_query=include_single_query, **options)
     _warn_if_nothing_rewritten(gm.meta[METADATA_KEY]["sites_found"], gm.meta[METADATA_KEY]["sites_rewritten"])
     return gm

@@ -72,8 +72,9 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def require_fittable(method: types.ModuleType, options) -> None:
-    """One clear line, before any work, when calibration cannot run at all."""
+def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) -> None:
+    """One clear line, before any work, when calibration cannot run at all (or not with the
+    attention-weight cross-entropy ``ce_weight`` asks for)."""
     from passes._torch import torch
 
     if torch is None:
@@ -81,6 +82,11 @@ def require_fittable(method: types.ModuleType, options) -> None:
     reason = passes.nothing_to_fit(method, options)
     if reason:
         raise AttnRewriteError(f"cannot calibrate: {reason}")
+    if not ce_weight >= 0:
+        raise AttnRewriteError(f"the attention-weight cross-entropy weight must be >= 0, got {ce_weight:g}")
+    reason = ce_weight and passes.attention_weights_unavailable(method, options)
+    if reason:
+        raise AttnRewriteError(f"cannot calibrate with the attention-weight cross-entropy: {reason}")
 
 
 # --- torch example inputs --------------------------------------------------------------------

@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="optimizer steps per site (default: %(default)s)")
     parser.add_argument("--calibrate-lr", type=float, default=calibration.DEFAULT_LR, metavar="LR",
                         help="Adam learning rate of calibration (default: %(default)s)")
+    parser.add_argument("--calibrate-ce", type=parse_nonnegative, default=0.0, metavar="W",
+                        help="add W times Hedgehog's cross-entropy between the softmax weights and the replacement's "
+                        "(linear, favor without a window, hedgehog; default: %(default)s, output error only)")
+    parser.add_argument("--calibrate-seed", type=int, default=0, metavar="N",
+                        help="seed of the minibatches calibration draws (default: %(default)s)")
     parser.add_argument("--tokenizer", metavar="tokenizer.json", help="with a text --calibrate file: the tokenizer that makes the model's inputs")
     parser.add_argument("--max-length", type=parse_positive, default=calibration.DEFAULT_MAX_LENGTH, metavar="N",
                         help="with --tokenizer: truncate texts to N tokens (default: %(default)s)")
@@ -168,6 +173,16 @@ def build_bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and memory vs length (needs matplotlib)")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
     return parser
+
+
+def parse_nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def parse_positive(text: str) -> int:
@@ -402,10 +417,10 @@ def _calibration(args, model, options: dict[str, str]):
             raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
         return None
     method = passes.get_pass(args.to)
-    calibration.require_fittable(method, passes.make_options(method, **options))
+    calibration.require_fittable(method, passes.make_options(method, **options), args.calibrate_ce)
     return calibration.onnx_calibration(
         args.calibrate, model.graph, tokenizer=args.tokenizer, max_length=args.max_length,
-        steps=args.calibrate_steps, lr=args.calibrate_lr,
+        steps=args.calibrate_steps, lr=args.calibrate_lr, ce_weight=args.calibrate_ce, seed=args.calibrate_seed,
     )
 
 

@@ -29,7 +29,9 @@ Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and wri
   (kernels.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
   exactly what it was before calibration existed.
 - Optional: ``attention_weights(q, k, key_keep=None)`` on the module, its normalized weights
-  [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy.
+  [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy; such
+  a method says for which options it has them with ``attention_weights_unavailable(options) ->
+  None | reason`` (``passes.attention_weights_unavailable`` answers for the others).
 
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
 take ``window`` (exact softmax over neighbouring blocks and sink keys, the kernel beyond, with
@@ -66,6 +68,13 @@ def nothing_to_fit(method: types.ModuleType, options) -> str | None:
     """Why calibration cannot fit ``method`` with ``options``; None when it can."""
     reason = getattr(method, "nothing_to_fit", None)
     return reason(options) if reason is not None else None
+
+
+def attention_weights_unavailable(method: types.ModuleType, options) -> str | None:
+    """Why ``method``'s modules cannot give the attention weights the fitter's cross-entropy
+    compares; None when they can."""
+    unavailable = getattr(method, "attention_weights_unavailable", None)
+    return unavailable(options) if unavailable is not None else f"{method.NAME} gives no attention weights"
 
 
 def make_options(method: types.ModuleType, **values):

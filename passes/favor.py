@@ -57,6 +57,7 @@ from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
 from passes._torch import Module, torch
 
 NAME = "favor"
+WINDOWED_WEIGHTS = "favor with a window gives no attention weights"
 VARIANTS = ("positive", "hyperbolic")
 NORMS = ("chi", "fixed")
 # Only keeps rows whose keys are all masked at 0 rather than 0/0. Stabilized denominators are in
@@ -92,6 +93,10 @@ class Options:
         if self.chunk < 1:
             raise ValueError(f"favor chunk must be >= 1, got {self.chunk}")
         kernels.check_window_options(NAME, self.window, self.sinks)
+
+
+def attention_weights_unavailable(options: Options) -> str | None:
+    return WINDOWED_WEIGHTS if options.window else None
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -246,7 +251,7 @@ class FavorAttention(Module):
         exp(a_i + b_j) phi'(x_i).phi'(y_j) with a_i, b_j each row's max log feature, so the
         product is taken in log space and nothing over- or underflows."""
         if self.window:
-            raise ValueError("windowed favor gives no attention weights to fit")
+            raise ValueError(WINDOWED_WEIGHTS)
         w = self.projection.float()
         hyperbolic = self.variant == "hyperbolic"
         log_q = log_features(q.float() * self.root_scale, w, hyperbolic)

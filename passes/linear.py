@@ -39,6 +39,10 @@ class Options:
         kernels.check_window_options(NAME, self.window, self.sinks)
 
 
+def attention_weights_unavailable(options: Options) -> str | None:
+    return None  # the module's attention_weights covers every option, window included
+
+
 def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed by a kernel feature map"

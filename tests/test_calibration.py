@@ -22,6 +22,7 @@ import attnrewrite.onnx.io
 import passes
 from attnrewrite import calibration
 from attnrewrite.cli import main
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.site import AttentionSite, MaskKind
 from passes import fit
 
@@ -328,6 +329,10 @@ def test_data_fingerprint_is_of_the_arrays_only(tmp_path):
          "cannot calibrate: lsh has nothing to fit (its buckets come from random rotations and a sort)"),
         (lambda p: calibration_npz(p / "d.npz"), ["-O", "projection=pool", "--to", "linformer"],
          "cannot calibrate: linformer's 'pool' projection has nothing to fit (use gaussian or learned)"),
+        (lambda p: calibration_npz(p / "d.npz"), ["--to", "hydra", "--calibrate-ce", "1"],
+         "cannot calibrate with the attention-weight cross-entropy: hydra gives no attention weights"),
+        (lambda p: calibration_npz(p / "d.npz"), ["-O", "window=4", "--calibrate-ce", "0.5"],
+         "cannot calibrate with the attention-weight cross-entropy: favor with a window gives no attention weights"),
     ],
 )
 def test_calibration_errors_are_one_line_and_write_nothing(tmp_path, capsys, make_data, extra, message):
@@ -382,7 +387,10 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
 
 @pytest.mark.parametrize(
     "method, options",
-    [("linear", {}), ("linear", {"window": 4}), ("favor", {"features": 24}), ("favor", {"features": 24, "variant": "hyperbolic"})],
+    [
+        ("linear", {}), ("linear", {"window": 4}), ("favor", {"features": 24}),
+        ("favor", {"features": 24, "variant": "hyperbolic"}), ("hedgehog", {}), ("hedgehog", {"window": 4}),
+    ],
 )
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL])
 def test_attention_weights_are_the_ones_the_module_applies(method, options, mask):
@@ -395,6 +403,45 @@ def test_attention_weights_are_the_ones_the_module_applies(method, options, mask
         weights = module.attention_weights(q, k, keep)
         assert relative_error((weights @ v).numpy(), module(q, k, v, keep).numpy()) < 1e-4
         assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(passes.PASSES))
+def test_attention_weights_are_declared_where_the_modules_give_them(method):
+    method_pass = passes.get_pass(method)
+    q, k, _, keep = attention_inputs(HEADS, MaskKind.KEY_PADDING)
+    for values in [{}, *([{"window": 4}] if method in passes.WINDOWED else [])]:
+        options = passes.make_options(method_pass, **values)
+        learnable = passes.nothing_to_fit(method_pass, options) is None
+        module = method_pass.torch_module(site(MaskKind.KEY_PADDING), options, learnable=learnable)
+        reason = passes.attention_weights_unavailable(method_pass, options)
+        if reason is None:
+            with torch.no_grad():
+                assert module.attention_weights(q, k, keep).shape == (*q.shape[:-1], k.shape[-2])
+        elif hasattr(module, "attention_weights"):
+            with pytest.raises(ValueError, match=reason):
+                module.attention_weights(q, k, keep)
+
+
+def test_cross_entropy_weight_and_seed_reach_the_fit(tmp_path):
+    calibration_npz(tmp_path / "data.npz")
+    common = [str(SAMPLE_BERT), "--to", "hedgehog", "--calibrate", str(tmp_path / "data.npz"), "--calibrate-steps", "10"]
+    assert main([*common, "--calibrate-ce", "0.5", "--calibrate-seed", "3", "-o", str(tmp_path / "a.onnx")]) == 0
+    assert main([*common, "--calibrate-ce", "0.5", "-o", str(tmp_path / "b.onnx")]) == 0
+    seeded, default = (onnx.load(tmp_path / name) for name in ("a.onnx", "b.onnx"))
+    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in read_record(seeded)["sites"]} == {(0.5, 3)}
+    # another seed draws other minibatches, so it fits other values
+    fitted = [{t.name: numpy_helper.to_array(t) for t in m.graph.initializer if t.name.endswith("/weight")} for m in (seeded, default)]
+    assert fitted[0].keys() == fitted[1].keys() and any(not np.array_equal(fitted[0][n], fitted[1][n]) for n in fitted[0])
+    # the torch path takes them as keyword arguments
+    encoder = models.MODELS["torch-encoder-padded"].build()
+    examples = [models.MODELS["torch-encoder-padded"].inputs(2, 8)]
+    gm = attnrewrite.rewrite(
+        encoder, to="linear", calibrate=examples, calibrate_steps=2, calibrate_ce_weight=0.25, calibrate_seed=7
+    )
+    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in gm.meta["attnrewrite"]["sites"]} == {(0.25, 7)}
+    hydra_error = "^cannot calibrate with the attention-weight cross-entropy: hydra gives no attention weights$"
+    with pytest.raises(AttnRewriteError, match=hydra_error):
+        attnrewrite.rewrite(encoder, to="hydra", calibrate=examples, calibrate_ce_weight=1.0)
 
 
 def test_cross_entropy_term_fits_too_and_is_seeded():

@@ -71,6 +71,18 @@ def test_fidelity_metrics():
     assert worse["mean_cosine"] == pytest.approx(4 / 6)
 
 
+def test_nn_agreement_at_a_fixed_cosine():
+    rng = np.random.default_rng(0)
+    spread = rng.standard_normal((40, 16))
+    rows = fidelity.turned(spread, 0.99, rng)
+    np.testing.assert_allclose(np.sum(rows * fidelity._unit(spread), axis=1), 0.99, rtol=1e-12)
+    np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, rtol=1e-12)
+    assert fidelity.nn_agreement_at_fixed_cosine(spread, cosines=(1.0,)) == {"1": 1.0}
+    # passages in near-tied pairs of neighbours: a small turn flips some nearest neighbours
+    tied = np.repeat(spread[:10], 4, axis=0) + 1e-3 * rng.standard_normal((40, 16))
+    assert fidelity.nn_agreement_at_fixed_cosine(tied, cosines=(0.99,))["0.99"] < 0.9
+
+
 def test_batches_pad_and_pooling_ignores_the_padding():
     batch = next(fidelity.batches([np.array([101, 5, 102]), np.array([101, 7, 8, 9, 102])], 2))
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]

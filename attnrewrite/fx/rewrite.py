@@ -107,6 +107,8 @@ def rewrite_graph_module(
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
     calibrate_lr: float = calibration.DEFAULT_LR,
+    calibrate_ce_weight: float = 0.0,
+    calibrate_seed: int = 0,
     **options: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
@@ -117,15 +119,17 @@ def rewrite_graph_module(
     ``include_single_query``: also rewrite sites with one query (left exact by default).
     ``calibrate``: example inputs (tuples of positional arguments or dicts of keyword
     arguments) to fit every replacement on, site by site (attnrewrite.fx.calibrate); the
-    fitted values are the pass modules' nn.Parameters.
+    fitted values are the pass modules' nn.Parameters. ``calibrate_*``: as for ``rewrite``.
     ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
     """
     method = passes.get_pass(to)
     method_options = passes.make_options(method, **options)
     fitting_data = None
     if calibrate is not None:
-        calibration.require_fittable(method, method_options)
-        fitting_data = calibration.torch_calibration(calibrate, steps=calibrate_steps, lr=calibrate_lr)
+        calibration.require_fittable(method, method_options, calibrate_ce_weight)
+        fitting_data = calibration.torch_calibration(
+            calibrate, steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed
+        )
     fitting = []
     gm = to_graph_module(model, example_inputs)
     facts = GraphFacts(gm)

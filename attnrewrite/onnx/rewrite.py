@@ -54,7 +54,7 @@ def rewrite_model(
     if calibration is not None:
         from attnrewrite.calibration import require_fittable
 
-        require_fittable(method, opts)
+        require_fittable(method, opts, calibration.ce_weight)
     model = infer_shapes(model)
     sites = analyze(model, seq)
     decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
