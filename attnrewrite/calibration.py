@@ -84,8 +84,7 @@ def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) 
         raise AttnRewriteError(f"cannot calibrate: {reason}")
     if not ce_weight >= 0:
         raise AttnRewriteError(f"the attention-weight cross-entropy weight must be >= 0, got {ce_weight:g}")
-    reason = ce_weight and passes.attention_weights_unavailable(method, options)
-    if reason:
+    if ce_weight and (reason := passes.attention_weights_unavailable(method, options)):
         raise AttnRewriteError(f"cannot calibrate with the attention-weight cross-entropy: {reason}")
 
 

@@ -78,7 +78,7 @@ def test_nn_agreement_at_a_fixed_cosine():
     np.testing.assert_allclose(np.sum(rows * fidelity._unit(spread), axis=1), 0.99, rtol=1e-12)
     np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, rtol=1e-12)
     assert fidelity.nn_agreement_at_fixed_cosine(spread, cosines=(1.0,)) == {"1": 1.0}
-    # passages in near-tied pairs of neighbours: a small turn flips some nearest neighbours
+    # passages in groups of four near-copies: a small turn flips some nearest neighbours
     tied = np.repeat(spread[:10], 4, axis=0) + 1e-3 * rng.standard_normal((40, 16))
     assert fidelity.nn_agreement_at_fixed_cosine(tied, cosines=(0.99,))["0.99"] < 0.9
 
