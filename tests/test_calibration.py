@@ -171,10 +171,10 @@ def test_lsh_and_unfittable_linformer_say_why():
 # --- both frontends ---------------------------------------------------------------------------
 
 
-def _rewrite_onnx_with_torch_weights(model: onnx.ModelProto, method: str, feeds, fitted: dict) -> onnx.ModelProto:
+def _rewrite_onnx_with_torch_weights(model: onnx.ModelProto, method: str, feeds, fitted: dict, **options) -> onnx.ModelProto:
     """The ONNX rewrite with learnable lowerings (0 calibration steps: initial values), its
     fittable initializers then overwritten with ``fitted`` (layer -> a torch module's state)."""
-    rewritten = attnrewrite.rewrite(model, to=method, calibrate=feeds, calibrate_steps=0)
+    rewritten = attnrewrite.rewrite(model, to=method, calibrate=feeds, calibrate_steps=0, **options)
     sites = {s["name"]: s["layer"] for s in read_record(rewritten)["sites"]}
     written = 0
     for tensor in rewritten.graph.initializer:
@@ -186,13 +186,13 @@ def _rewrite_onnx_with_torch_weights(model: onnx.ModelProto, method: str, feeds,
     return rewritten
 
 
-@pytest.mark.parametrize("method", ["linear", "favor"])
-def test_torch_calibration_written_into_the_onnx_rewrite_gives_the_same_model(exports, method):
+@pytest.mark.parametrize("method, options", [("linear", {}), ("favor", {}), ("hedgehog", {"window": 4})])
+def test_torch_calibration_written_into_the_onnx_rewrite_gives_the_same_model(exports, method, options):
     export = exports.get("bert-eager", "legacy")
     args = text_args(12)
     calibration_inputs = [text_args(12, seed=s) for s in range(3)]
     gm = attnrewrite.rewrite(
-        torch.export.export(export.module, args), to=method, calibrate=calibration_inputs, calibrate_steps=20
+        torch.export.export(export.module, args), to=method, calibrate=calibration_inputs, calibrate_steps=20, **options
     )
     record = gm.meta["attnrewrite"]
     fitted = {}
@@ -204,7 +204,7 @@ def test_torch_calibration_written_into_the_onnx_rewrite_gives_the_same_model(ex
         assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in module.parameters())
         fitted[entry["layer"]] = {n: t.detach().numpy() for n, t in module.state_dict().items()}
     feeds = dict(zip(export.spec.input_names, (a.numpy() for a in calibration_inputs[0])))
-    onnx_model = _rewrite_onnx_with_torch_weights(export.load(), method, feeds, fitted)
+    onnx_model = _rewrite_onnx_with_torch_weights(export.load(), method, feeds, fitted, **options)
     with torch.no_grad():
         expected = gm(*args).numpy()
     assert relative_error(run_onnx(onnx_model, dict(zip(export.spec.input_names, args))), expected) < 1e-5
