@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 row = {**measure(config, mode, model_path, data, reference, args), "commit": results["machine"]["commit"]}
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode in SELECTED else "")
-                if mode != "zero-shot":
+                if "calibrated" in mode:  # the runs that calibrate
                     row.update(_settings(args))
                     key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
                 if args.layers is not None and mode not in SELECTED:
