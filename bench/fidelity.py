@@ -48,6 +48,7 @@ MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected")
 SELECTED = ("selected", "calibrated+selected")
 CALIBRATION_BATCH = 8
 SELECTION_PASSAGES = 8  # calibration passages (never held-out ones) that --select measures costs on
+NN_DRAWS = 5  # random directions averaged per cosine in nn_agreement_at_fixed_cosine
 # rewrite() calibration settings a run may change (--calibrate-steps, --calibrate-ce): (argument,
 # the row's key suffix, the row's label); such rows are kept beside those at the defaults
 SETTINGS = (("calibrate_steps", "@{}steps", "{} steps"), ("calibrate_ce_weight", "@ce{}", "cross-entropy weight {}"))
@@ -134,13 +135,13 @@ def fidelity(original: np.ndarray, rewritten: np.ndarray) -> dict:
     }
 
 
-def nn_agreement_at_fixed_cosine(reference: np.ndarray, cosines=(0.99, 0.995, 0.998, 0.999), draws: int = 5) -> dict:
+def nn_agreement_at_fixed_cosine(reference: np.ndarray, cosines=(0.99, 0.995, 0.998, 0.999)) -> dict:
     """How demanding NN agreement is on this set: every embedding turned by the same angle in a
-    random direction (cosine exactly c with its original), the agreement averaged over ``draws``
-    seeded draws. Near-tied neighbours flip under any error."""
+    random direction (cosine exactly c with its original), the agreement averaged over
+    NN_DRAWS seeded draws. Near-tied neighbours flip under any error."""
     rng = np.random.default_rng(0)
     return {
-        f"{c:g}": round(float(np.mean([fidelity(reference, turned(reference, c, rng))["nn_agreement"] for _ in range(draws)])), 4)
+        f"{c:g}": round(float(np.mean([fidelity(reference, turned(reference, c, rng))["nn_agreement"] for _ in range(NN_DRAWS)])), 4)
         for c in cosines
     }
 
@@ -314,7 +315,7 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [
             "",
             "How demanding NN agreement is here: the original embeddings, each turned by the same angle in a random "
-            f"direction (every passage at exactly that cosine), keep NN agreement {at} (cosine: agreement, mean of 5 draws).",
+            f"direction (every passage at exactly that cosine), keep NN agreement {at} (cosine: agreement, mean of {NN_DRAWS} draws).",
         ]
     selected = [r for r in rows if r["mode"] in SELECTED]
     if selected:

@@ -427,11 +427,17 @@ def test_cross_entropy_weight_and_seed_reach_the_fit(tmp_path):
     common = [str(SAMPLE_BERT), "--to", "hedgehog", "--calibrate", str(tmp_path / "data.npz"), "--calibrate-steps", "10"]
     assert main([*common, "--calibrate-ce", "0.5", "--calibrate-seed", "3", "-o", str(tmp_path / "a.onnx")]) == 0
     assert main([*common, "--calibrate-ce", "0.5", "-o", str(tmp_path / "b.onnx")]) == 0
-    seeded, default = (onnx.load(tmp_path / name) for name in ("a.onnx", "b.onnx"))
+    assert main([*common, "--calibrate-seed", "3", "-o", str(tmp_path / "c.onnx")]) == 0
+    seeded, other_seed, without_ce = (onnx.load(tmp_path / name) for name in ("a.onnx", "b.onnx", "c.onnx"))
     assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in read_record(seeded)["sites"]} == {(0.5, 3)}
-    # another seed draws other minibatches, so it fits other values
-    fitted = [{t.name: numpy_helper.to_array(t) for t in m.graph.initializer if t.name.endswith("/weight")} for m in (seeded, default)]
-    assert fitted[0].keys() == fitted[1].keys() and any(not np.array_equal(fitted[0][n], fitted[1][n]) for n in fitted[0])
+
+    def fitted(model) -> dict[str, np.ndarray]:
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("/weight")}
+
+    # another seed draws other minibatches, and the cross-entropy term changes the loss: other values
+    for other in (other_seed, without_ce):
+        assert fitted(other).keys() == fitted(seeded).keys()
+        assert any(not np.array_equal(fitted(other)[name], value) for name, value in fitted(seeded).items())
     # the torch path takes them as keyword arguments
     encoder = models.MODELS["torch-encoder-padded"].build()
     examples = [models.MODELS["torch-encoder-padded"].inputs(2, 8)]
