@@ -21,8 +21,9 @@ Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and wri
   pool/identity have nothing to fit); linear and hydra ``query_map`` / ``key_map``, a per-head
   linear map of q and k before the feature map ([heads, d, d] when heads are known, else
   [1, d, d]; identity at first; present only when learnable; with ``window`` the window's exact
-  part sees the mapped q and k too); hedgehog W and b; lsh nothing. A window's
-  ``linear_log_weight`` is a parameter either way.
+  part sees the mapped q and k too); hedgehog W and b (with a window also its log scales and
+  local max weight, hedgehog.py); lsh nothing. A window's ``linear_log_weight`` (and hedgehog's
+  other window values) is a parameter either way.
 - The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
   same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
   linear and hydra it also selects the ``Learned<Entry>`` function that applies the maps

@@ -60,10 +60,7 @@ NAME = "favor"
 WINDOWED_WEIGHTS = "favor with a window gives no attention weights"
 VARIANTS = ("positive", "hyperbolic")
 NORMS = ("chi", "fixed")
-# Only keeps rows whose keys are all masked at 0 rather than 0/0. Stabilized denominators are in
-# units of exp(-stabilizers) and can be legitimately tiny, so kernels.DENOMINATOR_EPS (1e-6) would
-# bias them; 1e-30 is still a normal float32, and a denominator near it has underflowed anyway.
-EPS = 1e-30
+EPS = kernels.RESCALED_EPS  # stabilised denominators: kernels says why
 LOWEST = kernels.LOWEST_LOG_SCALE
 
 

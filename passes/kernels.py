@@ -25,6 +25,10 @@ from passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function
 from passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
+# The same guard for denominators in units of exp(-stabilisers) (favor; hedgehog's window), which
+# can be legitimately tiny, so DENOMINATOR_EPS would bias them; 1e-30 is still a normal float32,
+# and a denominator near it has underflowed anyway.
+RESCALED_EPS = 1e-30
 # "No key yet" in running maxima of log scales: finite, so differences of two stay NaN-free
 # (-inf - -inf is NaN) while exp of any difference with a real scale is still 0.
 LOWEST_LOG_SCALE = -3.0e38
@@ -103,7 +107,7 @@ def causal_rescaled_linear_attention(
 
 def windowed_kernel_attention(
     phi_q, phi_k, q, k, v, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
-    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None,
+    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None, local_max_weight=None,
     eps: float = DENOMINATOR_EPS,
 ):
     """Exact softmax over nearby keys and sink keys plus kernel attention over the rest, one
@@ -127,8 +131,11 @@ def windowed_kernel_attention(
     (FAVOR+'s stabilised features, see favor.py), the log scales say so and the kernel part is
     moved to the exact part's units e^(s_ij - m_i): w_h = 1 is then the unbiased hybrid.
     ``key_log_scale``: one per head ([..., 1, 1]) for bidirectional sites, one per key
-    ([..., N, 1], the lowest log scale for padding) for causal ones. The two parts are scaled
-    by exp(-max(t, 0)) and exp(min(t, 0)) with t their log ratio, so neither overflows.
+    ([..., N, 1], the lowest log scale for padding) for causal ones. ``local_max_weight``
+    (beta_h, [heads, 1, 1]; default 1) moves the kernel part by e^(-beta_h m_i) instead, for
+    fitted features that carry part of the row's scale themselves (hedgehog.py). The two parts
+    are scaled by exp(-max(t, 0)) and exp(min(t, 0)) with t their log ratio, so neither
+    overflows.
 
     ``key_keep`` masks the exact part; phi_k must already be zero on padded keys. Memory is
     O(N * (3 * window + sinks) + N * F + N / window * F * Dv); nothing is N x N. All in float32.
@@ -162,6 +169,8 @@ def windowed_kernel_attention(
     far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
     if far_log_scale is not None:
         # log of (kernel part's unit / exact part's unit), per query row
+        if local_max_weight is not None:  # [heads, 1, 1] -> one per query row, blocked
+            local_max = local_max * layout.blocks(local_max_weight.float().expand(*lead, n, 1))
         ratio = layout.blocks(query_log_scale) + far_log_scale - local_max
         local_factor = torch.exp(-torch.clamp_min(ratio, 0.0))
         far_factor = torch.exp(torch.clamp_max(ratio, 0.0))
@@ -214,7 +223,7 @@ def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATO
 
 def windowed_attention_weights(
     phi_q, phi_k, q, k, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
-    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None,
+    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None, local_max_weight=None,
     eps: float = DENOMINATOR_EPS,
 ):
     """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
@@ -243,6 +252,8 @@ def windowed_attention_weights(
         kernel = kernel * torch.exp(linear_log_weight)
     if key_log_scale is not None:
         # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
+        if local_max_weight is not None:
+            row_max = row_max * local_max_weight
         ratio = query_log_scale + key_log_scale.transpose(-2, -1) - row_max
         ratio_max = torch.where(far, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
         shift = torch.clamp_min(ratio_max, 0.0)
@@ -714,13 +725,14 @@ def causal_rescaled_linear_attention_functions(
 
 def windowed_kernel_attention_functions(
     opset_version: int, window: int, scale: float, causal: bool, *, window_next: bool, sinks: int,
-    rescaled: bool = False, eps: float = DENOMINATOR_EPS,
+    rescaled: bool = False, max_weighted: bool = False, eps: float = DENOMINATOR_EPS,
 ):
     """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
 
     The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight) as the passes have
     them ([..., N, *], key_keep broadcastable to [..., N, 1]), with ``rescaled`` also
-    (query_log_scale, key_log_scale) after phi_k, and returns float32 [..., N, Dv]. Blocks are
+    (query_log_scale, key_log_scale) after phi_k and, ``max_weighted``, local_max_weight last;
+    it returns float32 [..., N, Dv]. Blocks are
     laid out as _ChunkLayout does (padded at the front), so both lowerings pick the same keys;
     ``causal``, ``window_next`` and ``sinks`` choose the bodies at rewrite time.
     """
@@ -965,21 +977,51 @@ def windowed_kernel_attention_functions(
     rescaled_far_states = CausalRescaledFarStates if causal else HeadRescaledFarStates
 
     @script(ATTNREWRITE, default_opset=op)
-    def WindowedRescaledKernelAttention(
-        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
-    ):
+    def RescaledParts(phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight):
+        """Both parts' sums, each in its own unit, the exact part's row max and the kernel
+        part's log scale per block."""
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
         far_kv, far_key_sum, far_log_scale = rescaled_far_states(FarKeyFeatures(phi_k), v4, key_log_scale)
         far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
-        # log of (kernel part's unit / exact part's unit), per query row; each side scaled <= 1
-        ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - local_max
+        return local_num, local_den, local_max, far_num, far_den, far_log_scale
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v):
+        """ratio: log of (kernel part's unit / exact part's unit), per query row; each side is
+        scaled <= 1, so neither overflows."""
+        zero = op.Constant(value_float=0.0)
         local_factor = op.Exp(op.Neg(op.Max(ratio, zero)))
         far_factor = op.Exp(op.Min(ratio, zero))
         numerator = local_num * local_factor + far_num * far_factor
         denominator = local_den * local_factor + far_den * far_factor
         return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedRescaledKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
+    ):
+        local_num, local_den, local_max, far_num, far_den, far_log_scale = RescaledParts(
+            phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
+        )
+        ratio = WindowBlocks(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale - local_max
+        return CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedMaxWeightedKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight, local_max_weight
+    ):
+        """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
+        beta_h = local_max_weight [heads, 1, 1]."""
+        zero = op.Constant(value_float=0.0)
+        local_num, local_den, local_max, far_num, far_den, far_log_scale = RescaledParts(
+            phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
+        )
+        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
+        weighted_max = local_max * WindowBlocks(flatten(row_weight), zero)
+        ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - weighted_max
+        return CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v)
 
     common = [flatten, expand_keep, BlockCount, WindowBlocks, UnblockLike, ShiftBlocks]
     if not causal:
@@ -1002,6 +1044,6 @@ def windowed_kernel_attention_functions(
     common += [FarStates, KernelSums, LocalPart, FarKeyFeatures]
     if not rescaled:
         return [*common, WindowedKernelAttention]
-    if causal:
-        return [*common, RunningMax, LowerTriangle, CausalRescaledFarStates, WindowedRescaledKernelAttention]
-    return [*common, HeadRescaledFarStates, WindowedRescaledKernelAttention]
+    far_states = [RunningMax, LowerTriangle, CausalRescaledFarStates] if causal else [HeadRescaledFarStates]
+    entry = WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
+    return [*common, *far_states, RescaledParts, CombineRescaled, entry]

@@ -12,7 +12,7 @@ from models import relative_error, run_onnx, run_pass_module, text_args, torch_r
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import get_pass, hedgehog, make_options
+from passes import get_pass, hedgehog, kernels, make_options
 
 H, D, DV = 3, 8, 5
 SCALE = 0.3
@@ -68,8 +68,12 @@ def test_feature_map_starts_at_identity_per_head_and_is_learnable_on_request():
     # heads unknown ([batch * heads, N, d]): one map shared by all
     shared = hedgehog.torch_module(make_site(rank=3), hedgehog.Options(window=8), learnable=True)
     assert {n: tuple(p.shape) for n, p in shared.named_parameters()} == {
-        "weight": (1, D, D), "bias": (1, 1, D), "linear_log_weight": (1, 1, 1)
+        "weight": (1, D, D), "bias": (1, 1, D), "linear_log_weight": (1, 1, 1), "query_log_scale": (1, D, 1),
+        "key_log_scale": (1, D, 1), "local_max_weight": (1, 1, 1),
     }
+    initial = {n: p.detach() for n, p in shared.named_parameters()}
+    assert float(initial["local_max_weight"]) == 0.5
+    assert not initial["query_log_scale"].any() and not initial["key_log_scale"].any()
 
 
 def test_fitted_weights_reach_the_onnx_constants_and_wrong_shapes_are_refused():
@@ -77,7 +81,7 @@ def test_fitted_weights_reach_the_onnx_constants_and_wrong_shapes_are_refused():
     options = hedgehog.Options(window=4)
     module = fitted(site, options)
     lowering = hedgehog.onnx_lowering(site, options, 18, state(module))
-    assert set(lowering.constants) == {"weight", "bias", "linear_log_weight"}
+    assert set(lowering.constants) == {"weight", "bias", *hedgehog.WINDOW_VALUES}
     for name, value in state(module).items():
         np.testing.assert_array_equal(lowering.constants[name], value)
     with pytest.raises(ValueError, match=r"^weight 'weight' has shape \[1, 8, 8\], the lowering's \[3, 8, 8\]$"):
@@ -143,6 +147,34 @@ def test_onnx_equals_torch_with_fitted_values(mask, window):
     assert relative_error(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
+def test_window_log_scales_far_beyond_exp_range_stay_exact(mask):
+    """Fitted log scales of +-hundreds (e^x overflows float32 past 88): the two parts are each
+    scaled to at most 1 and the keys' log scales are bounded, so torch and ONNX stay finite and
+    equal the N x N definition."""
+    site = make_site(mask)
+    options = hedgehog.Options(chunk=16, window=8)
+    module = fitted(site, options)
+    with torch.no_grad():
+        module.query_log_scale.mul_(400.0)
+        module.key_log_scale.mul_(-400.0)
+    q, k, v, keep = inputs(45, seed=2)
+    keep = keep if mask.key_padding else None
+    out = run_pass_module(module, q, k, v, keep)
+    tq, tk, tv, tkeep = (None if x is None else torch.from_numpy(x) for x in (q, k, v, keep))
+    with torch.no_grad():
+        query_log_scale, key_log_scale = module.log_scales(tq, tk, tkeep)
+        weights = module.attention_weights(tq, tk, tkeep)
+    real_keys = key_log_scale[key_log_scale > kernels.LOWEST_LOG_SCALE]
+    assert float(query_log_scale.abs().max()) > 200
+    assert float(real_keys.max() - real_keys.min()) > 1.9 * hedgehog.KEY_LOG_SCALE_BOUND
+    assert np.isfinite(out).all()
+    assert relative_error(out, (weights @ tv).numpy()) < 1e-5
+    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, state(module)), 4)
+    feed_keep = keep if keep is not None else np.ones((1, 1, 1, 1), np.float32)
+    assert relative_error(session.run(None, dict(q=q, k=k, v=v, key_keep=feed_keep))[0], out) < 1e-5
+
+
 def test_onnx_equals_torch_with_heads_folded_into_the_batch():
     site = make_site(MaskKind.KEY_PADDING, rank=3)
     options = hedgehog.Options()
@@ -154,15 +186,18 @@ def test_onnx_equals_torch_with_heads_folded_into_the_batch():
 
 
 @pytest.mark.parametrize("window", [0, 16])
-def test_attention_weights_are_what_the_output_averages_with(window):
-    """The N x N weights a cross-entropy loss fits are the ones the blocked computation uses."""
-    module = fitted(make_site(MaskKind.CAUSAL_KEY_PADDING), hedgehog.Options(chunk=16, window=window))
+@pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
+def test_attention_weights_are_what_the_output_averages_with(mask, window):
+    """The N x N weights a cross-entropy loss fits are the ones the blocked computation uses
+    (with a window: the fitted log scales and local max weight included)."""
+    module = fitted(make_site(mask), hedgehog.Options(chunk=16, window=window))
     q, k, v, keep = (torch.from_numpy(x) for x in inputs(45))
     with torch.no_grad():
         weights = module.attention_weights(q, k, keep)
         out = module(q, k, v, keep)
     assert weights.shape == (2, H, 45, 45)
-    assert not weights.triu(1).any() and not (weights * (1 - keep.transpose(-2, -1))).any()
+    assert not (weights * (1 - keep.transpose(-2, -1))).any()
+    assert not mask.causal or not weights.triu(1).any()
     assert relative_error(out.numpy(), (weights @ v).numpy()) < 1e-5
 
 
@@ -194,9 +229,10 @@ def test_exported_model_rewrites_and_matches_torch_with_hedgehog_swapped_in(expo
     assert record["sites_rewritten"] == spec.layers
     assert [n.op_type for n in model.graph.node if n.domain == "attnrewrite"] == [op_type] * spec.layers
     assert not {n.op_type for n in model.graph.node} & {"Softmax", "Attention"}
-    # every call reads its W, b (and w_h) as initializers; identical initial values are stored once
+    # every call reads its W, b (and the window's values) as initializers; identical initial
+    # values are stored once
     initializers = {i.name for i in model.graph.initializer}
-    constants = 2 + bool(options)  # weight, bias[, linear_log_weight] after q, k, v, key_keep
+    constants = 2 + len(hedgehog.WINDOW_VALUES) * bool(options)  # after q, k, v, key_keep
     calls = [n for n in model.graph.node if n.domain == "attnrewrite"]
     assert all(len(n.input) == 4 + constants and set(n.input[4:]) <= initializers for n in calls)
     assert len({tuple(n.input[4:]) for n in calls}) == 1

@@ -65,17 +65,18 @@ def fitted_module(method, site, options, seed: int = 0):
 
 
 def windowed_by_definition(
-    phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale=None, key_log_scale=None
+    phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale=None, key_log_scale=None,
+    local_max_weight=None,
 ):
     """kernels.windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
-    previous, own and next block and the sinks, w phi_i.phi_j [e^(a_i + b_j - m_i)] elsewhere,
-    one normaliser) in float64, times v."""
+    previous, own and next block and the sinks, w phi_i.phi_j [e^(a_i + b_j - beta m_i)]
+    elsewhere, one normaliser) in float64, times v."""
     as64 = lambda x: None if x is None else torch.as_tensor(x).double()  # noqa: E731
     window_next, sinks = exact_keys
     weights = kernels.windowed_attention_weights(
         as64(phi_q), as64(phi_k), as64(q), as64(k), scale=SCALE, window=window, causal=causal,
         window_next=window_next, sinks=sinks, key_keep=as64(keep), linear_log_weight=as64(log_weight), query_log_scale=as64(query_log_scale),
-        key_log_scale=as64(key_log_scale), eps=0.0,
+        key_log_scale=as64(key_log_scale), local_max_weight=as64(local_max_weight), eps=0.0,
     )
     return torch.nan_to_num(weights @ as64(v)).numpy()  # a row without any key: 0, as the kernels give
 
@@ -131,12 +132,14 @@ def test_kernel_equals_its_definition(causal, window, exact_keys):
     assert relative_error(out.numpy(), expected) < 1e-5
 
 
+@pytest.mark.parametrize("max_weighted", [False, True], ids=["", "max-weighted"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("window", [16, 7])
 @pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
-def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys):
+def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys, max_weighted):
     """FAVOR+'s form: features stabilised per query row, per head (bidirectional) or per key
-    (causal, log scales spread over +-30 so that the carry between blocks matters)."""
+    (causal, log scales spread over +-30 so that the carry between blocks matters); hedgehog's
+    form also weighs the exact part's row max per head (local_max_weight)."""
     q, k, v = qkv(50)
     keep = np.broadcast_to(padded_keep(50), (B, H, 50, 1)).copy()
     generator = torch.Generator().manual_seed(2)
@@ -150,14 +153,15 @@ def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys
         key_log_scale = torch.randn(B, H, 1, 1, generator=generator) * 3
         per_key = key_log_scale.expand(B, H, 50, 1)
     log_weight = torch.randn(H, 1, 1, generator=generator)
+    max_weight = torch.rand(H, 1, 1, generator=generator) if max_weighted else None
     window_next, sinks = exact_keys
     out = kernels.windowed_kernel_attention(
         phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
         window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
-        query_log_scale=query_log_scale, key_log_scale=key_log_scale, eps=favor.EPS,
+        query_log_scale=query_log_scale, key_log_scale=key_log_scale, local_max_weight=max_weight, eps=favor.EPS,
     )
     expected = windowed_by_definition(
-        phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale, per_key
+        phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale, per_key, max_weight
     )
     assert relative_error(out.numpy(), expected) < 1e-5
 
