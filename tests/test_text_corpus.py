@@ -1,4 +1,4 @@
-"""bench/corpus.py (the held-out text of bench/FIDELITY.md) and bench/fidelity.py's metrics."""
+"""bench/corpus.py (the held-out text of bench/FIDELITY.md), bench/fidelity.py's metrics and bench/window_units.py's error split."""
 
 from __future__ import annotations
 
@@ -91,3 +91,74 @@ def test_batches_pad_and_pooling_ignores_the_padding():
     hidden[0, 3:] = 1e6  # padding positions: must not count
     pooled = fidelity.mean_pool(hidden, batch["attention_mask"])
     np.testing.assert_allclose(pooled, [hidden[0, :3].mean(axis=0), hidden[1].mean(axis=0)])
+
+
+# --- bench/window_units.py: the split of a window hybrid's error -------------------------------
+
+
+class _Weights:
+    """Stands in for a fitted module: gives the attention weights it was made with."""
+
+    sinks = 1
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def attention_weights(self, q, k):
+        return self.weights
+
+
+def _softmax_and_far(n=40, window=8, seed=0):
+    import torch
+    from attention_mass import block_offsets
+
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, n, 4, generator=generator) * 2 for _ in range(3))
+    scale = 0.5
+    true = torch.softmax(scale * q @ k.transpose(-2, -1), -1)
+    offset = block_offsets(n, window)
+    far = ~((offset.abs() <= 1) | (torch.arange(n) < 1)[None, :])
+    return (q, k, v), scale, true, far
+
+
+def test_window_split_of_softmax_itself_has_no_error():
+    import window_units
+
+    (q, k, v), scale, true, far = _softmax_and_far()
+    split = window_units.far_split(_Weights(true), [(q, k, v)], scale, 8)
+    assert split["far mass"] == pytest.approx(float((true * far).sum(-1).mean()), rel=1e-6)
+    assert max(split["fitted"], split["true mass"], split["true distribution"]) < 1e-12
+
+
+def test_window_split_puts_a_wrong_far_distribution_on_the_distribution():
+    """The right far mass spread evenly over the far keys: all the error is the distribution's."""
+    import window_units
+
+    (q, k, v), scale, true, far = _softmax_and_far()
+    mass = (true * far).sum(-1, keepdim=True)
+    even = true * ~far + mass * far / far.sum(-1, keepdim=True)
+    split = window_units.far_split(_Weights(even), [(q, k, v)], scale, 8)
+    assert split["fitted"] > 1e-3
+    assert split["true distribution"] < 1e-12
+    assert split["true mass"] == pytest.approx(split["fitted"], rel=1e-5)
+
+
+def test_window_units_variant_without_units_fits_only_w_b_and_the_kernel_weight():
+    import math
+
+    import torch
+    import window_units
+
+    from attnrewrite.site import AttentionSite, MaskKind
+
+    site = AttentionSite("a", scale=1 / math.sqrt(8), mask=MaskKind.NONE, rank=4, num_heads=2, head_dim=8, value_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    data = [tuple(torch.randn(2, 40, 8, generator=generator) for _ in range(3)) for _ in range(2)]
+    beta, fitted_values = window_units.VARIANTS["before 685ec2c (no units)"]
+    module = window_units.fitted(site, 8, beta, fitted_values, data, steps=3)
+    assert not module.query_log_scale.any() and not module.key_log_scale.any()
+    assert not module.local_max_weight.any()
+    assert module.linear_log_weight.abs().sum() > 0 and not torch.equal(module.weight, torch.eye(8).repeat(2, 1, 1))
+    beta, fitted_values = window_units.VARIANTS["beta_h from 1/2 (default)"]
+    module = window_units.fitted(site, 8, beta, fitted_values, data, steps=3)
+    assert module.query_log_scale.abs().sum() > 0 and not torch.equal(module.local_max_weight, torch.full((2, 1, 1), 0.5))
