@@ -732,9 +732,9 @@ def windowed_kernel_attention_functions(
     The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight) as the passes have
     them ([..., N, *], key_keep broadcastable to [..., N, 1]), with ``rescaled`` also
     (query_log_scale, key_log_scale) after phi_k and, ``max_weighted``, local_max_weight last;
-    it returns float32 [..., N, Dv]. Blocks are
-    laid out as _ChunkLayout does (padded at the front), so both lowerings pick the same keys;
-    ``causal``, ``window_next`` and ``sinks`` choose the bodies at rewrite time.
+    it returns float32 [..., N, Dv]. Blocks are laid out as _ChunkLayout does (padded at the
+    front), so both lowerings pick the same keys; ``causal``, ``window_next`` and ``sinks``
+    choose the bodies at rewrite time.
     """
     op = standard_opset(opset_version)
     flatten = flatten_heads_function(opset_version)

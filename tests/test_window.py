@@ -132,7 +132,7 @@ def test_kernel_equals_its_definition(causal, window, exact_keys):
     assert relative_error(out.numpy(), expected) < 1e-5
 
 
-@pytest.mark.parametrize("max_weighted", [False, True], ids=["", "max-weighted"])
+@pytest.mark.parametrize("max_weighted", [False, True], ids=["unit-max", "max-weighted"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("window", [16, 7])
 @pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
