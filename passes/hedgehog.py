@@ -129,21 +129,15 @@ class HedgehogAttention(Module):
         return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
     def forward(self, q, k, v, key_keep=None):
-        phi_q, phi_k = self.features(q), self.features(k)
         if not self.window:
+            phi_q, phi_k = self.features(q), self.features(k)
             return kernels.feature_map_attention(self, phi_q, phi_k, q, k, v, key_keep).to(v.dtype)
-        keep = None if key_keep is None else key_keep.float()
-        query_log_scale, key_log_scale = self.log_scales(q, k, keep)
-        if keep is not None:
-            phi_k = phi_k * keep
+        phi_q, phi_k, terms = self.windowed_terms(q, k, key_keep)
         if not self.causal:  # one log scale per head: the keys' own go into their features
-            head_max = key_log_scale.amax(dim=-2, keepdim=True)
-            phi_k = phi_k * torch.exp(key_log_scale - head_max)
-            key_log_scale = head_max
-        return kernels.windowed_kernel_attention(
-            phi_q, phi_k, q, k, v, **self.window_arguments(keep), query_log_scale=query_log_scale,
-            key_log_scale=key_log_scale,
-        ).to(v.dtype)
+            head_max = terms["key_log_scale"].amax(dim=-2, keepdim=True)
+            phi_k = phi_k * torch.exp(terms["key_log_scale"] - head_max)
+            terms["key_log_scale"] = head_max
+        return kernels.windowed_kernel_attention(phi_q, phi_k, q, k, v, **terms).to(v.dtype)
 
     def log_scales(self, q, k, keep):
         """a_h.x'_i per query and c_h.y'_j per key, bounded ([..., N, 1]); padded keys get the
@@ -155,25 +149,27 @@ class HedgehogAttention(Module):
             key_log_scale = torch.where(keep > 0, key_log_scale, kernels.LOWEST_LOG_SCALE)
         return query_log_scale, key_log_scale
 
-    def window_arguments(self, keep) -> dict:
-        return dict(
+    def windowed_terms(self, q, k, key_keep):
+        """phi_q, phi_k (zero on padded keys) and the keyword arguments of the window hybrid
+        (kernels.windowed_kernel_attention), the per-key log scales included."""
+        keep = None if key_keep is None else key_keep.float()
+        phi_k = self.features(k)
+        query_log_scale, key_log_scale = self.log_scales(q, k, keep)
+        terms = dict(
             scale=self.scale, window=self.window, causal=self.causal, window_next=self.window_next,
             sinks=self.sinks, key_keep=keep, linear_log_weight=self.linear_log_weight,
-            local_max_weight=self.local_max_weight, eps=kernels.RESCALED_EPS,
+            local_max_weight=self.local_max_weight, query_log_scale=query_log_scale,
+            key_log_scale=key_log_scale, eps=kernels.RESCALED_EPS,
         )
+        return self.features(q), phi_k if keep is None else phi_k * keep, terms
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalised weights [..., Nq, Nk] this module gives each key, N x N: for the
         attention-weight (cross-entropy) loss Hedgehog is fitted with, never for inference."""
-        phi_q, phi_k = self.features(q), self.features(k)
         if not self.window:
-            return kernels.feature_map_attention_weights(self, phi_q, phi_k, q, k, key_keep)
-        keep = None if key_keep is None else key_keep.float()
-        query_log_scale, key_log_scale = self.log_scales(q, k, keep)
-        return kernels.windowed_attention_weights(
-            phi_q, phi_k if keep is None else phi_k * keep, q.float(), k.float(), **self.window_arguments(keep),
-            query_log_scale=query_log_scale, key_log_scale=key_log_scale,
-        )
+            return kernels.feature_map_attention_weights(self, self.features(q), self.features(k), q, k, key_keep)
+        phi_q, phi_k, terms = self.windowed_terms(q, k, key_keep)
+        return kernels.windowed_attention_weights(phi_q, phi_k, q.float(), k.float(), **terms)
 
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape

@@ -252,9 +252,8 @@ def windowed_attention_weights(
         kernel = kernel * torch.exp(linear_log_weight)
     if key_log_scale is not None:
         # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
-        if local_max_weight is not None:
-            row_max = row_max * local_max_weight
-        ratio = query_log_scale + key_log_scale.transpose(-2, -1) - row_max
+        unit = row_max if local_max_weight is None else row_max * local_max_weight
+        ratio = query_log_scale + key_log_scale.transpose(-2, -1) - unit
         ratio_max = torch.where(far, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
         shift = torch.clamp_min(ratio_max, 0.0)
         exact_weights = exact_weights * torch.exp(-shift)
