@@ -180,10 +180,11 @@ def measure(config: Config, mode: str, model_path: Path, data: "Data", reference
         extra = {"layers": "auto", "min_cosine": args.select, "inputs": data.selection_feeds()}
     if mode == "calibrated+selected":  # every trial calibrated; costs measured on the last, unfitted batch
         extra = {"layers": "auto", "min_cosine": args.select, "calibrate": data.calibration_feeds()}
-    if "calibrate" in extra:
-        extra.update(_settings(args))
+    # what this row varies beyond the mode: it is recorded, and its key and label say so
+    varied = _settings(args) if "calibrate" in extra else {}
     if args.layers is not None and mode not in SELECTED:
-        extra["layers"] = args.layers
+        varied["layers"] = args.layers
+    extra.update(varied)
     start = time.perf_counter()
     rewritten = attnrewrite.rewrite(onnx.load(str(model_path)), to=config.method, **config.options, **extra)
     rewrite_seconds = time.perf_counter() - start
@@ -205,6 +206,7 @@ def measure(config: Config, mode: str, model_path: Path, data: "Data", reference
         "heldout_seconds": round(run_seconds, 2),
         **({"calibration": [s.get("calibration") for s in record["sites"]]} if "calibrated" in mode else {}),
         **({"selection": record["selection"]} if mode in SELECTED else {}),
+        **varied,
     }
 
 
@@ -453,12 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 row = {**measure(config, mode, model_path, data, reference, args), "commit": results["machine"]["commit"]}
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode in SELECTED else "")
-                if "calibrated" in mode:  # the runs that calibrate
-                    row.update(_settings(args))
-                    key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
-                if args.layers is not None and mode not in SELECTED:
-                    row["layers"] = args.layers
-                    key += f"@layers{','.join(map(str, args.layers))}"
+                key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
+                if "layers" in row:
+                    key += f"@layers{','.join(map(str, row['layers']))}"
                 results["rows"][key] = row
                 print(json.dumps(row), flush=True)
                 args.json.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it has
