@@ -36,6 +36,7 @@ def rewrite(
     calibrate_lr: float = calibration.DEFAULT_LR,
     calibrate_ce_weight: float = 0.0,
     calibrate_seed: int = 0,
+    calibrate_end_to_end: int = 0,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = calibration.DEFAULT_MAX_LENGTH,
     min_cosine: float | None = None,
@@ -66,13 +67,18 @@ def rewrite(
     site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``, minibatches drawn
     by ``calibrate_seed``; with ``calibrate_ce_weight`` > 0 the loss adds that times Hedgehog's
     cross-entropy between the softmax weights and the replacement's on sampled rows: linear,
-    favor without a window, hedgehog). For ONNX: an
-    ``.npz`` path (arrays by input name), a text file path (one text per line, made into inputs
+    favor without a window, hedgehog). ``calibrate_end_to_end``: then fit all replacements
+    together for that many steps (one batch each) so that the model's outputs match the
+    original's; the record's ``end_to_end`` says how it went. For ONNX: an ``.npz`` path
+    (arrays by input name), a text file path (one text per line, made into inputs
     by ``tokenizer``, a tokenizer.json, truncated to ``max_length`` tokens), a dict of arrays
     (batch axis stacked) or a list of such dicts. For torch: a list of example inputs, each a
     tuple of positional arguments or a dict of keyword arguments.
     """
-    fit = dict(steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed)
+    fit = dict(
+        steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed,
+        end_to_end=calibrate_end_to_end,
+    )
     if layers == "auto":
         options = {**options, "include_single_query": include_single_query, "seq": seq}
         fit.update(tokenizer=tokenizer, max_length=max_length)

@@ -44,6 +44,7 @@ class Calibration:
     lr: float = DEFAULT_LR
     seed: int = 0
     ce_weight: float = 0.0
+    end_to_end: int = 0  # steps fitting all sites together on the model's outputs (passes.fit.fit_end_to_end)
     progress: Callable[[str], None] | None = None
 
     def report(self, index: int, total: int, layer, result) -> dict[str, Any]:
@@ -66,6 +67,14 @@ class Calibration:
             "query_rows": result.query_rows,
             "data_sha256": self.fingerprint,
         }
+
+    def report_end_to_end(self, sites: int, result) -> dict[str, Any]:
+        """Say how the end-to-end stage went; the record's entry for it."""
+        (self.progress or _to_stderr)(
+            f"calibrating all {sites} sites end to end: output error {result.loss_before:.4g} -> "
+            f"{result.loss_after:.4g} (steps {result.steps}, {result.seconds:.1f} s)"
+        )
+        return {**result.as_dict(), "examples": self.examples, "data_sha256": self.fingerprint}
 
 
 def _to_stderr(line: str) -> None:

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(linear, favor without a window, hedgehog; default: %(default)s, output error only)")
     parser.add_argument("--calibrate-seed", type=int, default=0, metavar="N",
                         help="seed of the minibatches calibration draws (default: %(default)s)")
+    parser.add_argument("--calibrate-end-to-end", type=parse_positive, default=0, metavar="N",
+                        help="after fitting site by site, fit all sites together on the model's outputs for N steps "
+                        "(one batch each; default: off)")
     parser.add_argument("--tokenizer", metavar="tokenizer.json", help="with a text --calibrate file: the tokenizer that makes the model's inputs")
     parser.add_argument("--max-length", type=parse_positive, default=calibration.DEFAULT_MAX_LENGTH, metavar="N",
                         help="with --tokenizer: truncate texts to N tokens (default: %(default)s)")
@@ -415,12 +418,15 @@ def _calibration(args, model, options: dict[str, str]):
     if not args.calibrate:
         if args.tokenizer:
             raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
+        if args.calibrate_end_to_end:
+            raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
         return None
     method = passes.get_pass(args.to)
     calibration.require_fittable(method, passes.make_options(method, **options), args.calibrate_ce)
     return calibration.onnx_calibration(
         args.calibrate, model.graph, tokenizer=args.tokenizer, max_length=args.max_length,
         steps=args.calibrate_steps, lr=args.calibrate_lr, ce_weight=args.calibrate_ce, seed=args.calibrate_seed,
+        end_to_end=args.calibrate_end_to_end,
     )
 
 

@@ -44,6 +44,7 @@ class RewriteRecord:
     # what the run had to adapt to, one line each (e.g. inputs longer than asked for)
     notes: list[str] = dataclasses.field(default_factory=list)
     selection: dict[str, Any] | None = None  # --layers auto: what each site cost and why it was chosen
+    end_to_end: dict[str, Any] | None = None  # calibration's stage that fitted all sites together
 
     @property
     def rewritten(self) -> list[SiteOutcome]:
@@ -67,6 +68,7 @@ class RewriteRecord:
             "sites": [o.as_dict() for o in self.outcomes],
             **({"notes": self.notes} if self.notes else {}),
             **({"selection": self.selection} if self.selection is not None else {}),
+            **({"end_to_end": self.end_to_end} if self.end_to_end is not None else {}),
         }
 
     def to_json(self) -> str:

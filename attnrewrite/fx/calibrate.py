@@ -5,22 +5,31 @@ outputs are unchanged). Site l's q, k, v and key_keep are collected by running t
 calibration examples with a hook on its module, which stops the forward there (nothing after
 site l is needed); the sites before it are fitted already (sequential). passes.fit fits the
 module's parameters in place: they stay nn.Parameters, trainable like any other.
+
+With ``end_to_end`` steps, all modules are then fitted together against the model's outputs
+(passes.fit.fit_end_to_end); the targets are the outputs with every module's output replaced,
+by a forward hook, with the exact attention on its inputs. Forward hooks also zero padded
+queries' outputs in both runs, and the model's own parameters are frozen meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.fx import GraphModule
+from torch.utils import _pytree
 
-from passes.fit import SiteSamples, fit_site
+from passes.fit import SiteSamples, exact_stand_in, fit_end_to_end, fit_site, zero_padded_queries
 
 
 class _Collected(Exception):
     """Raised by the hook: this site's inputs are in, the rest of the forward is not needed."""
 
 
-def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> None:
-    """``fitting``: (outcome, learnable pass module) per rewritten site, in graph order."""
+def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | None:
+    """``fitting``: (outcome, learnable pass module) per rewritten site, in graph order. Returns
+    the record's entry for the end-to-end stage (None without one)."""
     was_training = gm.training
     gm.eval()
     try:
@@ -32,8 +41,58 @@ def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> None:
                 ce_weight=calibration.ce_weight,
             )
             outcome.calibration = calibration.report(index, len(fitting), outcome.site.layer, result)
+        if calibration.end_to_end:
+            return _fit_end_to_end(gm, fitting, calibration)
+        return None
     finally:
         gm.train(was_training)
+
+
+def _fit_end_to_end(gm: GraphModule, fitting: list, calibration) -> dict:
+    def run(example):
+        outputs = gm(**example) if isinstance(example, dict) else gm(*example)
+        return [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    with _outputs_replaced(fitting, exact=True), torch.no_grad():
+        targets = [run(example) for example in calibration.batches]
+    fitted = [p for _, module in fitting for p in module.parameters() if p.requires_grad]
+    with _outputs_replaced(fitting, exact=False), _only_trainable(gm, fitted):
+        result = fit_end_to_end(run, fitted, calibration.batches, targets, steps=calibration.end_to_end, seed=calibration.seed)
+    return calibration.report_end_to_end(len(fitting), result)
+
+
+@contextlib.contextmanager
+def _outputs_replaced(fitting: list, exact: bool):
+    """Every module's output, for as long as this lasts: the exact attention on its inputs (or,
+    ``exact`` False, its own), padded queries zeroed (passes.fit.zero_padded_queries)."""
+
+    def zeroed(_, args, out):
+        return zero_padded_queries(out, args[0], args[3] if len(args) > 3 else None)
+
+    handles = []
+    for outcome, module in fitting:
+        stand_in = exact_stand_in(outcome.site.scale, outcome.site.mask.causal)
+        hook = (lambda _, args, __, stand_in=stand_in: stand_in(*args)) if exact else zeroed
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _only_trainable(gm: GraphModule, params: list):
+    """The other parameters frozen (no gradients computed for them), restored afterwards."""
+    fitted = {id(p) for p in params}
+    frozen = [p for p in gm.parameters() if p.requires_grad and id(p) not in fitted]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
 
 
 def _collect(gm: GraphModule, module, examples) -> SiteSamples:

@@ -109,6 +109,7 @@ def rewrite_graph_module(
     calibrate_lr: float = calibration.DEFAULT_LR,
     calibrate_ce_weight: float = 0.0,
     calibrate_seed: int = 0,
+    calibrate_end_to_end: int = 0,
     **options: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
@@ -128,7 +129,8 @@ def rewrite_graph_module(
     if calibrate is not None:
         calibration.require_fittable(method, method_options, calibrate_ce_weight)
         fitting_data = calibration.torch_calibration(
-            calibrate, steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed
+            calibrate, steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed,
+            end_to_end=calibrate_end_to_end,
         )
     fitting = []
     gm = to_graph_module(model, example_inputs)
@@ -171,7 +173,7 @@ def rewrite_graph_module(
     if fitting_data is not None and fitting:
         from attnrewrite.fx.calibrate import calibrate_modules
 
-        calibrate_modules(gm, fitting, fitting_data)
+        record.end_to_end = calibrate_modules(gm, fitting, fitting_data)
     gm.meta[METADATA_KEY] = record.as_dict()
     return gm
 

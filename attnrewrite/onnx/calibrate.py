@@ -7,6 +7,10 @@ values fitted so far. Site l is collected on the model whose sites before it are
 (sequential), by a session of only the nodes its inputs need (onnxruntime runs every node of a
 graph whatever outputs are asked for, so the graph is cut after site l), fitted by passes.fit,
 and its values are written into its initializers. The model is restored afterwards.
+
+With ``end_to_end`` steps, all sites are then fitted together against the model's outputs
+(passes.fit.fit_end_to_end), on the graph evaluated in torch (attnrewrite.onnx.torch_graph):
+the targets are the same graph with every replacement computing exact attention.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from attnrewrite.record import SiteOutcome
 ROLES = ("q", "k", "v", "key_keep")
 
 
-def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: list, calibration) -> None:
+def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: list, calibration) -> dict | None:
     """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
-    in graph order; ``calls``: site name -> replacement node. Fits in place."""
+    in graph order; ``calls``: site name -> replacement node. Fits in place; returns the
+    record's entry for the end-to-end stage (None without one)."""
     from passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
+    whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
     with _collecting(model, sites) as session_for:
         for index, site in enumerate(sites):
             session = session_for(site)
@@ -47,6 +53,32 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
             )
             site.write_fitted()
             site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
+    return None if whole is None else _fit_end_to_end(whole, sites, calibration)
+
+
+def _torch_graph(model: ir.Model, sites: list["_Site"]):
+    from attnrewrite.onnx.torch_graph import TorchGraph
+
+    return TorchGraph(model.graph, [site.call for site in sites])
+
+
+def _fit_end_to_end(whole, sites: list["_Site"], calibration) -> dict:
+    """All sites fitted together on the model's outputs; their initializers rewritten."""
+    from passes.fit import exact_stand_in, fit_end_to_end, zero_padded_queries
+
+    def fitted_stand_in(module):
+        return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)
+
+    exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
+    targets = [whole.run(feeds, exact) for feeds in calibration.batches]
+    fitted = {s.call: fitted_stand_in(s.module) for s in sites}
+    result = fit_end_to_end(
+        lambda feeds: whole.run(feeds, fitted), [p for s in sites for p in s.module.parameters() if p.requires_grad],
+        calibration.batches, targets, steps=calibration.end_to_end, seed=calibration.seed,
+    )
+    for site in sites:
+        site.write_fitted()
+    return calibration.report_end_to_end(len(sites), result)
 
 
 class _Site:

@@ -96,7 +96,7 @@ def rewrite_model(
     if fitting:
         from attnrewrite.onnx.calibrate import calibrate_replacements
 
-        calibrate_replacements(model, splicer.calls, fitting, calibration)
+        record.end_to_end = calibrate_replacements(model, splicer.calls, fitting, calibration)
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = _record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record

@@ -1,0 +1,373 @@
+"""An ONNX graph evaluated in torch, so that a loss on its outputs reaches the replacements'
+parameters (end-to-end calibration; onnxruntime gives no gradients).
+
+Every node of the main graph runs as the torch op of the same meaning (``OPS``), in graph order;
+each replacement call runs as the callable the caller gives for it (the learnable module, or the
+exact attention it stands in for). Only what exported transformers use is covered: a graph with
+any other op, or with subgraphs, is refused up front by ``uncovered``, before any fitting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from attnrewrite.errors import AttnRewriteError
+
+
+class TorchGraph:
+    """``calls``: the replacement nodes (read as (q, k, v, key_keep, *constants)); whatever
+    runs in their place is given to ``run``."""
+
+    def __init__(self, graph: ir.Graph, calls: list[ir.Node]):
+        reason = uncovered(graph, calls)
+        if reason:
+            raise AttnRewriteError(f"cannot fit end to end: {reason}")
+        self.graph = graph
+        self.constants = {
+            value.name: _tensor(value.const_value.numpy()) for value in graph.initializers.values()
+            if value.const_value is not None
+        }
+        self.spent = _spent_after(graph)
+
+    def run(self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object]) -> list[torch.Tensor]:
+        """The graph's floating-point outputs on ``feeds``, ``stand_ins[call](q, k, v,
+        key_keep)`` computing each replacement."""
+        values: dict[str, torch.Tensor] = dict(self.constants)
+        values.update((name, _tensor(array)) for name, array in feeds.items())
+        for node in self.graph:
+            inputs = [values[v.name] if v is not None and v.name in values else None for v in node.inputs]
+            if node in stand_ins:
+                outputs = [stand_ins[node](*inputs[:4])]
+            else:
+                outputs = OPS[node.op_type](node, *inputs)
+                outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            for value, tensor in zip(node.outputs, outputs):
+                values[value.name] = tensor
+            for name in self.spent.get(node, ()):  # kept only as long as a later node reads it
+                del values[name]
+        results = [values[v.name] for v in self.graph.outputs]
+        return [t for t in results if t.is_floating_point()]
+
+
+def _spent_after(graph: ir.Graph) -> dict[ir.Node, list[str]]:
+    """For each node, the values computed in the graph that no later node and no output reads."""
+    last_reader: dict[str, ir.Node] = {}
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and value.producer() is not None:
+                last_reader[value.name] = node
+    outputs = {v.name for v in graph.outputs}
+    spent: dict[ir.Node, list[str]] = {}
+    for name, node in last_reader.items():
+        if name not in outputs:
+            spent.setdefault(node, []).append(name)
+    return spent
+
+
+def uncovered(graph: ir.Graph, calls: list[ir.Node]) -> str | None:
+    """Why ``graph`` cannot be evaluated here (the first node that is not covered), or None."""
+    called = set(calls)
+    for node in graph:
+        if node in called:
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in OPS:
+            where = f"{node.domain}::" if node.domain not in ("", "ai.onnx") else ""
+            return f"{where}{node.op_type} (node {node.name!r}) has no torch evaluation in attnrewrite"
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return f"node {node.name!r} ({node.op_type}) has a subgraph"
+    return None
+
+
+def _tensor(array) -> torch.Tensor:
+    array = np.asarray(array)
+    return torch.from_numpy(array.copy()) if array.dtype != np.bool_ else torch.from_numpy(array.copy()).bool()
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    attribute = node.attributes.get(name)
+    return default if attribute is None else attribute.value
+
+
+def _ints(tensor) -> list[int]:
+    return [int(x) for x in tensor.reshape(-1).tolist()]
+
+
+def _dtype(onnx_type: int) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, ir.DataType(onnx_type).numpy())).dtype
+
+
+def _axes(node: ir.Node, given) -> list[int] | None:
+    """The axes of Unsqueeze / Squeeze / Reduce*: an attribute before opset 13 / 18, else an input."""
+    axes = _attr(node, "axes")
+    if axes is not None:
+        return list(axes)
+    return None if given is None else _ints(given)
+
+
+# --- the ops ---------------------------------------------------------------------------------------
+
+
+def _div(node, a, b):
+    if a.is_floating_point() or b.is_floating_point():
+        return a / b
+    return torch.div(a, b, rounding_mode="trunc")  # ONNX integer division truncates
+
+
+def _gemm(node, a, b, c=None):
+    a = a.transpose(-2, -1) if _attr(node, "transA", 0) else a
+    b = b.transpose(-2, -1) if _attr(node, "transB", 0) else b
+    out = _attr(node, "alpha", 1.0) * (a @ b)
+    return out if c is None else out + _attr(node, "beta", 1.0) * c
+
+
+def _gather(node, data, indices):
+    axis = _attr(node, "axis", 0) % data.dim()
+    flat = indices.reshape(-1).long() % data.shape[axis]  # negative indices count from the end
+    picked = torch.index_select(data, axis, flat)
+    return picked.reshape((*data.shape[:axis], *indices.shape, *data.shape[axis + 1 :]))
+
+
+def _gather_nd(node, data, indices):
+    batch = _attr(node, "batch_dims", 0)
+    batch_shape = data.shape[:batch]
+    rows = int(np.prod(batch_shape, dtype=np.int64))
+    data = data.reshape(rows, *data.shape[batch:])
+    indices = indices.reshape(rows, *indices.shape[batch:]).long()
+    row = torch.arange(rows).reshape(rows, *[1] * (indices.dim() - 2)).expand(indices.shape[:-1])
+    picked = data[(row, *indices.unbind(-1))]
+    return picked.reshape(*batch_shape, *picked.shape[1:])
+
+
+def _gather_elements(node, data, indices):
+    axis = _attr(node, "axis", 0) % data.dim()
+    return torch.gather(data, axis, indices.long() % data.shape[axis])
+
+
+def _scatter_nd(node, data, indices, updates):
+    if _attr(node, "reduction", "none") != "none":
+        raise AttnRewriteError(f"cannot fit end to end: ScatterND node {node.name!r} reduces")
+    out = data.clone()  # out of place: autograd flows into both data and updates
+    index = indices.long().unbind(-1)
+    out[tuple(i % data.shape[axis] for axis, i in enumerate(index))] = updates  # negative: from the end
+    return out
+
+
+def _split(node, data, split=None):
+    axis = _attr(node, "axis", 0)
+    sizes = _attr(node, "split")
+    sizes = list(sizes) if sizes is not None else _ints(split) if split is not None else None
+    if sizes is None:  # equal parts, the last one smaller if need be
+        parts = len(node.outputs)
+        sizes = -(-data.shape[axis] // parts)
+    return tuple(torch.split(data, sizes, dim=axis))
+
+
+def _conv(node, x, weight, bias=None):
+    dims = weight.dim() - 2
+    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise AttnRewriteError(f"cannot fit end to end: Conv node {node.name!r} pads automatically")
+    pads = list(_attr(node, "pads", [0] * 2 * dims))
+    padding = [p for axis in reversed(range(dims)) for p in (pads[axis], pads[axis + dims])]  # last axis first
+    x = torch.nn.functional.pad(x, padding) if any(padding) else x
+    conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[dims - 1]
+    return conv(
+        x, weight, bias, stride=list(_attr(node, "strides", [1] * dims)),
+        dilation=list(_attr(node, "dilations", [1] * dims)), groups=_attr(node, "group", 1),
+    )
+
+
+def _reshape(node, data, shape):
+    target = _ints(shape)
+    if not _attr(node, "allowzero", 0):  # 0 copies the input's size on that axis
+        target = [data.shape[i] if size == 0 else size for i, size in enumerate(target)]
+    return data.reshape(target)
+
+
+def _slice(node, data, starts, ends, axes=None, steps=None):
+    axes = _ints(axes) if axes is not None else list(range(len(_ints(starts))))
+    steps = _ints(steps) if steps is not None else [1] * len(axes)
+    for axis, start, end, step in zip(axes, _ints(starts), _ints(ends), steps):
+        start, end = _slice_bounds(start, end, step, data.shape[axis])
+        if step > 0:
+            data = data[(slice(None),) * (axis % data.dim()) + (slice(start, end, step),)]
+        else:  # torch indexing does not step backwards: pick the positions
+            data = torch.index_select(data, axis, torch.arange(start, end, step))
+    return data
+
+
+def _slice_bounds(start: int, end: int, step: int, size: int) -> tuple[int, int]:
+    """Slice's start and end as ONNX clamps them: negative counts from the end, and exporters
+    write INT64_MAX / INT64_MIN for "to the end"."""
+    start, end = (i + size if i < 0 else i for i in (start, end))
+    if step > 0:
+        return min(max(start, 0), size), min(max(end, 0), size)
+    return min(max(start, 0), size - 1), min(max(end, -1), size - 1)
+
+
+def _squeeze(node, data, axes=None):
+    axes = _axes(node, axes)
+    if axes is None:
+        return data.squeeze()
+    return data.squeeze(tuple(a % data.dim() for a in axes))
+
+
+def _unsqueeze(node, data, axes=None):
+    axes = sorted(a % (data.dim() + len(_axes(node, axes))) for a in _axes(node, axes))
+    for axis in axes:
+        data = data.unsqueeze(axis)
+    return data
+
+
+def _expand(node, data, shape):
+    return data.expand(torch.broadcast_shapes(data.shape, tuple(_ints(shape))))
+
+
+def _shape(node, data):
+    shape = list(data.shape)[_attr(node, "start", 0) : _attr(node, "end", None)]
+    return torch.tensor(shape, dtype=torch.int64)
+
+
+def _constant(node):
+    for name in ("value", "sparse_value"):
+        if name in node.attributes:
+            return _tensor(_attr(node, name).numpy())
+    for name, dtype in (("value_float", torch.float32), ("value_int", torch.int64)):
+        if name in node.attributes:
+            return torch.tensor(_attr(node, name), dtype=dtype)
+    for name, dtype in (("value_floats", torch.float32), ("value_ints", torch.int64)):
+        if name in node.attributes:
+            return torch.tensor(list(_attr(node, name)), dtype=dtype)
+    raise AttnRewriteError(f"cannot fit end to end: Constant node {node.name!r} holds no value attnrewrite reads")
+
+
+def _constant_of_shape(node, shape):
+    value = _attr(node, "value")
+    fill = _tensor(value.numpy()) if value is not None else torch.zeros(1, dtype=torch.float32)
+    return fill.reshape(()).expand(_ints(shape)).clone()
+
+
+def _reduce(function):
+    def reduce(node, data, axes=None):
+        axes = _axes(node, axes)
+        keep = bool(_attr(node, "keepdims", 1))
+        if not axes:
+            if _attr(node, "noop_with_empty_axes", 0):
+                return data
+            axes = list(range(data.dim()))
+        return function(data, dim=tuple(axes), keepdim=keep)
+
+    return reduce
+
+
+def _layer_norm(node, x, scale, bias=None):
+    axis = _attr(node, "axis", -1) % x.dim()
+    return torch.nn.functional.layer_norm(x, x.shape[axis:], scale, bias, _attr(node, "epsilon", 1e-5))
+
+
+def _flatten(node, x):
+    axis = _attr(node, "axis", 1) % (x.dim() + 1) if x.dim() else 0
+    return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+
+
+def _cumsum(node, x, axis):
+    dim = int(axis)
+    if _attr(node, "reverse", 0):
+        x = x.flip(dim)
+    out = torch.cumsum(x, dim).to(x.dtype)
+    if _attr(node, "exclusive", 0):
+        out = out - x
+    return out.flip(dim) if _attr(node, "reverse", 0) else out
+
+
+def _variadic(function):
+    def apply(node, *xs):
+        out = xs[0]
+        for x in xs[1:]:
+            out = function(out, x)
+        return out
+
+    return apply
+
+
+def _elementwise(function):
+    return lambda node, *xs: function(*xs)
+
+
+OPS = {
+    "Add": _elementwise(torch.add),
+    "Sub": _elementwise(torch.sub),
+    "Mul": _elementwise(torch.mul),
+    "Div": _div,
+    "Pow": _elementwise(lambda a, b: torch.pow(a, b.to(a.dtype)) if a.is_floating_point() else torch.pow(a, b)),
+    "Neg": _elementwise(torch.neg),
+    "Abs": _elementwise(torch.abs),
+    "Sqrt": _elementwise(torch.sqrt),
+    "Reciprocal": _elementwise(torch.reciprocal),
+    "Exp": _elementwise(torch.exp),
+    "Log": _elementwise(torch.log),
+    "Erf": _elementwise(torch.erf),
+    "Cos": _elementwise(torch.cos),
+    "Sin": _elementwise(torch.sin),
+    "Floor": _elementwise(torch.floor),
+    "Ceil": _elementwise(torch.ceil),
+    "Sign": _elementwise(torch.sign),
+    "Clip": lambda node, x, low=None, high=None: torch.clamp(x, low, high),
+    "Mod": lambda node, a, b: torch.fmod(a, b) if _attr(node, "fmod", 0) else torch.remainder(a, b),
+    "Tanh": _elementwise(torch.tanh),
+    "Sigmoid": _elementwise(torch.sigmoid),
+    "Relu": _elementwise(torch.relu),
+    "Gelu": lambda node, x: torch.nn.functional.gelu(x, approximate=_attr(node, "approximate", "none")),
+    "Softmax": lambda node, x: torch.softmax(x, dim=_attr(node, "axis", -1)),
+    "Max": _variadic(torch.maximum),
+    "Min": _variadic(torch.minimum),
+    "Sum": _variadic(torch.add),
+    "Not": _elementwise(torch.logical_not),
+    "And": _elementwise(torch.logical_and),
+    "Or": _elementwise(torch.logical_or),
+    "Xor": _elementwise(torch.logical_xor),
+    "Equal": _elementwise(torch.eq),
+    "Less": _elementwise(torch.lt),
+    "LessOrEqual": _elementwise(torch.le),
+    "Greater": _elementwise(torch.gt),
+    "GreaterOrEqual": _elementwise(torch.ge),
+    "IsNaN": _elementwise(torch.isnan),
+    "IsInf": _elementwise(torch.isinf),
+    "Where": _elementwise(lambda c, a, b: torch.where(c.bool(), a, b)),
+    "MatMul": _elementwise(torch.matmul),
+    "Gemm": _gemm,
+    "Cast": lambda node, x: x.to(_dtype(_attr(node, "to"))),
+    "CastLike": lambda node, x, like: x.to(like.dtype),
+    "Identity": lambda node, x: x,
+    "Dropout": lambda node, x, *_: x,  # inference: no dropout
+    "Constant": _constant,
+    "ConstantOfShape": _constant_of_shape,
+    "Shape": _shape,
+    "Size": lambda node, x: torch.tensor(x.numel(), dtype=torch.int64),
+    "Range": _elementwise(lambda start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)),
+    "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "GatherND": _gather_nd,
+    "ScatterND": _scatter_nd,
+    "Split": _split,
+    "Conv": _conv,
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Transpose": lambda node, x: x.permute(_attr(node, "perm", list(range(x.dim()))[::-1])),
+    "Concat": lambda node, *xs: torch.cat([x for x in xs if x is not None], dim=_attr(node, "axis")),
+    "Slice": _slice,
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Expand": _expand,
+    "Tile": _elementwise(lambda x, repeats: x.repeat(_ints(repeats))),
+    "Trilu": lambda node, x, k=None: (torch.triu if _attr(node, "upper", 1) else torch.tril)(x, 0 if k is None else int(k)),
+    "ReduceMean": _reduce(torch.mean),
+    "ReduceSum": _reduce(torch.sum),
+    "ReduceMax": _reduce(torch.amax),
+    "ReduceMin": _reduce(torch.amin),
+    "ReduceL2": _reduce(torch.linalg.vector_norm),
+    "NonZero": lambda node, x: torch.nonzero(x).T.contiguous(),
+    "LayerNormalization": _layer_norm,
+    "CumSum": _cumsum,
+}
