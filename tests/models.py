@@ -944,13 +944,18 @@ def torch_reference(export, method: str, inputs: dict[str, torch.Tensor], option
 
 def run_onnx(model: onnx.ModelProto, inputs: dict[str, torch.Tensor | np.ndarray]) -> np.ndarray:
     """The first output, on onnxruntime's CPU provider."""
+    return onnx_outputs(model, inputs)[0]
+
+
+def onnx_outputs(model: onnx.ModelProto, inputs: dict[str, torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """Every output, on onnxruntime's CPU provider."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {name: x.numpy() if isinstance(x, torch.Tensor) else x for name, x in inputs.items()}
-    return session.run(None, feeds)[0]
+    return session.run(None, feeds)
 
 
 def op_counts(model: onnx.ModelProto) -> collections.Counter:

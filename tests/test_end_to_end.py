@@ -14,7 +14,7 @@ import torch
 from conftest import read_record
 from onnx import helper, numpy_helper
 
-from models import SAMPLE_BERT, ExportUnsupported, relative_error, run_onnx, text_args
+from models import SAMPLE_BERT, ExportUnsupported, onnx_outputs, relative_error, text_args
 from test_calibration import calibration_npz
 
 import attnrewrite
@@ -33,12 +33,8 @@ COVERED = [
 
 
 def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return [o for o in session.run(None, feeds) if np.issubdtype(o.dtype, np.floating)]
+    """The floating-point outputs, as the end-to-end stage compares them."""
+    return [o for o in onnx_outputs(model, feeds) if np.issubdtype(o.dtype, np.floating)]
 
 
 def numpy_feeds(export) -> dict[str, np.ndarray]:
@@ -161,6 +157,19 @@ def test_a_graph_the_evaluator_cannot_run_is_refused_before_any_fitting(tmp_path
         attnrewrite.rewrite(model, to="linear", calibrate=str(tmp_path / "data.npz"), calibrate_end_to_end=5)
     assert str(error.value) == "cannot fit end to end: HardSwish (node 'extra') has no torch evaluation in attnrewrite"
     assert "calibrating" not in capsys.readouterr().err
+
+
+def test_an_op_setting_the_evaluator_does_not_implement_is_refused_up_front():
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+    node = helper.make_node("ScatterND", ["x", "i", "u"], ["y"], name="scatter", reduction="add")
+    indices = numpy_helper.from_array(np.zeros((1, 1), np.int64), "i")
+    updates = numpy_helper.from_array(np.ones(1, np.float32), "u")
+    graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])], [indices, updates])
+    with pytest.raises(AttnRewriteError) as error:
+        TorchGraph(ir.from_proto(helper.make_model(graph)).graph, [])
+    assert str(error.value) == (
+        "cannot fit end to end: ScatterND node 'scatter' reduces, which attnrewrite does not evaluate in torch"
+    )
 
 
 def test_cli_end_to_end_needs_calibration(tmp_path, capsys):

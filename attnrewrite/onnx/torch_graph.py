@@ -4,7 +4,8 @@ parameters (end-to-end calibration; onnxruntime gives no gradients).
 Every node of the main graph runs as the torch op of the same meaning (``OPS``), in graph order;
 each replacement call runs as the callable the caller gives for it (the learnable module, or the
 exact attention it stands in for). Only what exported transformers use is covered: a graph with
-any other op, or with subgraphs, is refused up front by ``uncovered``, before any fitting.
+any other op, a subgraph or an op setting not implemented here is refused up front by
+``uncovered``, before any fitting.
 """
 
 from __future__ import annotations
@@ -77,12 +78,23 @@ def uncovered(graph: ir.Graph, calls: list[ir.Node]) -> str | None:
             return f"{where}{node.op_type} (node {node.name!r}) has no torch evaluation in attnrewrite"
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             return f"node {node.name!r} ({node.op_type}) has a subgraph"
+        setting = _unimplemented_setting(node)
+        if setting:
+            return f"{node.op_type} node {node.name!r} {setting}, which attnrewrite does not evaluate in torch"
+    return None
+
+
+def _unimplemented_setting(node: ir.Node) -> str | None:
+    """What a covered op's attributes ask for that its torch evaluation does not do."""
+    if node.op_type == "ScatterND" and _attr(node, "reduction", "none") != "none":
+        return "reduces"
+    if node.op_type == "Conv" and _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return "pads automatically"
     return None
 
 
 def _tensor(array) -> torch.Tensor:
-    array = np.asarray(array)
-    return torch.from_numpy(array.copy()) if array.dtype != np.bool_ else torch.from_numpy(array.copy()).bool()
+    return torch.from_numpy(np.array(array, copy=True))  # a copy: the graph's arrays stay read-only
 
 
 def _attr(node: ir.Node, name: str, default=None):
@@ -146,8 +158,6 @@ def _gather_elements(node, data, indices):
 
 
 def _scatter_nd(node, data, indices, updates):
-    if _attr(node, "reduction", "none") != "none":
-        raise AttnRewriteError(f"cannot fit end to end: ScatterND node {node.name!r} reduces")
     out = data.clone()  # out of place: autograd flows into both data and updates
     index = indices.long().unbind(-1)
     out[tuple(i % data.shape[axis] for axis, i in enumerate(index))] = updates  # negative: from the end
@@ -166,8 +176,6 @@ def _split(node, data, split=None):
 
 def _conv(node, x, weight, bias=None):
     dims = weight.dim() - 2
-    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise AttnRewriteError(f"cannot fit end to end: Conv node {node.name!r} pads automatically")
     pads = list(_attr(node, "pads", [0] * 2 * dims))
     padding = [p for axis in reversed(range(dims)) for p in (pads[axis], pads[axis + dims])]  # last axis first
     x = torch.nn.functional.pad(x, padding) if any(padding) else x
@@ -214,8 +222,8 @@ def _squeeze(node, data, axes=None):
 
 
 def _unsqueeze(node, data, axes=None):
-    axes = sorted(a % (data.dim() + len(_axes(node, axes))) for a in _axes(node, axes))
-    for axis in axes:
+    axes = _axes(node, axes)
+    for axis in sorted(a % (data.dim() + len(axes)) for a in axes):
         data = data.unsqueeze(axis)
     return data
 
