@@ -41,7 +41,7 @@ class Calibration:
     examples: int
     tokens: int | None
     steps: int = DEFAULT_STEPS
-    lr: float = DEFAULT_LR
+    lr: float | None = None  # None: the method's rate (passes.fit.fit_site)
     seed: int = 0
     ce_weight: float = 0.0
     end_to_end: int = 0  # steps fitting all sites together on the model's outputs (passes.fit.fit_end_to_end)
@@ -51,14 +51,15 @@ class Calibration:
         """Say how site ``index`` went (stderr by default); the record's entry for it."""
         line = (
             f"calibrating site {index + 1}/{total} (layer {layer}): loss {result.loss_before:.4g} -> "
-            f"{result.loss_after:.4g} (steps {result.steps}, {result.seconds:.1f} s)"
+            f"{_after(result)} (steps {result.steps}, {result.seconds:.1f} s)"
         )
         (self.progress or _to_stderr)(line)
         return {
             "loss_before": result.loss_before,
             "loss_after": result.loss_after,
+            **_rejected(result),
             "steps": result.steps,
-            "lr": self.lr,
+            "lr": result.lr,
             "seed": self.seed,
             "ce_weight": self.ce_weight,
             "examples": self.examples,
@@ -72,9 +73,22 @@ class Calibration:
         """Say how the end-to-end stage went; the record's entry for it."""
         (self.progress or _to_stderr)(
             f"calibrating all {sites} sites end to end: output error {result.loss_before:.4g} -> "
-            f"{result.loss_after:.4g} (steps {result.steps}, {result.seconds:.1f} s)"
+            f"{_after(result)} (steps {result.steps}, {result.seconds:.1f} s)"
         )
-        return {**result.as_dict(), "examples": self.examples, "data_sha256": self.fingerprint}
+        entry = result.as_dict()
+        del entry["rejected_loss"]  # said by _rejected, only where a fit was undone
+        return {**entry, **_rejected(result), "examples": self.examples, "data_sha256": self.fingerprint}
+
+
+def _after(result) -> str:
+    if result.rejected_loss is None:
+        return f"{result.loss_after:.4g}"
+    return f"{result.rejected_loss:.4g}, worse: the values before fitting kept"
+
+
+def _rejected(result) -> dict[str, Any]:
+    """The record says when a fit was undone (passes.fit._kept_if_lower) and what it had reached."""
+    return {} if result.rejected_loss is None else {"kept_unfitted": True, "rejected_loss": result.rejected_loss}
 
 
 def _to_stderr(line: str) -> None:

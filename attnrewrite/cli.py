@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--calibrate-steps", type=parse_positive, default=calibration.DEFAULT_STEPS, metavar="N",
                         help="optimizer steps per site (default: %(default)s)")
-    parser.add_argument("--calibrate-lr", type=float, default=calibration.DEFAULT_LR, metavar="LR",
-                        help="Adam learning rate of calibration (default: %(default)s)")
+    parser.add_argument("--calibrate-lr", type=float, default=None, metavar="LR",
+                        help=f"Adam learning rate of calibration (default: the method's, {calibration.DEFAULT_LR:g}; "
+                        f"linformer {passes.linformer.LinformerAttention.CALIBRATION_LR:g})")
     parser.add_argument("--calibrate-ce", type=parse_nonnegative, default=0.0, metavar="W",
                         help="add W times Hedgehog's cross-entropy between the softmax weights and the replacement's "
                         "(linear, favor without a window, hedgehog; default: %(default)s, output error only)")

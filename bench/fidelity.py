@@ -74,6 +74,11 @@ class Config:
         absent = sorted(set(self.options) - fields)
         return f"{self.method} has no option {absent[0]!r}" if absent else None
 
+    def cannot_calibrate(self) -> str | None:
+        """Why calibration has nothing to fit in this configuration (lsh), or None."""
+        method = passes.PASSES[self.method]
+        return passes.nothing_to_fit(method, method.Options(**self.options))
+
 
 def configurations() -> list[Config]:
     """The table's rows: each method at the settings the issue names, and the kernel methods
@@ -354,7 +359,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 result = "replaced" if site["replaced"] else f"kept: {site['reason']}"
                 lines.append(f"| {i} | {site['layer']} | {site['alone_cosine']:.6f} | {together} | {result} |")
     if results.get("not_run"):
-        lines += ["", "Not measured on this checkout:", ""]
+        lines += ["", "Not measured:", ""]
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
     if results.get("calibration"):
         lines += ["", f"Calibrated rows: {results['calibration']}."]
@@ -468,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results["not_run"].pop(name, None)
             for mode in modes:
+                skipped = f"{name}/{mode}"
+                why = config.cannot_calibrate() if "calibrated" in mode else None
+                if why:
+                    results["not_run"][skipped] = why
+                    print(f"{skipped}: not run ({why})", flush=True)
+                    continue
+                results["not_run"].pop(skipped, None)
                 row = {**measure(config, mode, model_path, data, reference, args), "commit": results["machine"]["commit"]}
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode in SELECTED else "")
                 key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)

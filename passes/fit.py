@@ -33,7 +33,8 @@ from passes import kernels
 from passes._torch import torch
 
 # Measured on MiniLM (favor, layer 0, 100 texts): 200 steps of 4 examples at 3e-2 fit as well
-# as 200 of 8 at 1e-2 (loss 0.0367 -> 0.0131 vs 0.0147) in half the time.
+# as 200 of 8 at 1e-2 (loss 0.0367 -> 0.0131 vs 0.0147) in half the time. A module whose values
+# need another rate says so in its CALIBRATION_LR (linformer's projections).
 DEFAULT_STEPS = 200
 DEFAULT_LR = 3e-2
 # The end-to-end stage starts from fitted sites: a tenth of the per-site rate. Measured on
@@ -87,11 +88,13 @@ class SiteSamples:
 @dataclasses.dataclass
 class FitResult:
     loss_before: float  # attention-output MSE over every sample, before fitting
-    loss_after: float
+    loss_after: float  # that of the values kept
     steps: int
+    lr: float
     examples: int  # entries of the samples' leading axis
     query_rows: int  # query rows the loss counts (padded queries are not counted)
     seconds: float
+    rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,7 +126,7 @@ def fit_site(
     scale: float,
     causal: bool,
     steps: int = DEFAULT_STEPS,
-    lr: float = DEFAULT_LR,
+    lr: float | None = None,
     seed: int = 0,
     ce_weight: float = 0.0,
     device=None,
@@ -134,7 +137,8 @@ def fit_site(
     Loss: MSE between the module's output and softmax attention over the query rows that are
     real tokens (for self-attention, a padded query's output is never used), plus ``ce_weight``
     times the cross-entropy of the module's ``attention_weights`` against the softmax weights on
-    sampled rows. Runs on ``device`` (default: where the module's parameters are)."""
+    sampled rows. ``lr``: Adam's rate (default: the module's CALIBRATION_LR, else DEFAULT_LR).
+    Runs on ``device`` (default: where the module's parameters are)."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters to fit")
@@ -149,6 +153,8 @@ def fit_site(
     loss_before, query_rows = _mean_loss(module, samples, targets, device)
     generator = torch.Generator().manual_seed(seed)
     sizes = torch.tensor([float(q.shape[0]) for q in samples.q])
+    lr = lr if lr is not None else getattr(module, "CALIBRATION_LR", DEFAULT_LR)
+    start = _snapshot(params)
     optimizer = torch.optim.Adam(params, lr=lr)
     module.train()
     for _ in range(steps):
@@ -162,19 +168,20 @@ def fit_site(
         loss.backward()
         optimizer.step()
     module.eval()
-    loss_after, _ = _mean_loss(module, samples, targets, device)
+    loss_after, rejected = _kept_if_lower(params, start, loss_before, _mean_loss(module, samples, targets, device)[0])
     return FitResult(
-        loss_before, loss_after, steps, samples.examples, query_rows, time.perf_counter() - started
+        loss_before, loss_after, steps, lr, samples.examples, query_rows, time.perf_counter() - started, rejected
     )
 
 
 @dataclasses.dataclass
 class EndToEndResult:
     loss_before: float  # the outputs' relative squared error (see fit_end_to_end), every batch
-    loss_after: float
+    loss_after: float  # that of the values kept
     steps: int
     parameters: int  # values fitted, over all sites
     seconds: float
+    rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -209,6 +216,7 @@ def fit_end_to_end(run, params, batches: list, targets: list, *, steps: int, lr:
     params = list(params)
     started = time.perf_counter()
     loss_before = _mean_end_to_end_loss(run, batches, targets)
+    start = _snapshot(params)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(params, lr=lr)
     for _ in range(steps):
@@ -217,10 +225,26 @@ def fit_end_to_end(run, params, batches: list, targets: list, *, steps: int, lr:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+    loss_after, rejected = _kept_if_lower(params, start, loss_before, _mean_end_to_end_loss(run, batches, targets))
     return EndToEndResult(
-        loss_before, _mean_end_to_end_loss(run, batches, targets), steps, sum(p.numel() for p in params),
-        time.perf_counter() - started,
+        loss_before, loss_after, steps, sum(p.numel() for p in params), time.perf_counter() - started, rejected
     )
+
+
+def _snapshot(params: list) -> list:
+    return [p.detach().clone() for p in params]
+
+
+def _kept_if_lower(params: list, start: list, loss_before: float, loss_after: float) -> tuple[float, float | None]:
+    """A fit that ends with a higher loss on its own data than it started with (a rate too high
+    for these values, e.g. a Linformer projection) would leave the model worse than unfitted:
+    then the starting values are put back. Returns (the kept values' loss, the rejected loss or None)."""
+    if loss_after <= loss_before:
+        return loss_after, None
+    with torch.no_grad():
+        for param, value in zip(params, start):
+            param.copy_(value)
+    return loss_before, loss_after
 
 
 def _relative_error(outputs: list, targets: list):

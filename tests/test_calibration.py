@@ -210,6 +210,28 @@ def test_torch_calibration_written_into_the_onnx_rewrite_gives_the_same_model(ex
     assert relative_error(run_onnx(onnx_model, dict(zip(export.spec.input_names, args))), expected) < 1e-5
 
 
+def test_a_fit_that_ends_worse_than_it_started_keeps_its_starting_values():
+    samples = clustered_site_samples()
+    s = site()
+    module = passes.favor.torch_module(s, passes.favor.Options(), learnable=True)
+    start = {name: value.clone() for name, value in module.state_dict().items()}
+    result = fit.fit_site(module, samples, scale=s.scale, causal=False, steps=20, lr=10.0)  # a rate that diverges
+    assert result.rejected_loss > 10 * result.loss_before
+    assert result.loss_after == result.loss_before
+    assert all(torch.equal(value, start[name]) for name, value in module.state_dict().items())
+    kept = passes.favor.torch_module(s, passes.favor.Options(), learnable=True)
+    assert fit.fit_site(kept, samples, scale=s.scale, causal=False, steps=20, lr=1e-2).rejected_loss is None
+
+
+def test_an_end_to_end_fit_that_ends_worse_keeps_its_starting_values():
+    start = torch.tensor([1.001])
+    weight = torch.nn.Parameter(start.clone())
+    batches = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    result = fit.fit_end_to_end(lambda x: [weight * x], [weight], batches, [[x] for x in batches], steps=3, lr=10.0)
+    assert result.rejected_loss > 100 * result.loss_before
+    assert result.loss_after == result.loss_before == pytest.approx(1e-6, rel=1e-3)
+    assert torch.equal(weight.detach(), start)
+
 # --- the command line -------------------------------------------------------------------------
 
 
@@ -256,6 +278,27 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
         name: array.tobytes() for name, array in weights.items()
     }
     assert len({entry["calibration"]["data_sha256"] for entry in record["sites"]}) == 1
+
+
+def test_cli_keeps_the_starting_values_of_a_fit_that_ends_worse(tmp_path, capsys):
+    calibration_npz(tmp_path / "data.npz")
+    out = tmp_path / "out.onnx"
+    argv = [str(SAMPLE_BERT), "--to", "favor", "--calibrate", str(tmp_path / "data.npz"), "--calibrate-steps", "30"]
+    assert main([*argv, "--calibrate-lr", "10", "-o", str(out)]) == 0
+    for line in capsys.readouterr().err.splitlines():
+        assert re.fullmatch(
+            r"calibrating site \d/2 \(layer \d\): loss (\S+) -> \S+, worse: the values before fitting kept "
+            r"\(steps 30, [\d.]+ s\)", line
+        ), line
+    model = onnx.load(out)
+    record = read_record(model)
+    initial = passes.favor.projection_for(AttentionSite("s", head_dim=model_head_dim(record)), passes.favor.Options())
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for entry in record["sites"]:
+        calibration = entry["calibration"]
+        assert calibration["kept_unfitted"] is True
+        assert calibration["rejected_loss"] > calibration["loss_before"] == calibration["loss_after"]
+        np.testing.assert_array_equal(weights[f"{entry['name']}/projection"], initial)
 
 
 def test_onnx_calibration_is_sequential(tmp_path):

@@ -106,7 +106,7 @@ def rewrite_graph_module(
     include_single_query: bool = False,
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
-    calibrate_lr: float = calibration.DEFAULT_LR,
+    calibrate_lr: float | None = None,
     calibrate_ce_weight: float = 0.0,
     calibrate_seed: int = 0,
     calibrate_end_to_end: int = 0,
