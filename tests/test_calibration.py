@@ -18,6 +18,7 @@ import models
 from models import SAMPLE_BERT, relative_error, run_onnx, text_args
 
 import attnrewrite
+import attnrewrite.onnx.calibrate
 import attnrewrite.onnx.io
 import passes
 from attnrewrite import calibration
@@ -279,6 +280,23 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
     }
     assert len({entry["calibration"]["data_sha256"] for entry in record["sites"]}) == 1
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here, so the fits run on the CPU")
+def test_onnx_calibration_fits_on_cuda_when_torch_sees_a_gpu(tmp_path, monkeypatch):
+    arrays = calibration_npz(tmp_path / "data.npz")
+
+    def fitted_projections(device: str) -> dict[str, np.ndarray]:
+        monkeypatch.setattr(attnrewrite.onnx.calibrate, "_fitting_device", lambda: torch.device(device))
+        model = attnrewrite.rewrite(str(SAMPLE_BERT), to="favor", calibrate=arrays, calibrate_steps=5, calibrate_lr=1e-3)
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("/projection")}
+
+    torch.cuda.reset_peak_memory_stats()
+    on_cuda = fitted_projections("cuda")
+    assert torch.cuda.max_memory_allocated() > 0
+    on_cpu = fitted_projections("cpu")
+    assert on_cuda.keys() == on_cpu.keys() and len(on_cpu) == 2
+    for name, values in on_cpu.items():
+        np.testing.assert_allclose(on_cuda[name], values, atol=1e-4)
 
 def test_cli_keeps_the_starting_values_of_a_fit_that_ends_worse(tmp_path, capsys):
     calibration_npz(tmp_path / "data.npz")

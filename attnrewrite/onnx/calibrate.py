@@ -5,12 +5,14 @@ replacement's q, k, v and key_keep are exposed as extra graph outputs (cast to f
 its fittable constants are made graph inputs as well as initializers, so each run is fed the
 values fitted so far. Site l is collected on the model whose sites before it are fitted
 (sequential), by a session of only the nodes its inputs need (onnxruntime runs every node of a
-graph whatever outputs are asked for, so the graph is cut after site l), fitted by passes.fit,
-and its values are written into its initializers. The model is restored afterwards.
+graph whatever outputs are asked for, so the graph is cut after site l), fitted by passes.fit
+(on CUDA when torch sees a GPU; the samples stay in host memory, a minibatch at a time goes to
+the device), and its values are written into its initializers. The model is restored afterwards.
 
 With ``end_to_end`` steps, all sites are then fitted together against the model's outputs
 (passes.fit.fit_end_to_end), on the graph evaluated in torch (attnrewrite.onnx.torch_graph):
-the targets are the same graph with every replacement computing exact attention.
+the targets are the same graph with every replacement computing exact attention. That stage
+runs on the CPU, as the evaluator keeps every tensor there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
+    device = _fitting_device()
     with _collecting(model, sites) as session_for:
         for index, site in enumerate(sites):
             session = session_for(site)
@@ -50,10 +53,18 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
             result = fit_site(
                 site.module, samples, scale=site.outcome.site.scale, causal=site.outcome.site.mask.causal,
                 steps=calibration.steps, lr=calibration.lr, seed=calibration.seed, ce_weight=calibration.ce_weight,
+                device=device,
             )
+            site.module.cpu()  # where the end-to-end stage evaluates it
             site.write_fitted()
             site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
     return None if whole is None else _fit_end_to_end(whole, sites, calibration)
+
+
+def _fitting_device():
+    from passes._torch import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _torch_graph(model: ir.Model, sites: list["_Site"]):
