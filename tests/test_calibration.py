@@ -434,10 +434,13 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
     data = calibration.onnx_calibration(
         str(tmp_path / "texts.txt"), graph, tokenizer=tmp_path / "tokenizer.json", max_length=16
     )
-    assert [b["input_ids"].shape for b in data.batches] == [(8, 6), (3, 16)]  # longest per batch
+    # texts of 2, 2, 3, 3, 4, 4, 5, 5 words share the first batch, 6, 6 and 16 (truncated) the
+    # second, each padded to its longest (in file order: 6 and 16 tokens, 96 in all, not 88)
+    assert [b["input_ids"].shape for b in data.batches] == [(8, 5), (3, 16)]
     first = data.batches[0]
-    assert first["input_ids"][0].tolist() == [0, 0, 0, 0, 3, 4]  # "w0 w1", padded on the left
-    assert first["attention_mask"][0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert first["input_ids"][0].tolist() == [0, 0, 0, 3, 4]  # "w0 w1", padded on the left
+    assert first["attention_mask"][0].tolist() == [0, 0, 0, 1, 1]
+    assert first["attention_mask"].sum(1).tolist() == [2, 3, 4, 5, 2, 3, 4, 5]  # texts 0-3, 5-8 in file order
     assert data.examples == 11 and data.tokens == sum(min(len(t.split()), 16) for t in texts)
     out = tmp_path / "out.onnx"
     argv = [str(SAMPLE_BERT), "--to", "linear", "--calibrate", str(tmp_path / "texts.txt"),
