@@ -73,7 +73,8 @@ class Calibration:
         """Say how the end-to-end stage went; the record's entry for it."""
         (self.progress or _to_stderr)(
             f"calibrating all {sites} sites end to end: output error {result.loss_before:.4g} -> "
-            f"{_after(result)} (steps {result.steps}, {result.seconds:.1f} s)"
+            f"{_after(result)} (on {result.measured_batches} of {result.batches} batches; steps {result.steps}, "
+            f"{result.seconds:.1f} s)"
         )
         entry = result.as_dict()
         del entry["rejected_loss"]  # said by _rejected, only where a fit was undone

@@ -119,6 +119,14 @@ def batches(token_ids: list[np.ndarray], size: int):
         yield {"input_ids": ids, "attention_mask": mask}
 
 
+def grouped_by_length(token_ids: list[np.ndarray], size: int) -> list[np.ndarray]:
+    """The passages reordered so that each run of ``size`` holds passages of similar length, the
+    runs in corpus order of their first passage: how the CLI batches calibration text."""
+    by_length = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+    groups = sorted((by_length[start : start + size] for start in range(0, len(token_ids), size)), key=min)
+    return [token_ids[i] for group in groups for i in sorted(group)]
+
+
 def embeddings(model_path: Path, token_ids: list[np.ndarray], batch: int, threads: int) -> tuple[np.ndarray, float]:
     """Mean-pooled (over real tokens only) last hidden states, one row per passage; seconds taken."""
     session = make_session(str(model_path), threads=threads)
@@ -229,8 +237,9 @@ class Data:
     description: str
 
     def calibration_feeds(self) -> list[dict[str, np.ndarray]]:
-        """Every calibration passage, in batches each right-padded to its longest passage."""
-        return list(batches(self.calibration, CALIBRATION_BATCH))
+        """Every calibration passage, in batches of similar length (grouped_by_length), each
+        right-padded to its longest passage."""
+        return list(batches(grouped_by_length(self.calibration, CALIBRATION_BATCH), CALIBRATION_BATCH))
 
     def selection_feeds(self) -> dict[str, np.ndarray]:
         """The first calibration passages, one padded batch: what layer selection measures on."""

@@ -234,6 +234,24 @@ def test_an_end_to_end_fit_that_ends_worse_keeps_its_starting_values():
     assert torch.equal(weight.detach(), start)
 
 
+def test_the_end_to_end_loss_is_measured_on_batches_spread_over_the_data():
+    """Before and after fitting, each measured batch is one run of the whole model: eight of
+    them, first and last included, not all 20; the steps still draw from every batch."""
+    weight = torch.nn.Parameter(torch.tensor([1.5]))
+    batches = [torch.tensor([float(i + 1)]) for i in range(20)]
+    measured, fitted = [], set()
+
+    def run(x):
+        (fitted.add if torch.is_grad_enabled() else measured.append)(int(x))
+        return [weight * x]
+
+    result = fit.fit_end_to_end(run, [weight], batches, [[x] for x in batches], steps=200, lr=1e-2)
+    assert measured == [1, 4, 6, 9, 12, 15, 17, 20] * 2
+    assert fitted == set(range(1, 21))
+    assert (result.measured_batches, result.batches) == (8, 20)
+    assert result.loss_after < result.loss_before / 10
+
+
 # --- the command line -------------------------------------------------------------------------
 
 
@@ -342,6 +360,35 @@ def test_onnx_calibration_is_sequential(tmp_path):
     recorded = entries[1]["calibration"]["loss_before"]
     assert loss_before_on_inputs_of(model) == pytest.approx(recorded, rel=1e-5)
     assert loss_before_on_inputs_of(attnrewrite.rewrite(original, to="hedgehog")) != pytest.approx(recorded, rel=1e-2)
+
+
+def test_each_collecting_run_computes_only_what_lies_after_the_previous_site():
+    """Site 1's run is given what site 0's run computed before site 0's replacement (its q and
+    the shared hidden state), as extra inputs that site 0's run gives as outputs, and computes
+    only the rest; a value of unknown type cannot be handed over and is computed again."""
+    node = onnx.helper.make_node
+    graph = onnx.helper.make_graph(
+        [
+            node("Relu", ["x"], ["hidden"], name="embed"),
+            node("Neg", ["hidden"], ["q0"], name="project0"),
+            node("Abs", ["q0"], ["attention0"], name="replacement0"),
+            node("Add", ["attention0", "hidden"], ["residual"], name="residual0"),
+            node("Neg", ["residual"], ["q1"], name="project1"),
+            node("Shape", ["x"], ["shape"], name="shape"),
+            node("Reshape", ["q1", "shape"], ["q1_shaped"], name="reshape1"),
+        ],
+        "chain", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
+    )
+    model = onnx.helper.make_model(graph)
+    calibrate = attnrewrite.onnx.calibrate
+    first, second = calibrate._plan_cuts(model, [["q0"], ["q1_shaped"]], {"hidden", "q0", "attention0", "residual", "q1"})
+    assert [n.name for n in first.nodes] == ["embed", "project0"] and first.given == []
+    assert first.carry == ["hidden", "q0"]
+    assert [n.name for n in second.nodes] == ["replacement0", "residual0", "project1", "shape", "reshape1"]
+    assert second.given == ["hidden", "q0"] and second.carry == []
+    part = calibrate._cut_model(model, second, ["q1_shaped"], {"hidden": 1, "q0": 1, "q1_shaped": 1})
+    assert [i.name for i in part.graph.input] == ["x", "hidden", "q0"]
+    assert [o.name for o in part.graph.output] == ["q1_shaped"]
 
 
 def peaked_bert(path) -> str:

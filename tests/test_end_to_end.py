@@ -105,7 +105,8 @@ def test_onnx_end_to_end_stage_cuts_the_output_error_and_writes_what_it_fitted(t
     together = attnrewrite.rewrite(str(SAMPLE_BERT), **settings, calibrate_end_to_end=25)
     progress = capsys.readouterr().err.splitlines()
     assert re.fullmatch(
-        r"calibrating all 2 sites end to end: output error \S+ -> \S+ \(steps 25, [\d.]+ s\)", progress[-1]
+        r"calibrating all 2 sites end to end: output error \S+ -> \S+ \(on 1 of 1 batches; steps 25, [\d.]+ s\)",
+        progress[-1],
     )
     stage = read_record(together)["end_to_end"]
     assert "end_to_end" not in read_record(per_site)

@@ -4,8 +4,8 @@ The replacements are already spliced (learnable lowerings, at their initial valu
 replacement's q, k, v and key_keep are exposed as extra graph outputs (cast to float32), and
 its fittable constants are made graph inputs as well as initializers, so each run is fed the
 values fitted so far. Site l is collected on the model whose sites before it are fitted
-(sequential), by a session of only the nodes its inputs need (onnxruntime runs every node of a
-graph whatever outputs are asked for, so the graph is cut after site l), fitted by passes.fit
+(sequential), by a session of only the part of the graph between site l-1's replacement and
+site l's inputs (_Runs: what lies before is fed back from site l-1's run), fitted by passes.fit
 (on CUDA when torch sees a GPU; the samples stay in host memory, a minibatch at a time goes to
 the device), and its values are written into its initializers. The model is restored afterwards.
 
@@ -18,6 +18,7 @@ runs on the CPU, as the evaluator keeps every tensor there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import numpy as np
@@ -41,13 +42,16 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
     device = _fitting_device()
-    with _collecting(model, sites) as session_for:
+    with _collecting(model, sites) as runs:
+        held = [{} for _ in calibration.batches]  # per batch: values an earlier run gave the next cut
         for index, site in enumerate(sites):
-            session = session_for(site)
+            session, cut = runs.session_for(index)
             samples = SiteSamples()
             fitted = {name: array for earlier in sites[:index] for name, array in earlier.feeds().items()}
-            for feeds in calibration.batches:
-                q, k, v, keep = _run(session, site.outputs, {**feeds, **fitted})
+            for number, feeds in enumerate(calibration.batches):
+                given = {name: held[number][name] for name in cut.given}
+                q, k, v, keep, *carried = _run(session, site.outputs + cut.carry, {**feeds, **fitted, **given})
+                held[number] = {**given, **dict(zip(cut.carry, carried))}
                 samples.add(q, k, v, keep)
             del session
             result = fit_site(
@@ -122,9 +126,9 @@ class _Site:
 
 
 @contextlib.contextmanager
-def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
-    """An onnxruntime session of the model with every site's inputs as extra float32 outputs
-    and its fittable initializers as overridable inputs; the model is restored afterwards."""
+def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator["_Runs"]:
+    """The collecting runs (_Runs) of the model with every site's inputs as extra float32
+    outputs and its fittable initializers as overridable inputs; the model is restored afterwards."""
     graph = model.graph
     nodes, outputs, inputs = [], [], []
     try:
@@ -141,17 +145,7 @@ def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
                 graph.inputs.append(value)  # an initializer that is also an input can be fed
                 inputs.append(value)
         with saved_copy(model) as path:
-            proto = onnx.load(str(path), load_external_data=False)  # weights stay in their file
-
-            def session_for(site: _Site):
-                cut = path.with_name(f"site{sites.index(site)}.onnx")
-                onnx.save(_needed_for(proto, site.outputs), str(cut))
-                try:
-                    return make_session(str(cut))
-                except Exception as error:
-                    raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
-
-            yield session_for
+            yield _Runs(path, sites, _tensor_types(graph))
     finally:
         for value in outputs:
             graph.outputs.remove(value)
@@ -161,30 +155,78 @@ def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator:
             graph.remove(node, safe=True)
 
 
-def _needed_for(model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
-    """A copy of ``model`` with ``outputs`` as its outputs and only the nodes and initializers
-    they depend on (names read inside subgraphs count as read by their node)."""
-    needed, kept = set(outputs), []
+@dataclasses.dataclass
+class _Cut:
+    """What site l's collecting run computes: ``nodes`` (in graph order), reading the model's
+    inputs and ``given``, values an earlier run computed (fed back), and giving the site's
+    inputs and ``carry``, the values later cuts are given."""
+
+    nodes: list[onnx.NodeProto]
+    given: list[str]
+    carry: list[str] = dataclasses.field(default_factory=list)
+
+
+class _Runs:
+    """One onnxruntime session per site, of only the nodes its inputs need (onnxruntime runs every
+    node of a graph whatever outputs are asked for). A value an earlier site's run computed is
+    fed back instead of recomputed: it lies upstream of that site's replacement, and the sites
+    are in graph order, so no fit since can have changed it. Site l's run then computes only
+    what lies between site l-1's replacement and site l's inputs, instead of the whole prefix."""
+
+    def __init__(self, path, sites: list[_Site], types: dict[str, int]):
+        self.path = path
+        self.proto = onnx.load(str(path), load_external_data=False)  # weights stay in their file
+        self.types = types
+        self.sites = sites
+        self.cuts = _plan_cuts(self.proto, [site.outputs for site in sites], set(types))
+
+    def session_for(self, index: int):
+        cut = self.cuts[index]
+        part = self.path.with_name(f"site{index}.onnx")
+        onnx.save(_cut_model(self.proto, cut, self.sites[index].outputs, self.types), str(part))
+        try:
+            return make_session(str(part)), cut
+        except Exception as error:
+            raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
+
+
+def _tensor_types(graph: ir.Graph) -> dict[str, int]:
+    """Node outputs of a known tensor type (the ones a run can hand to the next): name -> dtype."""
+    return {
+        value.name: value.type.dtype.value
+        for node in graph
+        for value in node.outputs
+        if value.name and isinstance(value.type, ir.TensorType)
+    }
+
+
+def _plan_cuts(model: onnx.ModelProto, outputs: list[list[str]], carriable: set[str]) -> list[_Cut]:
+    """Per site (``outputs``: its collected values), the nodes to run and the values to feed
+    back: those of ``carriable`` an earlier run computed or was given."""
+    cuts, available = [], set()
+    for wanted in outputs:
+        nodes, given = _needed_nodes(model, wanted, available)
+        if cuts:  # the previous run gives what this one needs and was not given itself
+            cuts[-1].carry = [name for name in given if name not in cuts[-1].given]
+        cuts.append(_Cut(nodes, given))
+        available = carriable & (set(given) | {name for node in nodes for name in node.output})
+    return cuts
+
+
+def _needed_nodes(model: onnx.ModelProto, outputs: list[str], available: set[str]) -> tuple[list, list[str]]:
+    """The nodes ``outputs`` depend on (names read inside subgraphs count as read by their node),
+    stopping at ``available`` values, which are returned as the ones to give."""
+    needed, kept, given = set(outputs), [], []
     for node in reversed(model.graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(_names_read(node))
-    cut = onnx.ModelProto()
-    cut.CopyFrom(model)
-    graph = cut.graph
-    del graph.node[:]
-    graph.node.extend(reversed(kept))
-    wanted = {o.name: o for o in model.graph.output}
-    del graph.output[:]
-    graph.output.extend(wanted[name] for name in outputs)
-    initializers = [t for t in model.graph.initializer if t.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
-    dropped = {t.name for t in model.graph.initializer} - needed  # some are inputs too
-    inputs = [i for i in model.graph.input if i.name not in dropped]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    return cut
+        produced = [name for name in node.output if name in needed]
+        if not produced:
+            continue
+        if all(name in available for name in produced):
+            given.extend(produced)
+            continue
+        kept.append(node)
+        needed.update(_names_read(node))
+    return kept[::-1], given[::-1]
 
 
 def _names_read(node: onnx.NodeProto) -> set[str]:
@@ -194,6 +236,31 @@ def _names_read(node: onnx.NodeProto) -> set[str]:
             for inner in graph.node:
                 names |= _names_read(inner)
     return names
+
+
+def _cut_model(model: onnx.ModelProto, cut: _Cut, collected: list[str], types: dict[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` with only the cut's nodes and the initializers they read, its given
+    values as extra inputs, and the ``collected`` values and the carried ones as its outputs."""
+    read = {name for node in cut.nodes for name in _names_read(node)}
+    part = onnx.ModelProto()
+    part.CopyFrom(model)
+    graph = part.graph
+    del graph.node[:]
+    graph.node.extend(cut.nodes)
+    del graph.output[:]
+    graph.output.extend(_tensor_info(name, types) for name in [*collected, *cut.carry])
+    initializers = [t for t in model.graph.initializer if t.name in read]
+    dropped = {t.name for t in model.graph.initializer} - read  # some are inputs too
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    inputs = [i for i in model.graph.input if i.name not in dropped]
+    del graph.input[:]
+    graph.input.extend([*inputs, *(_tensor_info(name, types) for name in cut.given)])
+    return part
+
+
+def _tensor_info(name: str, types: dict[str, int]) -> onnx.ValueInfoProto:
+    return onnx.helper.make_tensor_value_info(name, types[name], None)
 
 
 def _run(session, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
