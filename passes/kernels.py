@@ -32,6 +32,7 @@ RESCALED_EPS = 1e-30
 # "No key yet" in running maxima of log scales: finite, so differences of two stay NaN-free
 # (-inf - -inf is NaN) while exp of any difference with a real scale is still 0.
 LOWEST_LOG_SCALE = -3.0e38
+EXP_FLOOR = 80.0  # e^-80 is a normal float32; see _local_softmax_sums
 
 BOOL = onnx.TensorProto.BOOL
 
@@ -266,35 +267,42 @@ def _exact_keys(layout, k, v, keep, causal: bool, following: bool, sinks: int):
     """Every query block's exact keys [G, chunks, 2 or 3 * window + sinks, *]: its local blocks
     (_local_blocks), then the sink columns; their values likewise; and which of them each query
     takes ([G, chunks, window, keys]): kept ones, causally visible, a sink only outside the
-    block's local keys."""
-    k_x, v_x, keep_x = (_local_blocks(layout.blocks(x), following) for x in (k, v, keep))
-    allowed = keep_x.transpose(-2, -1) > 0
+    block's local keys. One concatenation per tensor: at MiniLM's lengths these copies are a
+    good part of the whole."""
+
+    def exact(x):
+        sink = [_sink_rows(x, sinks, layout.chunks)] if sinks else []
+        return torch.cat([*_local_blocks(layout.blocks(x), following), *sink], dim=2)
+
     if causal:
-        allowed = allowed & _local_causal_mask(layout.chunk, k.device)
-    if not sinks:
-        return k_x, v_x, allowed
-    k_s, v_s, keep_s = (_sink_rows(x, sinks, layout.chunks) for x in (k, v, keep))
-    sink_allowed = (keep_s.transpose(-2, -1) > 0) & _sink_mask(layout, sinks, causal, following, k.device)
-    return torch.cat([k_x, k_s], dim=2), torch.cat([v_x, v_s], dim=2), torch.cat([allowed, sink_allowed], dim=-1)
+        taken = _local_causal_mask(layout.chunk, k.device)
+    else:
+        taken = torch.ones(layout.chunk, (3 if following else 2) * layout.chunk, dtype=torch.bool, device=k.device)
+    if sinks:
+        sink = _sink_mask(layout, sinks, causal, following, k.device).expand(layout.chunks, layout.chunk, sinks)
+        taken = torch.cat([taken.expand(layout.chunks, -1, -1), sink], dim=-1)
+    return exact(k), exact(v), (exact(keep).transpose(-2, -1) > 0) & taken
 
 
 def _local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
     """Block c's queries over its exact keys (_exact_keys): the unnormalised numerator and
     denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
-    where no exact key is kept; its weights are then all zero, never NaN)."""
-    scores = torch.where(allowed, (q4 @ k_x.transpose(-2, -1)) * scale, LOWEST_LOG_SCALE)
+    where no exact key is kept; its weights are then all zero, never NaN). Logits more than
+    EXP_FLOOR below m_i weigh e^-EXP_FLOOR (< 1e-34 of the max's 1) instead of less: exp of
+    an argument so low that its result is subnormal or 0 takes several times longer."""
+    scores = torch.where(allowed, (q4 * scale) @ k_x.transpose(-2, -1), LOWEST_LOG_SCALE)
     row_max = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - row_max) * allowed
+    weights = torch.exp(torch.clamp_min(scores - row_max, -EXP_FLOOR)) * allowed
     return weights @ v_x, weights.sum(-1, keepdim=True), row_max
 
 
-def _local_blocks(x4, following: bool):
-    """[G, chunks, window, F] -> [G, chunks, 2 or 3 * window, F]: block c-1's rows, c's and,
-    ``following``, c+1's."""
+def _local_blocks(x4, following: bool) -> list:
+    """[G, chunks, window, F] -> block c-1's rows, c's and, ``following``, c+1's, each
+    [G, chunks, window, F]."""
     blocks = [_shift_right(x4, 0.0), x4]
     if following:
         blocks.append(_shift_left(x4, 0.0))
-    return torch.cat(blocks, dim=2)
+    return blocks
 
 
 def _local_causal_mask(window: int, device):
