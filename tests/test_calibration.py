@@ -391,6 +391,25 @@ def test_each_collecting_run_computes_only_what_lies_after_the_previous_site():
     assert [o.name for o in part.graph.output] == ["q1_shaped"]
 
 
+@pytest.mark.parametrize("name, exporter", [("bert-eager", "legacy"), ("bert-sdpa", "dynamo"), ("gpt2", "dynamo")])
+def test_every_site_is_collected_on_what_the_written_model_feeds_it(exports, name, exporter):
+    """Each site's run starts from what the previous site's run handed over (_Runs): on real
+    exports of both exporters, every site's recorded loss before fitting is the unfitted
+    module's on the inputs the written model feeds that replacement (no later fit changes them)."""
+    export = exports.get(name, exporter)
+    feeds = {name: x.numpy() for name, x in export.parity_inputs().items()}
+    options = passes.hedgehog.Options(window=4)
+    model = attnrewrite.rewrite(export.load(), to="hedgehog", window=4, calibrate=[feeds], calibrate_steps=2)
+    entries = read_record(model)["sites"]
+    assert len(entries) >= 2
+    for index, (site, entry) in enumerate(zip(sites_of(entries), entries)):
+        samples = fit.SiteSamples()
+        samples.add(*replacement_inputs(model, index, feeds))
+        fresh = passes.hedgehog.torch_module(site, options, learnable=True)
+        again = fit.fit_site(fresh, samples, scale=site.scale, causal=site.mask.causal, steps=0).loss_before
+        assert again == pytest.approx(entry["calibration"]["loss_before"], rel=1e-4), index
+
+
 def peaked_bert(path) -> str:
     """samples/tiny_bert.onnx with every square projection 8x larger: random-init attention is
     nearly uniform, which a kernel gets right unfitted; these logits (64x) are peaked."""
