@@ -374,21 +374,24 @@ def test_each_collecting_run_computes_only_what_lies_after_the_previous_site():
             node("Abs", ["q0"], ["attention0"], name="replacement0"),
             node("Add", ["attention0", "hidden"], ["residual"], name="residual0"),
             node("Neg", ["residual"], ["q1"], name="project1"),
-            node("Shape", ["x"], ["shape"], name="shape"),
-            node("Reshape", ["q1", "shape"], ["q1_shaped"], name="reshape1"),
         ],
         "chain", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
     )
     model = onnx.helper.make_model(graph)
     calibrate = attnrewrite.onnx.calibrate
-    first, second = calibrate._plan_cuts(model, [["q0"], ["q1_shaped"]], {"hidden", "q0", "attention0", "residual", "q1"})
+    typed = {"hidden", "q0", "attention0", "residual", "q1"}
+    first, second = calibrate._plan_cuts(model, [["q0"], ["q1"]], typed)
     assert [n.name for n in first.nodes] == ["embed", "project0"] and first.given == []
     assert first.carry == ["hidden", "q0"]
-    assert [n.name for n in second.nodes] == ["replacement0", "residual0", "project1", "shape", "reshape1"]
+    assert [n.name for n in second.nodes] == ["replacement0", "residual0", "project1"]
     assert second.given == ["hidden", "q0"] and second.carry == []
-    part = calibrate._cut_model(model, second, ["q1_shaped"], {"hidden": 1, "q0": 1, "q1_shaped": 1})
+    part = calibrate._cut_model(model, second, ["q1"], {"hidden": 1, "q0": 1, "q1": 1})
     assert [i.name for i in part.graph.input] == ["x", "hidden", "q0"]
-    assert [o.name for o in part.graph.output] == ["q1_shaped"]
+    assert [o.name for o in part.graph.output] == ["q1"]
+
+    first, second = calibrate._plan_cuts(model, [["q0"], ["q1"]], typed - {"hidden"})
+    assert first.carry == second.given == ["q0"]
+    assert [n.name for n in second.nodes] == ["embed", "replacement0", "residual0", "project1"]
 
 
 @pytest.mark.parametrize("name, exporter", [("bert-eager", "legacy"), ("bert-sdpa", "dynamo"), ("gpt2", "dynamo")])
