@@ -213,6 +213,15 @@ def _read_texts(path: Path) -> list[str]:
     return texts
 
 
+def similar_length_groups(lengths: list[int], size: int) -> list[list[int]]:
+    """Indices into ``lengths`` in groups of ``size`` whose lengths are close (cut from the
+    indices sorted by length), each group and the groups themselves in input order (by their
+    first index): batches that pad little and still follow the data's order."""
+    by_length = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups = (sorted(by_length[start : start + size]) for start in range(0, len(lengths), size))
+    return sorted(groups, key=lambda group: group[0])
+
+
 def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: int, batch_size: int):
     """Batches of encodings, truncated to ``max_length`` tokens, padded per batch as the
     tokenizer's own padding settings say (to the batch's longest text). Texts of similar length
@@ -246,11 +255,9 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
         pad_to_multiple_of=padding.get("pad_to_multiple_of"),
         length=None,  # each batch to its longest text
     )
-    by_length = sorted(range(len(texts)), key=lengths.__getitem__)
-    groups = sorted((by_length[start : start + batch_size] for start in range(0, len(texts), batch_size)), key=min)
     batches = []
-    for group in groups:
-        encodings = tokenizer.encode_batch([texts[i] for i in sorted(group)])
+    for group in similar_length_groups(lengths, batch_size):
+        encodings = tokenizer.encode_batch([texts[i] for i in group])
         batches.append(
             {
                 name: np.array([getattr(e, TEXT_INPUTS[name]) for e in encodings]).astype(

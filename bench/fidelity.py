@@ -39,6 +39,7 @@ import onnx  # noqa: E402
 
 import attnrewrite  # noqa: E402
 import passes  # noqa: E402
+from attnrewrite.calibration import similar_length_groups  # noqa: E402
 from attnrewrite.onnx.validate import make_session  # noqa: E402
 
 WINDOW = 32
@@ -120,11 +121,10 @@ def batches(token_ids: list[np.ndarray], size: int):
 
 
 def grouped_by_length(token_ids: list[np.ndarray], size: int) -> list[np.ndarray]:
-    """The passages reordered so that each run of ``size`` holds passages of similar length, the
-    runs in corpus order of their first passage: how the CLI batches calibration text."""
-    by_length = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
-    groups = sorted((by_length[start : start + size] for start in range(0, len(token_ids), size)), key=min)
-    return [token_ids[i] for group in groups for i in sorted(group)]
+    """The passages reordered so that each run of ``size`` holds passages of similar length, as
+    the CLI batches calibration text (attnrewrite.calibration.similar_length_groups)."""
+    groups = similar_length_groups([len(ids) for ids in token_ids], size)
+    return [token_ids[i] for group in groups for i in group]
 
 
 def embeddings(model_path: Path, token_ids: list[np.ndarray], batch: int, threads: int) -> tuple[np.ndarray, float]:
