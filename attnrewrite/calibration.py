@@ -149,7 +149,7 @@ def onnx_calibration(
 
     where = "the calibration inputs"
     if isinstance(data, dict):
-        batches = _split(_conform(data, graph, where), batch_size)
+        batches = split_batch(_conform(data, graph, where), batch_size)
     elif isinstance(data, (list, tuple)):
         batches = [_conform(feeds, graph, where) for feeds in data]
     else:
@@ -160,7 +160,7 @@ def onnx_calibration(
         with open(path, "rb") as file:
             is_npz = file.read(4) == NPZ_MAGIC
         if is_npz:
-            batches = _split(load_inputs(path, graph), batch_size)
+            batches = split_batch(load_inputs(path, graph), batch_size)
         else:
             texts = _read_texts(path)
             if tokenizer is None:
@@ -194,12 +194,15 @@ def _tokens(batches: list[dict[str, np.ndarray]]) -> int | None:
     return None
 
 
-def _split(feeds: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
-    rows = _rows(feeds)
-    return [
-        {name: array[start : start + batch_size] for name, array in feeds.items()}
-        for start in range(0, rows, batch_size)
-    ]
+def split_batch(feeds: dict[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
+    """``feeds`` cut along the leading (example) axis into runs of at most ``size`` examples;
+    whole where its inputs do not all lead with the same number of examples, as an input without
+    that axis (shared by every example) cannot be cut with the others."""
+    leading = {array.shape[0] if array.ndim else None for array in feeds.values()}
+    if len(leading) != 1 or None in leading:
+        return [feeds]
+    rows = leading.pop()
+    return [{name: array[start : start + size] for name, array in feeds.items()} for start in range(0, rows, size)]
 
 
 def _read_texts(path: Path) -> list[str]:

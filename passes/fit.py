@@ -45,7 +45,9 @@ DEFAULT_END_TO_END_LR = 3e-3
 # measured on at most this many batches, spread over the data: each is a run of the whole
 # model, and on every batch the two took as long as 36 steps (MiniLM, 38 batches of 8).
 MEASURED_BATCHES = 8
-EXAMPLES_PER_STEP = 4  # entries of the leading axis (batch rows, or batch x heads) per step
+# entries of the leading axis a step fits on: per site, batch rows (or batch x heads); end to end on
+# an ONNX model, batch rows (attnrewrite/onnx/calibrate.py)
+EXAMPLES_PER_STEP = 4
 CE_ROWS = 16  # query rows per step for the attention-weight cross-entropy
 CE_EXAMPLES = 2  # of the minibatch's examples, those the cross-entropy looks at (N x N weights)
 LOG_FLOOR = 1e-30

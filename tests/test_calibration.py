@@ -452,6 +452,17 @@ def test_data_fingerprint_is_of_the_arrays_only(tmp_path):
     assert calibration.onnx_calibration(arrays, graph).fingerprint != from_file.fingerprint
 
 
+def test_a_batch_is_cut_along_its_examples_only_where_every_input_has_them():
+    ids, mask = np.arange(30).reshape(10, 3), np.ones((10, 3), np.int64)
+    parts = calibration.split_batch({"input_ids": ids, "attention_mask": mask}, 4)
+    assert [p["input_ids"].tolist() for p in parts] == [ids[:4].tolist(), ids[4:8].tolist(), ids[8:].tolist()]
+    assert all(p["attention_mask"].shape == p["input_ids"].shape for p in parts)
+    # an input shared by every example (leading 1, or no axes) cannot be cut: the batch stays whole
+    for shared in (np.arange(3).reshape(1, 3), np.array(2.0)):
+        feeds = {"input_ids": ids, "position_ids": shared}
+        assert calibration.split_batch(feeds, 4) == [feeds]
+
+
 @pytest.mark.parametrize(
     "make_data, extra, message",
     [

@@ -78,18 +78,23 @@ def _torch_graph(model: ir.Model, sites: list["_Site"]):
 
 
 def _fit_end_to_end(whole, sites: list["_Site"], calibration) -> dict:
-    """All sites fitted together on the model's outputs; their initializers rewritten."""
-    from passes.fit import exact_stand_in, fit_end_to_end, zero_padded_queries
+    """All sites fitted together on the model's outputs; their initializers rewritten. A step
+    runs at most EXAMPLES_PER_STEP examples, as the per-site fits take them: a step is a forward
+    and backward pass of the whole model, and on MiniLM 100 steps of 4 passages fit as well as
+    100 of 8 in half the time (bench/FIDELITY.md)."""
+    from attnrewrite.calibration import split_batch
+    from passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, zero_padded_queries
 
     def fitted_stand_in(module):
         return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)
 
+    batches = [part for feeds in calibration.batches for part in split_batch(feeds, EXAMPLES_PER_STEP)]
     exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
-    targets = [whole.run(feeds, exact) for feeds in calibration.batches]
+    targets = [whole.run(feeds, exact) for feeds in batches]
     fitted = {s.call: fitted_stand_in(s.module) for s in sites}
     result = fit_end_to_end(
         lambda feeds: whole.run(feeds, fitted), [p for s in sites for p in s.module.parameters() if p.requires_grad],
-        calibration.batches, targets, steps=calibration.end_to_end, seed=calibration.seed,
+        batches, targets, steps=calibration.end_to_end, seed=calibration.seed,
     )
     for site in sites:
         site.write_fitted()
