@@ -43,7 +43,7 @@ DEFAULT_LR = 3e-2
 DEFAULT_END_TO_END_LR = 3e-3
 # The end-to-end loss before and after fitting (what the fit is judged by, _kept_if_lower) is
 # measured on at most this many batches, spread over the data: each is a run of the whole
-# model, and on every batch the two took as long as 36 steps (MiniLM, 38 batches of 8).
+# model, and on all of MiniLM's 38 batches of 8 the two took as long as 36 steps of 8.
 MEASURED_BATCHES = 8
 # entries of the leading axis a step fits on: per site, batch rows (or batch x heads); end to end on
 # an ONNX model, batch rows (attnrewrite/onnx/calibrate.py)
