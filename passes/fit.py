@@ -122,12 +122,12 @@ def exact_attention(q, k, v, scale: float, key_keep=None, causal: bool = False):
     return torch.nan_to_num(out, nan=0.0)
 
 
-def _hidden_keys(logits, key_keep, causal: bool, rows=None):
+def _hidden_keys(logits, key_keep, causal: bool, rows):
+    """Where the sampled query ``rows``' logits see no key: padded, or (causal) after the row."""
     hidden = torch.zeros_like(logits, dtype=torch.bool)
     if key_keep is not None:
         hidden = hidden | (key_keep.transpose(-2, -1) == 0)
     if causal:
-        rows = torch.arange(logits.shape[-2], device=logits.device) if rows is None else rows
         hidden = hidden | kernels.future_keys(rows, logits.shape[-1])
     return hidden
 

@@ -459,8 +459,8 @@ def test_a_batch_is_cut_along_its_examples_only_where_every_input_has_them():
     assert all(p["attention_mask"].shape == p["input_ids"].shape for p in parts)
     # an input shared by every example (leading 1, or no axes) cannot be cut: the batch stays whole
     for shared in (np.arange(3).reshape(1, 3), np.array(2.0)):
-        feeds = {"input_ids": ids, "position_ids": shared}
-        assert calibration.split_batch(feeds, 4) == [feeds]
+        parts = calibration.split_batch({"input_ids": ids, "position_ids": shared}, 4)
+        assert [(p["input_ids"].shape, p["position_ids"].shape) for p in parts] == [((10, 3), shared.shape)]
 
 
 @pytest.mark.parametrize(

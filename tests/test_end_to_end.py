@@ -18,6 +18,7 @@ from models import SAMPLE_BERT, ExportUnsupported, onnx_outputs, relative_error,
 from test_calibration import calibration_npz
 
 import attnrewrite
+from attnrewrite.calibration import split_batch
 from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
@@ -92,8 +93,7 @@ def rewritten_error(model: onnx.ModelProto, arrays: dict) -> float:
     """The end-to-end loss (passes.fit) of a written model, on onnxruntime, over ``arrays`` in
     the stage's steps of fit.EXAMPLES_PER_STEP examples: the mean of their losses."""
     errors = []
-    for start in range(0, len(arrays["input_ids"]), fit.EXAMPLES_PER_STEP):
-        step = {name: array[start : start + fit.EXAMPLES_PER_STEP] for name, array in arrays.items()}
+    for step in split_batch(arrays, fit.EXAMPLES_PER_STEP):
         original = onnxruntime_outputs(onnx.load(SAMPLE_BERT), step)
         rewritten = onnxruntime_outputs(model, step)
         errors.append(np.mean([((r - o) ** 2).sum() / (o**2).sum() for r, o in zip(rewritten, original)]))
