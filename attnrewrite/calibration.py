@@ -51,7 +51,7 @@ class Calibration:
         """Say how site ``index`` went (stderr by default); the record's entry for it."""
         line = (
             f"calibrating site {index + 1}/{total} (layer {layer}): loss {result.loss_before:.4g} -> "
-            f"{_after(result)} (steps {result.steps}, {result.seconds:.1f} s)"
+            f"{_after(result)} {_how(result)}"
         )
         (self.progress or _to_stderr)(line)
         return {
@@ -66,6 +66,8 @@ class Calibration:
             "tokens": self.tokens,
             "samples": result.examples,
             "query_rows": result.query_rows,
+            "measured_batches": result.measured_batches,
+            "batches": result.batches,
             "data_sha256": self.fingerprint,
         }
 
@@ -73,8 +75,7 @@ class Calibration:
         """Say how the end-to-end stage went; the record's entry for it."""
         (self.progress or _to_stderr)(
             f"calibrating all {sites} sites end to end: output error {result.loss_before:.4g} -> "
-            f"{_after(result)} (on {result.measured_batches} of {result.batches} batches; steps {result.steps}, "
-            f"{result.seconds:.1f} s)"
+            f"{_after(result)} {_how(result)}"
         )
         entry = result.as_dict()
         del entry["rejected_loss"]  # said by _rejected, only where a fit was undone
@@ -85,6 +86,10 @@ def _after(result) -> str:
     if result.rejected_loss is None:
         return f"{result.loss_after:.4g}"
     return f"{result.rejected_loss:.4g}, worse: the values before fitting kept"
+
+
+def _how(result) -> str:
+    return f"(on {result.measured_batches} of {result.batches} batches; steps {result.steps}, {result.seconds:.1f} s)"
 
 
 def _rejected(result) -> dict[str, Any]:

@@ -41,9 +41,10 @@ DEFAULT_LR = 3e-2
 # MiniLM (hedgehog, window 32, ONNX path, bench/FIDELITY.md): 200 steps at 3e-3 take the
 # held-out embedding cosine from 0.987 to 0.990 (minimum 0.941 to 0.955).
 DEFAULT_END_TO_END_LR = 3e-3
-# The end-to-end loss before and after fitting (what the fit is judged by, _kept_if_lower) is
-# measured on at most this many batches, spread over the data: each is a run of the whole
-# model, and on all of MiniLM's 38 batches of 8 the two took as long as 36 steps of 8.
+# A fit's loss before and after (what it is judged by, _kept_if_lower, and what it reports) is
+# measured on at most this many batches, spread over the data. End to end each is a run of the
+# whole model: on all of MiniLM's 38 batches of 8 the two took as long as 36 steps of 8. Per
+# site, on all of them they took 4-5 s of each site's ~21 s (hedgehog, window 32, 300 steps).
 MEASURED_BATCHES = 8
 # entries of the leading axis a step fits on: per site, batch rows (or batch x heads); end to end on
 # an ONNX model, batch rows (attnrewrite/onnx/calibrate.py)
@@ -93,13 +94,15 @@ class SiteSamples:
 
 @dataclasses.dataclass
 class FitResult:
-    loss_before: float  # attention-output MSE over every sample, before fitting
+    loss_before: float  # attention-output MSE on the measured batches, before fitting
     loss_after: float  # that of the values kept
     steps: int
     lr: float
     examples: int  # entries of the samples' leading axis
     query_rows: int  # query rows the loss counts (padded queries are not counted)
     seconds: float
+    measured_batches: int  # of the samples' batches, those the losses are measured on
+    batches: int
     rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
 
     def as_dict(self) -> dict:
@@ -151,7 +154,8 @@ def fit_site(
     real tokens (for self-attention, a padded query's output is never used), plus ``ce_weight``
     times the cross-entropy of the module's ``attention_weights`` against the softmax weights on
     sampled rows. ``lr``: Adam's rate (default: the module's CALIBRATION_LR, else DEFAULT_LR).
-    Runs on ``device`` (default: where the module's parameters are)."""
+    Before and after, the output MSE is measured on MEASURED_BATCHES batches spread over the
+    samples. Runs on ``device`` (default: where the module's parameters are)."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters to fit")
@@ -163,7 +167,8 @@ def fit_site(
     module.to(device)
     started = time.perf_counter()
     targets = [_targets(samples, i, scale, causal, device) for i in range(len(samples))]
-    loss_before, query_rows = _mean_loss(module, samples, targets, device)
+    measured = _spread(len(samples), MEASURED_BATCHES)
+    loss_before, query_rows = _mean_loss(module, samples, targets, measured, device)
     generator = torch.Generator().manual_seed(seed)
     sizes = torch.tensor([float(q.shape[0]) for q in samples.q])
     lr = lr if lr is not None else getattr(module, "CALIBRATION_LR", DEFAULT_LR)
@@ -181,9 +186,10 @@ def fit_site(
         loss.backward()
         optimizer.step()
     module.eval()
-    loss_after, rejected = _kept_if_lower(params, start, loss_before, _mean_loss(module, samples, targets, device)[0])
+    loss_after, rejected = _kept_if_lower(params, start, loss_before, _mean_loss(module, samples, targets, measured, device)[0])
     return FitResult(
-        loss_before, loss_after, steps, lr, samples.examples, query_rows, time.perf_counter() - started, rejected
+        loss_before, loss_after, steps, lr, samples.examples, query_rows, time.perf_counter() - started,
+        len(measured), len(samples), rejected,
     )
 
 
@@ -318,11 +324,12 @@ def _output_loss(module, q, k, v, keep, target):
     return loss, counted
 
 
-def _mean_loss(module, samples: SiteSamples, targets, device) -> tuple[float, int]:
+def _mean_loss(module, samples: SiteSamples, targets, measured: list[int], device) -> tuple[float, int]:
+    """(the output MSE over the batches ``measured``, query rows counted)."""
     total, counted = 0.0, 0.0
     module.eval()
     with torch.no_grad():
-        for index in range(len(samples)):
+        for index in measured:
             size = samples.q[index].shape[0]
             for start in range(0, size, EXAMPLES_PER_STEP):
                 rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))

@@ -252,6 +252,38 @@ def test_the_end_to_end_loss_is_measured_on_batches_spread_over_the_data():
     assert result.loss_after < result.loss_before / 10
 
 
+
+def test_a_site_s_loss_is_measured_on_batches_spread_over_its_samples():
+    """Before and after fitting, the loss is measured on eight of 20 batches, first and last
+    included, and is their output MSE; the steps still draw from every batch. Batch i has
+    i + 8 positions, so a forward pass says which batch it ran."""
+    s = site()
+    g = torch.Generator().manual_seed(0)
+    samples = fit.SiteSamples()
+    for i in range(20):
+        samples.add(*(torch.randn(2, HEADS, i + 8, HEAD_DIM, generator=g) for _ in range(3)), None)
+    measured, fitted = [], set()
+
+    class Recording(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = passes.linear.torch_module(s, passes.linear.Options(), learnable=True)
+
+        def forward(self, q, k, v, key_keep=None):
+            (fitted.add if torch.is_grad_enabled() else measured.append)(q.shape[-2] - 8)
+            return self.inner(q, k, v, key_keep)
+
+    module = Recording()
+    unfitted = [module.inner(*samples.batch(i)[:3]).detach() for i in (0, 3, 5, 8, 11, 14, 16, 19)]
+    result = fit.fit_site(module, samples, scale=s.scale, causal=False, steps=100, lr=1e-2)
+    assert measured == [0, 3, 5, 8, 11, 14, 16, 19] * 2
+    assert fitted == set(range(20))
+    assert (result.measured_batches, result.batches) == (8, 20)
+    exact = [fit.exact_attention(*samples.batch(i)[:3], s.scale) for i in (0, 3, 5, 8, 11, 14, 16, 19)]
+    squared = sum(float((u - e).square().sum()) for u, e in zip(unfitted, exact))
+    assert result.loss_before == pytest.approx(squared / sum(e.numel() for e in exact), rel=1e-5)
+
+
 # --- the command line -------------------------------------------------------------------------
 
 
@@ -271,7 +303,9 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
     assert main([*argv, "-o", str(out)]) == 0
     progress = capsys.readouterr().err.splitlines()
     assert len(progress) == 2
-    assert re.fullmatch(r"calibrating site 1/2 \(layer 0\): loss \S+ -> \S+ \(steps 30, [\d.]+ s\)", progress[0])
+    assert re.fullmatch(
+        r"calibrating site 1/2 \(layer 0\): loss \S+ -> \S+ \(on 2 of 2 batches; steps 30, [\d.]+ s\)", progress[0]
+    )
     model = onnx.load(out)
     record = read_record(model)
     digest = hashlib.sha256()
@@ -328,7 +362,7 @@ def test_cli_keeps_the_starting_values_of_a_fit_that_ends_worse(tmp_path, capsys
     for line in progress:
         assert re.fullmatch(
             r"calibrating site \d/2 \(layer \d\): loss \S+ -> \S+, worse: the values before fitting kept "
-            r"\(steps 30, [\d.]+ s\)", line
+            r"\(on 2 of 2 batches; steps 30, [\d.]+ s\)", line
         ), line
     model = onnx.load(out)
     record = read_record(model)
