@@ -186,7 +186,8 @@ def fit_site(
         loss.backward()
         optimizer.step()
     module.eval()
-    loss_after, rejected = _kept_if_lower(params, start, loss_before, _mean_loss(module, samples, targets, measured, device)[0])
+    loss_after = _mean_loss(module, samples, targets, measured, device)[0]
+    loss_after, rejected = _kept_if_lower(params, start, loss_before, loss_after)
     return FitResult(
         loss_before, loss_after, steps, lr, samples.examples, query_rows, time.perf_counter() - started,
         len(measured), len(samples), rejected,
