@@ -273,13 +273,13 @@ def test_a_site_s_loss_is_measured_on_batches_spread_over_its_samples():
             (fitted.add if torch.is_grad_enabled() else measured.append)(q.shape[-2] - 8)
             return self.inner(q, k, v, key_keep)
 
-    module = Recording()
-    unfitted = [module.inner(*samples.batch(i)[:3]).detach() for i in (0, 3, 5, 8, 11, 14, 16, 19)]
+    module, spread = Recording(), [0, 3, 5, 8, 11, 14, 16, 19]
+    unfitted = [module.inner(*samples.batch(i)[:3]).detach() for i in spread]
     result = fit.fit_site(module, samples, scale=s.scale, causal=False, steps=100, lr=1e-2)
-    assert measured == [0, 3, 5, 8, 11, 14, 16, 19] * 2
+    assert measured == spread * 2
     assert fitted == set(range(20))
     assert (result.measured_batches, result.batches) == (8, 20)
-    exact = [fit.exact_attention(*samples.batch(i)[:3], s.scale) for i in (0, 3, 5, 8, 11, 14, 16, 19)]
+    exact = [fit.exact_attention(*samples.batch(i)[:3], s.scale) for i in spread]
     squared = sum(float((u - e).square().sum()) for u, e in zip(unfitted, exact))
     assert result.loss_before == pytest.approx(squared / sum(e.numel() for e in exact), rel=1e-5)
 
