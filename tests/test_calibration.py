@@ -252,7 +252,6 @@ def test_the_end_to_end_loss_is_measured_on_batches_spread_over_the_data():
     assert result.loss_after < result.loss_before / 10
 
 
-
 def test_a_site_s_loss_is_measured_on_batches_spread_over_its_samples():
     """Before and after fitting, the loss is measured on eight of 20 batches, first and last
     included, and is their output MSE; the steps still draw from every batch. Batch i has
