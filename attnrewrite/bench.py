@@ -56,7 +56,7 @@ from attnrewrite.onnx.rewrite import analyze, rewrite_model
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.onnx.validate import validate
 from attnrewrite.record import format_table
-from passes._onnx import DOMAIN, MIN_OPSET, OnnxLowering
+from attnrewrite.passes._onnx import DOMAIN, MIN_OPSET, OnnxLowering
 
 DEFAULT_LENGTHS = [128 * 2**i for i in range(8)]  # 128 .. 16384
 DEFAULT_BUDGET_SECONDS = 10.0

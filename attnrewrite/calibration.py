@@ -1,6 +1,6 @@
 """Calibration, the frontend-independent part: settings, checks, and the data to fit on.
 
-``--calibrate DATA`` fits every replacement to the exact attention it replaces (passes/fit.py
+``--calibrate DATA`` fits every replacement to the exact attention it replaces (attnrewrite/passes/fit.py
 does the fitting; the ONNX and FX frontends only collect each site's q, k, v and key_keep).
 DATA is model inputs: an ``.npz`` keyed by input name (batch axis stacked), a text file (one
 text per line) made into token ids by a ``tokenizers`` tokenizer.json, or arrays / tensors given
@@ -20,9 +20,9 @@ from typing import Any, Callable
 import numpy as np
 import onnx_ir as ir
 
-import passes
+from attnrewrite import passes
 from attnrewrite.errors import AttnRewriteError
-from passes.fit import DEFAULT_LR, DEFAULT_STEPS, fingerprint
+from attnrewrite.passes.fit import DEFAULT_LR, DEFAULT_STEPS, fingerprint
 
 DEFAULT_MAX_LENGTH = 256
 BATCH_SIZE = 8  # examples per onnxruntime run while collecting
@@ -104,7 +104,7 @@ def _to_stderr(line: str) -> None:
 def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) -> None:
     """One clear line, before any work, when calibration cannot run at all (or not with the
     attention-weight cross-entropy ``ce_weight`` asks for)."""
-    from passes._torch import torch
+    from attnrewrite.passes._torch import torch
 
     if torch is None:
         raise AttnRewriteError("calibration fits in PyTorch: pip install 'attnrewrite[torch]'")

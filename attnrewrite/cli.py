@@ -21,7 +21,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-import passes
+from attnrewrite import passes
 from attnrewrite import __version__
 from attnrewrite import calibration
 from attnrewrite import check as check_mod
@@ -554,7 +554,7 @@ def _list_sites(model, args) -> int:
 
 
 def _print_options(args) -> int:
-    from passes._options import describe_options
+    from attnrewrite.passes._options import describe_options
 
     if not args.to:
         raise AttnRewriteError(f"--list-options needs --to METHOD (one of: {', '.join(passes.PASSES)})")

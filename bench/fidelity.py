@@ -38,7 +38,7 @@ import corpus  # noqa: E402
 import onnx  # noqa: E402
 
 import attnrewrite  # noqa: E402
-import passes  # noqa: E402
+from attnrewrite import passes  # noqa: E402
 from attnrewrite.calibration import similar_length_groups  # noqa: E402
 from attnrewrite.onnx.validate import make_session  # noqa: E402
 

@@ -66,7 +66,7 @@ def module(heads: int, head_dim: int, features: int, method: str = "", options: 
     attention scaled by 1/sqrt(head_dim). Its buffers stay float32 (the passes compute their
     feature maps and sums in float32 whatever the inputs are)."""
     sys.path.insert(0, str(ROOT))
-    import passes
+    from attnrewrite import passes
     from attnrewrite.site import AttentionSite
 
     method_pass = passes.get_pass(method)

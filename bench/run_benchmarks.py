@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # models.py, peers.py
 
 import models  # noqa: E402
-import passes  # noqa: E402
+from attnrewrite import passes  # noqa: E402
 from attnrewrite import bench  # noqa: E402
 from attnrewrite.errors import AttnRewriteError  # noqa: E402
 from attnrewrite.onnx import io as onnx_io  # noqa: E402

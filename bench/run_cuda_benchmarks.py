@@ -8,7 +8,7 @@ For fp16 and fp32, on onnxruntime's CUDA provider (IOBinding, see attnrewrite/be
 
 1. attention only, q, k, v of [1, 12, N, 64]: the exported softmax graph, fused exact attention
    (opset-23 Attention), every method's ONNX graph; beside them, in torch on the same GPU, every
-   method's torch module (passes/*.torch_module, what the FX frontend swaps in) and
+   method's torch module (attnrewrite/passes/*.torch_module, what the FX frontend swaps in) and
    F.scaled_dot_product_attention;
 2. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072): the exported softmax model, the
    model fused by onnxruntime.transformers.optimizer (com.microsoft.Attention), the
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # models.py, peers.py, run_benchmarks.py; this tree's attnrewrite
 
 import models  # noqa: E402
-import passes  # noqa: E402
+from attnrewrite import passes  # noqa: E402
 import run_benchmarks as standard  # noqa: E402  (the CPU sweep: its model building and tables)
 from attnrewrite import bench  # noqa: E402
 from attnrewrite.errors import AttnRewriteError  # noqa: E402

@@ -37,8 +37,8 @@ import corpus  # noqa: E402
 from attention_mass import block_offsets  # noqa: E402
 
 from attnrewrite.site import AttentionSite, MaskKind  # noqa: E402
-from passes import hedgehog  # noqa: E402
-from passes.fit import SiteSamples, exact_attention, fit_site  # noqa: E402
+from attnrewrite.passes import hedgehog  # noqa: E402
+from attnrewrite.passes.fit import SiteSamples, exact_attention, fit_site  # noqa: E402
 
 HELDOUT_PASSAGES = 64
 LOG_SCALES = ("query_log_scale", "key_log_scale")

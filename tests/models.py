@@ -847,7 +847,7 @@ def swapped_attention(spec: ModelSpec, sites: list, make_module: Callable):
     own attention runs. ``sites`` come from ``attnrewrite.find_sites`` on the exported model, so
     scale, heads and mask kind are the ones the ONNX rewrite used. Yields a dict: "calls" counts
     the attention calls, "key_keep" holds the key_keep each swapped call got."""
-    from passes.kernels import expand_to_query_heads
+    from attnrewrite.passes.kernels import expand_to_query_heads
 
     modules = [make_module(site) for site in sites]
     state = {"calls": 0, "key_keep": []}
@@ -925,7 +925,7 @@ def torch_reference(export, method: str, inputs: dict[str, torch.Tensor], option
     (in ``swap_layers`` only, when given); sites default to those found in the export.
     ``attend_to_padding``: the swapped module gets no key_keep. Returns (output, swap state)."""
     import attnrewrite
-    import passes
+    from attnrewrite import passes
 
     method_pass = passes.get_pass(method)
     options = options or passes.make_options(method_pass)

@@ -26,7 +26,7 @@ from test_onnx_exports import TOLERANCE
 from test_onnx_negative import BIAS
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.site import MaskKind
 
 REWRITABLE = [name for name, spec in AUDIO_MODELS.items() if spec.mask != "bias"]

@@ -1,4 +1,4 @@
-"""Calibration (passes/fit.py and both frontends): fitting learnable replacements to the exact
+"""Calibration (attnrewrite/passes/fit.py and both frontends): fitting learnable replacements to the exact
 softmax attention they replace, the learnable lowerings' ONNX-vs-torch parity, and the errors."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from models import SAMPLE_BERT, relative_error, run_onnx, text_args
 import attnrewrite
 import attnrewrite.onnx.calibrate
 import attnrewrite.onnx.io
-import passes
+from attnrewrite import passes
 from attnrewrite import calibration
 from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import fit
+from attnrewrite.passes import fit
 
 HEADS, HEAD_DIM = 2, 16
 

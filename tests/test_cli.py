@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.cli import EXIT_BROKEN_PIPE, format_layers, main, parse_layers
-from passes._options import describe_options
+from attnrewrite.passes._options import describe_options
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 

@@ -22,7 +22,7 @@ from models import APPROXIMATING_OPTIONS, HEADS, HIDDEN, VOCAB, exact_attention,
 from onnx import TensorProto, helper
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.masks import inputs_marking_padding
 

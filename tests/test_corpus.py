@@ -20,7 +20,7 @@ from conftest import exported, read_record
 from models import EXPORTERS
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 
 ALL = ("none", "key_padding", "causal", "causal+key_padding")
 BIAS = "the additive term on the logits is an attention bias, not a mask (values other than 0 and large negatives)"

@@ -20,7 +20,7 @@ import pytest
 from attention_graphs import AttentionSpec, build_attention_model
 from models import relative_error
 
-import passes
+from attnrewrite import passes
 from attnrewrite import bench
 from attnrewrite.bench_worker import cuda_ready, node_placement, placement_from_profile
 from attnrewrite.check import cosine_similarity
@@ -170,7 +170,7 @@ def lsh_window_logits_elements(options: passes.lsh.Options, heads: int, n: int) 
     """Elements the window logits of all hash rounds together [G, hashes, chunks, 2*chunk,
     4*chunk] would hold (queries and keys sorted together make 2N items, cut into chunks of
     2*chunk items, each seeing its own and the previous chunk): past 2^31, the length at which
-    the ONNX body must attend one round at a time (as passes/lsh.py lowers it)."""
+    the ONNX body must attend one round at a time (as attnrewrite/passes/lsh.py lowers it)."""
     items = 2 * options.chunk
     return heads * options.n_hashes * (2 * n // items) * items * 2 * items
 

@@ -23,7 +23,7 @@ from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
 from attnrewrite.onnx.torch_graph import TorchGraph
-from passes import fit
+from attnrewrite.passes import fit
 
 # Families whose exports (both exporters) the evaluator must cover: encoders with padding masks,
 # causal decoders, a vision encoder, relative position bias, multi-query heads, audio.

@@ -1,4 +1,4 @@
-"""FAVOR+ (passes/favor.py): exactness of both lowerings, the estimator's statistics, causality,
+"""FAVOR+ (attnrewrite/passes/favor.py): exactness of both lowerings, the estimator's statistics, causality,
 padding, determinism of W, parity with performer-pytorch, and numerical safety."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import favor, get_pass, make_options
-from passes._onnx import DOMAIN, DOMAIN_VERSION
+from attnrewrite.passes import favor, get_pass, make_options
+from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 MASKS = [MaskKind.NONE, MaskKind.KEY_PADDING, MaskKind.CAUSAL, MaskKind.CAUSAL_KEY_PADDING]

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import pytest
 from onnx import AttributeProto, TensorProto, helper
 
-import passes
+from attnrewrite import passes
 from attnrewrite.cli import main
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"

@@ -13,7 +13,7 @@ from models import relative_error, run_pass_module
 from torch import nn
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.fx import find_fx_sites
 
 TOLERANCE = 1e-5

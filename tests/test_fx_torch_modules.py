@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.fx import find_fx_sites, rewrite_graph_module
 from attnrewrite.site import MaskKind

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.cli import main
 from attnrewrite.fx import find_fx_sites
 from attnrewrite.site import SINGLE_QUERY

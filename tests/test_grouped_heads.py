@@ -15,7 +15,7 @@ from test_onnx_exports import attention_inputs
 from torch import nn
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 from attnrewrite.fx import find_fx_sites
 
 TOLERANCE = 1e-5

@@ -25,9 +25,9 @@ import torch
 from attention_graphs import AttentionSpec, build_attention_model, lowering_model, make_feeds, reference_qkv
 from onnx import TensorProto, helper, numpy_helper
 
-import passes
+from attnrewrite import passes
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import hydra
+from attnrewrite.passes import hydra
 from attnrewrite.cli import main
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx import io as onnx_io

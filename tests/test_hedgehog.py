@@ -1,4 +1,4 @@
-"""Hedgehog (passes/hedgehog.py): the feature map's fittable values, the attention against its
+"""Hedgehog (attnrewrite/passes/hedgehog.py): the feature map's fittable values, the attention against its
 definition, ONNX == torch with fitted (non-identity) values, and real exports rewritten to it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from models import relative_error, run_onnx, run_pass_module, text_args, torch_r
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import get_pass, hedgehog, kernels, make_options
+from attnrewrite.passes import get_pass, hedgehog, kernels, make_options
 
 H, D, DV = 3, 8, 5
 SCALE = 0.3

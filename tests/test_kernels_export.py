@@ -1,4 +1,4 @@
-"""The causal kernels' torch lowerings (passes/kernels.py) under torch.export with a dynamic
+"""The causal kernels' torch lowerings (attnrewrite/passes/kernels.py) under torch.export with a dynamic
 sequence length: no shape guard on N (a guard silently fixes the shapes torch.onnx.export
 writes), the exported program equal to eager at lengths the example did not have, the
 dynamo ONNX export of causal FAVOR (torch.cummax had no conversion) running on onnxruntime,
@@ -22,8 +22,8 @@ from torch.utils._sympy.numbers import int_oo
 
 from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import favor, kernels, linear
-from passes._onnx import DOMAIN, DOMAIN_VERSION
+from attnrewrite.passes import favor, kernels, linear
+from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION
 
 from test_fx_spellings import Attention, causal_and_padding_where, inputs
 

@@ -25,7 +25,7 @@ from models import (
 from torch import nn
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 
 SEQ, MEMORY = 8, 5
 TOLERANCE = 1e-5

@@ -14,7 +14,7 @@ from models import relative_error as rel_err
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import OptionError, get_pass, linformer, make_options
+from attnrewrite.passes import OptionError, get_pass, linformer, make_options
 
 SCALE = 0.3
 D, DV = 8, 6

@@ -21,7 +21,7 @@ from models import relative_error as rel_err
 
 import attnrewrite
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import OptionError, get_pass, lsh, make_options
+from attnrewrite.passes import OptionError, get_pass, lsh, make_options
 
 SCALE = 0.3
 D, DV = 8, 6
@@ -315,7 +315,7 @@ def test_runs_where_the_attention_matrix_would_not_fit():
         from attention_graphs import lowering_session
         from test_lsh import site
         from attnrewrite.site import MaskKind
-        from passes import lsh
+        from attnrewrite.passes import lsh
         n = 40000
         options = lsh.Options(n_buckets=64, n_hashes=2, chunk=32)
         lowering = lsh.onnx_lowering(site(MaskKind.CAUSAL, head_dim=16), options, 20)

@@ -11,7 +11,7 @@ from conftest import exported, read_record
 from models import APPROXIMATING_OPTIONS, EXPORTERS, MODELS, OPSET23, OPSET23_MODELS, attention_operator_model, op_counts, relative_error, run_onnx, torch_reference
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 
 METHODS = ("hydra", "linear")
 TOLERANCE = 1e-5  # fp32 relative error, DESIGN.md "implementation parity"

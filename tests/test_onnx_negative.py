@@ -15,7 +15,7 @@ from models import EXPORTERS, op_counts, relative_error, run_onnx, softmax_atten
 
 
 import attnrewrite
-import passes
+from attnrewrite import passes
 
 METHODS = ("hydra", "linear")
 TOLERANCE = 1e-5

@@ -26,7 +26,7 @@ from attention_graphs import FILLS, AttentionSpec, build_attention_model, make_f
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import passes
+from attnrewrite import passes
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import find_sites, rewrite_model
 

@@ -16,7 +16,7 @@ from attention_graphs import lowering_session
 from models import exact_attention, relative_error, run_pass_module
 
 from attnrewrite.site import AttentionSite, MaskKind
-from passes import OptionError, favor, get_pass, hedgehog, kernels, linear, make_options
+from attnrewrite.passes import OptionError, favor, get_pass, hedgehog, kernels, linear, make_options
 
 WINDOWED = (linear, favor, hedgehog)
 B, H, D, DV = 2, 3, 8, 5

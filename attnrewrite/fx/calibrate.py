@@ -20,7 +20,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree
 
-from passes.fit import SiteSamples, exact_stand_in, fit_end_to_end, fit_site, zero_padded_queries
+from attnrewrite.passes.fit import SiteSamples, exact_stand_in, fit_end_to_end, fit_site, zero_padded_queries
 
 
 class _Collected(Exception):

@@ -22,8 +22,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-import passes
-from passes import kernels
+from attnrewrite import passes
+from attnrewrite.passes import kernels
 from attnrewrite import calibration
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes

@@ -37,7 +37,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
     in graph order; ``calls``: site name -> replacement node. Fits in place; returns the
     record's entry for the end-to-end stage (None without one)."""
-    from passes.fit import SiteSamples, fit_site
+    from attnrewrite.passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
@@ -66,7 +66,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
 
 
 def _fitting_device():
-    from passes._torch import torch
+    from attnrewrite.passes._torch import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -83,7 +83,7 @@ def _fit_end_to_end(whole, sites: list["_Site"], calibration) -> dict:
     and backward pass of the whole model, and on MiniLM 100 steps of 4 passages fit as well as
     100 of 8 in half the time (bench/FIDELITY.md)."""
     from attnrewrite.calibration import split_batch
-    from passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, zero_padded_queries
+    from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, zero_padded_queries
 
     def fitted_stand_in(module):
         return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)

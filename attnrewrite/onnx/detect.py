@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar, known_dims
 from attnrewrite.site import AttentionSite, MaskKind
-from passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
+from attnrewrite.passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
 
 # An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
 MASKED_BELOW = -1e3

@@ -7,14 +7,14 @@ import json
 
 import onnx_ir as ir
 
-import passes
+from attnrewrite import passes
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
 from attnrewrite.site import AttentionSite, single_query_reason
-from passes._onnx import DOMAIN
+from attnrewrite.passes._onnx import DOMAIN
 
 
 def analyze(model: ir.Model, seq: int | None = None) -> list[OnnxSite]:

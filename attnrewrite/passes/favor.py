@@ -51,10 +51,10 @@ import numpy as np
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
-from passes import kernels
-from passes._options import option
-from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
-from passes._torch import Module, torch
+from attnrewrite.passes import kernels
+from attnrewrite.passes._options import option
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._torch import Module, torch
 
 NAME = "favor"
 WINDOWED_WEIGHTS = "favor with a window gives no attention weights"

@@ -29,8 +29,8 @@ from typing import Iterable
 
 import numpy as np
 
-from passes import kernels
-from passes._torch import torch
+from attnrewrite.passes import kernels
+from attnrewrite.passes._torch import torch
 
 # Measured on MiniLM (favor, layer 0, 100 texts): 200 steps of 4 examples at 3e-2 fit as well
 # as 200 of 8 at 1e-2 (loss 0.0367 -> 0.0131 vs 0.0147) in half the time. A module whose values

@@ -20,10 +20,10 @@ import math
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
-from passes import kernels
-from passes._options import UNUSED_SEED, option
-from passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
-from passes._torch import Module
+from attnrewrite.passes import kernels
+from attnrewrite.passes._options import UNUSED_SEED, option
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._torch import Module
 
 NAME = "hydra"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.

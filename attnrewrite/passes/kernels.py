@@ -20,9 +20,9 @@ import onnx
 from onnx import helper
 from onnxscript import script
 
-from passes._options import option
-from passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
-from passes._torch import torch
+from attnrewrite.passes._options import option
+from attnrewrite.passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
+from attnrewrite.passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
 # The same guard for denominators in units of exp(-stabilisers) (favor; hedgehog's window), which

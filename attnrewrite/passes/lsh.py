@@ -40,10 +40,10 @@ from onnx import helper
 from onnxscript import script
 
 from attnrewrite.site import AttentionSite
-from passes import kernels
-from passes._options import option
-from passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
-from passes._torch import Module, torch
+from attnrewrite.passes import kernels
+from attnrewrite.passes._options import option
+from attnrewrite.passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
+from attnrewrite.passes._torch import Module, torch
 
 NAME = "lsh"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.

@@ -14,7 +14,7 @@
 - ``nothing_to_fit(options) -> None | reason`` (only where it can happen): why calibration cannot
   fit this method; ``passes.nothing_to_fit`` answers None for methods without one.
 
-Calibration (passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
+Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
 - ``torch_module(..., learnable=True)``: every fittable value is an ``nn.Parameter``, initialised
   so that the output is the uncalibrated module's; fixed values stay buffers. What is fitted:
   favor the projection W (from the seeded draw); linformer E and F (gaussian or learned;
@@ -46,7 +46,7 @@ import dataclasses
 import types
 import typing
 
-from passes import favor, hedgehog, hydra, linear, linformer, lsh
+from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh
 
 _METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
