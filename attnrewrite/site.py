@@ -28,13 +28,21 @@ class MaskKind(str, enum.Enum):
         return self in (MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING)
 
 
-SINGLE_QUERY = "a single query: linearizing saves nothing"
+# --- what both frontends' detectors share, so that they find and classify sites alike ----------
 
-
-def single_query_reason(site: "AttentionSite", include_single_query: bool) -> str | None:
-    """One query (a decoder step) attends to N keys in O(N) already: a linear method would only
-    approximate it, so such a site stays exact unless the caller includes it."""
-    return SINGLE_QUERY if site.query_length == 1 and not include_single_query else None
+# How deep upstream of a node on the logits (in nodes, breadth first) a detector looks for the
+# product of two activations, q @ k^T: past the scale, mask and cast nodes exporters put between
+# them, not so far that it finds the previous layer's attention.
+UPSTREAM_WALK_DEPTH = 8
+# Masks are probed on made-up inputs of this batch and these two sequence lengths (two, so that
+# a mask that is causal at one size only is caught), where the graph does not fix the lengths.
+MASK_PROBE_LENGTHS = (6, 9)
+MASK_PROBE_BATCH = 2
+# Why a mask is refused, where both frontends find the same thing.
+ATTENTION_BIAS = (
+    "the additive term on the logits is an attention bias, not a mask (values other than 0 and large negatives)"
+)
+MASK_VARIES_WITH_LENGTH = "the mask behaves differently at different sequence lengths"
 
 
 @dataclasses.dataclass

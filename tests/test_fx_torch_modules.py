@@ -76,7 +76,9 @@ class Encoder(nn.Module):
         if self.causal is None:
             return self.encoder(x, src_key_padding_mask=padding)
         mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
-        return self.encoder(x, mask=mask, src_key_padding_mask=padding, is_causal=True if self.causal == "hinted" else None)
+        return self.encoder(
+            x, mask=mask, src_key_padding_mask=padding, is_causal=True if self.causal == "hinted" else None
+        )
 
 
 ENCODER_CASES = [
@@ -124,7 +126,7 @@ def test_layers_selects_what_is_rewritten():
     gm = rewrite_graph_module(model, "hydra", layers=[1])
     sites = gm.meta["attnrewrite"]["sites"]
     assert [s["status"] for s in sites] == ["skipped", "rewritten"]
-    assert sites[0]["reason"] == "layer 0 is not selected"
+    assert sites[0]["reason"] == "layer 0 is not among the selected layers"
 
     module = pass_module("hydra", find_fx_sites(Encoder(None).eval())[1])
     softmax = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
@@ -157,7 +159,9 @@ def test_transformer_encoder_layer_alone():
     module = pass_module("linear", site)
     x = sequence()
     with torch.no_grad():
-        expected = reference_encoder(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), x, [lambda q, k, v: module(q, k, v, None)])
+        expected = reference_encoder(
+            nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), x, [lambda q, k, v: module(q, k, v, None)]
+        )
         assert relative_error(gm(x), expected) < 1e-5
 
 

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import onnx
-import pytest
 import torch
 import torch.nn.functional as F
 from conftest import read_record
@@ -19,8 +18,8 @@ from torch import nn
 import attnrewrite
 from attnrewrite import passes
 from attnrewrite.cli import main
+from attnrewrite.decision import SINGLE_QUERY
 from attnrewrite.fx import find_fx_sites
-from attnrewrite.site import SINGLE_QUERY
 
 TOLERANCE = 1e-5
 
@@ -31,7 +30,10 @@ TOLERANCE = 1e-5
 def additive_attention_model(dim: int = 8) -> onnx.ModelProto:
     """softmax(w^T tanh(Wq q_i + Uk k_j)) over j, then the weighted sum of the values."""
     rng = np.random.default_rng(0)
-    weights = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in (("Wq", (dim, dim)), ("Uk", (dim, dim)), ("w", (dim, 1)))}
+    weights = {
+        name: rng.standard_normal(shape).astype(np.float32)
+        for name, shape in (("Wq", (dim, dim)), ("Uk", (dim, dim)), ("w", (dim, 1)))
+    }
     nodes = [
         helper.make_node("MatMul", ["q", "Wq"], ["q_proj"]),
         helper.make_node("MatMul", ["k", "Uk"], ["k_proj"]),
@@ -45,9 +47,13 @@ def additive_attention_model(dim: int = 8) -> onnx.ModelProto:
         helper.make_node("MatMul", ["probabilities", "v"], ["output"]),
     ]
     initializers = [numpy_helper.from_array(a, name) for name, a in weights.items()] + [
-        numpy_helper.from_array(np.array([axis], np.int64), name) for name, axis in (("axis_1", 1), ("axis_2", 2), ("axis_last", -1))
+        numpy_helper.from_array(np.array([axis], np.int64), name)
+        for name, axis in (("axis_1", 1), ("axis_2", 2), ("axis_last", -1))
     ]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", length, dim]) for n, length in (("q", "Nq"), ("k", "Nk"), ("v", "Nk"))]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", length, dim])
+        for n, length in (("q", "Nq"), ("k", "Nk"), ("v", "Nk"))
+    ]
     output = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", "Nq", dim])
     graph = helper.make_graph(nodes, "additive_attention", inputs, [output], initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -78,7 +84,10 @@ def single_query_model(heads: int = 2, dim: int = 8) -> onnx.ModelProto:
         helper.make_node("MatMul", ["probabilities", "v"], ["output"]),
     ]
     scale = numpy_helper.from_array(np.array(dim**-0.5, np.float32), "scale")
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", heads, length, dim]) for n, length in (("q", 1), ("k", "N"), ("v", "N"))]
+    inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", heads, length, dim])
+        for n, length in (("q", 1), ("k", "N"), ("v", "N"))
+    ]
     output = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", heads, 1, dim])
     graph = helper.make_graph(nodes, "decoder_step", inputs, [output], [scale])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -101,7 +110,9 @@ def test_a_single_query_stays_exact_unless_included():
     included = attnrewrite.rewrite(model, to="hydra", include_single_query=True)
     assert [s["status"] for s in read_record(included)["sites"]] == ["rewritten"]
     q, k, v = step_inputs()
-    expected = run_pass_module(passes.hydra.torch_module(site, passes.hydra.Options()), q.numpy(), k.numpy(), v.numpy(), None)
+    expected = run_pass_module(
+        passes.hydra.torch_module(site, passes.hydra.Options()), q.numpy(), k.numpy(), v.numpy(), None
+    )
     assert relative_error(run_onnx(included, {"q": q, "k": k, "v": v}), expected) < TOLERANCE
 
 
@@ -130,7 +141,9 @@ def test_fx_single_query_stays_exact_unless_included():
     included = attnrewrite.rewrite(DecoderStep(), to="linear", example_inputs=(q, k, v), include_single_query=True)
     assert [s["status"] for s in included.meta["attnrewrite"]["sites"]] == ["rewritten"]
     (site,) = find_fx_sites(DecoderStep(), example_inputs=(q, k, v))
-    expected = run_pass_module(passes.linear.torch_module(site, passes.linear.Options()), q.numpy(), k.numpy(), v.numpy(), None)
+    expected = run_pass_module(
+        passes.linear.torch_module(site, passes.linear.Options()), q.numpy(), k.numpy(), v.numpy(), None
+    )
     with torch.no_grad():
         assert relative_error(included(q, k, v).numpy(), expected) < TOLERANCE
 
@@ -158,6 +171,10 @@ def test_identical_projections_are_stored_once_and_counted(tmp_path, capsys):
     assert [n.input[4:] for n in users][0] == [n.input[4:] for n in users][1]  # the same initializers
 
     output = tmp_path / "out.onnx"
-    assert main([str(SAMPLE_BERT), "--to", "linformer", "-o", str(output), "-O", "proj_dim=16", "-O", "max_len=512"]) == 0
+    assert (
+        main([str(SAMPLE_BERT), "--to", "linformer", "-o", str(output), "-O", "proj_dim=16", "-O", "max_len=512"]) == 0
+    )
     assert "2 of 2 attention sites replaced by linformer, adding 65.5 kB of constants" in capsys.readouterr().out
-    assert json.loads({p.key: p.value for p in onnx.load(output).metadata_props}["attnrewrite"])["bytes_added"] == one_site
+    assert (
+        json.loads({p.key: p.value for p in onnx.load(output).metadata_props}["attnrewrite"])["bytes_added"] == one_site
+    )

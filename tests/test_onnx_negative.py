@@ -13,7 +13,6 @@ import torch
 from conftest import exported, read_record
 from models import EXPORTERS, op_counts, relative_error, run_onnx, softmax_attention_model, torch_reference
 
-
 import attnrewrite
 from attnrewrite import passes
 
@@ -42,14 +41,26 @@ def assert_left_untouched(model: onnx.ModelProto, method: str, reasons: list[str
 @pytest.mark.parametrize(
     "variant, reason",
     [
-        pytest.param(dict(probabilities_output=True), "attention probabilities are a graph output ('probabilities')", id="probabilities-output"),
+        pytest.param(
+            dict(probabilities_output=True),
+            "attention probabilities are a graph output ('probabilities')",
+            id="probabilities-output",
+        ),
         pytest.param(
             dict(probabilities_summed=True),
             "attention probabilities are used by MatMul 'attend', ReduceSum 'probability_mass', not only by the V MatMul",
             id="probabilities-read-elsewhere",
         ),
-        pytest.param(dict(softmax_axis=2), "softmax over axis 2 of a rank-4 tensor, not the key axis (the last)", id="softmax-axis-2"),
-        pytest.param(dict(softmax_axis=-2), "softmax over axis -2 of a rank-4 tensor, not the key axis (the last)", id="softmax-axis-minus-2"),
+        pytest.param(
+            dict(softmax_axis=2),
+            "softmax over axis 2 of a rank-4 tensor, not the key axis (the last)",
+            id="softmax-axis-2",
+        ),
+        pytest.param(
+            dict(softmax_axis=-2),
+            "softmax over axis -2 of a rank-4 tensor, not the key axis (the last)",
+            id="softmax-axis-minus-2",
+        ),
         pytest.param(dict(learned_bias=True, seq=6), BIAS, id="learned-bias"),
     ],
 )
@@ -125,7 +136,7 @@ def test_layer_selection_rewrites_only_the_selected_sites(exports, exporter):
     record = read_record(first)
     assert [(s["layer"], s["status"], s["reason"]) for s in record["sites"]] == [
         (0, "rewritten", None),
-        (1, "skipped", "not selected (--layers)"),
+        (1, "skipped", "layer 1 is not among the selected layers"),
     ]
     # layer 0 is Hydra, layer 1 still softmax attention
     expected, _ = torch_reference(export, "hydra", inputs, swap_layers={0})
@@ -154,7 +165,7 @@ def test_record_lists_method_options_seed_and_every_site(exports):
     assert (record["sites_found"], record["sites_rewritten"]) == (2, 1)
     sites = record["sites"]
     assert [(s["layer"], s["status"], s["reason"], s["replacement"]) for s in sites] == [
-        (0, "skipped", "not selected (--layers)", None),
+        (0, "skipped", "layer 0 is not among the selected layers", None),
         (1, "rewritten", None, "attnrewrite.CausalLinearAttention"),
     ]
     for site in sites:
@@ -181,5 +192,6 @@ def test_nothing_to_rewrite_returns_the_input_with_the_record():
     del stripped.metadata_props[:]
     assert stripped.SerializeToString() == model.SerializeToString()
     assert np.array_equal(
-        run_onnx(out, {n: torch.ones(1, 4, 5, 8) for n in "qkv"}), run_onnx(model, {n: torch.ones(1, 4, 5, 8) for n in "qkv"})
+        run_onnx(out, {n: torch.ones(1, 4, 5, 8) for n in "qkv"}),
+        run_onnx(model, {n: torch.ones(1, 4, 5, 8) for n in "qkv"}),
     )

@@ -36,8 +36,13 @@ def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | Non
         for index, (outcome, module) in enumerate(fitting):
             samples = _collect(gm, module, calibration.batches)
             result = fit_site(
-                module, samples, scale=outcome.site.scale, causal=outcome.site.mask.causal,
-                steps=calibration.steps, lr=calibration.lr, seed=calibration.seed,
+                module,
+                samples,
+                scale=outcome.site.scale,
+                causal=outcome.site.mask.causal,
+                steps=calibration.steps,
+                lr=calibration.lr,
+                seed=calibration.seed,
                 ce_weight=calibration.ce_weight,
             )
             outcome.calibration = calibration.report(index, len(fitting), outcome.site.layer, result)
@@ -57,7 +62,9 @@ def _fit_end_to_end(gm: GraphModule, fitting: list, calibration) -> dict:
         targets = [run(example) for example in calibration.batches]
     fitted = [p for _, module in fitting for p in module.parameters() if p.requires_grad]
     with _outputs_replaced(fitting, exact=False), _only_trainable(gm, fitted):
-        result = fit_end_to_end(run, fitted, calibration.batches, targets, steps=calibration.end_to_end, seed=calibration.seed)
+        result = fit_end_to_end(
+            run, fitted, calibration.batches, targets, steps=calibration.end_to_end, seed=calibration.seed
+        )
     return calibration.report_end_to_end(len(fitting), result)
 
 

@@ -27,9 +27,10 @@ from torch import nn
 from torch.fx import Node
 
 from attnrewrite.fx import evaluate, masks, ops
-from attnrewrite.fx.facts import GraphFacts, layer_index
+from attnrewrite.fx.facts import GraphFacts
 from attnrewrite.fx.masks import MaskEncoding, MaskUse
-from attnrewrite.site import AttentionSite, MaskKind
+from attnrewrite.fx.modules import LinearizedMultiheadAttention
+from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
 
 
 @dataclasses.dataclass
@@ -54,17 +55,22 @@ class FxMatch:
 
 def find_matches(facts: GraphFacts) -> list[FxMatch]:
     matches: list[FxMatch] = []
+    layer = 0  # attention sites in graph order, counting those an earlier run replaced, as in ONNX
     for node in list(facts.gm.graph.nodes):
         if node not in facts.live:
             continue
+        found: list[FxMatch] = []
         if ops.softmax_call(node, facts.module_of) is not None:
             match = match_softmax(facts, node)
-            if match is not None:
-                matches.append(match)
+            found = [match] if match is not None else []
         elif _is_sdpa(node):
-            matches.append(match_sdpa(facts, node))
+            found = [match_sdpa(facts, node)]
         elif node.op == "call_module":
-            matches.extend(match_module_call(facts, node))
+            layer += _sites_replaced_earlier(facts, node)
+            found = match_module_call(facts, node)
+        for match in found:
+            match.site.layer, layer = layer, layer + 1
+        matches.extend(found)
     _refuse_shared_modules(matches)
     _make_names_unique(matches)
     return matches
@@ -77,11 +83,23 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype or torch.float32).removeprefix("torch.")
 
 
+def _sites_replaced_earlier(facts: GraphFacts, node: Node) -> int:
+    """How many sites an earlier run replaced at this module call (so that layer numbers, and
+    --layers, stay the same when a model is rewritten in steps): a pass module spliced into the
+    graph is one; a Linearized* module swapped in holds one per attention module in it."""
+    module = facts.module_of(node)
+    owner = type(module).__module__
+    if owner.startswith("attnrewrite.passes."):
+        return 1
+    if not owner.startswith("attnrewrite."):
+        return 0
+    return sum(isinstance(m, (LinearizedMultiheadAttention, nn.MultiheadAttention)) for m in module.modules())
+
+
 def _new_site(facts: GraphFacts, anchor: Node, form: str, path: str | None = None) -> AttentionSite:
     path = path or facts.module_path(anchor)
     return AttentionSite(
         name=path or anchor.name,
-        layer=layer_index(path),
         dtype=_dtype_name(facts.default_dtype),
         provenance={"form": form, "module": path, "nodes": {"anchor": anchor.name}},
     )
@@ -140,9 +158,9 @@ def _apply_masks(facts: GraphFacts, match: FxMatch, uses: list[MaskUse], causal:
             key_padding = True
             match.key_padding.append(use)
     site = match.site
-    if details:
+    if details:  # no method can express it: refused here, as the ONNX frontend does
         site.mask = MaskKind.BIAS
-        site.provenance["mask_detail"] = "; ".join(details)
+        _skipped(match, "; ".join(details))
     elif causal and key_padding:
         site.mask = MaskKind.CAUSAL_KEY_PADDING
     elif causal:
@@ -253,10 +271,10 @@ def _matmul(facts: GraphFacts, node: Node) -> tuple[Node, Node] | None:
     return ops.matmul_operands(node) or _decomposed_matmul(facts, node)
 
 
-def _reaches_matmul(facts: GraphFacts, node: Any, budget: int = 8) -> bool:
-    """Whether a product of two tensors lies a few nodes upstream of node."""
+def _reaches_matmul(facts: GraphFacts, node: Any) -> bool:
+    """Whether a product of two tensors lies upstream of node, UPSTREAM_WALK_DEPTH nodes deep at most."""
     frontier = [node] if isinstance(node, Node) else []
-    for _ in range(budget):
+    for _ in range(UPSTREAM_WALK_DEPTH):
         following = []
         for n in frontier:
             if _matmul(facts, n) or ops.baddbmm_operands(n):
@@ -559,7 +577,11 @@ def _mha_masks(facts: GraphFacts, match: FxMatch, attn_mask: Any, key_padding_ma
     definition; attn_mask must be proven causal (or empty), or be hinted with is_causal=True."""
     site = match.site
     key_padding = isinstance(key_padding_mask, Node)
-    site.provenance["masks"] = [f"{name} {value.name}" for name, value in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)) if isinstance(value, Node)]
+    site.provenance["masks"] = [
+        f"{name} {value.name}"
+        for name, value in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
+        if isinstance(value, Node)
+    ]
     if attn_mask is None:
         if is_causal is True:
             _skipped(match, "is_causal=True without attn_mask (torch rejects it)")
@@ -570,9 +592,8 @@ def _mha_masks(facts: GraphFacts, match: FxMatch, attn_mask: Any, key_padding_ma
         verdict = masks.classify(facts, MaskUse(attn_mask, MaskEncoding.MHA))
         if verdict.bias_reason or verdict.key_padding:
             site.mask = MaskKind.BIAS
-            site.provenance["mask_detail"] = (
-                verdict.bias_reason or "an attn_mask built from inputs (pass key_padding_mask instead)"
-            ) + "; pass is_causal=True if it is a causal mask"
+            detail = verdict.bias_reason or "an attn_mask built from inputs (pass key_padding_mask instead)"
+            _skipped(match, f"{detail}; pass is_causal=True if it is a causal mask")
             return
         causal = verdict.causal
     else:

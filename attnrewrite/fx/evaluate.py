@@ -7,16 +7,15 @@ triangle or a key-padding pattern.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 
-def walk(
-    start: Node, inputs: Callable[[Node], Iterable[Node]] = lambda node: node.all_input_nodes
-) -> Iterator[Node]:
+def walk(start: Node, inputs: Callable[[Node], Iterable[Node]] = lambda node: node.all_input_nodes) -> Iterator[Node]:
     """start and every node reached from it through ``inputs`` (default: all its input nodes),
     each once, depth first. ``inputs(node)`` is called after ``node`` is yielded and before the
     next one is, so the caller may stop early or record what it saw on the way."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ _SCALAR_OPS = {
 _SCALAR_UNARY = {operator.neg: operator.neg, math.sqrt: math.sqrt, torch.sym_sqrt: math.sqrt}
 _CAST_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _SYM_SIZE = ops._overloads("sym_size.int")
-_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
 
 def _static_int(dim: Any) -> int | None:
@@ -82,14 +80,6 @@ def live_nodes(gm: GraphModule, not_roots: set[Node] = frozenset()) -> set[Node]
     live.update(n for n in graph.nodes if n.op == "placeholder")
     live.update(n for n in graph.nodes if ops.is_bookkeeping(n) and all(i in live for i in n.all_input_nodes))
     return live
-
-
-def layer_index(module_path: str | None) -> int | None:
-    """The block number in a qualified name: encoder.layer.3.attention -> 3 (the last number)."""
-    if not module_path:
-        return None
-    numbers = _LAYER_INDEX.findall(module_path)
-    return int(numbers[-1]) if numbers else None
 
 
 class GraphFacts:
@@ -248,7 +238,9 @@ class GraphFacts:
             dims[axis] = size if isinstance(size, int) else None
         else:
             whole = dims[axis]
-            dims[axis] = whole // size if isinstance(whole, int) and isinstance(size, int) and whole % size == 0 else None
+            dims[axis] = (
+                whole // size if isinstance(whole, int) and isinstance(size, int) and whole % size == 0 else None
+            )
         return tuple(dims)
 
     # --- scalars ---
@@ -331,8 +323,32 @@ class GraphFacts:
 
 _ELEMENTWISE = frozenset(
     {
-        "add", "__add__", "__radd__", "sub", "__sub__", "mul", "__mul__", "__rmul__", "truediv",
-        "__truediv__", "div", "masked_fill", "where", "softmax", "dropout", "float", "half", "to",
-        "type", "type_as", "contiguous", "clone", "neg", "exp", "_softmax", "_safe_softmax", "elu",
+        "add",
+        "__add__",
+        "__radd__",
+        "sub",
+        "__sub__",
+        "mul",
+        "__mul__",
+        "__rmul__",
+        "truediv",
+        "__truediv__",
+        "div",
+        "masked_fill",
+        "where",
+        "softmax",
+        "dropout",
+        "float",
+        "half",
+        "to",
+        "type",
+        "type_as",
+        "contiguous",
+        "clone",
+        "neg",
+        "exp",
+        "_softmax",
+        "_safe_softmax",
+        "elu",
     }
 )

@@ -1,7 +1,7 @@
 """Attention masks: how a mask enters the logits, what kind it is, and the key_keep it implies.
 
 A mask enters the logits in one of four encodings (``MaskEncoding``). Its kind is decided by
-running the nodes that build it on made-up inputs (DESIGN.md: "probe the mask's subgraph"):
+running the nodes that build it on made-up inputs (docs/ARCHITECTURE.md, "Frontends"):
 
 - built from constants and sizes only: run it and compare with "nothing masked" and with a
   causal triangle, at the graph's own sizes (or at two made-up sequence lengths when the graph
@@ -28,13 +28,11 @@ from torch.fx import Node
 
 from attnrewrite.fx import evaluate, ops
 from attnrewrite.fx.facts import GraphFacts
+from attnrewrite.site import ATTENTION_BIAS, MASK_PROBE_BATCH, MASK_PROBE_LENGTHS, MASK_VARIES_WITH_LENGTH
 
 # An additive mask value at or below this removes the key (exp(-1000) underflows to 0 in fp32);
 # the same threshold as the ONNX frontend's MASKED_BELOW, so both classify masks alike.
 DROPPED_AT = -1e3
-# Sequence lengths of made-up inputs when the graph does not record its shapes.
-PROBE_LENGTHS = (5, 7)
-PROBE_BATCH = 2
 
 
 class MaskEncoding(str, enum.Enum):
@@ -95,7 +93,7 @@ def dropped(value: torch.Tensor, encoding: MaskEncoding) -> torch.Tensor | str:
         return "an integer or boolean tensor is added to the logits"
     drop = value <= DROPPED_AT
     if not bool(((value == 0) | drop).all()):
-        return "the additive mask holds values other than 0 and large negatives"
+        return ATTENTION_BIAS
     return drop
 
 
@@ -150,7 +148,7 @@ def _key_axis_input_shape(facts: GraphFacts, node: Node, length: int) -> tuple[i
     """Shape of a data input of the mask; it must have no query axis."""
     shape = facts.shape(node)
     if shape is None:
-        return (PROBE_BATCH, length)
+        return (MASK_PROBE_BATCH, length)
     shape = tuple(length if d is None else d for d in shape)
     inner = [d for d in shape[1:-1] if d != 1]
     if not shape or inner:
@@ -207,21 +205,21 @@ def classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
 def _classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
     inputs = _mask_inputs(facts, use.tensor)
     needs_lengths = any(facts.shape(n) is None or None in facts.shape(n) for n in inputs.shape_only + inputs.data)
-    lengths = PROBE_LENGTHS if needs_lengths else (None,)
+    lengths = MASK_PROBE_LENGTHS if needs_lengths else (None,)
     # a tensor read only for its sizes may have an unknown rank: all its sizes are the probe
     # length, so any rank its size reads accept will do
     ranks = (4, 3, 2, 1) if any(facts.shape(n) is None for n in inputs.shape_only) else (0,)
     verdicts = []
     for length in lengths:
         for rank in ranks:
-            verdict = _classify_at(facts, use, inputs, length or PROBE_LENGTHS[0], rank)
+            verdict = _classify_at(facts, use, inputs, length or MASK_PROBE_LENGTHS[0], rank)
             if not (verdict.bias_reason or "").startswith(_UNEVALUATED):
                 break
         if verdict.bias_reason:
             return verdict
         verdicts.append((verdict.causal, verdict.key_padding))
     if len(set(verdicts)) > 1:
-        return MaskClass(bias_reason="the mask changes kind with the sequence length")
+        return MaskClass(bias_reason=MASK_VARIES_WITH_LENGTH)
     causal, key_padding = verdicts[0]
     return MaskClass(causal, key_padding)
 

@@ -144,4 +144,3 @@ def slow_path_container(container: nn.Module, causal: bool) -> nn.Module:
     if isinstance(container, nn.TransformerEncoderLayer):
         return LinearizedTransformerEncoderLayer(container)
     raise TypeError(f"no slow path for {type(container).__name__}")
-

@@ -88,9 +88,7 @@ def softmax_call(node: Node, module_of) -> SoftmaxCall | None:
 
 # --- matmul, transpose ------------------------------------------------------------------------
 
-_MATMUL_FUNCTIONS = frozenset({operator.matmul, torch.matmul, torch.bmm}) | _overloads(
-    "matmul.default", "bmm.default"
-)
+_MATMUL_FUNCTIONS = frozenset({operator.matmul, torch.matmul, torch.bmm}) | _overloads("matmul.default", "bmm.default")
 _MATMUL_METHODS = frozenset({"matmul", "bmm", "__matmul__"})
 
 
@@ -115,9 +113,7 @@ def baddbmm_operands(node: Node) -> tuple[Node, Node, Node] | None:
     return bias, a, b
 
 
-_TRANSPOSE_FUNCTIONS = frozenset({torch.transpose, torch.swapaxes, torch.swapdims}) | _overloads(
-    "transpose.int"
-)
+_TRANSPOSE_FUNCTIONS = frozenset({torch.transpose, torch.swapaxes, torch.swapdims}) | _overloads("transpose.int")
 _TRANSPOSE_METHODS = frozenset({"transpose", "swapaxes", "swapdims"})
 _PERMUTE_FUNCTIONS = frozenset({torch.permute}) | _overloads("permute.default")
 
@@ -168,9 +164,7 @@ def head_split_input(node: Node) -> Node | None:
 
 # --- scale, add, masks --------------------------------------------------------------------------
 
-_MUL_FUNCTIONS = frozenset({operator.mul, torch.mul, torch.multiply}) | _overloads(
-    "mul.Tensor", "mul.Scalar"
-)
+_MUL_FUNCTIONS = frozenset({operator.mul, torch.mul, torch.multiply}) | _overloads("mul.Tensor", "mul.Scalar")
 _MUL_METHODS = frozenset({"mul", "__mul__", "__rmul__", "multiply"})
 _DIV_FUNCTIONS = frozenset({operator.truediv, torch.div, torch.true_divide, torch.divide}) | _overloads(
     "div.Tensor", "div.Scalar"
@@ -201,9 +195,7 @@ def add_operands(node: Node) -> tuple[Any, Any] | None:
     return None
 
 
-_MASKED_FILL_FUNCTIONS = frozenset({torch.masked_fill}) | _overloads(
-    "masked_fill.Scalar", "masked_fill.Tensor"
-)
+_MASKED_FILL_FUNCTIONS = frozenset({torch.masked_fill}) | _overloads("masked_fill.Scalar", "masked_fill.Tensor")
 
 
 def masked_fill_operands(node: Node) -> tuple[Node, Node, Any] | None:
@@ -317,9 +309,7 @@ def is_bookkeeping(node: Node) -> bool:
 
 # --- shape-only uses (mask classification: the value of such an input does not matter) ----------
 
-_SHAPE_ONLY_FUNCTIONS = frozenset(
-    {torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like}
-) | _overloads(
+_SHAPE_ONLY_FUNCTIONS = frozenset({torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like}) | _overloads(
     "sym_size.int",
     "sym_numel.default",
     "ones_like.default",

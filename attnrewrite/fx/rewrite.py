@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import inspect
 import operator
-import types
 import warnings
 from typing import Any
 
@@ -22,16 +21,15 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-from attnrewrite import passes
-from attnrewrite.passes import kernels
-from attnrewrite import calibration
+from attnrewrite import calibration, decision, passes
+from attnrewrite.fx import ops
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes
 from attnrewrite.fx.masks import key_keep_from_mask
 from attnrewrite.fx.modules import LinearizedMultiheadAttention, slow_path_container
-from attnrewrite.fx import ops
+from attnrewrite.passes import kernels
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
-from attnrewrite.site import AttentionSite, single_query_reason
+from attnrewrite.site import AttentionSite
 
 
 def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphModule:
@@ -115,8 +113,9 @@ def rewrite_graph_module(
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
 
     ``model``: an nn.Module (traced with symbolic_trace), a GraphModule, or an ExportedProgram.
-    ``layers``: rewrite only sites of these layer indices. ``example_inputs``: optional inputs,
-    used for shapes when the graph has none (and to export models symbolic_trace cannot trace).
+    ``layers``: rewrite only sites of these layer indices (sites in graph order, numbered as the
+    ONNX frontend numbers them). ``example_inputs``: optional inputs, used for shapes when the
+    graph has none (and to export models symbolic_trace cannot trace).
     ``include_single_query``: also rewrite sites with one query (left exact by default).
     ``calibrate``: example inputs (tuples of positional arguments or dicts of keyword
     arguments) to fit every replacement on, site by site (attnrewrite.fx.calibrate); the
@@ -129,7 +128,11 @@ def rewrite_graph_module(
     if calibrate is not None:
         calibration.require_fittable(method, method_options, calibrate_ce_weight)
         fitting_data = calibration.torch_calibration(
-            calibrate, steps=calibrate_steps, lr=calibrate_lr, ce_weight=calibrate_ce_weight, seed=calibrate_seed,
+            calibrate,
+            steps=calibrate_steps,
+            lr=calibrate_lr,
+            ce_weight=calibrate_ce_weight,
+            seed=calibrate_seed,
             end_to_end=calibrate_end_to_end,
         )
     fitting = []
@@ -141,12 +144,9 @@ def rewrite_graph_module(
     replaced: set[Node] = set()
 
     for match in find_matches(facts):
-        reason = _refusal(match.site, method, method_options, layers, include_single_query)
+        reason = decision.refusal(match.site, method, method_options, layers, include_single_query)
         if reason is None and fitting_data is not None:
-            try:
-                module = method.torch_module(match.site, method_options, learnable=True)
-            except ValueError as why:  # e.g. maps for a head dimension nobody knows
-                reason = f"cannot be calibrated: {why}"
+            module, reason = decision.learnable_module(match.site, method, method_options)
         elif reason is None:
             module = method.torch_module(match.site, method_options)
         if reason is not None:
@@ -176,24 +176,6 @@ def rewrite_graph_module(
         record.end_to_end = calibrate_modules(gm, fitting, fitting_data)
     gm.meta[METADATA_KEY] = record.as_dict()
     return gm
-
-
-def _refusal(
-    site: AttentionSite, method: types.ModuleType, options: Any, layers: list[int] | None, include_single_query: bool
-) -> str | None:
-    if site.skip_reason is not None:
-        return site.skip_reason
-    if layers is not None:
-        if site.layer is None:
-            return "no layer index, so not among the selected layers"
-        if site.layer not in layers:
-            return f"layer {site.layer} is not selected"
-    if (reason := single_query_reason(site, include_single_query)) is not None:
-        return reason
-    reason = method.supports(site, options)
-    if reason is not None and site.provenance.get("mask_detail"):
-        reason = f"{reason} ({site.provenance['mask_detail']})"
-    return reason
 
 
 def _device(gm: GraphModule) -> torch.device:

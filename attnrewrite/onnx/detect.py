@@ -15,8 +15,8 @@ import enum
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar, known_dims
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
+from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
 
 # An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
 MASKED_BELOW = -1e3
@@ -118,7 +118,9 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
         v, output, forward_nodes = _forward_to_value_matmul(softmax)
         for operand in (q, k_t, v):  # a vector operand makes a matrix-vector product (a valid graph)
             if _rank(operand) is not None and _rank(operand) < 2:
-                raise Unsupported(f"q @ k^T or p @ v has a rank-{_rank(operand)} operand {operand.name!r}: not attention")
+                raise Unsupported(
+                    f"q @ k^T or p @ v has a rank-{_rank(operand)} operand {operand.name!r}: not attention"
+                )
     except Unsupported as reason:
         site.skip_reason = str(reason)
         site.mask = MaskKind.UNKNOWN
@@ -220,24 +222,29 @@ def _is_weight(value: ir.Value) -> bool:
     return value.const_value is not None or (node is not None and node.op_type == "Constant")
 
 
-def _reaches_dot_product(node: ir.Node, budget: int = 32) -> bool:
-    """Whether some MatMul of two activations feeds `node` (a bounded search upstream): the
-    scores of additive attention (v^T tanh(W q + U k)) have none."""
-    work, seen = [node], set()
-    while work and len(seen) < budget:
-        current = work.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if current.op_type in ("MatMul", "Einsum") and not any(_is_weight(v) for v in current.inputs if v is not None):
-            return True
-        work.extend(v.producer() for v in current.inputs if v is not None and v.producer() is not None)
-    return bool(work)  # out of budget: do not claim there is none
+def _reaches_dot_product(node: ir.Node) -> bool:
+    """Whether some MatMul of two activations feeds `node` (UPSTREAM_WALK_DEPTH nodes deep at
+    most): the scores of additive attention (v^T tanh(W q + U k)) have none."""
+    frontier, seen = [node], set()
+    for _ in range(UPSTREAM_WALK_DEPTH):
+        following = []
+        for current in frontier:
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            operands = [v for v in current.inputs if v is not None]
+            if current.op_type in ("MatMul", "Einsum") and not any(_is_weight(v) for v in operands):
+                return True
+            following.extend(v.producer() for v in operands if v.producer() is not None)
+        if not following:
+            return False
+        frontier = following
+    return True  # deeper than the walk goes: do not claim there is none
 
 
 def _which_leads_to_matmul(a: ir.Value, b: ir.Value) -> ir.Value | None:
     """The operand of an Add that is the logits path (reaches a MatMul through scale/mask ops)."""
-    hits = [v for v in (a, b) if _reaches_matmul(v, depth=8)]
+    hits = [v for v in (a, b) if _reaches_matmul(v, depth=UPSTREAM_WALK_DEPTH)]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -300,9 +307,7 @@ def _forward_to_value_matmul(softmax: ir.Node) -> tuple[ir.Value, ir.Value, list
         (user,) = users
         if user.op_type == "MatMul" and user.inputs[0] is probs and user.inputs[1] is not probs:
             return user.inputs[1], user.outputs[0], [*nodes, user]
-        if user.op_type in ("Cast", "Identity") or (
-            user.op_type == "Dropout" and not _dropout_mask_used(user)
-        ):
+        if user.op_type in ("Cast", "Identity") or (user.op_type == "Dropout" and not _dropout_mask_used(user)):
             nodes.append(user)
             probs = user.outputs[0]
             continue
@@ -472,7 +477,10 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
     _set_scale(site, node, zero_is_default=True)
     fill = attrs["mask_filter_value"].as_float() if "mask_filter_value" in attrs else -10000.0
     if fill > MASKED_BELOW and (any(t.batch_first for t in masks) or onnx_site.causal_by_attribute):
-        return _refused(onnx_site, f"{node.op_type} masks with mask_filter_value={fill:g}, which leaves masked keys a weight: a bias, not a mask")
+        return _refused(
+            onnx_site,
+            f"{node.op_type} masks with mask_filter_value={fill:g}, which leaves masked keys a weight: a bias, not a mask",
+        )
     return onnx_site
 
 
@@ -498,7 +506,11 @@ def _check_contrib_limits(node: ir.Node) -> None:
     names = [_input_name(node, i) for i in cache if _has_input(node, i)]
     if names:
         raise Unsupported(f"{op} with a KV cache ({', '.join(names)}) is not supported")
-    used = [f"output {i}" for i, out in enumerate(node.outputs) if i > 0 and out is not None and (out.uses() or out.is_graph_output())]
+    used = [
+        f"output {i}"
+        for i, out in enumerate(node.outputs)
+        if i > 0 and out is not None and (out.uses() or out.is_graph_output())
+    ]
     if used:
         raise Unsupported(f"{op}'s present key/value or qk outputs are used ({', '.join(used)})")
     if "do_rotary" in attrs and attrs["do_rotary"].as_int():
@@ -510,8 +522,16 @@ def _check_contrib_limits(node: ir.Node) -> None:
 _CONTRIB_INPUT_NAMES = {
     "Attention": ("input", "weights", "bias", "mask_index", "past", "attention_bias", "past_sequence_length"),
     "MultiHeadAttention": (
-        "query", "key", "value", "bias", "key_padding_mask", "attention_bias", "past_key", "past_value",
-        "past_sequence_length", "cache_indirection",
+        "query",
+        "key",
+        "value",
+        "bias",
+        "key_padding_mask",
+        "attention_bias",
+        "past_key",
+        "past_value",
+        "past_sequence_length",
+        "cache_indirection",
     ),
 }
 
@@ -534,7 +554,9 @@ def _attention_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[M
     attr = node.attributes.get("qkv_hidden_sizes")
     sizes = tuple(attr.as_ints()) if attr is not None else (total // 3,) * 3
     if len(sizes) != 3 or sum(sizes) != total or sizes[0] != sizes[1]:
-        raise Unsupported(f"Attention's hidden sizes {list(sizes)} do not split weights of {total} columns into q, k, v")
+        raise Unsupported(
+            f"Attention's hidden sizes {list(sizes)} do not split weights of {total} columns into q, k, v"
+        )
     _check_divisible(sizes, heads)
     sources = (HeadSource(None), HeadSource(None), HeadSource(None))
     packing = PackedHeads(heads, sources, sizes, projection=(x, weights), bias=bias)
@@ -548,13 +570,17 @@ def _multi_head_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[
     heads = node.attributes["num_heads"].as_int()
     if key is None:
         if value is not None or _rank(query) not in (5, None):
-            raise Unsupported("MultiHeadAttention without a key input needs packed qkv [batch, seq, heads, 3, head_dim]")
+            raise Unsupported(
+                "MultiHeadAttention without a key input needs packed qkv [batch, seq, heads, 3, head_dim]"
+            )
         sources = tuple(HeadSource(query, HeadLayout.PACKED, i) for i in range(3))
         size = _packed_hidden(query, heads)
         sizes = (size, size, size)
     elif value is None:
         if _rank(key) not in (5, None):
-            raise Unsupported("MultiHeadAttention without a value input needs packed kv [batch, seq, heads, 2, head_dim]")
+            raise Unsupported(
+                "MultiHeadAttention without a value input needs packed kv [batch, seq, heads, 2, head_dim]"
+            )
         sources = (HeadSource(query), HeadSource(key, HeadLayout.PACKED, 0), HeadSource(key, HeadLayout.PACKED, 1))
         size = _packed_hidden(key, heads)
         sizes = (_hidden_features(query) or size, size, size)
@@ -565,7 +591,9 @@ def _multi_head_packing(node: ir.Node, inputs: list) -> tuple[PackedHeads, list[
         sources = (HeadSource(query), HeadSource(key, k_layout), HeadSource(value, v_layout))
         sizes = (_hidden_features(query), *(_hidden_features(x, heads) for x in (key, value)))
     if bias is not None and None in sizes:
-        raise Unsupported("MultiHeadAttention with a bias and q, k, v of unknown hidden sizes: the bias cannot be split")
+        raise Unsupported(
+            "MultiHeadAttention with a bias and q, k, v of unknown hidden sizes: the bias cannot be split"
+        )
     _check_divisible(sizes, heads)
     return PackedHeads(heads, sources, sizes, bias=bias), _contrib_masks(key_padding_mask, attention_bias, query)
 
@@ -576,7 +604,9 @@ def _key_value_layout(value: ir.Value) -> HeadLayout:
         return HeadLayout.HEADS
     if rank == 3 or _projected_features(value) is not None:
         return HeadLayout.FEATURES  # a projection's output: heads still packed into features
-    raise Unsupported(f"cannot tell whether {value.name!r} is [batch, seq, hidden] or [batch, heads, seq, head_dim] (unknown rank)")
+    raise Unsupported(
+        f"cannot tell whether {value.name!r} is [batch, seq, hidden] or [batch, heads, seq, head_dim] (unknown rank)"
+    )
 
 
 def _contrib_masks(mask: ir.Value | None, attention_bias: ir.Value | None, batch_of: ir.Value) -> list[MaskTerm]:
@@ -634,7 +664,12 @@ def _projected_features(value: ir.Value) -> int | None:
         if node is None or node.op_type not in ("MatMul", "Add"):
             return None
         constants = [v for v in node.inputs if v is not None and _is_constant(v)]
-        if node.op_type == "MatMul" and len(constants) == 1 and constants[0] is node.inputs[1] and _rank(constants[0]) == 2:
+        if (
+            node.op_type == "MatMul"
+            and len(constants) == 1
+            and constants[0] is node.inputs[1]
+            and _rank(constants[0]) == 2
+        ):
             return _static_dims(constants[0], -1)[0]
         others = [v for v in node.inputs if v is not None and v not in constants]
         node = others[0].producer() if len(others) == 1 else None

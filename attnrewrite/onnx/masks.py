@@ -19,17 +19,22 @@ import onnxruntime as ort
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, Unsupported, find_onnx_sites
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
-from attnrewrite.site import AttentionSite, MaskKind
+from attnrewrite.site import (
+    ATTENTION_BIAS,
+    MASK_PROBE_BATCH,
+    MASK_PROBE_LENGTHS,
+    MASK_VARIES_WITH_LENGTH,
+    AttentionSite,
+    MaskKind,
+)
 
-PROBE_LENGTHS = (6, 9)  # two lengths, so a mask that is causal only at one size is caught
-PROBE_BATCH = 2
 MAX_INLINED_BYTES = 64 * 2**20  # masks read small buffers; never copy a weight into a probe
 
 
 def probe_lengths(seq: int | None = None) -> tuple[int, int]:
-    """The two input lengths the probe starts from: PROBE_LENGTHS, or the user's ``seq`` and
+    """The two input lengths the probe starts from: MASK_PROBE_LENGTHS, or the user's ``seq`` and
     half as much again (different lengths, so a mask that is causal only at one is caught)."""
-    return PROBE_LENGTHS if seq is None else (seq, max(seq + 1, seq * 3 // 2))
+    return MASK_PROBE_LENGTHS if seq is None else (seq, max(seq + 1, seq * 3 // 2))
 
 
 def classify_masks(model: ir.Model, sites: list[OnnxSite], seq: int | None = None) -> tuple[int, ...] | None:
@@ -63,7 +68,7 @@ def classify_masks(model: ir.Model, sites: list[OnnxSite], seq: int | None = Non
         if len(kinds) != 1:
             kinds = _key_padding_seen_at_one_length(kinds)
         if len(kinds) != 1:
-            s.site.skip_reason = "the mask behaves differently at different sequence lengths"
+            s.site.skip_reason = MASK_VARIES_WITH_LENGTH
             s.site.mask = MaskKind.UNKNOWN
             continue
         s.site.mask = kinds.pop()
@@ -103,7 +108,9 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
         term_keep = _term_keep(array, term, s, keys)
         if keep is not None and not _broadcastable(keep.shape, term_keep.shape):
             # the logits could not take both terms either: a graph that cannot run
-            raise Unsupported(f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together")
+            raise Unsupported(
+                f"mask terms of shapes {list(keep.shape)} and {list(term_keep.shape)} do not broadcast together"
+            )
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
     queries, keys = _attention_lengths(s, keep, seq)
     kind = classify_keep_matrix(keep, queries, keys)
@@ -132,7 +139,7 @@ def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 def _term_keep(array: np.ndarray, term: MaskTerm, s: OnnxSite, keys: int) -> np.ndarray:
     if term.batch_first:
-        return contrib_keep_matrix(array, term, s.static_batch or PROBE_BATCH, keys)
+        return contrib_keep_matrix(array, term, s.static_batch or MASK_PROBE_BATCH, keys)
     return keep_matrix(array, term.form)
 
 
@@ -140,7 +147,7 @@ def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
     """True where a key is attended to."""
     if form is MaskForm.ADDITIVE:
         if not np.all((array == 0) | (array <= MASKED_BELOW)):
-            raise Unsupported("the additive term on the logits is an attention bias, not a mask (values other than 0 and large negatives)")
+            raise Unsupported(ATTENTION_BIAS)
         return array == 0
     keep = array.astype(bool)
     return keep if form is MaskForm.KEEP_WHERE_TRUE else ~keep
@@ -212,7 +219,7 @@ def inputs_marking_padding(model: ir.Model) -> set[str]:
 def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
     values = [t.value for t in s.masks]
     session, names, as_float32 = _probe_session(model, values)
-    feeds = _probe_feeds(model.graph, names, PROBE_LENGTHS[0], as_float32)
+    feeds = _probe_feeds(model.graph, names, MASK_PROBE_LENGTHS[0], as_float32)
     marked = set()
     for name, default in feeds.items():
         if np.issubdtype(default.dtype, np.floating):
@@ -220,7 +227,7 @@ def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
 
         def keeps_any(fill: int) -> bool:
             outputs = session.run(None, {**feeds, name: np.full_like(default, fill)})
-            keys = s.static_lengths[1] or PROBE_LENGTHS[0]
+            keys = s.static_lengths[1] or MASK_PROBE_LENGTHS[0]
             keeps = [_term_keep(out, t, s, keys) for out, t in zip(outputs, s.masks)]
             return bool(functools.reduce(np.logical_and, keeps).any())  # a causal term keeps some alone
 
@@ -239,7 +246,7 @@ class _MaskProbe:
 
     def run(self, seq: int) -> dict[int, np.ndarray]:
         # a quarter padded: an audio front end pools hundreds of samples into one frame, and
-        # padding must remove a frame to show (text probes at PROBE_LENGTHS pad 2 as before)
+        # padding must remove a frame to show (text probes at MASK_PROBE_LENGTHS pad 2 as before)
         feeds = _probe_feeds(self.graph, self.names, seq, self.as_float32, end_padding=max(2, seq // 4))
         outputs = self.session.run(None, feeds)
         for out in outputs:
@@ -269,10 +276,14 @@ def _probe_session(model: ir.Model, values: list[ir.Value]) -> tuple[ort.Inferen
     return session, names, as_float32
 
 
-def _probe_feeds(graph: ir.Graph, names: list[str], seq: int, as_float32: bool, end_padding: int = 2) -> dict[str, np.ndarray]:
-    feeds = generate_inputs(graph, batch=PROBE_BATCH, seq=seq, names=names, end_padding=end_padding)
+def _probe_feeds(
+    graph: ir.Graph, names: list[str], seq: int, as_float32: bool, end_padding: int = 2
+) -> dict[str, np.ndarray]:
+    feeds = generate_inputs(graph, batch=MASK_PROBE_BATCH, seq=seq, names=names, end_padding=end_padding)
     if as_float32:
-        feeds = {name: a.astype(np.float32) if a.dtype == bfloat16.ml_dtypes.bfloat16 else a for name, a in feeds.items()}
+        feeds = {
+            name: a.astype(np.float32) if a.dtype == bfloat16.ml_dtypes.bfloat16 else a for name, a in feeds.items()
+        }
     return feeds
 
 

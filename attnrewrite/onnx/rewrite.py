@@ -7,14 +7,14 @@ import json
 
 import onnx_ir as ir
 
-from attnrewrite import passes
+from attnrewrite import decision, passes
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.splice import Splicer
-from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
-from attnrewrite.site import AttentionSite, single_query_reason
 from attnrewrite.passes._onnx import DOMAIN
+from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome, record_json
+from attnrewrite.site import AttentionSite
 
 
 def analyze(model: ir.Model, seq: int | None = None) -> list[OnnxSite]:
@@ -48,7 +48,7 @@ def rewrite_model(
     Sites with one query are left exact unless ``include_single_query``. ``calibration``
     (attnrewrite.calibration.Calibration): fit every replacement, in order, to the attention it
     replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
-    (default: masks.PROBE_LENGTHS)."""
+    (default: attnrewrite.site.MASK_PROBE_LENGTHS)."""
     method = passes.get_pass(to)
     opts = passes.make_options(method, **options)
     if calibration is not None:
@@ -57,11 +57,11 @@ def rewrite_model(
         require_fittable(method, opts, calibration.ce_weight)
     model = infer_shapes(model)
     sites = analyze(model, seq)
-    decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
+    decisions = [decision.refusal(s.site, method, opts, layers, include_single_query) for s in sites]
     if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
         model = infer_shapes(upgrade_opset(model))
         sites = analyze(model, seq)
-        decisions = [_decide(s, method, opts, layers, include_single_query) for s in sites]
+        decisions = [decision.refusal(s.site, method, opts, layers, include_single_query) for s in sites]
 
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
     note = probe_note([s.site for s in sites])
@@ -77,11 +77,8 @@ def rewrite_model(
                 reason = str(why)
         module = weights = None
         if reason is None and calibration is not None:
-            try:
-                module = method.torch_module(s.site, opts, learnable=True)
-            except ValueError as why:  # e.g. maps for a head dimension nobody knows
-                reason = f"cannot be calibrated: {why}"
-            else:
+            module, reason = decision.learnable_module(s.site, method, opts)
+            if module is not None:
                 weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
         if reason is not None:
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
@@ -98,31 +95,10 @@ def rewrite_model(
 
         record.end_to_end = calibrate_replacements(model, splicer.calls, fitting, calibration)
     if record.rewritten or METADATA_KEY not in model.metadata_props:
-        model.metadata_props[METADATA_KEY] = _record_json(record, model.metadata_props.get(METADATA_KEY))
+        model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
-
-
-def _record_json(record: RewriteRecord, earlier: str | None) -> str:
-    """This run's record; the record of an earlier run on the same model is kept under
-    "previous", so the file still says how every replacement in it was made."""
-    if not earlier:
-        return record.to_json()
-    try:
-        previous = json.loads(earlier)
-    except ValueError:  # someone else's "attnrewrite" entry: kept, as the text it was
-        previous = earlier
-    return json.dumps({**record.as_dict(), "previous": previous}, sort_keys=True)
 
 
 def read_record(model: ir.Model) -> dict | None:
     text = model.metadata_props.get(METADATA_KEY)
     return json.loads(text) if text else None
-
-
-def _decide(s: OnnxSite, method, opts, layers: list[int] | None, include_single_query: bool) -> str | None:
-    """None when the site is to be rewritten, else the reason it is left alone."""
-    if s.site.skip_reason:
-        return s.site.skip_reason
-    if layers is not None and s.site.layer not in layers:
-        return "not selected (--layers)"
-    return single_query_reason(s.site, include_single_query) or method.supports(s.site, opts)

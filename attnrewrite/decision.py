@@ -1,0 +1,47 @@
+"""What becomes of a site: replaced by the method, or left alone with one reason.
+
+The frontends (attnrewrite/onnx/rewrite.py, attnrewrite/fx/rewrite.py) find sites their own way
+and reduce each to an AttentionSite; from there on they decide here, from the site alone, so a
+model gets the same statuses and the same reasons through ONNX and through torch.fx.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from attnrewrite.site import AttentionSite
+
+SINGLE_QUERY = "a single query: linearizing saves nothing"
+
+
+def refusal(
+    site: AttentionSite,
+    method: types.ModuleType,
+    options: Any,
+    layers: list[int] | None = None,
+    include_single_query: bool = False,
+) -> str | None:
+    """None when ``method`` is to replace the site, else why it is left alone. The first reason
+    that applies: what detection found (probabilities used elsewhere, a mask that is a bias),
+    the layer selection, a single query, the method's own limits."""
+    if site.skip_reason is not None:
+        return site.skip_reason
+    if layers is not None and site.layer not in layers:
+        return f"layer {site.layer} is not among the selected layers"
+    if site.query_length == 1 and not include_single_query:
+        # one query (a decoder step) attends to N keys in O(N) already: a linear method would
+        # only approximate it
+        return SINGLE_QUERY
+    return method.supports(site, options)
+
+
+def learnable_module(
+    site: AttentionSite, method: types.ModuleType, options: Any
+) -> tuple[Any, None] | tuple[None, str]:
+    """(the pass's torch module with every value calibration may fit as an nn.Parameter, None),
+    or (None, why no such module can be built for the site)."""
+    try:
+        return method.torch_module(site, options, learnable=True), None
+    except ValueError as why:  # e.g. maps for a head dimension nobody knows
+        return None, f"cannot be calibrated: {why}"
