@@ -14,15 +14,17 @@ import dataclasses
 import os
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from attnrewrite import passes
+from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.passes.fit import DEFAULT_LR, DEFAULT_STEPS, fingerprint
+from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
 
 DEFAULT_MAX_LENGTH = 256
 BATCH_SIZE = 8  # examples per onnxruntime run while collecting
@@ -150,13 +152,11 @@ def onnx_calibration(
     """Calibration on ``data`` for the model whose signature ``graph`` has: an ``.npz`` path,
     a text file path (with ``tokenizer``), a dict of arrays (batch axis stacked) or a list of
     such dicts (one per batch)."""
-    from attnrewrite.check import _conform, load_inputs
-
     where = "the calibration inputs"
     if isinstance(data, dict):
-        batches = split_batch(_conform(data, graph, where), batch_size)
+        batches = split_batch(conform(data, graph, where), batch_size)
     elif isinstance(data, (list, tuple)):
-        batches = [_conform(feeds, graph, where) for feeds in data]
+        batches = [conform(feeds, graph, where) for feeds in data]
     else:
         where = str(data)
         path = Path(data)
@@ -248,8 +248,7 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
     unknown = [name for name in wanted if name not in TEXT_INPUTS]
     if unknown:
         raise AttnRewriteError(
-            f"{path}: the model's input {unknown[0]!r} cannot be made from text "
-            f"(text gives {', '.join(TEXT_INPUTS)})"
+            f"{path}: the model's input {unknown[0]!r} cannot be made from text (text gives {', '.join(TEXT_INPUTS)})"
         )
     tokenizer.enable_truncation(max_length)
     padding = tokenizer.padding or {}

@@ -1,7 +1,7 @@
 """Fidelity: run an original and a rewritten model on the same inputs and compare every output.
 
 A linearized attention approximates softmax attention, so the rewritten outputs differ; this
-module says by how much (DESIGN.md: fidelity is reported, never asserted as "equal"). Per
+module says by how much (docs/ARCHITECTURE.md: fidelity is reported, never asserted as "equal"). Per
 output: the largest absolute difference, the relative error ||rewritten - original|| /
 ||original||, and the cosine similarity PER EXAMPLE (each batch row, axis 0, over the flattened
 rest: mean, minimum and 5th percentile), since one example ruined is hidden by a mean over the
@@ -18,18 +18,20 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
+from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs, model_around
 from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.onnx.validate import make_session
-from attnrewrite.record import format_table
+from attnrewrite.record import format_table, json_float
 
 DEFAULT_SEQ = 64
 DEFAULT_BATCH = 2
@@ -94,7 +96,9 @@ class CheckReport:
         if not logits:
             # a gate that cannot look at anything must not pass silently
             names = ", ".join(o.name for o in self.outputs)
-            raise AttnRewriteError(f"--min-agreement needs a logits-like output; none of the model's outputs ({names}) is one")
+            raise AttnRewriteError(
+                f"--min-agreement needs a logits-like output; none of the model's outputs ({names}) is one"
+            )
         worst = min(logits, key=lambda o: _worst_first(o.argmax_agreement))
         if _worst_first(worst.argmax_agreement) < min_agreement:
             raise FidelityBelowThreshold(
@@ -113,16 +117,32 @@ class CheckReport:
         rows = []
         for o in self.outputs:
             row = [
-                o.name, "x".join(map(str, o.shape)), f"{o.max_abs_error:.3g}", f"{o.relative_error:.3g}",
-                f"{o.cosine_mean:.6f}", f"{o.cosine_min:.6f}", f"{o.cosine_p5:.6f}",
+                o.name,
+                "x".join(map(str, o.shape)),
+                f"{o.max_abs_error:.3g}",
+                f"{o.relative_error:.3g}",
+                f"{o.cosine_mean:.6f}",
+                f"{o.cosine_min:.6f}",
+                f"{o.cosine_p5:.6f}",
             ]
             if with_logits:
-                row += ["-"] * 4 if not o.logits_like else [
-                    f"{o.argmax_agreement:.4f}", f"{o.top5_overlap:.4f}", f"{o.kl_mean:.3g}", f"{o.kl_max:.3g}",
-                ]
+                row += (
+                    ["-"] * 4
+                    if not o.logits_like
+                    else [
+                        f"{o.argmax_agreement:.4f}",
+                        f"{o.top5_overlap:.4f}",
+                        f"{o.kl_mean:.3g}",
+                        f"{o.kl_max:.3g}",
+                    ]
+                )
             rows.append(tuple(row))
         lines = [format_table(tuple(header), rows), f"inputs: {self.input_source}"]
-        lines += [f"warning: {o.name}: {o.nonfinite} non-finite values in the rewritten output" for o in self.outputs if o.nonfinite]
+        lines += [
+            f"warning: {o.name}: {o.nonfinite} non-finite values in the rewritten output"
+            for o in self.outputs
+            if o.nonfinite
+        ]
         return "\n".join(lines)
 
     def as_dict(self, min_cosine: float | None = None, min_agreement: float | None = None) -> dict[str, Any]:
@@ -132,10 +152,10 @@ class CheckReport:
             "input_source": self.input_source,
             "thresholds": {"min_cosine": min_cosine, "min_agreement": min_agreement},
             "observed": {
-                "cosine_min": None if not self.outputs else _json_float(self.min_cosine),
-                "argmax_agreement_min": _json_float(self.min_agreement),
+                "cosine_min": None if not self.outputs else json_float(self.min_cosine),
+                "argmax_agreement_min": json_float(self.min_agreement),
             },
-            "outputs": [{k: _json_float(v) for k, v in o.as_dict().items()} for o in self.outputs],
+            "outputs": [{k: json_float(v) for k, v in o.as_dict().items()} for o in self.outputs],
         }
 
 
@@ -150,7 +170,9 @@ def _worst_first(value: float | None) -> float:
 def compare_outputs(name: str, original: np.ndarray, rewritten: np.ndarray) -> OutputFidelity:
     """The fidelity of one output; float64 throughout so fp16 models do not round the errors."""
     if original.shape != rewritten.shape:
-        raise AttnRewriteError(f"output {name!r} has shape {list(original.shape)} originally but {list(rewritten.shape)} rewritten")
+        raise AttnRewriteError(
+            f"output {name!r} has shape {list(original.shape)} originally but {list(rewritten.shape)} rewritten"
+        )
     a = np.asarray(original, dtype=np.float64)
     b = np.asarray(rewritten, dtype=np.float64)
     diff = np.abs(a - b)
@@ -169,7 +191,9 @@ def compare_outputs(name: str, original: np.ndarray, rewritten: np.ndarray) -> O
     if fidelity.logits_like:
         fidelity.argmax_agreement = argmax_agreement(a, b)
         fidelity.top5_overlap = top_k_overlap(a, b, TOP_K)
-        probabilities = _are_probabilities(a, _sum_tolerance(original.dtype))  # decided on the original, applied to both
+        probabilities = _are_probabilities(
+            a, _sum_tolerance(original.dtype)
+        )  # decided on the original, applied to both
         kl = kl_divergence(_log_distribution(a, probabilities), _log_distribution(b, probabilities))
         fidelity.kl_mean, fidelity.kl_max = float(np.mean(kl)), float(np.max(kl))
     return fidelity
@@ -273,13 +297,6 @@ def _logsumexp(values: np.ndarray) -> np.ndarray:
         return np.log(np.sum(np.exp(values - peak), axis=-1)) + peak[..., 0]
 
 
-def _json_float(value):
-    """JSON has no NaN/inf: write them as strings so the file stays standard JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
 # --- running both models ------------------------------------------------------------------------
 
 
@@ -316,7 +333,7 @@ def prepare_inputs(
 
         return generated(seq)
     if isinstance(inputs, dict):
-        return CheckInputs(_conform(inputs, graph, "the given inputs"), "given arrays")
+        return CheckInputs(conform(inputs, graph, "the given inputs"), "given arrays")
     return CheckInputs(load_inputs(inputs, graph), str(inputs))
 
 
@@ -377,39 +394,6 @@ def _run_original(session, inputs: CheckInputs) -> tuple[CheckInputs, dict[str, 
     if length != inputs.seq:
         used = dataclasses.replace(used, source=f"{used.source}; the original model does not run at seq {inputs.seq}")
     return used, expected
-
-
-def load_inputs(path: str | os.PathLike, graph: ir.Graph) -> dict[str, np.ndarray]:
-    """Arrays from a ``.npz`` keyed by input name, cast to each input's declared dtype."""
-    path = Path(path)
-    if not path.is_file():
-        raise AttnRewriteError(f"{path}: no such file")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except Exception as error:
-        raise AttnRewriteError(f"{path}: not a .npz archive of arrays ({_first_line(error)})") from error
-    return _conform(arrays, graph, str(path))
-
-
-def _conform(arrays: dict[str, np.ndarray], graph: ir.Graph, where: str) -> dict[str, np.ndarray]:
-    """Check the arrays cover the model's inputs (and only them); cast within a dtype kind
-    (int32 ids for an int64 input), refuse across kinds (floats for token ids)."""
-    wanted = {v.name: v for v in graph.inputs if not v.is_initializer()}
-    unknown = sorted(set(arrays) - set(wanted))
-    if unknown:
-        raise AttnRewriteError(f"{where}: {unknown[0]!r} is not an input of the model (inputs: {', '.join(wanted)})")
-    missing = [name for name in wanted if name not in arrays]
-    if missing:
-        raise AttnRewriteError(f"{where}: no array for input {missing[0]!r}")
-    feeds = {}
-    for name, value in wanted.items():
-        array = np.asarray(arrays[name])
-        dtype = value.dtype.numpy() if value.dtype is not None else array.dtype
-        if array.dtype != dtype and not np.can_cast(array.dtype, dtype, casting="same_kind"):
-            raise AttnRewriteError(f"{where}: input {name!r} is {array.dtype}, the model wants {np.dtype(dtype)}")
-        feeds[name] = array.astype(dtype, copy=False)
-    return feeds
 
 
 def _as_ir(model) -> ir.Model:

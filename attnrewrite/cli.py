@@ -1,6 +1,8 @@
 """Command line: ``attnrewrite model.onnx --to hydra -o out.onnx`` and ``attnrewrite model.onnx --list``,
 plus the subcommands ``attnrewrite check ORIGINAL REWRITTEN`` and ``attnrewrite bench MODEL --to M``
 (chosen by the first argument; a model file literally named ``check`` or ``bench`` is ``./check``).
+The rewrite runs attnrewrite.pipeline, the stages the Python API runs too: this module reads the
+arguments, prints what the stages found and moves the output into place once its gates passed.
 
 Every failure is one line on stderr and a non-zero exit (2: bad input or usage; 1: nothing
 could be rewritten or the output failed a validation gate); the output file is written only
@@ -21,21 +23,17 @@ import traceback
 import warnings
 from pathlib import Path
 
-from attnrewrite import passes
-from attnrewrite import __version__
-from attnrewrite import calibration
+from attnrewrite import __version__, calibration, passes, pipeline
 from attnrewrite import check as check_mod
 from attnrewrite.check import FidelityBelowThreshold
+from attnrewrite.data import load_inputs
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.limits import position_limit
-from attnrewrite.onnx.rewrite import analyze, rewrite_model, rewritten_sites
-from attnrewrite.onnx.inputs import sequence_length
 from attnrewrite.onnx.masks import probe_note
-from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
-from attnrewrite.onnx.validate import validate_saved
+from attnrewrite.onnx.rewrite import analyze, rewritten_sites
+from attnrewrite.passes import fit
 from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
-from attnrewrite.layer_selection import hold_out_for_selection, select_onnx
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -70,42 +68,85 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", help="where to write the rewritten model")
     parser.add_argument("--list", action="store_true", help="only report the attention sites found")
     parser.add_argument(
-        "--layers", type=parse_layers,
+        "--layers",
+        type=parse_layers,
         help="sites to rewrite, by index: 0,2,5-7 (default: all); 'auto' with --min-cosine X: measure what each "
         "site costs alone and replace the least harmful while the model's cosine stays >= X",
     )
     parser.add_argument(
-        "--include-single-query", action="store_true",
+        "--include-single-query",
+        action="store_true",
         help="also rewrite sites with one query (a decoder step), which stay exact by default: linearizing them saves nothing",
     )
     parser.add_argument(
-        "-O", "--option", action="append", default=[], metavar="KEY=VALUE",
+        "-O",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="a method option, e.g. -O features=256 -O seed=1 (see --list-options)",
     )
     parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
     parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
     parser.add_argument(
-        "--calibrate", metavar="DATA",
+        "--calibrate",
+        metavar="DATA",
         help="fit each replacement to the attention it replaces on DATA: an .npz of model inputs by name "
         "(batch axis stacked) or a text file, one text per line (with --tokenizer)",
     )
-    parser.add_argument("--calibrate-steps", type=parse_positive, default=calibration.DEFAULT_STEPS, metavar="N",
-                        help="optimizer steps per site (default: %(default)s)")
-    parser.add_argument("--calibrate-lr", type=float, default=None, metavar="LR",
-                        help=f"Adam learning rate of calibration (default: the method's, {calibration.DEFAULT_LR:g}; "
-                        f"linformer {passes.linformer.LinformerAttention.CALIBRATION_LR:g})")
-    parser.add_argument("--calibrate-ce", type=parse_nonnegative, default=0.0, metavar="W",
-                        help="add W times Hedgehog's cross-entropy between the softmax weights and the replacement's "
-                        "(linear, favor without a window, hedgehog; default: %(default)s, output error only)")
-    parser.add_argument("--calibrate-seed", type=int, default=0, metavar="N",
-                        help="seed of the minibatches calibration draws (default: %(default)s)")
-    parser.add_argument("--calibrate-end-to-end", type=parse_positive, default=0, metavar="N",
-                        help="after fitting site by site, fit all sites together on the model's outputs for N steps "
-                        "(one batch each; default: off)")
-    parser.add_argument("--tokenizer", metavar="tokenizer.json", help="with a text --calibrate file: the tokenizer that makes the model's inputs")
-    parser.add_argument("--max-length", type=parse_positive, default=calibration.DEFAULT_MAX_LENGTH, metavar="N",
-                        help="with --tokenizer: truncate texts to N tokens (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="compare the rewritten outputs with the original's before writing")
+    parser.add_argument(
+        "--calibrate-steps",
+        type=parse_positive,
+        default=calibration.DEFAULT_STEPS,
+        metavar="N",
+        help="optimizer steps per site (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--calibrate-lr",
+        type=float,
+        default=None,
+        metavar="LR",
+        help=f"Adam learning rate of calibration (default: the method's, {fit.DEFAULT_LR:g}; "
+        f"linformer {passes.linformer.LinformerAttention.CALIBRATION_LR:g})",
+    )
+    parser.add_argument(
+        "--calibrate-ce",
+        type=parse_nonnegative,
+        default=0.0,
+        metavar="W",
+        help="add W times Hedgehog's cross-entropy between the softmax weights and the replacement's "
+        "(linear, favor without a window, hedgehog; default: %(default)s, output error only)",
+    )
+    parser.add_argument(
+        "--calibrate-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the minibatches calibration draws (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--calibrate-end-to-end",
+        type=parse_positive,
+        default=0,
+        metavar="N",
+        help="after fitting site by site, fit all sites together on the model's outputs for N steps "
+        "(one batch each; default: off)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="tokenizer.json",
+        help="with a text --calibrate file: the tokenizer that makes the model's inputs",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=parse_positive,
+        default=calibration.DEFAULT_MAX_LENGTH,
+        metavar="N",
+        help="with --tokenizer: truncate texts to N tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="compare the rewritten outputs with the original's before writing"
+    )
     _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
     parser.add_argument("--version", action="version", version=f"attnrewrite {__version__}")
@@ -114,18 +155,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
     parser.add_argument(
-        "--min-cosine", type=parse_cosine, metavar="X",
+        "--min-cosine",
+        type=parse_cosine,
+        metavar="X",
         help=f"{gate} if an output's cosine similarity is below X for any example (batch row): "
         "the gate uses the per-example minimum",
     )
     parser.add_argument(
-        "--min-agreement", type=parse_fraction, metavar="X",
+        "--min-agreement",
+        type=parse_fraction,
+        metavar="X",
         help=f"{gate} if the fraction of rows whose argmax agrees is below X for a logits-like output "
         "(logits, log-probabilities, probabilities)",
     )
-    parser.add_argument("--inputs", metavar="FILE.npz", help="inputs to compare on, by input name (default: generated from the signature)")
     parser.add_argument(
-        "--seq", type=parse_positive, default=None,
+        "--inputs",
+        metavar="FILE.npz",
+        help="inputs to compare on, by input name (default: generated from the signature)",
+    )
+    parser.add_argument(
+        "--seq",
+        type=parse_positive,
+        default=None,
         help=f"sequence length of generated inputs (default: {check_mod.DEFAULT_SEQ} for the comparison; "
         f"the rewrite's mask probe and run gate start short and double it until the model runs)",
     )
@@ -154,25 +205,52 @@ def build_bench_parser() -> argparse.ArgumentParser:
         "Each configuration runs in a fresh process.",
     )
     parser.add_argument("model", help="the ONNX model (never modified)")
-    parser.add_argument("--to", required=True, type=method_name, choices=list(passes.PASSES), help="the replacement method")
+    parser.add_argument(
+        "--to", required=True, type=method_name, choices=list(passes.PASSES), help="the replacement method"
+    )
     parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
-    parser.add_argument("--lengths", type=parse_lengths, default=None,
-                        help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling, "
-                        "up to the model's own length limit); a length given here that cannot run fails the command")
+    parser.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=None,
+        help="sequence lengths, e.g. 128,256,512 (default: 128 to 16384, doubling, "
+        "up to the model's own length limit); a length given here that cannot run fails the command",
+    )
     parser.add_argument("--batch", type=parse_positive, default=1, help="batch size (default: 1)")
-    parser.add_argument("--budget-seconds", type=float, default=bench.DEFAULT_BUDGET_SECONDS,
-                        help="stop a series once one run takes longer (default: %(default)s)")
-    parser.add_argument("--budget-gb", type=float, default=None,
-                        help="stop a series once a process's peak memory exceeds this (default: 3/4 of RAM)")
+    parser.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=bench.DEFAULT_BUDGET_SECONDS,
+        help="stop a series once one run takes longer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="stop a series once a process's peak memory exceeds this (default: 3/4 of RAM)",
+    )
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
     parser.add_argument("--fp16", action="store_true", help="convert the models to float16 (CUDA only)")
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the original with its attention fused (onnxruntime's transformers optimizer, "
-                        "else opset-23 Attention): the best exact alternative (default: on with --provider cuda)")
+    parser.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the original with its attention fused (onnxruntime's transformers optimizer, "
+        "else opset-23 Attention): the best exact alternative (default: on with --provider cuda)",
+    )
     parser.add_argument("--threads", type=parse_positive, default=None, help="onnxruntime intra-op threads")
-    parser.add_argument("--repeats", type=parse_positive, default=bench.DEFAULT_REPEATS, help="timed runs after warm-up (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=bench.DEFAULT_WARMUP, help="untimed runs first (default: %(default)s)")
-    parser.add_argument("--trials", type=parse_positive, default=1, help="fresh processes per configuration, runs pooled (default: 1)")
+    parser.add_argument(
+        "--repeats",
+        type=parse_positive,
+        default=bench.DEFAULT_REPEATS,
+        help="timed runs after warm-up (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=bench.DEFAULT_WARMUP, help="untimed runs first (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--trials", type=parse_positive, default=1, help="fresh processes per configuration, runs pooled (default: 1)"
+    )
     parser.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and memory vs length (needs matplotlib)")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
@@ -365,48 +443,22 @@ def _run(argv: list[str]) -> int:
     if args.list:
         return _list_sites(model, args)
     _check_rewrite_arguments(args, model)
-    options = parse_options(args.option)
-    checking = args.check or args.min_cosine is not None or args.min_agreement is not None or args.inputs is not None
-    if checking:
+    settings = _settings(args)
+    if settings.compares:
         check_length_fits(model.graph, args)
-    # from the original's signature, before the rewrite changes the model in place
-    inputs = check_mod.prepare_inputs(model, args.inputs, seq=_check_seq(args)) if checking else None
-    given = inputs.feeds if args.inputs is not None else None
-    fitting = _calibration(args, model, options)
-    probe_seq = _probe_seq(args, model.graph, given)
-    if args.layers == "auto":
-        if fitting is not None and args.inputs is None:
-            fitting, inputs = hold_out_for_selection(fitting, model.graph)
-        model, record, selection = select_onnx(
-            lambda: onnx_io.load_model(args.model), args.to,
-            {**options, "include_single_query": args.include_single_query, "seq": probe_seq}, args.min_cosine, inputs,
-            args.min_agreement, calibration=fitting,
-        )
-    else:
-        model, record = rewrite_model(
-            model, args.to, layers=args.layers, include_single_query=args.include_single_query,
-            calibration=fitting, seq=probe_seq, **options,
-        )
-        check_layers_exist(args.layers, record)
-    if record.outcomes:
-        print(record.table())
-    if record.selection is not None:
-        print(selection.table())
-    _write_report(args.report, record)
-    if not record.rewritten:
-        raise _nothing_to_rewrite(record, model)
-    # The gates run on the staged file itself, renamed into place only when all pass.
-    with onnx_io.staged_save(model, args.output) as staged:
-        gate = validate_saved(staged, model.graph, seq=args.seq or DEFAULT_GATE_SEQ, original=args.model, feeds=given)
-        if gate.note:
-            print(f"note: {gate.note}")
-        if checking:
-            report = check_mod.check(args.model, staged, inputs)  # the very file to be renamed into place
-            print(report.table())
-            try:
-                report.gate(args.min_cosine, args.min_agreement)
-            except AttnRewriteError as error:  # a gate failed (exit 1) or cannot apply (exit 2)
-                raise type(error)(f"{error}; nothing written") from None
+    _check_calibration_arguments(args)
+    result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings)
+    if args.layers != "auto":
+        check_layers_exist(args.layers, result.record)
+    if result.record.outcomes:
+        print(result.record.table())
+    if result.selection is not None:
+        print(result.selection.table())
+    _write_report(args.report, result.record)
+    if not result.record.rewritten:
+        raise _nothing_to_rewrite(result)
+    _write_proved(result, args.output)
+    record = result.record
     print(
         f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}"
         + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
@@ -414,30 +466,57 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-def _calibration(args, model, options: dict[str, str]):
-    """The --calibrate data, loaded and checked before any rewriting (None without it)."""
-    if not args.calibrate:
-        if args.tokenizer:
-            raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
-        if args.calibrate_end_to_end:
-            raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
-        return None
-    method = passes.get_pass(args.to)
-    calibration.require_fittable(method, passes.make_options(method, **options), args.calibrate_ce)
-    return calibration.onnx_calibration(
-        args.calibrate, model.graph, tokenizer=args.tokenizer, max_length=args.max_length,
-        steps=args.calibrate_steps, lr=args.calibrate_lr, ce_weight=args.calibrate_ce, seed=args.calibrate_seed,
-        end_to_end=args.calibrate_end_to_end,
+def _settings(args) -> pipeline.Settings:
+    """The pipeline's settings, one per flag."""
+    return pipeline.Settings(
+        method=args.to,
+        options=parse_options(args.option),
+        layers=args.layers,
+        include_single_query=args.include_single_query,
+        seq=args.seq,
+        check=args.check,
+        min_cosine=args.min_cosine,
+        min_agreement=args.min_agreement,
+        inputs=args.inputs,
+        calibrate=args.calibrate or None,
+        calibrate_steps=args.calibrate_steps,
+        calibrate_lr=args.calibrate_lr,
+        calibrate_ce_weight=args.calibrate_ce,
+        calibrate_seed=args.calibrate_seed,
+        calibrate_end_to_end=args.calibrate_end_to_end,
+        tokenizer=args.tokenizer,
+        max_length=args.max_length,
     )
+
+
+def _check_calibration_arguments(args) -> None:
+    """Calibration's own flags mean nothing without --calibrate: refused, not ignored."""
+    if args.calibrate:
+        return
+    if args.tokenizer:
+        raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
+    if args.calibrate_end_to_end:
+        raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
+
+
+def _write_proved(result: pipeline.Result, output: str) -> None:
+    """The gates run on the staged file itself, renamed into place only when all pass."""
+    with onnx_io.staged_save(result.model, output) as staged:
+        pipeline.validate(result, staged)
+        if result.note:
+            print(f"note: {result.note}")
+        report = pipeline.compare(result, staged)  # the very file to be renamed into place
+        if report is None:
+            return
+        print(report.table())
+        try:
+            pipeline.gate(result)
+        except AttnRewriteError as error:  # a gate failed (exit 1) or cannot apply (exit 2)
+            raise type(error)(f"{error}; nothing written") from None
 
 
 def _check_seq(args) -> int:
     return args.seq or check_mod.DEFAULT_SEQ
-
-
-def _probe_seq(args, graph, given) -> int | None:
-    """The length the mask probe starts from: --seq, or that of the --inputs, else its own."""
-    return args.seq or (sequence_length(graph, given) if given is not None else None)
 
 
 def _check_command(args) -> int:
@@ -460,10 +539,20 @@ def _bench_command(args) -> int:
         if path:
             onnx_io.check_output_path(path, args.model, what="report")
     config = bench.BenchConfig(
-        model=args.model, method=args.to, options=parse_options(args.option), lengths=args.lengths or bench.DEFAULT_LENGTHS,
-        batch=args.batch, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
-        provider=args.provider, fp16=args.fp16, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
-        trials=args.trials, fused=args.fused,
+        model=args.model,
+        method=args.to,
+        options=parse_options(args.option),
+        lengths=args.lengths or bench.DEFAULT_LENGTHS,
+        batch=args.batch,
+        budget_seconds=args.budget_seconds,
+        budget_gb=args.budget_gb,
+        provider=args.provider,
+        fp16=args.fp16,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        trials=args.trials,
+        fused=args.fused,
     )
     result = bench.run(config)
     print(result.table())
@@ -484,7 +573,9 @@ def check_length_fits(graph, args) -> None:
         return  # the user's own arrays: their length is theirs
     limit = position_limit(graph)
     if limit is not None and _check_seq(args) > limit.positions:
-        raise AttnRewriteError(f"--seq {_check_seq(args)} is too long: {limit.describe()}; use --seq {limit.positions} or less")
+        raise AttnRewriteError(
+            f"--seq {_check_seq(args)} is too long: {limit.describe()}; use --seq {limit.positions} or less"
+        )
 
 
 def _check_rewrite_arguments(args, model) -> None:
@@ -507,29 +598,30 @@ def _check_report_argument(args, model) -> None:
         raise AttnRewriteError(f"{args.report}: the report and the output are the same file")
 
 
-def _nothing_to_rewrite(record: RewriteRecord, model) -> AttnRewriteError:
-    if record.selection is not None and record.selection["sites"]:
-        best = record.selection["sites"][0]
+def _nothing_to_rewrite(result: pipeline.Result) -> AttnRewriteError:
+    record, selection = result.record, result.selection
+    if selection is not None and selection.choices:
+        best = selection.choices[0]
         return NothingToRewrite(
-            f"layer selection: no site can be replaced keeping cosine >= {record.selection['min_cosine']:g} "
-            f"(the least harmful, layer {best['layer']} alone, gives {_cosine_text(best['alone_cosine'])}); nothing written",
+            f"layer selection: no site can be replaced keeping {selection.budget} "
+            f"(the least harmful, layer {best.layer} alone, gives {best.alone:.6f}); nothing written",
             record,
         )
     if not record.outcomes:
-        done = len(rewritten_sites(model))
+        done = len(rewritten_sites(result.model))
         if done:
-            return NothingToRewrite(f"no softmax attention left: {done} sites were already rewritten; nothing written", record)
+            return NothingToRewrite(
+                f"no softmax attention left: {done} sites were already rewritten; nothing written", record
+            )
         return NothingToRewrite("no softmax attention found; nothing written", record)
-    return NothingToRewrite(f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written", record)
-
-
-def _cosine_text(value) -> str:
-    return f"{value:.6f}" if isinstance(value, float) else str(value)  # JSON writes NaN as text
+    return NothingToRewrite(
+        f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written", record
+    )
 
 
 def _list_sites(model, args) -> int:
-    given = check_mod.load_inputs(args.inputs, model.graph) if args.inputs else None
-    sites = analyze(onnx_io.infer_shapes(model), seq=_probe_seq(args, model.graph, given))
+    given = load_inputs(args.inputs, model.graph) if args.inputs else None
+    sites = analyze(onnx_io.infer_shapes(model), seq=pipeline.probe_seq(args.seq, model.graph, given))
     record = RewriteRecord("none", {}, [SiteOutcome(s.site, rewritten=False, reason=s.site.skip_reason) for s in sites])
     header = ("site", "layer", "heads", "head_dim", "mask", "scale", "status")
     rows = [

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import onnx_ir as ir
 
@@ -24,15 +25,16 @@ from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table
+from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 NOT_TRIED = "not tried: a less harmful site already broke the budget"
 
 
 @dataclasses.dataclass
 class Measurement:
-    cosine: float  # the gate's metric: the worst output's cosine
-    passes: bool  # the --min-cosine gate accepts it
+    cosine: float  # the --min-cosine gate's metric: the worst output's cosine
+    passes: bool  # the gates accept it
+    agreement: float | None = None  # the worst argmax agreement, where --min-agreement gates it too
 
 
 @dataclasses.dataclass
@@ -41,22 +43,29 @@ class SiteChoice:
     name: str
     alone: float  # the model's cosine with only this site replaced
     together: float | None = None  # with it and every less harmful site chosen before it; None: not tried
+    together_agreement: float | None = None  # the same model's argmax agreement, where gated
     replaced: bool = False
 
-    def why_kept(self, min_cosine: float) -> str | None:
+    def why_kept(self, min_cosine: float, min_agreement: float | None = None) -> str | None:
         if self.replaced:
             return None
         if self.together is None:
             return NOT_TRIED
+        if self.together >= min_cosine and min_agreement is not None and self.together_agreement is not None:
+            return f"with it the model's argmax agreement is {self.together_agreement:.4f} < {min_agreement:g}"
         return f"with it the model's cosine is {_fmt(self.together)} < {min_cosine:g}"
 
-    def result(self, min_cosine: float) -> str:
-        return "replaced" if self.replaced else f"kept: {self.why_kept(min_cosine)}"
+    def result(self, min_cosine: float, min_agreement: float | None = None) -> str:
+        return "replaced" if self.replaced else f"kept: {self.why_kept(min_cosine, min_agreement)}"
 
-    def as_dict(self, min_cosine: float) -> dict[str, Any]:
+    def as_dict(self, min_cosine: float, min_agreement: float | None = None) -> dict[str, Any]:
         return {
-            "layer": self.layer, "site": self.name, "alone_cosine": _json(self.alone),
-            "cumulative_cosine": _json(self.together), "replaced": self.replaced, "reason": self.why_kept(min_cosine),
+            "layer": self.layer,
+            "site": self.name,
+            "alone_cosine": json_float(self.alone),
+            "cumulative_cosine": json_float(self.together),
+            "replaced": self.replaced,
+            "reason": self.why_kept(min_cosine, min_agreement),
         }
 
 
@@ -65,6 +74,7 @@ class Selection:
     min_cosine: float
     choices: list[SiteChoice]  # in the order tried: least harmful first
     inputs: str  # what the costs were measured on
+    min_agreement: float | None = None
 
     @property
     def chosen(self) -> list[int]:
@@ -75,30 +85,52 @@ class Selection:
         replaced = [c for c in self.choices if c.replaced]
         return replaced[-1].together if replaced else None
 
+    @property
+    def budget(self) -> str:
+        """What the model must keep, in words."""
+        agreement = "" if self.min_agreement is None else f" and argmax agreement >= {self.min_agreement:g}"
+        return f"cosine >= {self.min_cosine:g}{agreement}"
+
     def summary(self) -> str:
         final = "" if self.final_cosine is None else f", model cosine {_fmt(self.final_cosine)}"
+        agreement = "" if self.min_agreement is None else f", --min-agreement {self.min_agreement:g}"
         return (
-            f"layer selection (--min-cosine {self.min_cosine:g}, inputs: {self.inputs}): "
+            f"layer selection (--min-cosine {self.min_cosine:g}{agreement}, inputs: {self.inputs}): "
             f"{len(self.chosen)} of {len(self.choices)} sites replaced{final}"
         )
 
     def table(self) -> str:
         header = ("order", "layer", "site", "alone_cosine", "cumulative_cosine", "result")
         rows = [
-            (str(i), str(c.layer), c.name, _fmt(c.alone), "-" if c.together is None else _fmt(c.together), c.result(self.min_cosine))
+            (
+                str(i),
+                str(c.layer),
+                c.name,
+                _fmt(c.alone),
+                "-" if c.together is None else _fmt(c.together),
+                c.result(self.min_cosine, self.min_agreement),
+            )
             for i, c in enumerate(self.choices)
         ]
         return "\n".join([format_table(header, rows), self.summary()])
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "min_cosine": self.min_cosine, "inputs": self.inputs, "chosen": self.chosen,
-            "final_cosine": _json(self.final_cosine), "sites": [c.as_dict(self.min_cosine) for c in self.choices],
+            "min_cosine": self.min_cosine,
+            **({"min_agreement": self.min_agreement} if self.min_agreement is not None else {}),
+            "inputs": self.inputs,
+            "chosen": self.chosen,
+            "final_cosine": json_float(self.final_cosine),
+            "sites": [c.as_dict(self.min_cosine, self.min_agreement) for c in self.choices],
         }
 
 
 def select_layers(
-    candidates: dict[int, str], measure: Callable[[list[int]], Measurement], min_cosine: float, inputs: str
+    candidates: dict[int, str],
+    measure: Callable[[list[int]], Measurement],
+    min_cosine: float,
+    inputs: str,
+    min_agreement: float | None = None,
 ) -> Selection:
     """``candidates``: layer -> site name, the sites the method can replace. ``measure(layers)``:
     the model with exactly those sites replaced, compared with the original."""
@@ -109,22 +141,25 @@ def select_layers(
     chosen: list[int] = []
     for choice in choices:
         together = alone[choice.layer] if not chosen else measure(sorted([*chosen, choice.layer]))
-        choice.together = together.cosine
+        choice.together, choice.together_agreement = together.cosine, together.agreement
         if not together.passes:
             break  # what follows costs more alone; the prefix ends here
         choice.replaced = True
         chosen.append(choice.layer)
-    return Selection(min_cosine, choices, inputs)
+    return Selection(min_cosine, choices, inputs, min_agreement)
 
 
-def gate_measurement(report: check_mod.CheckReport, min_cosine: float, min_agreement: float | None = None) -> Measurement:
+def gate_measurement(
+    report: check_mod.CheckReport, min_cosine: float, min_agreement: float | None = None
+) -> Measurement:
     """The gates' own verdict on a check report (--min-cosine, and --min-agreement when given),
     and the cosine they compare."""
+    agreement = report.min_agreement if min_agreement is not None else None
     try:
         report.gate(min_cosine, min_agreement)
     except FidelityBelowThreshold:
-        return Measurement(report.min_cosine, passes=False)
-    return Measurement(report.min_cosine, passes=True)
+        return Measurement(report.min_cosine, passes=False, agreement=agreement)
+    return Measurement(report.min_cosine, passes=True, agreement=agreement)
 
 
 # --- the ONNX frontend ---------------------------------------------------------------------------
@@ -144,7 +179,7 @@ def select_onnx(
     when no site fits the budget), its record (unselected sites say why) and the selection.
     With ``calibration`` (attnrewrite.calibration) every trial is calibrated: a site's cost is
     its cost once fitted, and the chosen sites are fitted in the model returned."""
-    from attnrewrite.onnx.rewrite import _record_json as record_json, rewrite_model
+    from attnrewrite.onnx.rewrite import rewrite_model
 
     _, full_record = rewrite_model(fresh(), method, **options)  # which sites the method can replace
     candidates = {o.site.layer: o.site.name for o in full_record.rewritten}
@@ -152,7 +187,6 @@ def select_onnx(
     earlier_record = base.metadata_props.get(METADATA_KEY)
 
     with onnx_io.saved_copy(base) as original:  # every trial runs the original from one file
-
         # trials fit silently; the final rewrite below reports its fits
         quiet = None if calibration is None else dataclasses.replace(calibration, progress=lambda line: None)
 
@@ -160,11 +194,12 @@ def select_onnx(
             model, _ = rewrite_model(fresh(), method, layers=layers, calibration=quiet, **options)
             return gate_measurement(check_mod.check(original, model, inputs), min_cosine, min_agreement)
 
-        selection = select_layers(candidates, measure, min_cosine, inputs.source)
+        selection = select_layers(candidates, measure, min_cosine, inputs.source, min_agreement)
 
     # rewrites are deterministic (seeded): this is the model measured last for the chosen layers
     model, record = rewrite_model(fresh(), method, layers=sorted(selection.chosen), calibration=calibration, **options)
-    reasons = {c.layer: f"layer selection: {c.why_kept(min_cosine)}" for c in selection.choices if not c.replaced}
+    kept = [c for c in selection.choices if not c.replaced]
+    reasons = {c.layer: f"layer selection: {c.why_kept(min_cosine, min_agreement)}" for c in kept}
     for outcome in record.outcomes:
         if outcome.site.layer in reasons:
             outcome.reason = reasons[outcome.site.layer]
@@ -198,7 +233,3 @@ def _sortable(value: float) -> float:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.6f}"
-
-
-def _json(value: float | None):
-    return check_mod._json_float(value) if value is not None else None

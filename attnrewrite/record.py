@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from attnrewrite.site import AttentionSite
@@ -88,6 +89,25 @@ class RewriteRecord:
             for o in self.outcomes
         ]
         return "\n".join([format_table(header, rows), *(f"note: {n}" for n in self.notes)])
+
+
+def record_json(record: RewriteRecord, earlier: str | None) -> str:
+    """This run's record; the record of an earlier run on the same model is kept under
+    "previous", so the file still says how every replacement in it was made."""
+    if not earlier:
+        return record.to_json()
+    try:
+        previous = json.loads(earlier)
+    except ValueError:  # someone else's "attnrewrite" entry: kept, as the text it was
+        previous = earlier
+    return json.dumps({**record.as_dict(), "previous": previous}, sort_keys=True)
+
+
+def json_float(value):
+    """JSON has no NaN/inf: write them as strings so the file stays standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from attention_graphs import AttentionSpec, build_attention_model
 from onnx import TensorProto, helper, numpy_helper
 
-from attention_graphs import AttentionSpec, build_attention_model
 from attnrewrite.check import check, compare_outputs, cosine_similarity, is_logits_like, prepare_inputs
 from attnrewrite.cli import main
 from attnrewrite.onnx import io as onnx_io
@@ -32,7 +32,10 @@ def linear_model(path: Path, weight: np.ndarray) -> Path:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, weight.shape[0]])
     y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 8, weight.shape[1]])
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["logits"])], "linear", [x], [y],
+        [helper.make_node("MatMul", ["x", "W"], ["logits"])],
+        "linear",
+        [x],
+        [y],
         [numpy_helper.from_array(weight.astype(np.float32), "W")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -83,7 +86,9 @@ def test_perturbed_weight_gives_the_expected_error(tmp_path):
     log_p, log_q = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (a, b))
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
     assert out.kl_mean == pytest.approx(kl.mean(), rel=1e-5) and out.kl_max == pytest.approx(kl.max(), rel=1e-5)
-    top5 = [len(set(np.argsort(-p)[:5]) & set(np.argsort(-q)[:5])) / 5 for p, q in zip(a.reshape(-1, 10), b.reshape(-1, 10))]
+    top5 = [
+        len(set(np.argsort(-p)[:5]) & set(np.argsort(-q)[:5])) / 5 for p, q in zip(a.reshape(-1, 10), b.reshape(-1, 10))
+    ]
     assert out.top5_overlap == pytest.approx(np.mean(top5))
     assert out.cosine_min < 0.9999  # the change is large enough to be seen
     assert report.input_source.endswith("inputs.npz")
@@ -120,10 +125,23 @@ def test_check_command_writes_json_and_gates(tmp_path, capsys, hydra_sample):
     report = json.loads(report_path.read_text())
     [output] = report["outputs"]
     assert set(output) == {
-        "name", "shape", "max_abs_error", "relative_error", "cosine_mean", "cosine_min", "cosine_p5",
-        "logits_like", "argmax_agreement", "top5_overlap", "kl_mean", "kl_max", "nonfinite",
+        "name",
+        "shape",
+        "max_abs_error",
+        "relative_error",
+        "cosine_mean",
+        "cosine_min",
+        "cosine_p5",
+        "logits_like",
+        "argmax_agreement",
+        "top5_overlap",
+        "kl_mean",
+        "kl_max",
+        "nonfinite",
     }
-    assert 0.5 < output["cosine_min"] <= output["cosine_p5"] <= output["cosine_mean"] < 1.0 and output["max_abs_error"] > 0
+    assert (
+        0.5 < output["cosine_min"] <= output["cosine_p5"] <= output["cosine_mean"] < 1.0 and output["max_abs_error"] > 0
+    )
     assert output["logits_like"] is False and output["argmax_agreement"] is None
     assert report["inputs"] == {"input_ids": [2, 64], "attention_mask": [2, 64]}
     # the thresholds asked for, apart from the figures observed
@@ -136,7 +154,10 @@ def test_check_command_writes_json_and_gates(tmp_path, capsys, hydra_sample):
     written = json.loads(report_path.read_text())  # the report is still written
     worst = written["observed"]["cosine_min"]
     assert written["thresholds"]["min_cosine"] == 1 and worst < 1
-    assert err == f"attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min {worst:.6f} < --min-cosine 1\n"
+    assert (
+        err
+        == f"attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min {worst:.6f} < --min-cosine 1\n"
+    )
 
 
 def test_rewrite_with_check_prints_the_table_and_writes(tmp_path, capsys):
@@ -154,7 +175,9 @@ def test_min_cosine_gate_fails_and_writes_nothing(tmp_path, capsys):
     assert code == 1
     assert "cos_min" in out  # the table is shown before the verdict
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min 0.")
+    assert len(lines) == 1 and lines[0].startswith(
+        "attnrewrite: error: fidelity gate failed: output 'last_hidden_state' has per-example cosine min 0."
+    )
     assert lines[0].endswith("< --min-cosine 0.999999; nothing written")
     assert output.read_bytes() == b"precious"
 
@@ -204,14 +227,18 @@ def attention_with_logits_head(path: Path) -> Path:
     attention_out = graph.output[0].name
     rng = np.random.default_rng(0)
     bias = np.where(np.arange(CLASSES) < 4, 30.0, -30.0).astype(np.float32)
-    graph.initializer.extend([
-        numpy_helper.from_array(rng.standard_normal((8, CLASSES)).astype(np.float32), "head_weight"),
-        numpy_helper.from_array(bias, "head_bias"),
-    ])
-    graph.node.extend([
-        helper.make_node("MatMul", [attention_out, "head_weight"], ["head"]),
-        helper.make_node("Add", ["head", "head_bias"], ["logits"]),
-    ])
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(rng.standard_normal((8, CLASSES)).astype(np.float32), "head_weight"),
+            numpy_helper.from_array(bias, "head_bias"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("MatMul", [attention_out, "head_weight"], ["head"]),
+            helper.make_node("Add", ["head", "head_bias"], ["logits"]),
+        ]
+    )
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1, "sequence", CLASSES]))
     onnx.save(model, path)
@@ -231,7 +258,9 @@ def test_argmax_gate_refuses_what_the_cosine_gate_passes(tmp_path, capsys):
     assert "argmax_agree" in out and "top5" in out and "kl_mean" in out
 
     output.write_bytes(b"precious")
-    code, out, err = run(capsys, original, "--to", "linear", "-o", output, "--min-cosine", "0.98", "--min-agreement", "0.9")
+    code, out, err = run(
+        capsys, original, "--to", "linear", "-o", output, "--min-cosine", "0.98", "--min-agreement", "0.9"
+    )
     assert code == 1
     assert err == (
         "attnrewrite: error: fidelity gate failed: output 'logits' has argmax agreement "
@@ -244,13 +273,18 @@ def test_argmax_gate_refuses_what_the_cosine_gate_passes(tmp_path, capsys):
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["thresholds"] == {"min_cosine": None, "min_agreement": 1.0}
     assert written["observed"] == {"cosine_min": pytest.approx(1.0), "argmax_agreement_min": 1.0}
-    assert written["outputs"][0]["logits_like"] is True and written["outputs"][0]["kl_max"] == pytest.approx(0, abs=1e-9)
+    assert written["outputs"][0]["logits_like"] is True and written["outputs"][0]["kl_max"] == pytest.approx(
+        0, abs=1e-9
+    )
 
 
 def test_agreement_gate_without_logits_says_so(capsys, hydra_sample):
     code, _, err = run(capsys, "check", SAMPLE, hydra_sample, "--min-agreement", "0.9")
     assert code == 2
-    assert err == "attnrewrite: error: --min-agreement needs a logits-like output; none of the model's outputs (last_hidden_state) is one\n"
+    assert (
+        err
+        == "attnrewrite: error: --min-agreement needs a logits-like output; none of the model's outputs (last_hidden_state) is one\n"
+    )
 
 
 # --- generated inputs ----------------------------------------------------------------------------
@@ -294,7 +328,10 @@ def dequantized_embedding(path: Path, vocab: int, batch=1) -> Path:
         "dequantized",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, "sequence"])],
         [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [batch, "sequence", 4])],
-        [numpy_helper.from_array(table, "table_int8"), numpy_helper.from_array(np.array(0.01, np.float32), "table_scale")],
+        [
+            numpy_helper.from_array(table, "table_int8"),
+            numpy_helper.from_array(np.array(0.01, np.float32), "table_scale"),
+        ],
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), path)
     return path

@@ -56,11 +56,14 @@ def test_layers_selects_sites(tmp_path, capsys):
     report = tmp_path / "report.json"
     code, out, _ = run(capsys, SAMPLE, "--to", "hydra", "-o", tmp_path / "o.onnx", "--layers", "1", "--report", report)
     assert code == 0
-    assert "skipped: not selected (--layers)" in out
+    assert "skipped: layer 0 is not among the selected layers" in out
     assert "1 of 2 attention sites" in out
     # one answer to "why not" per site, no second field that could disagree with it
     sites = json.loads(report.read_text())["sites"]
-    assert [(s["status"], s["reason"]) for s in sites] == [("skipped", "not selected (--layers)"), ("rewritten", None)]
+    assert [(s["status"], s["reason"]) for s in sites] == [
+        ("skipped", "layer 0 is not among the selected layers"),
+        ("rewritten", None),
+    ]
     assert not any("skip_reason" in s for s in sites)
 
 
@@ -91,15 +94,18 @@ def test_list_options_needs_no_model_and_says_what_each_option_means(capsys):
     assert out.splitlines() == [
         "options of hydra (set with -O NAME=VALUE):",
         "name  type   default  valid  meaning",
-        "eps   float  1e-06    -      added to the L2 norms so that an all-zero vector normalizes to zero",
-        "seed  int    0        -      unused: the method draws nothing at random; accepted for a uniform interface",
+        "eps   float  1e-06    > 0    added to the L2 norms so that an all-zero vector normalizes to zero",
+        "seed  int    0        >= 0   unused: the method draws nothing at random; accepted for a uniform interface",
     ]
 
 
 def test_list_options_needs_a_method(capsys):
     code, out, err = run(capsys, "--list-options")
     assert (code, out) == (2, "")
-    assert err == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog)\n"
+    assert (
+        err
+        == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog)\n"
+    )
 
 
 def test_every_option_of_every_method_is_described():
@@ -107,13 +113,20 @@ def test_every_option_of_every_method_is_described():
         for option in describe_options(method.Options):
             assert option.help, f"{method.NAME}.{option.name} has no help"
     favor_variant = next(o for o in describe_options(passes.favor.Options) if o.name == "variant")
-    assert (favor_variant.type, favor_variant.default, favor_variant.valid) == ("str", "positive", "positive | hyperbolic")
+    assert (favor_variant.type, favor_variant.default, favor_variant.valid) == (
+        "str",
+        "positive",
+        "positive | hyperbolic",
+    )
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--to", "foo", "m.onnx"], "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog')"),
+        (
+            ["--to", "foo", "m.onnx"],
+            "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog')",
+        ),
         (["--to", "hydra"], "the following arguments are required: model"),
         (["bench", "m.onnx"], "the following arguments are required: --to"),
     ],
@@ -135,7 +148,9 @@ def test_closed_stdout_stops_quietly_with_the_sigpipe_status():
     """`attnrewrite M --list | head -1`: the reader is gone before the output is written."""
     process = subprocess.Popen(
         [sys.executable, "-m", "attnrewrite", str(SAMPLE), "--list"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).parents[1],
     )
     process.stdout.close()
     stderr = process.stderr.read().decode()

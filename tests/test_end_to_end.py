@@ -12,9 +12,8 @@ import onnx_ir as ir
 import pytest
 import torch
 from conftest import read_record
-from onnx import helper, numpy_helper
-
 from models import SAMPLE_BERT, ExportUnsupported, onnx_outputs, relative_error, text_args
+from onnx import helper, numpy_helper
 from test_calibration import calibration_npz
 
 import attnrewrite
@@ -28,8 +27,16 @@ from attnrewrite.passes import fit
 # Families whose exports (both exporters) the evaluator must cover: encoders with padding masks,
 # causal decoders, a vision encoder, relative position bias, multi-query heads, audio.
 COVERED = [
-    "bert-eager", "bert-sdpa", "distilbert", "vit", "gpt2", "t5-encoder-eager", "falcon-multi-query",
-    "llama", "wav2vec2", "minilm",
+    "bert-eager",
+    "bert-sdpa",
+    "distilbert",
+    "vit",
+    "gpt2",
+    "t5-encoder-eager",
+    "falcon-multi-query",
+    "llama",
+    "wav2vec2",
+    "minilm",
 ]
 
 
@@ -133,7 +140,9 @@ def test_torch_end_to_end_stage_fits_only_the_replacements(exports):
     program = torch.export.export(export.module, args)
     own = {name: p.detach().clone() for name, p in program.module().named_parameters()}
     examples = [text_args(12, seed=s) for s in range(3)]
-    gm = attnrewrite.rewrite(program, to="hedgehog", window=4, calibrate=examples, calibrate_steps=10, calibrate_end_to_end=15)
+    gm = attnrewrite.rewrite(
+        program, to="hedgehog", window=4, calibrate=examples, calibrate_steps=10, calibrate_end_to_end=15
+    )
     stage = gm.meta["attnrewrite"]["end_to_end"]
     assert stage["steps"] == 15 and stage["examples"] == 3
     assert stage["loss_after"] < stage["loss_before"]
@@ -171,7 +180,9 @@ def test_an_op_setting_the_evaluator_does_not_implement_is_refused_up_front():
     node = helper.make_node("ScatterND", ["x", "i", "u"], ["y"], name="scatter", reduction="add")
     indices = numpy_helper.from_array(np.zeros((1, 1), np.int64), "i")
     updates = numpy_helper.from_array(np.ones(1, np.float32), "u")
-    graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])], [indices, updates])
+    graph = helper.make_graph(
+        [node], "g", [x], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])], [indices, updates]
+    )
     with pytest.raises(AttnRewriteError) as error:
         TorchGraph(ir.from_proto(helper.make_model(graph)).graph, [])
     assert str(error.value) == (

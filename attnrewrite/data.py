@@ -1,0 +1,51 @@
+"""Model inputs the user gives, as arrays by input name, made to fit a graph's signature.
+
+The bottom of the data path: the fidelity check (``--inputs``), calibration (``--calibrate``)
+and, through them, layer selection read arrays here, so a missing input, an array for an input
+the model does not have, or floats for token ids are refused in one wording wherever they come in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from attnrewrite.errors import AttnRewriteError
+
+
+def load_inputs(path: str | os.PathLike, graph: ir.Graph) -> dict[str, np.ndarray]:
+    """Arrays from a ``.npz`` keyed by input name, cast to each input's declared dtype."""
+    path = Path(path)
+    if not path.is_file():
+        raise AttnRewriteError(f"{path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise AttnRewriteError(f"{path}: not a .npz archive of arrays ({first})") from error
+    return conform(arrays, graph, str(path))
+
+
+def conform(arrays: dict[str, np.ndarray], graph: ir.Graph, where: str) -> dict[str, np.ndarray]:
+    """Check the arrays cover the model's inputs (and only them); cast within a dtype kind
+    (int32 ids for an int64 input), refuse across kinds (floats for token ids). ``where`` names
+    the arrays in the messages."""
+    wanted = {v.name: v for v in graph.inputs if not v.is_initializer()}
+    unknown = sorted(set(arrays) - set(wanted))
+    if unknown:
+        raise AttnRewriteError(f"{where}: {unknown[0]!r} is not an input of the model (inputs: {', '.join(wanted)})")
+    missing = [name for name in wanted if name not in arrays]
+    if missing:
+        raise AttnRewriteError(f"{where}: no array for input {missing[0]!r}")
+    feeds = {}
+    for name, value in wanted.items():
+        array = np.asarray(arrays[name])
+        dtype = value.dtype.numpy() if value.dtype is not None else array.dtype
+        if array.dtype != dtype and not np.can_cast(array.dtype, dtype, casting="same_kind"):
+            raise AttnRewriteError(f"{where}: input {name!r} is {array.dtype}, the model wants {np.dtype(dtype)}")
+        feeds[name] = array.astype(dtype, copy=False)
+    return feeds

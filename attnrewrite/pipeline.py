@@ -1,0 +1,247 @@
+"""One rewrite of an ONNX model, from the model as given to the model proved: the stages that
+``attnrewrite MODEL --to M`` and ``attnrewrite.rewrite`` both run, in this order.
+
+1. ``rewrite``: load the model; make the inputs the fidelity check compares on from the
+   original's signature (before the rewrite changes the model in place); load the calibration
+   data; replace the sites asked for, or those layer selection chooses (layer_selection).
+2. ``validate`` and ``compare`` take the rewritten model saved to a file: the validation gates
+   (onnx/validate.py) and, when asked, the fidelity check against the original (check.py). The
+   caller decides where that file is: the CLI gates its staged output, renamed into place only
+   once every gate passed (onnx.io.staged_save); ``run`` a temporary copy.
+3. ``gate``: the fidelity thresholds on the check's report, once the caller has shown it.
+
+``run`` does all of it for a model in memory and returns one ``Result``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from attnrewrite import calibration, passes
+from attnrewrite import check as check_mod
+from attnrewrite.check import CheckInputs, CheckReport
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.inputs import sequence_length
+from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
+from attnrewrite.onnx.validate import validate_saved
+from attnrewrite.record import METADATA_KEY, RewriteRecord
+
+
+@dataclasses.dataclass
+class Settings:
+    """What one rewrite does, in the API's words; each of the CLI's flags sets one of these."""
+
+    method: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's (passes.<method>.Options)
+    layers: list[int] | str | None = None  # site indices (None: all), or "auto": layer selection
+    include_single_query: bool = False
+    # generated inputs' length: the fidelity check's (default check.DEFAULT_SEQ); the mask probe
+    # and the run gate start there and double it until the original runs
+    seq: int | None = None
+    validate: bool = True
+    check: bool = False  # compare the rewritten model's outputs with the original's
+    min_cosine: float | None = None  # fidelity gates; with layers="auto" also the selection's budget
+    min_agreement: float | None = None
+    inputs: str | os.PathLike | dict | None = None  # a .npz or arrays to compare, gate and select on
+    calibrate: Any = None  # the data to fit on (calibration.onnx_calibration)
+    calibrate_steps: int = calibration.DEFAULT_STEPS
+    calibrate_lr: float | None = None
+    calibrate_ce_weight: float = 0.0
+    calibrate_seed: int = 0
+    calibrate_end_to_end: int = 0
+    tokenizer: str | os.PathLike | None = None  # with a text file to calibrate on
+    max_length: int = calibration.DEFAULT_MAX_LENGTH
+
+    @property
+    def compares(self) -> bool:
+        """Whether the rewritten model is compared with the original: asked for, or implied by a
+        threshold or by inputs to compare on (layer selection always has its budget)."""
+        return self.check or self.min_cosine is not None or self.min_agreement is not None or self.inputs is not None
+
+    def calibration_settings(self) -> dict[str, Any]:
+        """How calibration fits (calibration.Calibration's fields)."""
+        return dict(
+            steps=self.calibrate_steps,
+            lr=self.calibrate_lr,
+            ce_weight=self.calibrate_ce_weight,
+            seed=self.calibrate_seed,
+            end_to_end=self.calibrate_end_to_end,
+        )
+
+
+class Source:
+    """The model as the caller gave it (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``)
+    and the forms of it a run needs."""
+
+    def __init__(self, model, loaded: ir.Model | None = None):
+        """``loaded``: the model at path ``model``, when the caller has read it already."""
+        self.given = model
+        self._loaded = loaded
+        self._proto: onnx.ModelProto | None = None
+
+    @property
+    def is_file(self) -> bool:
+        return isinstance(self.given, (str, os.PathLike))
+
+    def load(self) -> ir.Model:
+        """The model to rewrite: a given ``onnx_ir.Model`` itself, rewritten in place."""
+        if isinstance(self.given, ir.Model):
+            return self.given
+        if self._loaded is None:
+            self._loaded = onnx_io.load_model(self.given) if self.is_file else onnx_io.from_proto(self.given)
+        return self._loaded
+
+    def fresh(self) -> ir.Model:
+        """A new copy at each call, from the model as given (layer selection rewrites one per trial)."""
+        if self.is_file:
+            return onnx_io.load_model(self.given)
+        if self._proto is None:
+            self._proto = ir.serde.serialize_model(self.given) if isinstance(self.given, ir.Model) else self.given
+        return onnx_io.from_proto(self._proto)
+
+    def original(self):
+        """The original as the fidelity check runs it: its file, else a copy, taken before the
+        rewrite changes an ``onnx_ir.Model`` in place."""
+        return os.fspath(self.given) if self.is_file else self.fresh()
+
+    def runnable(self):
+        """The original for the run gate to fall back on (onnx.validate.validate_saved): a path or
+        the ModelProto; None for an ``onnx_ir.Model``, which the rewrite may have changed."""
+        if isinstance(self.given, ir.Model):
+            return None
+        return os.fspath(self.given) if self.is_file else self.given
+
+
+@dataclasses.dataclass
+class Result:
+    model: ir.Model  # rewritten; the original, unchanged but for the record, when nothing was
+    record: RewriteRecord
+    settings: Settings
+    source: Source
+    selection: Selection | None = None  # with layers="auto": what each site cost
+    inputs: CheckInputs | None = None  # what the fidelity check compares on (None: no check)
+    original: Any = None  # the original as the fidelity check runs it
+    note: str | None = None  # the run gate's, when it had to adapt (longer inputs than asked for)
+    report: CheckReport | None = None  # the fidelity check's
+
+    @property
+    def given_inputs(self) -> dict | None:
+        """The user's own arrays (not generated, not held out of the calibration data)."""
+        return self.inputs.feeds if self.settings.inputs is not None else None
+
+
+def rewrite(source: Source, settings: Settings) -> Result:
+    """Stage 1: the model rewritten in memory, with its record; nothing proved yet."""
+    if settings.layers == "auto" and settings.min_cosine is None:
+        raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
+    model = source.load()
+    inputs = original = None
+    if settings.compares:
+        # from the original's signature, before the rewrite changes the model in place
+        inputs = check_mod.prepare_inputs(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
+        original = source.original()
+    given = inputs.feeds if settings.inputs is not None else None
+    fitting = _calibration(settings, model.graph)
+    options = {
+        **settings.options,
+        "include_single_query": settings.include_single_query,
+        "seq": probe_seq(settings.seq, model.graph, given),
+    }
+    selection = None
+    if settings.layers == "auto":
+        if fitting is not None and settings.inputs is None:
+            fitting, inputs = hold_out_for_selection(fitting, model.graph)
+        model, record, selection = select_onnx(
+            source.fresh,
+            settings.method,
+            options,
+            settings.min_cosine,
+            inputs,
+            settings.min_agreement,
+            calibration=fitting,
+        )
+    else:
+        model, record = rewrite_model(model, settings.method, layers=settings.layers, calibration=fitting, **options)
+    return Result(model, record, settings, source, selection, inputs, original)
+
+
+def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | None:
+    """The length the mask probe starts from: ``seq``, or that of the user's inputs, else its own."""
+    return seq or (sequence_length(graph, given) if given is not None else None)
+
+
+def _calibration(settings: Settings, graph: ir.Graph) -> calibration.Calibration | None:
+    """The data to fit on, checked and loaded before any rewriting (None without it)."""
+    if settings.calibrate is None:
+        return None
+    method = passes.get_pass(settings.method)
+    calibration.require_fittable(method, passes.make_options(method, **settings.options), settings.calibrate_ce_weight)
+    return calibration.onnx_calibration(
+        settings.calibrate,
+        graph,
+        tokenizer=settings.tokenizer,
+        max_length=settings.max_length,
+        **settings.calibration_settings(),
+    )
+
+
+def validate(result: Result, path: str | os.PathLike) -> None:
+    """Stage 2: the validation gates on the rewritten model saved at ``path``: RewriteFailed
+    naming the gate, or InputFails when the original fails too. ``result.note`` says what the
+    run gate had to adapt to."""
+    gate = validate_saved(
+        path,
+        result.model.graph,
+        seq=result.settings.seq or DEFAULT_GATE_SEQ,
+        original=result.source.runnable(),
+        feeds=result.given_inputs,
+    )
+    result.note = gate.note
+
+
+def compare(result: Result, path: str | os.PathLike) -> CheckReport | None:
+    """Stage 2: the fidelity check of the rewritten model saved at ``path`` against the
+    original, when the settings ask for one (``result.report``)."""
+    if result.inputs is not None:
+        result.report = check_mod.check(result.original, path, result.inputs)
+    return result.report
+
+
+def gate(result: Result) -> None:
+    """Stage 3: FidelityBelowThreshold when the check's report falls below a threshold."""
+    if result.report is not None:
+        result.report.gate(result.settings.min_cosine, result.settings.min_agreement)
+
+
+def run(model, settings: Settings) -> Result:
+    """Every stage, on the model as given (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``,
+    rewritten in place), the gates on a temporary copy. A note of the run gate joins the record
+    in the model. Nothing rewritten: the result says so, nothing is proved."""
+    result = rewrite(Source(model), settings)
+    if not result.record.rewritten or not (settings.validate or result.inputs is not None):
+        return result
+    with onnx_io.saved_copy(result.model) as path:
+        if settings.validate:
+            validate(result, path)
+        compare(result, path)
+    gate(result)
+    if result.note:
+        _add_note(result.model, result.record, result.note)
+    return result
+
+
+def _add_note(model: ir.Model, record: RewriteRecord, note: str) -> None:
+    """A note joins the record, the one in the model too (which may keep an earlier run's)."""
+    record.notes.append(note)
+    stored = json.loads(model.metadata_props[METADATA_KEY])
+    stored["notes"] = [*stored.get("notes", []), note]
+    model.metadata_props[METADATA_KEY] = json.dumps(stored, sort_keys=True)
