@@ -13,8 +13,8 @@ from models import SAMPLE_BERT, exact_attention, run_pass_module, text_args, tex
 from models import relative_error as rel_err
 
 import attnrewrite
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes import OptionError, get_pass, linformer, make_options
+from attnrewrite.site import AttentionSite, MaskKind
 
 SCALE = 0.3
 D, DV = 8, 6
@@ -81,9 +81,7 @@ def test_identity_projection_with_k_equal_n_is_softmax_attention():
     options = linformer.Options(proj_dim=n, projection="identity", max_len=n, exact_if_short=False)
     q, k, v, keep = inputs(n)
     expected = exact_attention(q, k, v, keep, SCALE)
-    assert (
-        rel_err(run_pass_module(linformer.torch_module(site(), options), q, k, v, keep), expected) < 1e-6
-    )
+    assert rel_err(run_pass_module(linformer.torch_module(site(), options), q, k, v, keep), expected) < 1e-6
     session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4)
     assert rel_err(session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0], expected) < 1e-6
 
@@ -208,9 +206,7 @@ def test_pool_runs_for_any_length():
 
 def test_fp16_inputs_compute_in_fp32_and_return_fp16():
     options = linformer.Options(proj_dim=8, projection="gaussian", max_len=64)
-    session = lowering_session(
-        linformer.onnx_lowering(site(), options, 20), 4, dtype=onnx.TensorProto.FLOAT16
-    )
+    session = lowering_session(linformer.onnx_lowering(site(), options, 20), 4, dtype=onnx.TensorProto.FLOAT16)
     q, k, v, keep = inputs(30)
     out = session.run(
         None,
@@ -230,9 +226,7 @@ def test_causal_and_bias_sites_are_refused_with_a_reason():
 
 
 def test_learned_projections_are_parameters_that_train():
-    module = linformer.torch_module(
-        site(), linformer.Options(proj_dim=4, projection="learned", max_len=32)
-    )
+    module = linformer.torch_module(site(), linformer.Options(proj_dim=4, projection="learned", max_len=32))
     assert {name for name, _ in module.named_parameters()} == {"E", "F"}
     q, k, v, keep = (torch.from_numpy(x) for x in inputs(20))
     module(q, k, v, keep).square().sum().backward()
@@ -250,9 +244,7 @@ def test_gaussian_projection_is_seeded_with_jl_scale():
     e3, _ = linformer.projection_matrices(linformer.Options(proj_dim=64, max_len=512, seed=4))
     assert np.array_equal(e, e2) and not np.array_equal(e, e3) and not np.array_equal(e, f)
     assert abs(e.std() - 1 / 8) < 0.005 and abs(e.mean()) < 0.005
-    shared_e, shared_f = linformer.projection_matrices(
-        linformer.Options(proj_dim=64, max_len=512, share_kv=True)
-    )
+    shared_e, shared_f = linformer.projection_matrices(linformer.Options(proj_dim=64, max_len=512, share_kv=True))
     assert shared_e is shared_f
 
 
@@ -262,12 +254,8 @@ def test_lowering_stores_the_drawn_matrices_and_shares_bodies_across_scales():
     b = linformer.onnx_lowering(AttentionSite("layer1", scale=0.9, mask=MaskKind.KEY_PADDING, rank=4), options, 20)
     assert np.array_equal(a.constants["E"], linformer.projection_matrices(options)[0])
     assert a.constants["scale"] == np.float32(SCALE) and b.constants["scale"] == np.float32(0.9)
-    assert [f.SerializeToString() for f in a.functions] == [
-        f.SerializeToString() for f in b.functions
-    ]
-    shared = linformer.onnx_lowering(
-        site(), linformer.Options(proj_dim=4, max_len=16, share_kv=True), 20
-    )
+    assert [f.SerializeToString() for f in a.functions] == [f.SerializeToString() for f in b.functions]
+    shared = linformer.onnx_lowering(site(), linformer.Options(proj_dim=4, max_len=16, share_kv=True), 20)
     assert "F" not in shared.constants and shared.op_type == "LinformerSharedKV"
 
 
@@ -277,11 +265,12 @@ def test_registered_and_options_parse_from_strings():
     assert (options.proj_dim, options.projection, options.share_kv) == (32, "pool", True)
     with pytest.raises(OptionError, match="projection"):  # a user error, not a crash
         make_options(linformer, projection="random")
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(OptionError, match=r"^linformer option max_len must be >= proj_dim \(64\), got 32$"):
         linformer.Options(proj_dim=64, max_len=32)
 
 
 # --- whole models, through the ONNX frontend -------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "options, op_type",
@@ -294,9 +283,7 @@ def test_exported_bert_rewrites_and_runs(options, op_type):
     original = onnx.load(SAMPLE_BERT)
     model = attnrewrite.rewrite(original, to="linformer", **options)
     sites = read_record(model)["sites"]
-    assert len(sites) == 2 and all(
-        s["status"] == "rewritten" and s["replacement"] == op_type for s in sites
-    )
+    assert len(sites) == 2 and all(s["status"] == "rewritten" and s["replacement"] == op_type for s in sites)
     before = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
     after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     for n in (5, 16, 40):
@@ -316,9 +303,7 @@ def test_exported_gpt2_causal_sites_are_skipped_with_the_reason(exports):
     assert len(sites) == 2
     for s in sites:
         assert s["mask"].startswith("causal") and s["status"] == "skipped"
-        assert s["reason"] == linformer.supports(
-            AttentionSite("x", mask=MaskKind(s["mask"])), linformer.Options()
-        )
+        assert s["reason"] == linformer.supports(AttentionSite("x", mask=MaskKind(s["mask"])), linformer.Options())
     assert not any(node.domain == "attnrewrite" for node in model.graph.node)
 
 

@@ -15,8 +15,8 @@ import torch
 from attention_graphs import lowering_session
 from models import exact_attention, relative_error, run_pass_module
 
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes import OptionError, favor, get_pass, hedgehog, kernels, linear, make_options
+from attnrewrite.site import AttentionSite, MaskKind
 
 WINDOWED = (linear, favor, hedgehog)
 B, H, D, DV = 2, 3, 8, 5
@@ -53,7 +53,9 @@ def exact(q, k, v, keep, causal: bool) -> np.ndarray:
 def fitted_module(method, site, options, seed: int = 0):
     """The method's module with every fittable value moved off its initial value (as fitting
     would): linear_log_weight per head, and for hedgehog W and b."""
-    module = method.torch_module(site, options, learnable=True) if method is hedgehog else method.torch_module(site, options)
+    module = (
+        method.torch_module(site, options, learnable=True) if method is hedgehog else method.torch_module(site, options)
+    )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in module.parameters():
@@ -65,7 +67,18 @@ def fitted_module(method, site, options, seed: int = 0):
 
 
 def windowed_by_definition(
-    phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale=None, key_log_scale=None,
+    phi_q,
+    phi_k,
+    q,
+    k,
+    v,
+    keep,
+    window,
+    causal,
+    exact_keys,
+    log_weight,
+    query_log_scale=None,
+    key_log_scale=None,
     local_max_weight=None,
 ):
     """kernels.windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
@@ -74,9 +87,21 @@ def windowed_by_definition(
     as64 = lambda x: None if x is None else torch.as_tensor(x).double()  # noqa: E731
     window_next, sinks = exact_keys
     weights = kernels.windowed_attention_weights(
-        as64(phi_q), as64(phi_k), as64(q), as64(k), scale=SCALE, window=window, causal=causal,
-        window_next=window_next, sinks=sinks, key_keep=as64(keep), linear_log_weight=as64(log_weight), query_log_scale=as64(query_log_scale),
-        key_log_scale=as64(key_log_scale), local_max_weight=as64(local_max_weight), eps=0.0,
+        as64(phi_q),
+        as64(phi_k),
+        as64(q),
+        as64(k),
+        scale=SCALE,
+        window=window,
+        causal=causal,
+        window_next=window_next,
+        sinks=sinks,
+        key_keep=as64(keep),
+        linear_log_weight=as64(log_weight),
+        query_log_scale=as64(query_log_scale),
+        key_log_scale=as64(key_log_scale),
+        local_max_weight=as64(local_max_weight),
+        eps=0.0,
     )
     return torch.nan_to_num(weights @ as64(v)).numpy()  # a row without any key: 0, as the kernels give
 
@@ -125,8 +150,16 @@ def test_kernel_equals_its_definition(causal, window, exact_keys):
     log_weight = torch.randn(H, 1, 1, generator=torch.Generator().manual_seed(1))
     window_next, sinks = exact_keys
     out = kernels.windowed_kernel_attention(
-        phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-        window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
+        phi_q,
+        phi_k,
+        *map(torch.from_numpy, (q, k, v)),
+        scale=SCALE,
+        window=window,
+        causal=causal,
+        window_next=window_next,
+        sinks=sinks,
+        key_keep=torch.from_numpy(keep),
+        linear_log_weight=log_weight,
     )
     expected = windowed_by_definition(phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight)
     assert relative_error(out.numpy(), expected) < 1e-5
@@ -147,7 +180,9 @@ def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys
     phi_k = phi_k * torch.from_numpy(keep)
     query_log_scale = torch.randn(B, H, 50, 1, generator=generator) * 3
     if causal:
-        key_log_scale = torch.where(torch.from_numpy(keep) > 0, torch.randn(B, H, 50, 1, generator=generator) * 30, LOWEST)
+        key_log_scale = torch.where(
+            torch.from_numpy(keep) > 0, torch.randn(B, H, 50, 1, generator=generator) * 30, LOWEST
+        )
         per_key = key_log_scale
     else:
         key_log_scale = torch.randn(B, H, 1, 1, generator=generator) * 3
@@ -156,9 +191,20 @@ def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys
     max_weight = torch.rand(H, 1, 1, generator=generator) if max_weighted else None
     window_next, sinks = exact_keys
     out = kernels.windowed_kernel_attention(
-        phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-        window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), linear_log_weight=log_weight,
-        query_log_scale=query_log_scale, key_log_scale=key_log_scale, local_max_weight=max_weight, eps=favor.EPS,
+        phi_q,
+        phi_k,
+        *map(torch.from_numpy, (q, k, v)),
+        scale=SCALE,
+        window=window,
+        causal=causal,
+        window_next=window_next,
+        sinks=sinks,
+        key_keep=torch.from_numpy(keep),
+        linear_log_weight=log_weight,
+        query_log_scale=query_log_scale,
+        key_log_scale=key_log_scale,
+        local_max_weight=max_weight,
+        eps=favor.EPS,
     )
     expected = windowed_by_definition(
         phi_q, phi_k, q, k, v, keep, window, causal, exact_keys, log_weight, query_log_scale, per_key, max_weight
@@ -184,8 +230,17 @@ def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal, exac
     window_next, sinks = exact_keys
     for window in (4, 9):
         out = kernels.windowed_kernel_attention(
-            phi_q, phi_k, *map(torch.from_numpy, (q, k, v)), scale=SCALE, window=window, causal=causal,
-            window_next=window_next, sinks=sinks, key_keep=torch.from_numpy(keep), query_log_scale=query_log_scale, key_log_scale=key_log_scale,
+            phi_q,
+            phi_k,
+            *map(torch.from_numpy, (q, k, v)),
+            scale=SCALE,
+            window=window,
+            causal=causal,
+            window_next=window_next,
+            sinks=sinks,
+            key_keep=torch.from_numpy(keep),
+            query_log_scale=query_log_scale,
+            key_log_scale=key_log_scale,
             eps=favor.EPS,
         )
         assert relative_error(out.numpy(), exact(q, k, v, keep, causal)) < 1e-5, window
@@ -275,7 +330,9 @@ def test_fewer_positions_than_sinks(method, mask):
     site = make_site(mask)
     options = method.Options(window=4, sinks=3)
     module = fitted_module(method, site, options)
-    session = lowering_session(method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4)
+    session = lowering_session(
+        method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4
+    )
     for n in (1, 2):
         q, k, v = qkv(n, seed=n)
         keep = np.ones((B, 1, n, 1), np.float32)
@@ -331,7 +388,9 @@ def test_rows_without_exact_keys_are_finite(method, mask, exact_keys):
     keep = np.ones((B, 1, 40, 1), np.float32)
     keep[1, :, :20] = 0.0
     out = run_pass_module(module, q, k, v, keep)
-    session = lowering_session(method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4)
+    session = lowering_session(
+        method.onnx_lowering(site, options, 20, {n: p.numpy() for n, p in module.state_dict().items()}), 4
+    )
     onnx_out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     assert np.isfinite(out).all() and np.isfinite(onnx_out).all()
     assert relative_error(onnx_out, out) < 1e-5
@@ -374,9 +433,9 @@ def test_methods_without_per_key_kernel_weights_refuse_a_window(method):
 
 @pytest.mark.parametrize("method", ["linear", "favor", "hedgehog"])
 def test_negative_window_or_sinks_is_an_option_error(method):
-    with pytest.raises(OptionError, match=rf"^method '{method}': {method} window must be >= 0 \(0: off\), got -1$"):
+    with pytest.raises(OptionError, match=rf"^{method} option window must be >= 0, got -1$"):
         make_options(get_pass(method), window="-1")
-    with pytest.raises(OptionError, match=rf"^method '{method}': {method} sinks must be >= 0 \(0: none\), got -1$"):
+    with pytest.raises(OptionError, match=rf"^{method} option sinks must be >= 0, got -1$"):
         make_options(get_pass(method), window="8", sinks="-1")
 
 

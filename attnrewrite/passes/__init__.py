@@ -1,9 +1,11 @@
 """One module per linearization. Each module provides:
 
 - ``NAME``: the method's name on the command line (``--to NAME``);
-- ``Options``: a dataclass of the method's settings (every method takes ``seed``), each field
-  declared with ``passes._options.option(default, help, ...)`` so ``--list-options`` can say
-  what it means;
+- ``Options``: a dataclass of the method's settings (every method takes ``seed``),
+  ``class Options(MethodOptions, method=NAME)``, each field declared with
+  ``passes._options.option(default, help, choices=..., valid=...)`` (``valid``: a range such as
+  ``AtLeast(1)``), so ``--list-options`` can say what it accepts and building one refuses
+  anything else with an ``OptionError``;
 - ``supports(site, options) -> None | reason``: why a site cannot be replaced, if it cannot;
 - ``torch_module(site, options, learnable=False)``: an nn.Module ``forward(q, k, v,
   key_keep=None)``, the FX lowering and the numeric reference (``key_keep``: 1.0 for keys to
@@ -47,15 +49,12 @@ import types
 import typing
 
 from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh
+from attnrewrite.passes._options import OptionError
 
 _METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 # Methods with the ``window`` option (kernels.windowed_kernel_attention); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
-
-
-class OptionError(ValueError):
-    pass
 
 
 def get_pass(name: str) -> types.ModuleType:
@@ -79,13 +78,14 @@ def attention_weights_unavailable(method: types.ModuleType, options) -> str | No
 
 
 def make_options(method: types.ModuleType, **values):
-    """Build ``method.Options`` from keyword values, converting strings (from the CLI)."""
+    """Build ``method.Options`` from keyword values, converting strings (from the CLI); the
+    Options check what they got against their declarations (passes._options.MethodOptions)."""
     fields = {f.name: f for f in dataclasses.fields(method.Options)}
     hints = typing.get_type_hints(method.Options)
     converted = {}
     for key, value in values.items():
         if key == "window" and "window" not in fields and hasattr(method, "NO_WINDOW"):
-            if _convert(key, value, int) != 0:  # 0 is "off", which such a method always is
+            if _convert(value, int) != 0:  # 0 is "off", which such a method always is
                 raise OptionError(
                     f"method {method.NAME!r} cannot take window={value}: {method.NO_WINDOW} "
                     f"(window is for {', '.join(WINDOWED)})"
@@ -94,24 +94,28 @@ def make_options(method: types.ModuleType, **values):
         if key not in fields:
             known = ", ".join(fields) or "none"
             raise OptionError(f"method {method.NAME!r} has no option {key!r} (options: {known})")
-        converted[key] = _convert(key, value, hints[key])
-    try:
-        return method.Options(**converted)
-    except ValueError as error:  # the Options' own checks (choices, ranges): a user error too
-        raise OptionError(f"method {method.NAME!r}: {error}") from None
+        converted[key] = _convert(value, hints[key])
+    return method.Options(**converted)
 
 
-def _convert(key: str, value, hint):
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _convert(value, hint):
+    """A command line string as the hint's type; a string that is none of it stays a string,
+    for the Options to refuse with what the option accepts."""
     if not isinstance(value, str):
         return value
-    target = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-    try:
-        if target is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        if target in (int, float):
+    args = typing.get_args(hint)
+    if type(None) in args and value.lower() == "none":
+        return None
+    target = next((t for t in args if t is not type(None)), hint)
+    if target is bool:
+        word = value.lower()
+        return word in _TRUE if word in _TRUE + _FALSE else value
+    if target in (int, float):
+        try:
             return target(value)
-    except ValueError:
-        raise OptionError(f"option {key}={value!r} is not a valid {target.__name__}") from None
+        except ValueError:
+            return value
     return value
