@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import onnx
+from onnxscript import OnnxFunction
 from onnxscript.values import Opset
 
 DOMAIN = "attnrewrite"
@@ -32,6 +33,18 @@ def make_function(name: str, inputs: list[str], outputs: list[str], nodes, opset
     return onnx.helper.make_function(DOMAIN, name, inputs, outputs, nodes, opsets)
 
 
+def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
+    """``functions`` and every function they call, directly or not, each once and after all it
+    calls: the order OnnxLowering.functions takes (an entry calling all the others comes last).
+    Read from the bodies, so a lowering lists exactly the functions its entry reaches."""
+    found: dict[str, OnnxFunction] = {}
+    for function in functions:
+        found.update(function.function_ir.get_called_functions())
+        found[function.name] = function
+    # A function reaches more functions than any function it calls: callees sort first.
+    return sorted(found.values(), key=lambda function: len(function.function_ir.get_called_functions()))
+
+
 @dataclasses.dataclass
 class OnnxLowering:
     """One replacement node: call `function` with (q, k, v[, key_keep], *constants).
@@ -48,7 +61,7 @@ class OnnxLowering:
     def op_type(self) -> str:
         return self.functions[-1].name
 
-    def with_weights(self, weights: dict[str, np.ndarray] | None) -> "OnnxLowering":
+    def with_weights(self, weights: dict[str, np.ndarray] | None) -> OnnxLowering:
         """The constants that ``weights`` (a fitted module's state) names, replaced by its
         values: the module's state_dict names are the constants' names."""
         for name, value in (weights or {}).items():

@@ -12,6 +12,4 @@ except ImportError:  # pragma: no cover - exercised only in torch-less installs
 
     class Module:  # type: ignore[no-redef]
         def __init__(self, *args, **kwargs):
-            raise ImportError(
-                "the torch lowering needs PyTorch: pip install 'attnrewrite[torch]'"
-            )
+            raise ImportError("the torch lowering needs PyTorch: pip install 'attnrewrite[torch]'")

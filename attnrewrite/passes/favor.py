@@ -50,11 +50,11 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import option
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
+from attnrewrite.passes._options import AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
+from attnrewrite.site import AttentionSite
 
 NAME = "favor"
 WINDOWED_WEIGHTS = "favor with a window gives no attention weights"
@@ -65,31 +65,20 @@ LOWEST = kernels.LOWEST_LOG_SCALE
 
 
 @dataclasses.dataclass
-class Options:
-    features: int | None = option(None, "m random features; None: round(d ln d) for head_dim d", valid=">= 1")
-    seed: int = option(0, "numpy default_rng seed W is drawn from")
+class Options(MethodOptions, method=NAME):
+    features: int | None = option(None, "m random features; None: round(d ln d) for head_dim d", valid=AtLeast(1))
+    seed: int = option(0, "numpy default_rng seed W is drawn from", valid=AtLeast(0))
     variant: str = option(
         "positive", '"positive": exp(w.x); "hyperbolic": exp(+w.x), exp(-w.x) halves', choices=VARIANTS
     )
     orthogonal: bool = option(True, "rows orthogonal in blocks of d; False: independent rows")
     norms: str = option("chi", 'row lengths: "chi" (as a Gaussian\'s) or "fixed" at sqrt(d)', choices=NORMS)
-    chunk: int = option(64, "causal prefix-sum block length", valid=">= 1")
+    chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
     window: int = option(
-        0, "exact softmax over blocks of this many positions, FAVOR+ beyond (0: off)", valid=">= 0"
+        0, "exact softmax over blocks of this many positions, FAVOR+ beyond (0: off)", valid=AtLeast(0)
     )
     window_next: bool = kernels.window_next_option()
     sinks: int = kernels.sinks_option()
-
-    def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise ValueError(f"favor variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.norms not in NORMS:
-            raise ValueError(f"favor norms must be one of {NORMS}, got {self.norms!r}")
-        if self.features is not None and self.features < 1:
-            raise ValueError(f"favor features must be >= 1, got {self.features}")
-        if self.chunk < 1:
-            raise ValueError(f"favor chunk must be >= 1, got {self.chunk}")
-        kernels.check_window_options(NAME, self.window, self.sinks)
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -114,9 +103,7 @@ def default_features(head_dim: int) -> int:
     return max(1, round(head_dim * math.log(head_dim)))
 
 
-def draw_projection(
-    head_dim: int, features: int, seed: int, orthogonal: bool = True, norms: str = "chi"
-) -> np.ndarray:
+def draw_projection(head_dim: int, features: int, seed: int, orthogonal: bool = True, norms: str = "chi") -> np.ndarray:
     """W [features, head_dim] float32; the same arguments give the same bytes."""
     rng = np.random.default_rng(seed)
     if orthogonal:
@@ -192,8 +179,17 @@ def causal_key_features(log_phi, key_keep, norm: float):
 
 class FavorAttention(Module):
     def __init__(
-        self, projection, scale: float, causal: bool, chunk: int, variant: str, window: int = 0,
-        window_next: bool = False, sinks: int = 0, linear_log_weight=None, learnable: bool = False,
+        self,
+        projection,
+        scale: float,
+        causal: bool,
+        chunk: int,
+        variant: str,
+        window: int = 0,
+        window_next: bool = False,
+        sinks: int = 0,
+        linear_log_weight=None,
+        learnable: bool = False,
     ):
         super().__init__()
         if learnable:  # calibration fits W, starting from the seeded draw
@@ -222,9 +218,7 @@ class FavorAttention(Module):
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
         if self.causal:
             phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
-            out = kernels.causal_rescaled_linear_attention(
-                phi_q, phi_k, log_scale, v.float(), self.chunk, EPS
-            )
+            out = kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v.float(), self.chunk, EPS)
         else:
             phi_k = key_features(log_k, keep, self.norm)
             out = kernels.linear_attention(phi_q, phi_k, v.float(), EPS)
@@ -237,9 +231,21 @@ class FavorAttention(Module):
         else:
             phi_k, key_log_scale = key_features(log_k, keep, self.norm), kept_head_max(log_k, keep)
         return kernels.windowed_kernel_attention(
-            phi_q, phi_k, q, k, v, scale=self.scale, window=self.window, causal=self.causal,
-            window_next=self.window_next, sinks=self.sinks, key_keep=keep, linear_log_weight=self.linear_log_weight,
-            query_log_scale=log_q.amax(dim=-1, keepdim=True), key_log_scale=key_log_scale, eps=EPS,
+            phi_q,
+            phi_k,
+            q,
+            k,
+            v,
+            scale=self.scale,
+            window=self.window,
+            causal=self.causal,
+            window_next=self.window_next,
+            sinks=self.sinks,
+            key_keep=keep,
+            linear_log_weight=self.linear_log_weight,
+            query_log_scale=log_q.amax(dim=-1, keepdim=True),
+            key_log_scale=key_log_scale,
+            eps=EPS,
         )
 
     def attention_weights(self, q, k, key_keep=None):
@@ -276,10 +282,17 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     projection = torch.from_numpy(projection_for(site, options))
     log_weight = kernels.initial_linear_log_weight(site) if options.window else None
     return FavorAttention(
-        projection, site.scale, site.mask.causal, options.chunk, options.variant, options.window,
-        options.window_next, options.sinks, log_weight, learnable,
+        projection,
+        site.scale,
+        site.mask.causal,
+        options.chunk,
+        options.variant,
+        options.window,
+        options.window_next,
+        options.sinks,
+        log_weight,
+        learnable,
     )
-
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -291,8 +304,32 @@ def onnx_lowering(
     """``weights``: a fitted module's state (projection, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
     projection = projection_for(site, options)
-    root_scale = math.sqrt(site.scale)
     norm = 1 / math.sqrt(feature_count(projection, options.variant))
+    project, log_features = _log_features_functions(op, options.variant)
+    query_features = _query_features_function(op, norm)
+    head_log_scale, key_features = _head_key_functions(op, norm, site.mask.key_padding)
+    causal_key_features = _causal_key_features_function(op, norm, site.mask.key_padding)
+    constants = {"projection": projection}
+    if options.window:
+        # (phi_k, key log scale): one per key when causal, one per head otherwise
+        keys = causal_key_features if site.mask.causal else _head_keys_function(op, key_features, head_log_scale)
+        entry = _windowed_favor_function(site, options, opset_version, log_features, query_features, keys)
+        constants["linear_log_weight"] = kernels.initial_linear_log_weight(site)
+    else:
+        features = _favor_features_function(op, math.sqrt(site.scale), project, log_features, query_features)
+        if site.mask.causal:
+            entry = _causal_favor_function(opset_version, options.chunk, features, causal_key_features)
+        else:
+            entry = _favor_function(opset_version, features, key_features)
+    functions = [fn.to_function_proto() for fn in with_callees(entry)]
+    if options.window and site.mask.causal:
+        functions[-1].name = "CausalWindowedFavor"
+    return OnnxLowering(functions, constants).with_weights(weights)
+
+
+def _log_features_functions(op, variant: str):
+    """(project, LogFeatures): w.x per feature (PositiveProjection, or HyperbolicProjection's
+    +w.x and -w.x halves), and as log_features, log phi(x) + log sqrt(m) = w.x - |x|^2/2."""
 
     @script(ATTNREWRITE, default_opset=op)
     def PositiveProjection(x, projection):
@@ -303,7 +340,7 @@ def onnx_lowering(
         wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
         return op.Concat(wx, op.Neg(wx), axis=-1)
 
-    project = HyperbolicProjection if options.variant == "hyperbolic" else PositiveProjection
+    project = HyperbolicProjection if variant == "hyperbolic" else PositiveProjection
 
     @script(ATTNREWRITE, default_opset=op)
     def LogFeatures(x, projection):
@@ -312,10 +349,24 @@ def onnx_lowering(
         square = op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
         return project(x, projection) - square * op.Constant(value_float=0.5)
 
+    return project, LogFeatures
+
+
+def _query_features_function(op, norm: float):
+    """FavorQueryFeatures(log_phi), as query_features: the queries' features over their row max."""
+
     @script(ATTNREWRITE, default_opset=op)
     def FavorQueryFeatures(log_phi):
         row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
         return op.Exp(log_phi - row_max) * op.Constant(value_float=norm)
+
+    return FavorQueryFeatures
+
+
+def _head_key_functions(op, norm: float, masked: bool):
+    """(FavorHeadLogScale, key features), as kept_head_max and key_features: the bidirectional
+    keys' stabiliser, the max over a head's kept keys and features, and the keys' features over
+    it: FavorKeyFeatures, or FavorAllKeyFeatures where every key is kept."""
 
     @script(ATTNREWRITE, default_opset=op)
     def HeadMax(x):
@@ -340,6 +391,13 @@ def onnx_lowering(
         # every key kept (keep all ones, not read): no select, no product, nothing to clamp
         return op.Exp(log_phi - HeadMax(log_phi)) * op.Constant(value_float=norm)
 
+    return FavorHeadLogScale, FavorKeyFeatures if masked else FavorAllKeyFeatures
+
+
+def _causal_key_features_function(op, norm: float, masked: bool):
+    """FavorCausalKeyFeatures, or FavorCausalAllKeyFeatures where every key is kept, as
+    causal_key_features: each key's features over its own max, and that max as its log scale."""
+
     @script(ATTNREWRITE, default_opset=op)
     def FavorCausalKeyFeatures(log_phi, keep):
         kept = op.Greater(keep, op.Constant(value_float=0.0))
@@ -353,9 +411,21 @@ def onnx_lowering(
         row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
         return op.Exp(log_phi - row_max) * op.Constant(value_float=norm), row_max
 
-    masked = site.mask.key_padding
-    key_features = FavorKeyFeatures if masked else FavorAllKeyFeatures
-    causal_key_features = FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
+    return FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
+
+
+def _head_keys_function(op, key_features, head_log_scale):
+    """FavorHeadKeys(log_phi, keep): the bidirectional keys' features and their head's log scale."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorHeadKeys(log_phi, keep):
+        return key_features(log_phi, keep), head_log_scale(log_phi, keep)
+
+    return FavorHeadKeys
+
+
+def _favor_features_function(op, root_scale: float, project, log_features, query_features):
+    """FavorFeatures(q, k, projection): the queries' features and the keys' log features."""
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorFeatures(q, k, projection):
@@ -364,74 +434,85 @@ def onnx_lowering(
         w = op.Cast(projection, to=FLOAT)
         root = op.Constant(value_float=root_scale)
         log_q = project(op.Cast(q, to=FLOAT) * root, w)
-        log_k = LogFeatures(op.Cast(k, to=FLOAT) * root, w)
-        return FavorQueryFeatures(log_q), log_k
+        log_k = log_features(op.Cast(k, to=FLOAT) * root, w)
+        return query_features(log_q), log_k
 
+    return FavorFeatures
+
+
+def _favor_function(opset_version: int, favor_features, key_features):
+    """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernels.linear_attention)."""
+    op = standard_opset(opset_version)
     flatten = kernels.flatten_heads_function(opset_version)
+    kernel = kernels.linear_attention_functions(opset_version, EPS)[-1]
 
-    if options.window:
-        *kernel_helpers, kernel = kernels.windowed_kernel_attention_functions(
-            opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
-            sinks=options.sinks, rescaled=True, eps=EPS,
+    @script(ATTNREWRITE, default_opset=op)
+    def Favor(q, k, v, key_keep, projection):
+        phi_q, log_k = favor_features(q, k, projection)
+        phi_k = key_features(log_k, op.Cast(key_keep, to=FLOAT))
+        out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
+        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+        return op.CastLike(op.Reshape(out, out_shape), v)
+
+    return Favor
+
+
+def _causal_favor_function(opset_version: int, chunk: int, favor_features, causal_key_features):
+    """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
+    (kernels.causal_rescaled_linear_attention)."""
+    op = standard_opset(opset_version)
+    flatten = kernels.flatten_heads_function(opset_version)
+    kernel = kernels.causal_rescaled_linear_attention_functions(opset_version, chunk, EPS)[-1]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalFavor(q, k, v, key_keep, projection):
+        phi_q, log_k = favor_features(q, k, projection)
+        phi_k, log_scale = causal_key_features(log_k, op.Cast(key_keep, to=FLOAT))
+        out = kernel(flatten(phi_q), flatten(phi_k), flatten(log_scale), flatten(v))
+        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+        return op.CastLike(op.Reshape(out, out_shape), v)
+
+    return CausalFavor
+
+
+def _windowed_favor_function(
+    site: AttentionSite, options: Options, opset_version: int, log_features, query_features, keys
+):
+    """WindowedFavor(q, k, v, key_keep, projection, linear_log_weight): the window hybrid with
+    the stabilisers' log scales (the module docstring says why); ``keys`` gives (phi_k, key log
+    scale)."""
+    op = standard_opset(opset_version)
+    root_scale = math.sqrt(site.scale)
+    kernel = kernels.windowed_kernel_attention_functions(
+        opset_version,
+        options.window,
+        site.scale,
+        site.mask.causal,
+        window_next=options.window_next,
+        sinks=options.sinks,
+        rescaled=True,
+        eps=EPS,
+    )[-1]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
+        w = op.Cast(projection, to=FLOAT)
+        root = op.Constant(value_float=root_scale)
+        log_q = log_features(op.Cast(q, to=FLOAT) * root, w)
+        log_k = log_features(op.Cast(k, to=FLOAT) * root, w)
+        query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
+        phi_k, key_log_scale = keys(log_k, op.Cast(key_keep, to=FLOAT))
+        out = kernel(
+            query_features(log_q),
+            phi_k,
+            query_log_scale,
+            key_log_scale,
+            q,
+            k,
+            v,
+            key_keep,
+            linear_log_weight,
         )
+        return op.CastLike(out, v)
 
-        @script(ATTNREWRITE, default_opset=op)
-        def FavorHeadKeys(log_phi, keep):
-            return key_features(log_phi, keep), FavorHeadLogScale(log_phi, keep)
-
-        # (phi_k, key log scale): one per key when causal, one per head otherwise
-        keys_fn = causal_key_features if site.mask.causal else FavorHeadKeys
-
-        @script(ATTNREWRITE, default_opset=op)
-        def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
-            w = op.Cast(projection, to=FLOAT)
-            root = op.Constant(value_float=root_scale)
-            log_q = LogFeatures(op.Cast(q, to=FLOAT) * root, w)
-            log_k = LogFeatures(op.Cast(k, to=FLOAT) * root, w)
-            query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-            phi_k, key_log_scale = keys_fn(log_k, op.Cast(key_keep, to=FLOAT))
-            out = kernel(
-                FavorQueryFeatures(log_q), phi_k, query_log_scale, key_log_scale, q, k, v, key_keep,
-                linear_log_weight,
-            )
-            return op.CastLike(out, v)
-
-        entry = WindowedFavor.to_function_proto()
-        entry.name = "CausalWindowedFavor" if site.mask.causal else "WindowedFavor"
-        head_keys = [HeadMax, FavorHeadLogScale, key_features]
-        callees = [project, LogFeatures, FavorQueryFeatures, *([keys_fn] if site.mask.causal else [*head_keys, keys_fn])]
-        functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel]]
-        constants = {"projection": projection, "linear_log_weight": kernels.initial_linear_log_weight(site)}
-        return OnnxLowering([*functions, entry], constants).with_weights(weights)
-
-    if site.mask.causal:
-        *kernel_helpers, kernel = kernels.causal_rescaled_linear_attention_functions(
-            opset_version, options.chunk, EPS
-        )
-
-        @script(ATTNREWRITE, default_opset=op)
-        def CausalFavor(q, k, v, key_keep, projection):
-            phi_q, log_k = FavorFeatures(q, k, projection)
-            phi_k, log_scale = causal_key_features(log_k, op.Cast(key_keep, to=FLOAT))
-            out = kernel(flatten(phi_q), flatten(phi_k), flatten(log_scale), flatten(v))
-            out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-            return op.CastLike(op.Reshape(out, out_shape), v)
-
-        key_fns, entry = [causal_key_features], CausalFavor
-    else:
-        *kernel_helpers, kernel = kernels.linear_attention_functions(opset_version, EPS)
-
-        @script(ATTNREWRITE, default_opset=op)
-        def Favor(q, k, v, key_keep, projection):
-            phi_q, log_k = FavorFeatures(q, k, projection)
-            phi_k = key_features(log_k, op.Cast(key_keep, to=FLOAT))
-            out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
-            out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-            return op.CastLike(op.Reshape(out, out_shape), v)
-
-        key_fns = [HeadMax, FavorHeadLogScale, key_features] if masked else [HeadMax, key_features]
-        entry = Favor
-
-    callees = [project, LogFeatures, FavorQueryFeatures, FavorFeatures, *key_fns, flatten]
-    functions = [fn.to_function_proto() for fn in [*callees, *kernel_helpers, kernel, entry]]
-    return OnnxLowering(functions, constants={"projection": projection}).with_weights(weights)
+    return WindowedFavor

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -189,8 +189,16 @@ def fit_site(
     loss_after = _mean_loss(module, samples, targets, measured, device)[0]
     loss_after, rejected = _kept_if_lower(params, start, loss_before, loss_after)
     return FitResult(
-        loss_before, loss_after, steps, lr, samples.examples, query_rows, time.perf_counter() - started,
-        len(measured), len(samples), rejected,
+        loss_before,
+        loss_after,
+        steps,
+        lr,
+        samples.examples,
+        query_rows,
+        time.perf_counter() - started,
+        len(measured),
+        len(samples),
+        rejected,
     )
 
 
@@ -230,7 +238,9 @@ def zero_padded_queries(out, q, key_keep=None):
     return out * _query_weight(q, key_keep.float()).to(out.dtype)
 
 
-def fit_end_to_end(run, params, batches: list, targets: list, *, steps: int, lr: float = DEFAULT_END_TO_END_LR, seed: int = 0):
+def fit_end_to_end(
+    run, params, batches: list, targets: list, *, steps: int, lr: float = DEFAULT_END_TO_END_LR, seed: int = 0
+):
     """Fit ``params`` (every replacement's, together; in place, Adam, one batch per step) so that
     ``run(batch)``, the rewritten model's floating-point outputs, matches ``targets`` (per batch,
     the original model's). Loss: each output's squared error over its target's squared norm,
@@ -255,8 +265,14 @@ def fit_end_to_end(run, params, batches: list, targets: list, *, steps: int, lr:
         optimizer.step()
     loss_after, rejected = _kept_if_lower(params, start, loss_before, measured_loss())
     return EndToEndResult(
-        loss_before, loss_after, steps, sum(p.numel() for p in params), time.perf_counter() - started,
-        len(measured), len(batches), rejected,
+        loss_before,
+        loss_after,
+        steps,
+        sum(p.numel() for p in params),
+        time.perf_counter() - started,
+        len(measured),
+        len(batches),
+        rejected,
     )
 
 
@@ -284,7 +300,10 @@ def _kept_if_lower(params: list, start: list, loss_before: float, loss_after: fl
 
 
 def _relative_error(outputs: list, targets: list):
-    errors = [(o.float() - t.float()).square().sum() / t.float().square().sum().clamp_min(1e-30) for o, t in zip(outputs, targets)]
+    errors = [
+        (o.float() - t.float()).square().sum() / t.float().square().sum().clamp_min(1e-30)
+        for o, t in zip(outputs, targets)
+    ]
     return torch.stack(errors).mean()
 
 

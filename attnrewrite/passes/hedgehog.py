@@ -37,11 +37,11 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import option
 from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._options import AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
+from attnrewrite.site import AttentionSite
 
 NAME = "hedgehog"
 INITIAL_LOCAL_MAX_WEIGHT = 0.5  # beta_h before fitting (the module docstring says why)
@@ -53,19 +53,16 @@ WINDOW_VALUES = ("linear_log_weight", "query_log_scale", "key_log_scale", "local
 
 
 @dataclasses.dataclass
-class Options:
-    chunk: int = option(64, "causal prefix-sum block length", valid=">= 1")
+class Options(MethodOptions, method=NAME):
+    chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
     window: int = option(
-        0, "exact softmax over blocks of this many positions, Hedgehog beyond (0: off)", valid=">= 0"
+        0, "exact softmax over blocks of this many positions, Hedgehog beyond (0: off)", valid=AtLeast(0)
     )
     window_next: bool = kernels.window_next_option()
     sinks: int = kernels.sinks_option()
-    seed: int = option(0, "unused: the feature map starts at the identity; accepted for a uniform interface")
-
-    def __post_init__(self):
-        if self.chunk < 1:
-            raise ValueError(f"hedgehog chunk must be >= 1, got {self.chunk}")
-        kernels.check_window_options(NAME, self.window, self.sinks)
+    seed: int = option(
+        0, "unused: the feature map starts at the identity; accepted for a uniform interface", valid=AtLeast(0)
+    )
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -102,7 +99,14 @@ def initial_values(site: AttentionSite, options: Options) -> dict[str, np.ndarra
 
 class HedgehogAttention(Module):
     def __init__(
-        self, values: dict, scale: float, causal: bool, chunk: int, window: int, window_next: bool, sinks: int,
+        self,
+        values: dict,
+        scale: float,
+        causal: bool,
+        chunk: int,
+        window: int,
+        window_next: bool,
+        sinks: int,
         learnable: bool,
     ):
         super().__init__()
@@ -156,10 +160,17 @@ class HedgehogAttention(Module):
         phi_k = self.features(k)
         query_log_scale, key_log_scale = self.log_scales(q, k, keep)
         terms = dict(
-            scale=self.scale, window=self.window, causal=self.causal, window_next=self.window_next,
-            sinks=self.sinks, key_keep=keep, linear_log_weight=self.linear_log_weight,
-            local_max_weight=self.local_max_weight, query_log_scale=query_log_scale,
-            key_log_scale=key_log_scale, eps=kernels.RESCALED_EPS,
+            scale=self.scale,
+            window=self.window,
+            causal=self.causal,
+            window_next=self.window_next,
+            sinks=self.sinks,
+            key_keep=keep,
+            linear_log_weight=self.linear_log_weight,
+            local_max_weight=self.local_max_weight,
+            query_log_scale=query_log_scale,
+            key_log_scale=key_log_scale,
+            eps=kernels.RESCALED_EPS,
         )
         return self.features(q), phi_k if keep is None else phi_k * keep, terms
 
@@ -180,10 +191,15 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
     values = initial_values(site, options)
     return HedgehogAttention(
-        values, site.scale, site.mask.causal, options.chunk, options.window, options.window_next, options.sinks,
+        values,
+        site.scale,
+        site.mask.causal,
+        options.chunk,
+        options.window,
+        options.window_next,
+        options.sinks,
         learnable,
     )
-
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -205,8 +221,15 @@ def onnx_lowering(
 
     if options.window:
         *callees, kernel = kernels.windowed_kernel_attention_functions(
-            opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
-            sinks=options.sinks, rescaled=True, max_weighted=True, eps=kernels.RESCALED_EPS,
+            opset_version,
+            options.window,
+            site.scale,
+            site.mask.causal,
+            window_next=options.window_next,
+            sinks=options.sinks,
+            rescaled=True,
+            max_weighted=True,
+            eps=kernels.RESCALED_EPS,
         )
 
         @script(ATTNREWRITE, default_opset=op)
@@ -242,8 +265,16 @@ def onnx_lowering(
                 HedgehogFeatures(k, weight, bias) * keep, HedgehogKeyLogScale(k, key_log_scale, keep)
             )
             out = kernel(
-                HedgehogFeatures(q, weight, bias), phi_k, HedgehogLogScale(q, query_log_scale), far_key_log_scale,
-                q, k, v, key_keep, linear_log_weight, local_max_weight,
+                HedgehogFeatures(q, weight, bias),
+                phi_k,
+                HedgehogLogScale(q, query_log_scale),
+                far_key_log_scale,
+                q,
+                k,
+                v,
+                key_keep,
+                linear_log_weight,
+                local_max_weight,
             )
             return op.CastLike(out, v)
 

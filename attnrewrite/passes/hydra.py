@@ -19,11 +19,11 @@ import math
 
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import UNUSED_SEED, option
 from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._options import UNUSED_SEED, Above, AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module
+from attnrewrite.site import AttentionSite
 
 NAME = "hydra"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
@@ -34,9 +34,9 @@ NO_WINDOW = (
 
 
 @dataclasses.dataclass
-class Options:
-    eps: float = option(1e-6, "added to the L2 norms so that an all-zero vector normalizes to zero")
-    seed: int = option(0, UNUSED_SEED)
+class Options(MethodOptions, method=NAME):
+    eps: float = option(1e-6, "added to the L2 norms so that an all-zero vector normalizes to zero", valid=Above(0))
+    seed: int = option(0, UNUSED_SEED, valid=AtLeast(0))
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -81,7 +81,6 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     if learnable:
         kernels.add_query_key_maps(module, site)
     return module
-
 
 
 def onnx_lowering(

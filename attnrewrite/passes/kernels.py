@@ -15,13 +15,23 @@ as an N x N matrix, for fitting losses and tests.
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import onnx
 from onnx import helper
-from onnxscript import script
+from onnxscript import OnnxFunction, script
 
-from attnrewrite.passes._options import option
-from attnrewrite.passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
+from attnrewrite.passes._onnx import (
+    ATTNREWRITE,
+    DOMAIN,
+    FLOAT,
+    OnnxLowering,
+    make_function,
+    standard_opset,
+    with_callees,
+)
+from attnrewrite.passes._options import AtLeast, option
 from attnrewrite.passes._torch import torch
 
 DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead of 0/0)
@@ -60,9 +70,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk: int, eps: float = DENOMINATO
     return layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
 
 
-def causal_rescaled_linear_attention(
-    phi_q, phi_k, key_log_scale, v, chunk: int, eps: float = DENOMINATOR_EPS
-):
+def causal_rescaled_linear_attention(phi_q, phi_k, key_log_scale, v, chunk: int, eps: float = DENOMINATOR_EPS):
     """Causal kernel attention whose key j has features phi_k[j] * exp(key_log_scale[j]).
 
     exp(key_log_scale) may lie far outside the float range (FAVOR+ stabilizes each key by its own
@@ -93,22 +101,32 @@ def causal_rescaled_linear_attention(
     # starting max: exp(upto[c'] - before[c]) <= 1 for c' < c.
     k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
     kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
-    carry = torch.tril(
-        torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1
-    )
+    carry = torch.tril(torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1)
     state = (carry @ kv.flatten(2)).reshape(kv.shape)
     key_sum = carry @ k_rel.sum(dim=2)  # [G, chunks, F]
     into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)  # from before[c] to r[i], <= 1
     numerator = into * (q4 @ state) + scores @ v4
-    denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(
-        -1, keepdim=True
-    )
+    denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
     return layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
 
 
 def windowed_kernel_attention(
-    phi_q, phi_k, q, k, v, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
-    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None, local_max_weight=None,
+    phi_q,
+    phi_k,
+    q,
+    k,
+    v,
+    *,
+    scale: float,
+    window: int,
+    causal: bool,
+    window_next: bool,
+    sinks: int,
+    key_keep=None,
+    linear_log_weight=None,
+    query_log_scale=None,
+    key_log_scale=None,
+    local_max_weight=None,
     eps: float = DENOMINATOR_EPS,
 ):
     """Exact softmax over nearby keys and sink keys plus kernel attention over the rest, one
@@ -145,9 +163,7 @@ def windowed_kernel_attention(
     q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
     if linear_log_weight is not None:
         phi_q = phi_q * torch.exp(linear_log_weight.float())  # w_h scales the kernel part only
-    keep = (
-        torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
-    )
+    keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
     layout = _ChunkLayout(n, window)
     following = window_next and not causal
     local_num, local_den, local_max = _local_softmax_sums(
@@ -190,8 +206,17 @@ def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
         phi_k = phi_k * key_keep
     if module.window:
         return windowed_kernel_attention(
-            phi_q, phi_k, q, k, v, scale=module.scale, window=module.window, causal=module.causal,
-            window_next=module.window_next, sinks=module.sinks, key_keep=key_keep,
+            phi_q,
+            phi_k,
+            q,
+            k,
+            v,
+            scale=module.scale,
+            window=module.window,
+            causal=module.causal,
+            window_next=module.window_next,
+            sinks=module.sinks,
+            key_keep=key_keep,
             linear_log_weight=module.linear_log_weight,
         )
     if module.causal:
@@ -207,8 +232,16 @@ def feature_map_attention_weights(module, phi_q, phi_k, q, k, key_keep=None):
     if not module.window:
         return kernel_attention_weights(phi_q, phi_k, module.causal)
     return windowed_attention_weights(
-        phi_q, phi_k, q.float(), k.float(), scale=module.scale, window=module.window, causal=module.causal,
-        window_next=module.window_next, sinks=module.sinks, key_keep=key_keep,
+        phi_q,
+        phi_k,
+        q.float(),
+        k.float(),
+        scale=module.scale,
+        window=module.window,
+        causal=module.causal,
+        window_next=module.window_next,
+        sinks=module.sinks,
+        key_keep=key_keep,
         linear_log_weight=module.linear_log_weight,
     )
 
@@ -223,8 +256,21 @@ def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATO
 
 
 def windowed_attention_weights(
-    phi_q, phi_k, q, k, *, scale: float, window: int, causal: bool, window_next: bool, sinks: int,
-    key_keep=None, linear_log_weight=None, query_log_scale=None, key_log_scale=None, local_max_weight=None,
+    phi_q,
+    phi_k,
+    q,
+    k,
+    *,
+    scale: float,
+    window: int,
+    causal: bool,
+    window_next: bool,
+    sinks: int,
+    key_keep=None,
+    linear_log_weight=None,
+    query_log_scale=None,
+    key_log_scale=None,
+    local_max_weight=None,
     eps: float = DENOMINATOR_EPS,
 ):
     """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
@@ -459,18 +505,9 @@ def sinks_option():
     """The ``sinks`` field of a windowed method's Options."""
     return option(
         1,
-        "with window: the first S key positions are exact for every query "
-        "(attention sinks such as [CLS]); 0: none",
-        valid=">= 0",
+        "with window: the first S key positions are exact for every query (attention sinks such as [CLS]); 0: none",
+        valid=AtLeast(0),
     )
-
-
-def check_window_options(method: str, window: int, sinks: int) -> None:
-    """The checks of ``window`` and ``sinks`` every windowed method's Options make."""
-    if window < 0:
-        raise ValueError(f"{method} window must be >= 0 (0: off), got {window}")
-    if sinks < 0:
-        raise ValueError(f"{method} sinks must be >= 0 (0: none), got {sinks}")
 
 
 def window_repr(module) -> str:
@@ -524,12 +561,13 @@ def with_query_key_maps(lowering: OnnxLowering, weights: dict, opset_version: in
         helper.make_node("MatMul", ["q_float", "query_map"], ["q_mapped"]),
         helper.make_node("Cast", ["k"], ["k_float"], to=FLOAT),
         helper.make_node("MatMul", ["k_float", "key_map"], ["k_mapped"]),
-        helper.make_node(
-            inner.name, ["q_mapped", "k_mapped", "v", "key_keep", *constants], ["out"], domain=DOMAIN
-        ),
+        helper.make_node(inner.name, ["q_mapped", "k_mapped", "v", "key_keep", *constants], ["out"], domain=DOMAIN),
     ]
     entry = make_function(
-        f"Learned{inner.name}", ["q", "k", "v", "key_keep", *constants, *QUERY_KEY_MAPS], ["out"], nodes,
+        f"Learned{inner.name}",
+        ["q", "k", "v", "key_keep", *constants, *QUERY_KEY_MAPS],
+        ["out"],
+        nodes,
         opset_version,
     )
     maps = {name: np.asarray(weights[name], dtype=np.float32) for name in QUERY_KEY_MAPS}
@@ -560,9 +598,7 @@ def key_keep_function(opset_version: int):
     @script(ATTNREWRITE, default_opset=op)
     def KeyKeep(key_keep, k):
         """key_keep (broadcastable to [..., N, 1]) -> [G, N, 1]."""
-        full = op.Expand(
-            key_keep, op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0)
-        )
+        full = op.Expand(key_keep, op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0))
         rows, one = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
         return op.Reshape(full, op.Concat(rows, op.Shape(k, start=-2, end=-1), one, axis=0))
 
@@ -673,9 +709,7 @@ def running_max_functions(opset_version: int):
     return RunningMax, LowerTriangle
 
 
-def causal_rescaled_linear_attention_functions(
-    opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS
-):
+def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last."""
     op = standard_opset(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
@@ -700,9 +734,7 @@ def causal_rescaled_linear_attention_functions(
         s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
         seen = RunningMax(s, LowerTriangle(c))
         upto = RunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2), LowerTriangle(chunks))
-        before = op.Pad(
-            op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest
-        )
+        before = op.Pad(op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest)
         ref = op.Max(seen, op.Unsqueeze(before, minus_one))
         pairs = op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one)
         decay = op.Exp(op.Min(pairs, no_more))
@@ -731,8 +763,16 @@ def causal_rescaled_linear_attention_functions(
 
 
 def windowed_kernel_attention_functions(
-    opset_version: int, window: int, scale: float, causal: bool, *, window_next: bool, sinks: int,
-    rescaled: bool = False, max_weighted: bool = False, eps: float = DENOMINATOR_EPS,
+    opset_version: int,
+    window: int,
+    scale: float,
+    causal: bool,
+    *,
+    window_next: bool,
+    sinks: int,
+    rescaled: bool = False,
+    max_weighted: bool = False,
+    eps: float = DENOMINATOR_EPS,
 ):
     """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
 
@@ -741,16 +781,43 @@ def windowed_kernel_attention_functions(
     (query_log_scale, key_log_scale) after phi_k and, ``max_weighted``, local_max_weight last;
     it returns float32 [..., N, Dv]. Blocks are laid out as _ChunkLayout does (padded at the
     front), so both lowerings pick the same keys; ``causal``, ``window_next`` and ``sinks``
-    choose the bodies at rewrite time.
+    choose the bodies at rewrite time, each in the builder below that reads it.
     """
     op = standard_opset(opset_version)
-    flatten = flatten_heads_function(opset_version)
-    expand_keep = key_keep_function(opset_version)
-    RunningMax, LowerTriangle = running_max_functions(opset_version)
     following = window_next and not causal
-    sink_positions = list(range(sinks))
-    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
+    blocks = _window_block_functions(op, window)
+    flatten = flatten_heads_function(opset_version)
+    without_sinks = _without_sinks_function(op, sinks)
+    exact_keys = _exact_keys_function(op, blocks, window, causal, following, sinks)
+    local_part = _local_part_function(op, blocks, flatten, key_keep_function(opset_version), exact_keys, scale)
+    far_key_features = _far_key_features_function(op, blocks, flatten, without_sinks)
+    far_states, kernel_sums = _far_kernel_functions(op, blocks, causal, following)
+    if not rescaled:
+        entry = _windowed_kernel_entry(op, blocks, flatten, local_part, far_key_features, far_states, kernel_sums, eps)
+        return with_callees(entry)
+    if causal:
+        rescaled_far_states = _causal_rescaled_far_states_function(opset_version, blocks, flatten, without_sinks)
+    else:
+        rescaled_far_states = _head_rescaled_far_states_function(op, flatten, far_states)
+    parts = _rescaled_parts_function(
+        op, blocks, flatten, local_part, far_key_features, rescaled_far_states, kernel_sums
+    )
+    combine = _combine_rescaled_function(op, blocks, eps)
+    return with_callees(_windowed_rescaled_entry(op, blocks, flatten, parts, combine, max_weighted))
 
+
+class _WindowBlocks(typing.NamedTuple):
+    """The windowed functions' layout, [G, N, F] <-> [G, chunks, window, F] (_ChunkLayout's),
+    and moves of whole blocks along axis 1."""
+
+    BlockCount: OnnxFunction
+    WindowBlocks: OnnxFunction
+    UnblockLike: OnnxFunction
+    ShiftBlocks: OnnxFunction
+    ShiftBlocksEarlier: OnnxFunction
+
+
+def _window_block_functions(op, window: int) -> _WindowBlocks:
     @script(ATTNREWRITE, default_opset=op)
     def BlockCount(n):
         """[1]: the blocks of N positions, ceil(N/window) + 1 (_ChunkLayout's count)."""
@@ -790,6 +857,24 @@ def windowed_kernel_attention_functions(
         shifted = op.Pad(x, op.Concat(op.Constant(value_ints=[0]), steps, axis=0), fill, one)
         return op.Slice(shifted, steps, op.Constant(value_ints=[2147483647]), one)
 
+    return _WindowBlocks(BlockCount, WindowBlocks, UnblockLike, ShiftBlocks, ShiftBlocksEarlier)
+
+
+def _exact_keys_function(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool, sinks: int):
+    """LocalKeys(k, v, keep), or with sinks LocalAndSinkKeys: every query block's exact keys,
+    their values and which each query takes (kernels._exact_keys), and v in blocks."""
+    kept_local_keys, local_keys = _local_keys_functions(op, blocks, window, causal, following)
+    if not sinks:
+        return local_keys
+    sink_mask = _sink_mask_function(op, blocks.BlockCount, window, causal, following, sinks)
+    return _local_and_sink_keys_function(op, sinks, kept_local_keys, local_keys, sink_mask)
+
+
+def _local_keys_functions(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool):
+    """(KeptLocalKeys, LocalKeys): the kept keys among a block's local ones, and the local keys
+    (blocks c-1, c and, ``following``, c+1) with which of them each query takes."""
+    WindowBlocks, ShiftBlocks, ShiftBlocksEarlier = blocks.WindowBlocks, blocks.ShiftBlocks, blocks.ShiftBlocksEarlier
+
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousBlock(x4):
         """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then c's."""
@@ -815,7 +900,7 @@ def windowed_kernel_attention_functions(
         visible = op.Cast(op.Trilu(ones, op.Constant(value_int=window), upper=0), to=BOOL)
         return op.And(KeptLocalKeys(keep_local), visible)
 
-    local_keys = CausalKeptLocalKeys if causal else KeptLocalKeys
+    allowed_local_keys = CausalKeptLocalKeys if causal else KeptLocalKeys
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalKeys(k, v, keep):
@@ -823,16 +908,17 @@ def windowed_kernel_attention_functions(
         (kernels._exact_keys without sinks)."""
         zero = op.Constant(value_float=0.0)
         v4 = WindowBlocks(v, zero)
-        allowed = local_keys(local_blocks(WindowBlocks(keep, zero)))
+        allowed = allowed_local_keys(local_blocks(WindowBlocks(keep, zero)))
         return v4, local_blocks(WindowBlocks(k, zero)), local_blocks(v4), allowed
 
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkRows(x, chunks):
-        """[G, N, F] -> [G, chunks, sinks, F]: rows 0..sinks-1 (zero beyond N) for every block."""
-        one = op.Constant(value_ints=[1])
-        padded = op.Pad(x, op.Constant(value_ints=[0, sinks]), op.Constant(value_float=0.0), one)
-        rows = op.Slice(padded, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
-        return op.Expand(op.Unsqueeze(rows, one), op.Concat(one, chunks, one, one, axis=0))
+    return KeptLocalKeys, LocalKeys
+
+
+def _sink_mask_function(op, block_count, window: int, causal: bool, following: bool, sinks: int):
+    """SinkMask(n), or causal CausalSinkMask: which query of block c takes sink s as an extra
+    exact key (kernels._sink_mask)."""
+    BlockCount = block_count
+    sink_positions = list(range(sinks))
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkPositions(n):
@@ -863,19 +949,36 @@ def windowed_kernel_attention_functions(
         )
         return op.And(SinkMask(n), op.LessOrEqual(SinkPositions(n), query_at))
 
-    sink_mask = CausalSinkMask if causal else SinkMask
+    return CausalSinkMask if causal else SinkMask
+
+
+def _local_and_sink_keys_function(op, sinks: int, kept_local_keys, local_keys, sink_mask):
+    """LocalAndSinkKeys(k, v, keep): LocalKeys with the sinks' columns after each block's local
+    keys, taken where kept and where ``sink_mask`` says so."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkRows(x, chunks):
+        """[G, N, F] -> [G, chunks, sinks, F]: rows 0..sinks-1 (zero beyond N) for every block."""
+        one = op.Constant(value_ints=[1])
+        padded = op.Pad(x, op.Constant(value_ints=[0, sinks]), op.Constant(value_float=0.0), one)
+        rows = op.Slice(padded, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
+        return op.Expand(op.Unsqueeze(rows, one), op.Concat(one, chunks, one, one, axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalAndSinkKeys(k, v, keep):
         """LocalKeys with the sink columns after each block's local keys (kernels._exact_keys)."""
-        v4, k_x, v_x, allowed = LocalKeys(k, v, keep)
+        v4, k_x, v_x, allowed = local_keys(k, v, keep)
         chunks = op.Shape(v4, start=1, end=2)
-        taken = op.And(KeptLocalKeys(SinkRows(keep, chunks)), sink_mask(op.Shape(v, start=1, end=2)))
+        taken = op.And(kept_local_keys(SinkRows(keep, chunks)), sink_mask(op.Shape(v, start=1, end=2)))
         k_all = op.Concat(k_x, SinkRows(k, chunks), axis=2)
         v_all = op.Concat(v_x, SinkRows(v, chunks), axis=2)
         return v4, k_all, v_all, op.Concat(allowed, taken, axis=3)
 
-    exact_keys = LocalAndSinkKeys if sinks else LocalKeys
+    return LocalAndSinkKeys
+
+
+def _without_sinks_function(op, sinks: int):
+    """WithoutSinks(x, fill): [G, N, F] with the sinks' rows set to fill, or NoSinks: x as it is."""
 
     @script(ATTNREWRITE, default_opset=op)
     def WithoutSinks(x, fill):
@@ -889,7 +992,13 @@ def windowed_kernel_attention_functions(
     def NoSinks(x, fill):
         return op.Identity(x)
 
-    without_sinks = WithoutSinks if sinks else NoSinks
+    return WithoutSinks if sinks else NoSinks
+
+
+def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_keys, scale: float):
+    """LocalPart(q, k, v, key_keep): v in blocks, and the softmax sums and row max of every
+    query block over its ``exact_keys``."""
+    WindowBlocks = blocks.WindowBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalSoftmaxSums(q4, k_x, v_x, allowed):
@@ -900,6 +1009,37 @@ def windowed_kernel_attention_functions(
         row_max = op.ReduceMax(scores, last, keepdims=1)
         weights = op.Exp(scores - row_max) * op.Cast(allowed, to=FLOAT)
         return op.MatMul(weights, v_x), op.ReduceSum(weights, last, keepdims=1), row_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LocalPart(q, k, v, key_keep):
+        """v in blocks, and the exact part's softmax sums of every query block."""
+        zero = op.Constant(value_float=0.0)
+        v4, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
+        local_num, local_den, local_max = LocalSoftmaxSums(WindowBlocks(flatten(q), zero), k_x, v_x, allowed)
+        return v4, local_num, local_den, local_max
+
+    return LocalPart
+
+
+def _far_key_features_function(op, blocks: _WindowBlocks, flatten, without_sinks):
+    """FarKeyFeatures(phi_k): the features the kernel part reads, in blocks, zero on the sinks."""
+    WindowBlocks = blocks.WindowBlocks
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarKeyFeatures(phi_k):
+        """phi_k in blocks, zero on the sinks."""
+        zero = op.Constant(value_float=0.0)
+        return WindowBlocks(without_sinks(flatten(phi_k), zero), zero)
+
+    return FarKeyFeatures
+
+
+def _far_kernel_functions(op, blocks: _WindowBlocks, causal: bool, following: bool):
+    """(FarStates, KernelSums): the kernel's key-value state and key sum over each block's far
+    keys (blocks <= c-2 and, unless causal, >= c + far_gap), and a query block's numerator and
+    denominator from them."""
+    ShiftBlocks, ShiftBlocksEarlier = blocks.ShiftBlocks, blocks.ShiftBlocksEarlier
+    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
 
     @script(ATTNREWRITE, default_opset=op)
     def EarlierBlocksSum(x):
@@ -928,29 +1068,35 @@ def windowed_kernel_attention_functions(
         weighted = pq4 * op.Unsqueeze(far_key_sum, op.Constant(value_ints=[2]))
         return numerator, op.ReduceSum(weighted, op.Constant(value_ints=[-1]), keepdims=1)
 
-    @script(ATTNREWRITE, default_opset=op)
-    def LocalPart(q, k, v, key_keep):
-        """v in blocks, and the exact part's softmax sums of every query block."""
-        zero = op.Constant(value_float=0.0)
-        v4, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
-        local_num, local_den, local_max = LocalSoftmaxSums(WindowBlocks(flatten(q), zero), k_x, v_x, allowed)
-        return v4, local_num, local_den, local_max
+    return FarStates, KernelSums
 
-    @script(ATTNREWRITE, default_opset=op)
-    def FarKeyFeatures(phi_k):
-        """phi_k in blocks, zero on the sinks."""
-        zero = op.Constant(value_float=0.0)
-        return WindowBlocks(without_sinks(flatten(phi_k), zero), zero)
+
+def _windowed_kernel_entry(
+    op, blocks: _WindowBlocks, flatten, local_part, far_key_features, far_states, kernel_sums, eps: float
+):
+    """WindowedKernelAttention: both parts' sums added, one normaliser (kernel features in the
+    exact part's units already)."""
+    WindowBlocks, UnblockLike = blocks.WindowBlocks, blocks.UnblockLike
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
-        far_kv, far_key_sum = FarStates(FarKeyFeatures(phi_k), v4)
-        far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
+        far_kv, far_key_sum = far_states(far_key_features(phi_k), v4)
+        far_num, far_den = kernel_sums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
         out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
         return UnblockLike(out, q, v)
+
+    return WindowedKernelAttention
+
+
+def _causal_rescaled_far_states_function(opset_version: int, blocks: _WindowBlocks, flatten, without_sinks):
+    """CausalRescaledFarStates(pk4, v4, key_log_scale): far states when each key carries its
+    own log scale (kernels._rescaled_earlier_states)."""
+    op = standard_opset(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalRescaledFarStates(pk4, v4, key_log_scale):
@@ -965,23 +1111,33 @@ def windowed_kernel_attention_functions(
         reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
         k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
-        moves = op.Unsqueeze(block_max, op.Constant(value_ints=[1])) - op.Unsqueeze(
-            reach, op.Constant(value_ints=[2])
-        )
-        carry = op.Trilu(
-            op.Exp(op.Min(moves, op.Constant(value_float=0.0))), op.Constant(value_int=-2), upper=0
-        )
+        moves = op.Unsqueeze(block_max, op.Constant(value_ints=[1])) - op.Unsqueeze(reach, op.Constant(value_ints=[2]))
+        carry = op.Trilu(op.Exp(op.Min(moves, op.Constant(value_float=0.0))), op.Constant(value_int=-2), upper=0)
         state = op.Reshape(op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
         key_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
         return state, key_sum, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
 
+    return CausalRescaledFarStates
+
+
+def _head_rescaled_far_states_function(op, flatten, far_states):
+    """HeadRescaledFarStates(pk4, v4, key_log_scale): far states when the keys share one log
+    scale per head."""
+
     @script(ATTNREWRITE, default_opset=op)
     def HeadRescaledFarStates(pk4, v4, key_log_scale):
         """Bidirectional: one key log scale per head ([..., 1, 1]), so plain far sums."""
-        far_kv, far_key_sum = FarStates(pk4, v4)
+        far_kv, far_key_sum = far_states(pk4, v4)
         return far_kv, far_key_sum, op.Unsqueeze(flatten(key_log_scale), op.Constant(value_ints=[-1]))
 
-    rescaled_far_states = CausalRescaledFarStates if causal else HeadRescaledFarStates
+    return HeadRescaledFarStates
+
+
+def _rescaled_parts_function(
+    op, blocks: _WindowBlocks, flatten, local_part, far_key_features, rescaled_far_states, kernel_sums
+):
+    """RescaledParts: both parts' sums, each in its own unit, before they are combined."""
+    WindowBlocks = blocks.WindowBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def RescaledParts(phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight):
@@ -989,10 +1145,17 @@ def windowed_kernel_attention_functions(
         part's log scale per block."""
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        v4, local_num, local_den, local_max = LocalPart(q, k, v, key_keep)
-        far_kv, far_key_sum, far_log_scale = rescaled_far_states(FarKeyFeatures(phi_k), v4, key_log_scale)
-        far_num, far_den = KernelSums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
+        far_kv, far_key_sum, far_log_scale = rescaled_far_states(far_key_features(phi_k), v4, key_log_scale)
+        far_num, far_den = kernel_sums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
         return local_num, local_den, local_max, far_num, far_den, far_log_scale
+
+    return RescaledParts
+
+
+def _combine_rescaled_function(op, blocks: _WindowBlocks, eps: float):
+    """CombineRescaled: the two parts moved to one unit by their log ratio, one normaliser."""
+    UnblockLike = blocks.UnblockLike
 
     @script(ATTNREWRITE, default_opset=op)
     def CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v):
@@ -1005,15 +1168,23 @@ def windowed_kernel_attention_functions(
         denominator = local_den * local_factor + far_den * far_factor
         return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
 
+    return CombineRescaled
+
+
+def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts, combine_rescaled, max_weighted: bool):
+    """WindowedRescaledKernelAttention, whose kernel part is in units of e^(a_i + b_j) (the
+    log scales), or ``max_weighted`` WindowedMaxWeightedKernelAttention, moved by e^(-beta_h m_i)."""
+    WindowBlocks = blocks.WindowBlocks
+
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
         phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
     ):
-        local_num, local_den, local_max, far_num, far_den, far_log_scale = RescaledParts(
+        local_num, local_den, local_max, far_num, far_den, far_log_scale = rescaled_parts(
             phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
         )
         ratio = WindowBlocks(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale - local_max
-        return CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v)
+        return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedMaxWeightedKernelAttention(
@@ -1022,35 +1193,12 @@ def windowed_kernel_attention_functions(
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
         zero = op.Constant(value_float=0.0)
-        local_num, local_den, local_max, far_num, far_den, far_log_scale = RescaledParts(
+        local_num, local_den, local_max, far_num, far_den, far_log_scale = rescaled_parts(
             phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
         )
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
         weighted_max = local_max * WindowBlocks(flatten(row_weight), zero)
         ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - weighted_max
-        return CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v)
+        return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
 
-    common = [flatten, expand_keep, BlockCount, WindowBlocks, UnblockLike, ShiftBlocks]
-    if not causal:
-        common.append(ShiftBlocksEarlier)
-    common.append(WithPreviousBlock)
-    if following:
-        common.append(WithNeighbourBlocks)
-    common.append(KeptLocalKeys)
-    if causal:
-        common.append(CausalKeptLocalKeys)
-    common.append(LocalKeys)
-    if sinks:
-        common += [SinkRows, SinkPositions, SinkMask]
-        if causal:
-            common.append(CausalSinkMask)
-        common.append(LocalAndSinkKeys)
-    common += [without_sinks, LocalSoftmaxSums, EarlierBlocksSum]
-    if not causal:
-        common.append(FarBlocksSum)
-    common += [FarStates, KernelSums, LocalPart, FarKeyFeatures]
-    if not rescaled:
-        return [*common, WindowedKernelAttention]
-    far_states = [RunningMax, LowerTriangle, CausalRescaledFarStates] if causal else [HeadRescaledFarStates]
-    entry = WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
-    return [*common, *far_states, RescaledParts, CombineRescaled, entry]
+    return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention

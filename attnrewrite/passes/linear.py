@@ -16,27 +16,24 @@ import dataclasses
 
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import UNUSED_SEED, option
 from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
+from attnrewrite.site import AttentionSite
 
 NAME = "linear"
 
 
 @dataclasses.dataclass
-class Options:
-    chunk: int = option(64, "causal prefix-sum block length")
-    seed: int = option(0, UNUSED_SEED)
+class Options(MethodOptions, method=NAME):
+    chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
+    seed: int = option(0, UNUSED_SEED, valid=AtLeast(0))
     window: int = option(
-        0, "exact softmax over blocks of this many positions, linear beyond (0: off)", valid=">= 0"
+        0, "exact softmax over blocks of this many positions, linear beyond (0: off)", valid=AtLeast(0)
     )
     window_next: bool = kernels.window_next_option()
     sinks: int = kernels.sinks_option()
-
-    def __post_init__(self):
-        kernels.check_window_options(NAME, self.window, self.sinks)
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -55,8 +52,14 @@ def elu_plus_one(x):
 
 class LinearAttention(Module):
     def __init__(
-        self, causal: bool, chunk: int, scale: float = 1.0, window: int = 0, window_next: bool = False,
-        sinks: int = 0, linear_log_weight=None,
+        self,
+        causal: bool,
+        chunk: int,
+        scale: float = 1.0,
+        window: int = 0,
+        window_next: bool = False,
+        sinks: int = 0,
+        linear_log_weight=None,
     ):
         super().__init__()
         self.causal = causal
@@ -90,13 +93,17 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
     else:
         log_weight = kernels.initial_linear_log_weight(site)
         module = LinearAttention(
-            site.mask.causal, options.chunk, site.scale, options.window, options.window_next, options.sinks,
+            site.mask.causal,
+            options.chunk,
+            site.scale,
+            options.window,
+            options.window_next,
+            options.sinks,
             log_weight,
         )
     if learnable:
         kernels.add_query_key_maps(module, site)
     return module
-
 
 
 def onnx_lowering(
@@ -141,7 +148,11 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
 def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
     *callees, kernel = kernels.windowed_kernel_attention_functions(
-        opset_version, options.window, site.scale, site.mask.causal, window_next=options.window_next,
+        opset_version,
+        options.window,
+        site.scale,
+        site.mask.causal,
+        window_next=options.window_next,
         sinks=options.sinks,
     )
 

@@ -38,11 +38,11 @@ import numpy as np
 import onnx
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import option
 from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._options import AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
+from attnrewrite.site import AttentionSite
 
 NAME = "linformer"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
@@ -52,25 +52,17 @@ MASKED_LOGIT = -1e30  # finite, so a row whose projected keys are all padding st
 
 
 @dataclasses.dataclass
-class Options:
-    proj_dim: int = option(256, "k, the number of projected keys", valid=">= 1")
+class Options(MethodOptions, method=NAME):
+    proj_dim: int = option(256, "k, the number of projected keys", valid=AtLeast(1))
     projection: str = option("gaussian", "how keys and values are projected to k positions", choices=PROJECTIONS)
     share_kv: bool = option(False, "F = E (one matrix for keys and values)")
     max_len: int = option(
-        4096, "positions a stored projection covers (gaussian, learned, identity)", valid=">= proj_dim"
+        4096,
+        "positions a stored projection covers (gaussian, learned, identity)",
+        valid=AtLeast("proj_dim", when="stored"),  # pool builds its matrix from N: nothing stored
     )
     exact_if_short: bool = option(True, "N <= k: exact attention instead of a k-column projection")
-    seed: int = option(0, "numpy default_rng seed the projections are drawn from")
-
-    def __post_init__(self):
-        if self.projection not in PROJECTIONS:
-            raise ValueError(
-                f"projection {self.projection!r} is not one of {', '.join(PROJECTIONS)}"
-            )
-        if self.proj_dim < 1:
-            raise ValueError(f"proj_dim must be >= 1, got {self.proj_dim}")
-        if self.stored and self.max_len < self.proj_dim:
-            raise ValueError(f"max_len {self.max_len} is smaller than proj_dim {self.proj_dim}")
+    seed: int = option(0, "numpy default_rng seed the projections are drawn from", valid=AtLeast(0))
 
     @property
     def stored(self) -> bool:
@@ -82,10 +74,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed after projecting the keys"
     if site.mask.causal:
-        return (
-            "Linformer mixes every position into each projected key, "
-            "so a causal mask cannot be expressed"
-        )
+        return "Linformer mixes every position into each projected key, so a causal mask cannot be expressed"
     return None
 
 
@@ -159,9 +148,7 @@ class LinformerAttention(Module):
             eye = torch.eye(n, device=device)
             return eye, eye, False
         if n > o.max_len:
-            raise ValueError(
-                f"sequence length {n} is longer than the Linformer projection's max_len {o.max_len}"
-            )
+            raise ValueError(f"sequence length {n} is longer than the Linformer projection's max_len {o.max_len}")
         return self.E[:n], self.F[:n], False
 
     def forward(self, q, k, v, key_keep=None):
@@ -176,10 +163,7 @@ class LinformerAttention(Module):
 
     def extra_repr(self) -> str:
         o = self.options
-        return (
-            f"scale={self.scale}, proj_dim={o.proj_dim}, projection={o.projection!r}, "
-            f"share_kv={o.share_kv}"
-        )
+        return f"scale={self.scale}, proj_dim={o.proj_dim}, projection={o.projection!r}, share_kv={o.share_kv}"
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinformerAttention:
@@ -306,9 +290,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
             zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
             segment = op.Range(zero, op.Squeeze(n), one) * segments / n  # floor(j * m / N)
             columns = op.Range(zero, op.Squeeze(segments), one)
-            p = op.Cast(
-                op.Equal(op.Unsqueeze(segment, op.Constant(value_ints=[1])), columns), to=FLOAT
-            )
+            p = op.Cast(op.Equal(op.Unsqueeze(segment, op.Constant(value_ints=[1])), columns), to=FLOAT)
             return WithHeadsOf(low_rank(q, k, v, key_keep, p, p, scale), q, v)
 
         constants["proj_dim"] = np.array([options.proj_dim], dtype=np.int64)
@@ -326,6 +308,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
             p_e = rows(e, n)
             p_f = rows(f, n)
         return WithHeadsOf(low_rank(q, k, v, key_keep, p_e, p_f, scale), q, v)
+
     @script(ATTNREWRITE, default_opset=op)
     def LinformerSharedKV(q, k, v, key_keep, scale, exact_if_short, e):
         return Linformer(q, k, v, key_keep, scale, exact_if_short, e, e)

@@ -39,11 +39,19 @@ import onnx
 from onnx import helper
 from onnxscript import script
 
-from attnrewrite.site import AttentionSite
 from attnrewrite.passes import kernels
-from attnrewrite.passes._options import option
-from attnrewrite.passes._onnx import ATTNREWRITE, DOMAIN, FLOAT, OnnxLowering, make_function, standard_opset
+from attnrewrite.passes._onnx import (
+    ATTNREWRITE,
+    DOMAIN,
+    FLOAT,
+    OnnxLowering,
+    make_function,
+    standard_opset,
+    with_callees,
+)
+from attnrewrite.passes._options import ONE_OR_EVEN, AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
+from attnrewrite.site import AttentionSite
 
 NAME = "lsh"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
@@ -53,22 +61,16 @@ TINY = float(np.finfo(np.float32).tiny)  # divisor floor: a row with no visible 
 
 
 @dataclasses.dataclass
-class Options:
-    n_buckets: int = option(32, "hash buckets; 1 puts everything in one bucket", valid="1 or even")
-    n_hashes: int = option(4, "hash rounds; more rounds, fewer missed keys", valid=">= 1")
-    chunk: int = option(64, "positions per chunk (2 * chunk sorted items)", valid=">= 1")
+class Options(MethodOptions, method=NAME):
+    n_buckets: int = option(32, "hash buckets; 1 puts everything in one bucket", valid=ONE_OR_EVEN)
+    n_hashes: int = option(4, "hash rounds; more rounds, fewer missed keys", valid=AtLeast(1))
+    chunk: int = option(64, "positions per chunk (2 * chunk sorted items)", valid=AtLeast(1))
     dedup: bool = option(
         False,
         "count a key that several rounds show a query once (the paper's eq. 7), so the result is "
         "the softmax over the union of the keys seen; costs n_hashes comparisons per scored pair",
     )
-    seed: int = option(0, "numpy default_rng seed the rotations are drawn from")
-
-    def __post_init__(self):
-        if self.n_buckets < 1 or (self.n_buckets > 1 and self.n_buckets % 2):
-            raise ValueError(f"n_buckets must be 1 or even, got {self.n_buckets}")
-        if self.n_hashes < 1 or self.chunk < 1:
-            raise ValueError(f"n_hashes and chunk must be >= 1, got {self.n_hashes}, {self.chunk}")
+    seed: int = option(0, "numpy default_rng seed the rotations are drawn from", valid=AtLeast(0))
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -92,9 +94,7 @@ def rotations(options: Options, head_dim: int) -> np.ndarray:
 def hash_buckets(x, rotations, n_buckets: int):
     """[G, N, D] -> bucket ids [G, n_hashes, N]."""
     if n_buckets == 1:
-        return torch.zeros(
-            x.shape[0], rotations.shape[0], x.shape[1], dtype=torch.long, device=x.device
-        )
+        return torch.zeros(x.shape[0], rotations.shape[0], x.shape[1], dtype=torch.long, device=x.device)
     rotated = x.unsqueeze(1) @ rotations  # [G, H, N, B/2]
     return torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
 
@@ -160,9 +160,7 @@ def sorted_chunks(q, k, v, keep, order, inverse, chunk: int, dedup: bool) -> Sor
     arange_q, arange_k = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
     vectors = torch.cat([q, k], dim=1)
     values = torch.cat([v.new_zeros(g, nq, dv), v], dim=1)
-    key_pos = torch.cat(
-        [arange_q.new_full((g, nq), -1), torch.where(keep[..., 0] > 0, arange_k, -1)], dim=1
-    )
+    key_pos = torch.cat([arange_q.new_full((g, nq), -1), torch.where(keep[..., 0] > 0, arange_k, -1)], dim=1)
     query_pos = torch.cat([arange_q, arange_k.new_full((nk,), -1)]).expand(g, -1)
 
     def sorted_items(table):  # [G, M, ...] -> [G, H, M, ...] in each round's order
@@ -351,13 +349,13 @@ def _hash_function(op, n_buckets: int):
     return AngularBuckets
 
 
-def _item_functions(op, n_buckets: int):
+def _sort_functions(op, n_buckets: int):
+    """(Positions, SortOrder): positions along an axis, and every round's order of the items."""
+
     @script(ATTNREWRITE, default_opset=op)
     def Positions(x, axis):
         """0, 1, 2, ... along axis of an int64 tensor shaped as x: a CumSum on the device."""
-        return op.CumSum(op.ConstantOfShape(op.Shape(x), value=_ONE_INT64), axis) - op.Constant(
-            value_int=1
-        )
+        return op.CumSum(op.ConstantOfShape(op.Shape(x), value=_ONE_INT64), axis) - op.Constant(value_int=1)
 
     @script(ATTNREWRITE, default_opset=op)
     def SortOrder(q_buckets, k_buckets, q_pos, k_pos, keep):
@@ -374,6 +372,12 @@ def _item_functions(op, n_buckets: int):
         _, order = op.TopK(op.Concat(q_key, k_key, axis=2), m, axis=-1, largest=0, sorted=1)
         return order
 
+    return Positions, SortOrder
+
+
+def _chunk_functions(op):
+    """(InChunks, WithPreviousChunk): sorted items cut into chunks, and each chunk's window."""
+
     @script(ATTNREWRITE, default_opset=op)
     def InChunks(x, items, fill):
         """[G, H, M, F] -> [G, H, C, items, F], padded at the end with fill."""
@@ -381,78 +385,29 @@ def _item_functions(op, n_buckets: int):
         chunks = op.Div(m + items - op.Constant(value_ints=[1]), items)
         lead, features = op.Shape(x, start=0, end=2), op.Shape(x, start=3)
         pad = op.Expand(op.CastLike(fill, x), op.Concat(lead, chunks * items - m, features, axis=0))
-        return op.Reshape(
-            op.Concat(x, pad, axis=2), op.Concat(lead, chunks, items, features, axis=0)
-        )
+        return op.Reshape(op.Concat(x, pad, axis=2), op.Concat(lead, chunks, items, features, axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousChunk(x, fill):
         """[G, H, C, L, F] -> [G, H, C, 2L, F]: each chunk preceded by the one before it (the
         first by a chunk of fill)."""
         axis2 = op.Constant(value_ints=[2])
-        one_chunk = op.Concat(
-            op.Shape(x, start=0, end=2), op.Constant(value_ints=[1]), op.Shape(x, start=3), axis=0
-        )
+        one_chunk = op.Concat(op.Shape(x, start=0, end=2), op.Constant(value_ints=[1]), op.Shape(x, start=3), axis=0)
         first = op.Expand(op.CastLike(fill, x), one_chunk)
         earlier = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), axis2)
         return op.Concat(op.Concat(first, earlier, axis=2), x, axis=3)
 
-    return Positions, SortOrder, InChunks, WithPreviousChunk
+    return InChunks, WithPreviousChunk
 
 
-def onnx_lowering(
-    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
-) -> OnnxLowering:
-    """``weights``: values for the constants by name (lsh has nothing to fit; accepted for a
-    uniform interface)."""
-    return _lowering(site, options, opset_version).with_weights(weights)
-
-
-def _lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def _items_function(opset_version: int, n_buckets: int):
+    """Items(q, k, v, key_keep, scale, rotations, items): the hashes and sorts of every round,
+    and the per-item tables a round gathers from."""
     op = standard_opset(opset_version)
     flatten = kernels.flatten_heads_function(opset_version)
     key_keep_3d = kernels.key_keep_function(opset_version)
-    gather_items = _gather_function(op)
-    hash_buckets = _hash_function(op, options.n_buckets)
-    positions, sort_items, in_chunks, with_previous = items_fns = _item_functions(
-        op, options.n_buckets
-    )
-
-    @script(ATTNREWRITE, default_opset=op)
-    def RoundsTogether(query_chunk, key_chunk, rows_pos, cols_pos):
-        """-log(rounds that put each (row query, column key) pair in one window), so a key
-        seen in several rounds counts once overall: query_chunk [G, Nq, H], key_chunk
-        [G, Nk, H] (each position's chunk per round), rows_pos [G, 1, C, L, 1], cols_pos
-        [G, 1, C, 1, 2L] (-1: none) -> ([G, 1, C, L, 2L], and for the own-position key, which
-        every round shows, -log(H))."""
-        zero = op.Constant(value_int=0)
-        per_batch = op.Concat(
-            op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[-1]), axis=0
-        )
-        rows = op.Reshape(op.Max(rows_pos, zero), per_batch)
-        cols = op.Reshape(op.Max(cols_pos, zero), per_batch)
-        rounds = op.Shape(query_chunk, start=2, end=3)
-        count = op.ConstantOfShape(
-            op.Concat(
-                op.Shape(rows_pos, start=0, end=4), op.Shape(cols_pos, start=4, end=5), axis=0
-            )
-        )
-        for r in range(op.Squeeze(rounds)):  # one round at a time: memory of one count
-            row_chunk = op.GatherElements(op.Gather(query_chunk, r, axis=2), rows, axis=1)
-            row_chunk = op.Reshape(row_chunk, op.Shape(rows_pos))
-            col_chunk = op.GatherElements(op.Gather(key_chunk, r, axis=2), cols, axis=1)
-            col_chunk = op.Reshape(col_chunk, op.Shape(cols_pos))
-            previous = op.Equal(col_chunk, row_chunk - op.Constant(value_int=1))
-            count = count + op.Cast(op.Or(op.Equal(col_chunk, row_chunk), previous), to=FLOAT)
-        one = op.Constant(value_float=1.0)
-        return op.Neg(op.Log(op.Max(count, one))), op.Neg(op.Log(op.Cast(rounds, to=FLOAT)))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def EachRoundApart(query_chunk, key_chunk, rows_pos, cols_pos):
-        """No dedup: every round counts its keys, so no logit loses anything."""
-        return op.Constant(value_float=0.0), op.Constant(value_float=0.0)
-
-    count_rounds = RoundsTogether if options.dedup else EachRoundApart
+    hash_buckets = _hash_function(op, n_buckets)
+    positions, sort_items = _sort_functions(op, n_buckets)
 
     @script(ATTNREWRITE, default_opset=op)
     def Items(q, k, v, key_keep, scale, rotations, items):
@@ -486,6 +441,50 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         key_pos = op.Concat(op.Expand(none, op.Shape(q_pos)), kept_pos, axis=1)
         return order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, k3, v3, keep
 
+    return Items
+
+
+def _rounds_seen_function(op, dedup: bool):
+    """RoundsTogether, or without ``dedup`` EachRoundApart: the logit bias that makes a key
+    several rounds show a query count once (or count every time)."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RoundsTogether(query_chunk, key_chunk, rows_pos, cols_pos):
+        """-log(rounds that put each (row query, column key) pair in one window), so a key
+        seen in several rounds counts once overall: query_chunk [G, Nq, H], key_chunk
+        [G, Nk, H] (each position's chunk per round), rows_pos [G, 1, C, L, 1], cols_pos
+        [G, 1, C, 1, 2L] (-1: none) -> ([G, 1, C, L, 2L], and for the own-position key, which
+        every round shows, -log(H))."""
+        zero = op.Constant(value_int=0)
+        per_batch = op.Concat(op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[-1]), axis=0)
+        rows = op.Reshape(op.Max(rows_pos, zero), per_batch)
+        cols = op.Reshape(op.Max(cols_pos, zero), per_batch)
+        rounds = op.Shape(query_chunk, start=2, end=3)
+        count = op.ConstantOfShape(
+            op.Concat(op.Shape(rows_pos, start=0, end=4), op.Shape(cols_pos, start=4, end=5), axis=0)
+        )
+        for r in range(op.Squeeze(rounds)):  # one round at a time: memory of one count
+            row_chunk = op.GatherElements(op.Gather(query_chunk, r, axis=2), rows, axis=1)
+            row_chunk = op.Reshape(row_chunk, op.Shape(rows_pos))
+            col_chunk = op.GatherElements(op.Gather(key_chunk, r, axis=2), cols, axis=1)
+            col_chunk = op.Reshape(col_chunk, op.Shape(cols_pos))
+            previous = op.Equal(col_chunk, row_chunk - op.Constant(value_int=1))
+            count = count + op.Cast(op.Or(op.Equal(col_chunk, row_chunk), previous), to=FLOAT)
+        one = op.Constant(value_float=1.0)
+        return op.Neg(op.Log(op.Max(count, one))), op.Neg(op.Log(op.Cast(rounds, to=FLOAT)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def EachRoundApart(query_chunk, key_chunk, rows_pos, cols_pos):
+        """No dedup: every round counts its keys, so no logit loses anything."""
+        return op.Constant(value_float=0.0), op.Constant(value_float=0.0)
+
+    return RoundsTogether if dedup else EachRoundApart
+
+
+def _sorted_chunks_function(op, gather_items, count_rounds):
+    """SortedChunks: one round's items sorted, chunked and windowed, with the rounds-seen bias."""
+    in_chunks, with_previous = _chunk_functions(op)
+
     @script(ATTNREWRITE, default_opset=op)
     def SortedChunks(order, chunk_of, vectors, values, query_pos, key_pos, nq, items):
         """One round's items (order [G, 1, M]) sorted, chunked and windowed; see the module
@@ -503,6 +502,10 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         seen_bias, own_seen_bias = count_rounds(query_chunk, key_chunk, rows_pos, cols_pos)
         return rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias
 
+    return SortedChunks
+
+
+def _attend_in_chunks_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def AttendInChunks(rows_x, cols_x, cols_v, bias, own_logit, own_v):
         """Each row's softmax over its window [G, 1, C, L, 2L] plus its own-position slot
@@ -519,38 +522,48 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         weights = op.Exp(logits - row_max)
         own_weight = op.Exp(own_logit - row_max)
         total = op.ReduceSum(weights, last, keepdims=1) + own_weight
-        out = (op.MatMul(weights, cols_v) + own_weight * own_v) / op.Max(
-            total, op.Constant(value_float=TINY)
-        )
+        out = (op.MatMul(weights, cols_v) + own_weight * own_v) / op.Max(total, op.Constant(value_float=TINY))
         masked = op.Constant(value_float=MASKED_LOGIT)
         lse = op.Where(total > op.Constant(value_float=0.0), row_max + op.Log(total), masked)
         return out, lse
 
+    return AttendInChunks
+
+
+def _in_query_order_function(op, gather_items):
     @script(ATTNREWRITE, default_opset=op)
     def InQueryOrder(x, inverse, nq):
         """A round's sorted rows [G, 1, C, L, F] -> [G, 1, Nq, F], by inverse [G, 1, M]."""
         index = op.Slice(inverse, op.Constant(value_ints=[0]), nq, op.Constant(value_ints=[2]))
-        rows = op.Concat(
-            op.Shape(x, start=0, end=1), op.Constant(value_ints=[-1]), op.Shape(x, start=-1), axis=0
-        )
+        rows = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[-1]), op.Shape(x, start=-1), axis=0)
         return gather_items(op.Reshape(x, rows), index)
 
+    return InQueryOrder
+
+
+def _round_function(op, sorted_chunks, attend, in_query_order):
+    """Round: one hash round of a site without a causal mask."""
+
     @script(ATTNREWRITE, default_opset=op)
-    def Round(
-        round_index, order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, items
-    ):
+    def Round(round_index, order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, items):
         """One hash round, no own-position slot -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
         order = op.Gather(order, round_index, axis=1)
         inverse = op.Gather(inverse, round_index, axis=1)
-        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = SortedChunks(
+        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
             order, chunk_of, vectors, values, query_pos, key_pos, nq, items
         )
         masked = op.Constant(value_float=MASKED_LOGIT)
         # [G, 1, C, 1, 2L]: built at 1 / (2 * chunk) of the logits' size (dedup: full size).
         bias = op.Where(cols_pos >= op.Constant(value_int=0), seen_bias, masked)
         nothing = op.Constant(value_float=0.0)
-        out, lse = AttendInChunks(rows_x, cols_x, cols_v, bias, masked, nothing)
-        return InQueryOrder(out, inverse, nq), InQueryOrder(lse, inverse, nq)
+        out, lse = attend(rows_x, cols_x, cols_v, bias, masked, nothing)
+        return in_query_order(out, inverse, nq), in_query_order(lse, inverse, nq)
+
+    return Round
+
+
+def _causal_round_function(op, gather_items, sorted_chunks, attend, in_query_order):
+    """CausalRound: one hash round of a causal site, with the own-position slot."""
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalRound(
@@ -572,7 +585,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         own position, which every round shows -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
         order = op.Gather(order, round_index, axis=1)
         inverse = op.Gather(inverse, round_index, axis=1)
-        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = SortedChunks(
+        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
             order, chunk_of, vectors, values, query_pos, key_pos, nq, items
         )
         zero = op.Constant(value_int=0)
@@ -583,9 +596,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         bias = op.Where(cols_pos < rows_pos, key_bias, masked)
 
         last = op.Constant(value_ints=[-1])
-        per_batch = op.Concat(
-            op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[1]), last, axis=0
-        )
+        per_batch = op.Concat(op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[1]), last, axis=0)
         own = op.Reshape(op.Max(rows_pos, zero), per_batch)
         row_shape = op.Concat(op.Shape(rows_pos, start=0, end=4), last, axis=0)
         own_k = op.Reshape(gather_items(k3, own), row_shape)
@@ -594,9 +605,13 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         own_visible = op.And(rows_pos >= zero, own_keep > op.Constant(value_float=0.0))
         own_logit = op.ReduceSum(rows_x * own_k, last, keepdims=1) + own_seen_bias
         own_logit = op.Where(own_visible, own_logit, masked)
-        out, lse = AttendInChunks(rows_x, cols_x, cols_v, bias, own_logit, own_v)
-        return InQueryOrder(out, inverse, nq), InQueryOrder(lse, inverse, nq)
+        out, lse = attend(rows_x, cols_x, cols_v, bias, own_logit, own_v)
+        return in_query_order(out, inverse, nq), in_query_order(lse, inverse, nq)
 
+    return CausalRound
+
+
+def _combine_rounds_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def CombineRounds(out, lse, q, v):
         """Every round's out [G, H, Nq, Dv] weighted by the softmax of its log-sum-exp
@@ -606,27 +621,32 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
         return op.CastLike(op.Reshape(combined, shape), v)
 
-    one_round = CausalRound if site.mask.causal else Round
-    functions = [
-        f.to_function_proto()
-        for f in (
-            flatten,
-            key_keep_3d,
-            gather_items,
-            hash_buckets,
-            *items_fns,
-            count_rounds,
-            Items,
-            SortedChunks,
-            AttendInChunks,
-            InQueryOrder,
-            one_round,
-            CombineRounds,
-        )
-    ]
+    return CombineRounds
+
+
+def onnx_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
+) -> OnnxLowering:
+    """``weights``: values for the constants by name (lsh has nothing to fit; accepted for a
+    uniform interface)."""
+    return _lowering(site, options, opset_version).with_weights(weights)
+
+
+def _lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+    """Items, one round function and CombineRounds, called by an entry unrolled over the rounds."""
+    op = standard_opset(opset_version)
+    gather_items = _gather_function(op)
+    items = _items_function(opset_version, options.n_buckets)
+    sorted_chunks = _sorted_chunks_function(op, gather_items, _rounds_seen_function(op, options.dedup))
+    round_parts = (sorted_chunks, _attend_in_chunks_function(op), _in_query_order_function(op, gather_items))
+    if site.mask.causal:
+        one_round = _causal_round_function(op, gather_items, *round_parts)
+    else:
+        one_round = _round_function(op, *round_parts)
+    combine = _combine_rounds_function(op)
     entry = _unrolled_entry(
         "CausalLSHAttention" if site.mask.causal else "LSHAttention",
-        (Items.name, one_round.name, CombineRounds.name),
+        (items.name, one_round.name, combine.name),
         options.n_hashes,
         site.mask.causal,
         opset_version,
@@ -636,6 +656,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
         "rotations": rotations(options, site.head_dim),
         "items": np.array([2 * options.chunk], dtype=np.int64),
     }
+    functions = [f.to_function_proto() for f in with_callees(items, one_round, combine)]
     return OnnxLowering([*functions, entry], constants)
 
 
