@@ -40,8 +40,9 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -55,8 +56,8 @@ from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.onnx.validate import validate
-from attnrewrite.record import format_table
 from attnrewrite.passes._onnx import DOMAIN, MIN_OPSET, OnnxLowering
+from attnrewrite.record import format_table
 
 DEFAULT_LENGTHS = [128 * 2**i for i in range(8)]  # 128 .. 16384
 DEFAULT_BUDGET_SECONDS = 10.0
@@ -92,7 +93,9 @@ class BenchConfig:
 
     def __post_init__(self):
         if self.repeats < 1 or self.warmup < 0 or self.batch < 1 or self.trials < 1 or self.budget_seconds <= 0:
-            raise AttnRewriteError("bench needs repeats >= 1, warmup >= 0, batch >= 1, trials >= 1 and a positive time budget")
+            raise AttnRewriteError(
+                "bench needs repeats >= 1, warmup >= 0, batch >= 1, trials >= 1 and a positive time budget"
+            )
         if self.budget_gb is not None and self.budget_gb <= 0:
             raise AttnRewriteError("--budget-gb must be positive")
         if not self.lengths or min(self.lengths) < 1:
@@ -176,9 +179,20 @@ class BenchResult:
         return line
 
     def table(self) -> str:
-        label = {"original": "original", "rewritten": self.config.method, "identity": "identity", "fused": "fused exact"}
+        label = {
+            "original": "original",
+            "rewritten": self.config.method,
+            "identity": "identity",
+            "fused": "fused exact",
+        }
         variants = self.config.variants
-        header = ("N", *[f"{label[v]} ms" for v in variants], *[f"{label[v]} MB" for v in variants], "speedup", "vs bound")
+        header = (
+            "N",
+            *[f"{label[v]} ms" for v in variants],
+            *[f"{label[v]} MB" for v in variants],
+            "speedup",
+            "vs bound",
+        )
         if self.config.with_fused:
             header += ("vs fused",)
         cells = {(m.variant, m.n): m for m in self.measurements}
@@ -227,8 +241,15 @@ class BenchResult:
             "not_run": self.not_run,
             "crossover": self.crossover(),
             "within_noise": self.within_noise(),
-        } | ({"fused": self.fused, "crossover_fused": self.crossover("fused"), "within_noise_fused": self.within_noise("fused")}
-             if self.config.with_fused else {})
+        } | (
+            {
+                "fused": self.fused,
+                "crossover_fused": self.crossover("fused"),
+                "within_noise_fused": self.within_noise("fused"),
+            }
+            if self.config.with_fused
+            else {}
+        )
 
 
 def compare_series(rewritten: list[Measurement], baseline: list[Measurement], lengths: list[int]) -> dict[int, str]:
@@ -298,7 +319,10 @@ Runner = Callable[[int, Path], Measurement]  # (N, inputs file) -> one measureme
 
 
 def sweep(
-    runners: dict[str, Runner], config: BenchConfig, inputs_for: Callable[[int], Path], progress=None,
+    runners: dict[str, Runner],
+    config: BenchConfig,
+    inputs_for: Callable[[int], Path],
+    progress=None,
     reference: str | None = None,
 ) -> tuple[list[Measurement], dict[str, str]]:
     """Measure every runner at every length, interleaved by length so that all of them see the
@@ -319,7 +343,9 @@ def sweep(
                 step += 1
                 if label in stopped or _failed(trials.get(reference)):
                     continue
-                progress.step(step - 1, total, f"{label} N={n}" + (f" (trial {trial + 1})" if config.trials > 1 else ""))
+                progress.step(
+                    step - 1, total, f"{label} N={n}" + (f" (trial {trial + 1})" if config.trials > 1 else "")
+                )
                 m = runner(n, inputs)
                 m.variant = label
                 trials[label].append(m)
@@ -358,8 +384,13 @@ def pool(trials: list[Measurement]) -> Measurement:
 def onnx_runner(model: Path, config: BenchConfig) -> Runner:
     def run_onnx(n: int, inputs: Path) -> Measurement:
         spec = {
-            "model": str(model), "inputs": str(inputs), "provider": config.provider, "threads": config.threads,
-            "warmup": config.warmup, "repeats": config.repeats, "budget_seconds": config.budget_seconds,
+            "model": str(model),
+            "inputs": str(inputs),
+            "provider": config.provider,
+            "threads": config.threads,
+            "warmup": config.warmup,
+            "repeats": config.repeats,
+            "budget_seconds": config.budget_seconds,
         }
         return measure_worker([sys.executable, str(WORKER), json.dumps(spec)], config, n)
 
@@ -393,7 +424,9 @@ def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], 
     into ``folder``; also says how the fused model was made, or why there is none."""
     rewritten, record = rewrite_model(onnx_io.load_model(config.model), config.method, **config.options)
     if not record.rewritten:
-        raise AttnRewriteError(f"{config.model}: no attention site can be rewritten by {config.method}; nothing to benchmark")
+        raise AttnRewriteError(
+            f"{config.model}: no attention site can be rewritten by {config.method}; nothing to benchmark"
+        )
     validate(rewritten)
     sites = [o.site.name for o in record.rewritten]
     models = {
@@ -481,7 +514,11 @@ def identity_lowering(opset: int) -> OnnxLowering:
     """A replacement with the interface of every pass's (q, k, v, key_keep) that returns v."""
     body = onnx.helper.make_node("Identity", ["v"], ["out"])
     function = onnx.helper.make_function(
-        DOMAIN, IDENTITY_FUNCTION, ["q", "k", "v", "key_keep"], ["out"], [body],
+        DOMAIN,
+        IDENTITY_FUNCTION,
+        ["q", "k", "v", "key_keep"],
+        ["out"],
+        [body],
         [onnx.helper.make_opsetid("", opset)],
     )
     return OnnxLowering([function])
@@ -558,8 +595,13 @@ def measure_worker(argv: list[str], config: BenchConfig, n: int, env: dict | Non
     """One configuration: a worker process speaking bench_worker's protocol."""
     outcome = run_worker(argv, config.budget_bytes, config.budget_seconds, env)
     return Measurement(
-        "", n, outcome.get("status", "failed"), outcome.get("times_s", []),
-        outcome.get("peak_rss_bytes"), outcome.get("loaded_rss_bytes"), outcome.get("gpu_memory_bytes"),
+        "",
+        n,
+        outcome.get("status", "failed"),
+        outcome.get("times_s", []),
+        outcome.get("peak_rss_bytes"),
+        outcome.get("loaded_rss_bytes"),
+        outcome.get("gpu_memory_bytes"),
         outcome.get("error") or outcome.get("detail"),
     )
 
@@ -584,8 +626,12 @@ def run_worker(argv: list[str], budget_bytes: int, budget_seconds: float, env: d
                 line.startswith("ready") for line in lines
             ):
                 quiet = time.monotonic() - last_sign[0]
-                verdict = {"status": "over_time", "times_s": [quiet], "peak_rss_bytes": peak,
-                           "detail": f"killed after {quiet:.0f} s in one run"}
+                verdict = {
+                    "status": "over_time",
+                    "times_s": [quiet],
+                    "peak_rss_bytes": peak,
+                    "detail": f"killed after {quiet:.0f} s in one run",
+                }
             if verdict:
                 process.kill()
                 break
@@ -597,7 +643,7 @@ def run_worker(argv: list[str], budget_bytes: int, budget_seconds: float, env: d
         process.stderr.close()
     if verdict:
         return verdict
-    result = next((line[len("result "):] for line in reversed(lines) if line.startswith("result ")), None)
+    result = next((line[len("result ") :] for line in reversed(lines) if line.startswith("result ")), None)
     if result is None:
         return {"status": "failed", "detail": _death(process.returncode, stderr, peak)}
     return json.loads(result)
@@ -697,25 +743,36 @@ IDENTITY_LABEL = "identity bound (attention = v)"
 
 def plot(result: BenchResult, path: str | os.PathLike) -> None:
     """Latency and memory vs N, log-log: original, rewritten, the identity bound (and fused exact)."""
-    labels = {"original": "original (softmax)", "rewritten": result.config.method, "identity": IDENTITY_LABEL, "fused": "fused exact"}
+    labels = {
+        "original": "original (softmax)",
+        "rewritten": result.config.method,
+        "identity": IDENTITY_LABEL,
+        "fused": "fused exact",
+    }
     series = {labels[v]: result.series(v) for v in result.config.variants}
     title = f"{Path(result.config.model).name}: {result.config.method} ({result.config.provider})"
     plot_series(series, path, title, note=f"sweep {result.limit}" if result.limit else None)
 
 
-def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, title: str, note: str | None = None) -> None:
+def plot_series(
+    series: dict[str, list[Measurement]], path: str | os.PathLike, title: str, note: str | None = None
+) -> None:
+    """draw_series, saved as a picture at ``path``."""
+    draw_series(series, title, note).savefig(path, dpi=110)
+
+
+def draw_series(series: dict[str, list[Measurement]], title: str, note: str | None = None):
     """One line per label on two log-log panels (median latency, peak memory); measured points
     only. A series that stopped (budget, failure) ends in an x at its last measured point,
-    labelled with why; ``note`` goes under the panels."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    labelled with why; ``note`` goes under the panels. Returns the matplotlib figure."""
+    try:  # a bare Figure, not pyplot: no global state, no display backend
+        import matplotlib  # noqa: F401 - its absence is the error below, not one from deep inside
+        from matplotlib.figure import Figure
         from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         raise AttnRewriteError("--plot needs matplotlib: pip install 'attnrewrite[bench]'") from None
-    figure, (latency, memory) = plt.subplots(1, 2, figsize=(11, 4.6))
+    figure = Figure(figsize=(11, 4.6))
+    latency, memory = figure.subplots(1, 2)
     lengths = sorted({m.n for ms in series.values() for m in ms})
     for label, measurements in series.items():
         points = [m for m in measurements if m.status == "ok"]
@@ -723,12 +780,18 @@ def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, t
         for axes, value in ((latency, lambda m: m.median_s * 1e3), (memory, lambda m: m.peak_bytes / 2**20)):
             if not points:
                 continue
-            line, = axes.plot([m.n for m in points], [value(m) for m in points], marker="o", label=label)
+            (line,) = axes.plot([m.n for m in points], [value(m) for m in points], marker="o", label=label)
             if stop is not None:
                 last = points[-1]
                 axes.plot([last.n], [value(last)], marker="x", markersize=12, color=line.get_color())
-                axes.annotate(f"{stop.status.replace('_', ' ')} at N = {stop.n}", (last.n, value(last)),
-                              textcoords="offset points", xytext=(6, -12), fontsize="x-small", color=line.get_color())
+                axes.annotate(
+                    f"{stop.status.replace('_', ' ')} at N = {stop.n}",
+                    (last.n, value(last)),
+                    textcoords="offset points",
+                    xytext=(6, -12),
+                    fontsize="x-small",
+                    color=line.get_color(),
+                )
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     for axes, unit in ((latency, "median latency (ms)"), (memory, "peak memory (MiB)")):
         axes.set_xscale("log", base=2)
@@ -748,8 +811,7 @@ def plot_series(series: dict[str, list[Measurement]], path: str | os.PathLike, t
     if note:
         figure.text(0.5, 0.01, note, ha="center", fontsize="small", wrap=True)
     figure.tight_layout(rect=(0, 0.05 if note else 0, 1, 1))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def _compare_runs(runs: list[float], baseline: list[float]) -> str:

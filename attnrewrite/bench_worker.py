@@ -64,7 +64,10 @@ def gpu_memory_bytes() -> int | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -142,13 +145,23 @@ def placement_from_profile(events: list[dict], expected: str) -> dict:
         if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
             continue
         args = event.get("args", {})
-        tensors = {kind: [(t, dims) for shape in args.get(f"{kind}_type_shape", []) for t, dims in shape.items()] for kind in ("input", "output")}
-        nodes.setdefault(name[: -len("_kernel_time")], {
-            "op": args.get("op_name", "?"),
-            "provider": args.get("provider", "?"),
-            **{kind: sorted({t for t, _ in found}) for kind, found in tensors.items()},
-            "data": any(t in DATA_TYPES or math.prod(dims) > SHAPE_ELEMENTS for found in tensors.values() for t, dims in found),
-        })
+        tensors = {
+            kind: [(t, dims) for shape in args.get(f"{kind}_type_shape", []) for t, dims in shape.items()]
+            for kind in ("input", "output")
+        }
+        nodes.setdefault(
+            name[: -len("_kernel_time")],
+            {
+                "op": args.get("op_name", "?"),
+                "provider": args.get("provider", "?"),
+                **{kind: sorted({t for t, _ in found}) for kind, found in tensors.items()},
+                "data": any(
+                    t in DATA_TYPES or math.prod(dims) > SHAPE_ELEMENTS
+                    for found in tensors.values()
+                    for t, dims in found
+                ),
+            },
+        )
     by_provider: dict[str, int] = {}
     for node in nodes.values():
         by_provider[node["provider"]] = by_provider.get(node["provider"], 0) + 1
@@ -181,13 +194,17 @@ def run_onnx(spec: dict) -> dict:
     cuda = spec["provider"] == "cuda"
     if cuda:
         cuda_ready(ort)
-    session = ort.InferenceSession(spec["model"], options, providers=["CUDAExecutionProvider" if cuda else "CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        spec["model"], options, providers=["CUDAExecutionProvider" if cuda else "CPUExecutionProvider"]
+    )
     feeds = load_feeds(session, spec["inputs"])
     if cuda:
         run_once = _bound_cuda_run(session, feeds, ort)
     else:
+
         def run_once():
             session.run(None, feeds)
+
     loaded = rss_bytes()
     emit("ready")
     result = time_runs(run_once, warmup=spec["warmup"], repeats=spec["repeats"], budget_seconds=spec["budget_seconds"])
@@ -219,7 +236,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     try:
         if spec.get("placement"):
-            result = {"status": "ok", "placement": node_placement(spec["model"], None, spec["provider"], spec["inputs"])}
+            result = {
+                "status": "ok",
+                "placement": node_placement(spec["model"], None, spec["provider"], spec["inputs"]),
+            }
         else:
             result = run_onnx(spec)
     except Exception as error:  # reported to the parent as this configuration's failure

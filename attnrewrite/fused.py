@@ -57,7 +57,9 @@ def fused_exact_attention(model: ir.Model, site_names: list[str], fp16: bool = F
         raise AttnRewriteError(f"no fused exact attention for this model: {error}; {OPTIMIZER}: {why_not}") from None
     disagreement = _disagreement(model, fused)
     if disagreement is not None:
-        raise AttnRewriteError(f"opset-{ATTENTION_OPSET} Attention disagrees with the original ({disagreement}); {OPTIMIZER}: {why_not}")
+        raise AttnRewriteError(
+            f"opset-{ATTENTION_OPSET} Attention disagrees with the original ({disagreement}); {OPTIMIZER}: {why_not}"
+        )
     return FusedModel(fused, f"opset-{ATTENTION_OPSET} Attention x{len(sites)} ({OPTIMIZER}: {why_not})")
 
 
@@ -112,7 +114,9 @@ def _optimizer_fusion(model: ir.Model, sites: list[OnnxSite]) -> tuple[FusedMode
     proto = _scale_as_division(ir.serde.serialize_model(model))
     logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)  # its fusion chatter
     try:
-        optimized = optimizer.optimize_model(proto, model_type="bert", num_heads=num_heads, hidden_size=num_heads * head_dim, opt_level=0)
+        optimized = optimizer.optimize_model(
+            proto, model_type="bert", num_heads=num_heads, hidden_size=num_heads * head_dim, opt_level=0
+        )
     except Exception as error:  # its pattern matchers assume things about graphs they do not check
         return None, f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
     fused = optimized.get_fused_operator_statistics().get("Attention", 0)
@@ -128,14 +132,18 @@ def _optimizer_fp16(fused: FusedModel) -> FusedModel:
 
     model = OnnxModel(ir.serde.serialize_model(fused.model))
     model.convert_float_to_float16(keep_io_types=False)
-    return FusedModel(onnx_io.from_proto(model.model), fused.how + ", float16 by onnxruntime's converter", already_fp16=True)
+    return FusedModel(
+        onnx_io.from_proto(model.model), fused.how + ", float16 by onnxruntime's converter", already_fp16=True
+    )
 
 
 def _scale_as_division(proto: onnx.ModelProto) -> onnx.ModelProto:
     """logits * c before a Softmax becomes logits / (1/c): the optimizer's pattern for attention
     without a mask expects a Div (exact for c = 1/sqrt(64) and every power of two)."""
     graph = proto.graph
-    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    constants = {
+        n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    }
     initializers = {t.name: t for t in graph.initializer}
     softmax_inputs = {n.input[0] for n in graph.node if n.op_type == "Softmax"}
     for node in graph.node:
@@ -217,8 +225,18 @@ def attention23_lowering(s: OnnxSite) -> OnnxLowering:
             ]
         inputs.append("attend")
     nodes.append(onnx.helper.make_node("Attention", inputs, ["out"], **attributes))
-    name = "ExactAttention" + ("Causal" if site.mask.causal else "") + ("Masked" if site.mask.key_padding else "") + f"Rank{site.rank}"
+    name = (
+        "ExactAttention"
+        + ("Causal" if site.mask.causal else "")
+        + ("Masked" if site.mask.key_padding else "")
+        + f"Rank{site.rank}"
+    )
     function = onnx.helper.make_function(
-        DOMAIN, name, ["q", "k", "v", "key_keep"], ["out"], nodes, [onnx.helper.make_opsetid("", ATTENTION_OPSET)],
+        DOMAIN,
+        name,
+        ["q", "k", "v", "key_keep"],
+        ["out"],
+        nodes,
+        [onnx.helper.make_opsetid("", ATTENTION_OPSET)],
     )
     return OnnxLowering([function])

@@ -20,10 +20,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights are in the package: never download
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import corpus  # noqa: E402
+import corpus
 
 HEAVIEST = 8
 
@@ -65,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
                 heaviest = far_weights.topk(min(HEAVIEST, far_weights.shape[-1]), dim=-1).values.sum(-1)
                 peaked = (heaviest / far_weights.sum(-1).clamp_min(1e-30)).mean(0)  # [N], mean over heads
                 sums[layer] += torch.stack(
-                    [w[:, 0].sum(), w[:, -1].sum(), (w * previous).sum(), (w * neighbours).sum(), (w * far).sum(), peaked.sum()]
+                    [
+                        w[:, 0].sum(),
+                        w[:, -1].sum(),
+                        (w * previous).sum(),
+                        (w * neighbours).sum(),
+                        (w * far).sum(),
+                        peaked.sum(),
+                    ]
                 )
             rows += ids.shape[1]
     print(f"all-MiniLM-L6-v2, {len(texts)} held-out passages, window {args.window}: share of attention mass")

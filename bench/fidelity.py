@@ -34,13 +34,13 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "samples")]  # this checkout's code first
 
-import corpus  # noqa: E402
-import onnx  # noqa: E402
+import corpus
+import onnx
 
-import attnrewrite  # noqa: E402
-from attnrewrite import passes  # noqa: E402
-from attnrewrite.calibration import similar_length_groups  # noqa: E402
-from attnrewrite.onnx.validate import make_session  # noqa: E402
+import attnrewrite
+from attnrewrite import passes
+from attnrewrite.calibration import similar_length_groups
+from attnrewrite.onnx.validate import make_session
 
 WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
@@ -161,7 +161,9 @@ def nn_agreement_at_fixed_cosine(reference: np.ndarray, cosines=(0.99, 0.995, 0.
     NN_DRAWS seeded draws. Near-tied neighbours flip under any error."""
     rng = np.random.default_rng(0)
     return {
-        f"{c:g}": round(float(np.mean([fidelity(reference, turned(reference, c, rng))["nn_agreement"] for _ in range(NN_DRAWS)])), 4)
+        f"{c:g}": round(
+            float(np.mean([fidelity(reference, turned(reference, c, rng))["nn_agreement"] for _ in range(NN_DRAWS)])), 4
+        )
         for c in cosines
     }
 
@@ -192,7 +194,7 @@ def calibration_supported() -> bool:
     return "calibrate" in inspect.signature(attnrewrite.rewrite).parameters
 
 
-def measure(config: Config, mode: str, model_path: Path, data: "Data", reference: np.ndarray, args) -> dict:
+def measure(config: Config, mode: str, model_path: Path, data: Data, reference: np.ndarray, args) -> dict:
     extra = {}
     if mode == "calibrated":
         extra = {"calibrate": data.calibration_feeds()}
@@ -297,7 +299,10 @@ def write_markdown(results: dict, path: Path) -> None:
     rows = sorted(
         results["rows"].values(),
         key=lambda r: (
-            _order(r["config"]), MODES.index(r["mode"]), r.get("layers", []), [r.get(name, 0) for name, *_ in SETTINGS],
+            _order(r["config"]),
+            MODES.index(r["mode"]),
+            r.get("layers", []),
+            [r.get(name, 0) for name, *_ in SETTINGS],
             -r.get("selection", {}).get("min_cosine", 0),
         ),
     )
@@ -412,38 +417,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-zero-shot", action="store_true", help="skip the calibrated runs")
     parser.add_argument("--only-calibrated", action="store_true", help="skip the zero-shot runs")
     parser.add_argument(
-        "--select", type=float, metavar="X",
+        "--select",
+        type=float,
+        metavar="X",
         help=f"only layer selection: rewrite(layers='auto', min_cosine=X), costs measured on {SELECTION_PASSAGES} calibration passages",
     )
     parser.add_argument("--model", type=Path, help="the exported MiniLM (default: export it to a temporary folder)")
     parser.add_argument("--batch", type=int, default=8, help="held-out passages per run (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: %(default)s)")
     parser.add_argument(
-        "--calibrate-selection", action="store_true",
+        "--calibrate-selection",
+        action="store_true",
         help="with --select: calibrate every trial; costs are measured on the last calibration batch, which is not fitted on",
     )
     parser.add_argument(
-        "--calibrate-steps", type=int, default=None,
+        "--calibrate-steps",
+        type=int,
+        default=None,
         help="passed to rewrite(calibrate_steps=...); such rows are kept beside those at the default",
     )
     parser.add_argument(
-        "--calibrate-lr", type=float, default=None,
+        "--calibrate-lr",
+        type=float,
+        default=None,
         help="passed to rewrite(calibrate_lr=...); such rows are kept beside those at the default",
     )
     parser.add_argument(
-        "--calibrate-ce", dest="calibrate_ce_weight", type=float, default=None,
+        "--calibrate-ce",
+        dest="calibrate_ce_weight",
+        type=float,
+        default=None,
         help="passed to rewrite(calibrate_ce_weight=...); such rows are kept beside those at the default",
     )
     parser.add_argument(
-        "--calibrate-end-to-end", type=int, default=None,
+        "--calibrate-end-to-end",
+        type=int,
+        default=None,
         help="passed to rewrite(calibrate_end_to_end=...); such rows are kept beside those without",
     )
     parser.add_argument(
-        "--calibrate-seed", type=int, default=None,
+        "--calibrate-seed",
+        type=int,
+        default=None,
         help="passed to rewrite(calibrate_seed=...) (which minibatches are drawn); such rows are kept beside seed 0's",
     )
     parser.add_argument(
-        "--layers", type=lambda text: [int(x) for x in text.split(",")],
+        "--layers",
+        type=lambda text: [int(x) for x in text.split(",")],
         help="replace only these layers (comma-separated): what each costs alone; kept beside the all-layer rows",
     )
     parser.add_argument("--limit", type=int, help="only the first N held-out passages (a quick try; not for the table)")
@@ -474,9 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         if not calibration_supported():
             results["calibration"] = "not measured: rewrite() takes no calibrate= on this checkout"
         results.update(
-            corpus=data.description, heldout_passages=len(data.heldout), batch=args.batch, threads=args.threads,
-            machine=machine(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            original_seconds=round(original_seconds, 2), nn_agreement_at_fixed_cosine=nn_agreement_at_fixed_cosine(reference),
+            corpus=data.description,
+            heldout_passages=len(data.heldout),
+            batch=args.batch,
+            threads=args.threads,
+            machine=machine(),
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            original_seconds=round(original_seconds, 2),
+            nn_agreement_at_fixed_cosine=nn_agreement_at_fixed_cosine(reference),
         )
         for name in names:
             config = all_configs[name]
@@ -494,7 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{skipped}: not run ({why})", flush=True)
                     continue
                 results["not_run"].pop(skipped, None)
-                row = {**measure(config, mode, model_path, data, reference, args), "commit": results["machine"]["commit"]}
+                row = {
+                    **measure(config, mode, model_path, data, reference, args),
+                    "commit": results["machine"]["commit"],
+                }
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode in SELECTED else "")
                 key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
                 if "layers" in row:

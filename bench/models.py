@@ -20,8 +20,11 @@ class EncoderStack(torch.nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         config = BertConfig(
-            hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers,
-            intermediate_size=4 * hidden, attn_implementation="eager",
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_hidden_layers=layers,
+            intermediate_size=4 * hidden,
+            attn_implementation="eager",
         )
         self.encoder = BertModel(config, add_pooling_layer=False).encoder.eval()
 
@@ -58,7 +61,12 @@ def export_attention(path: Path, heads: int = 12, head_dim: int = 64) -> Path:
 def _export(model, example, input_names, axes, path: Path) -> None:
     with torch.no_grad():
         torch.onnx.export(
-            model, example, str(path), dynamo=False, opset_version=OPSET,
-            input_names=input_names, output_names=["output"],
+            model,
+            example,
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=input_names,
+            output_names=["output"],
             dynamic_axes={**axes, "output": {1 if "hidden_states" in axes else 2: "sequence"}},
         )

@@ -70,7 +70,9 @@ def module(heads: int, head_dim: int, features: int, method: str = "", options: 
     from attnrewrite.site import AttentionSite
 
     method_pass = passes.get_pass(method)
-    site = AttentionSite(name="bench", scale=head_dim**-0.5, rank=4, num_heads=heads, head_dim=head_dim, value_dim=head_dim)
+    site = AttentionSite(
+        name="bench", scale=head_dim**-0.5, rank=4, num_heads=heads, head_dim=head_dim, value_dim=head_dim
+    )
     return method_pass.torch_module(site, passes.make_options(method_pass, **(options or {}))).eval()
 
 
@@ -103,7 +105,9 @@ def main(argv: list[str]) -> int:
 
         loaded = protocol.rss_bytes()
         protocol.emit("ready")
-        result = protocol.time_runs(run_once, warmup=spec["warmup"], repeats=spec["repeats"], budget_seconds=spec["budget_seconds"])
+        result = protocol.time_runs(
+            run_once, warmup=spec["warmup"], repeats=spec["repeats"], budget_seconds=spec["budget_seconds"]
+        )
         result.update(protocol.memory(loaded))
         if cuda:
             result["gpu_memory_bytes"] = protocol.gpu_memory_bytes()

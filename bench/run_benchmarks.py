@@ -41,13 +41,13 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # models.py, peers.py
 
-import models  # noqa: E402
-from attnrewrite import passes  # noqa: E402
-from attnrewrite import bench  # noqa: E402
-from attnrewrite.errors import AttnRewriteError  # noqa: E402
-from attnrewrite.onnx import io as onnx_io  # noqa: E402
-from attnrewrite.onnx.inputs import generate_inputs  # noqa: E402
-from attnrewrite.onnx.rewrite import rewrite_model  # noqa: E402
+import models
+
+from attnrewrite import bench, passes
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.inputs import generate_inputs
+from attnrewrite.onnx.rewrite import rewrite_model
 
 LAYER = dict(hidden=768, heads=12, layers=1)
 ATTENTION = dict(heads=12, head_dim=64)
@@ -73,13 +73,17 @@ def method_options(method: str, lengths: list[int]) -> dict:
 
 
 def parse_variant(variant: str) -> tuple[str, dict[str, str]]:
-    """"hedgehog:window=32" -> ("hedgehog", {"window": "32"}); a plain method name has no options."""
+    """ "hedgehog:window=32" -> ("hedgehog", {"window": "32"}); a plain method name has no options."""
     method, _, options = variant.partition(":")
     return method, dict(item.split("=", 1) for item in options.split(",") if item)
 
 
 def rewritten_variants(
-    original: Path, folder: Path, lengths: list[int], with_bound: bool = True, extra: tuple[str, ...] = (),
+    original: Path,
+    folder: Path,
+    lengths: list[int],
+    with_bound: bool = True,
+    extra: tuple[str, ...] = (),
     methods: list[str] | None = None,
 ) -> tuple[dict[str, Path], dict[str, str]]:
     """softmax, the identity bound, one model per method (default: every registered one) and one
@@ -89,12 +93,16 @@ def rewritten_variants(
     for variant in [*(methods or passes.PASSES), *extra]:
         method, options = parse_variant(variant)
         try:
-            model, record = rewrite_model(onnx_io.load_model(original), method, **{**method_options(method, lengths), **options})
+            model, record = rewrite_model(
+                onnx_io.load_model(original), method, **{**method_options(method, lengths), **options}
+            )
         except (AttnRewriteError, passes.OptionError, ValueError) as error:
             refused[variant] = str(error)
             continue
         except Exception as error:  # a pass still being written must not stop the other methods
-            refused[variant] = f"the rewrite failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            refused[variant] = (
+                f"the rewrite failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            )
             continue
         if not record.rewritten:
             refused[variant] = "; ".join(sorted({o.reason for o in record.skipped})) or "no site"
@@ -127,8 +135,16 @@ def inputs_writer(model: Path, folder: Path, batch: int = 1):
 
 def peer_runner(peer: str, config: bench.BenchConfig):
     def run_peer(n: int, inputs: Path) -> bench.Measurement:
-        spec = {"peer": peer, "n": n, "features": FEATURES, "threads": config.threads, "warmup": config.warmup,
-                "repeats": config.repeats, "budget_seconds": config.budget_seconds, **ATTENTION}
+        spec = {
+            "peer": peer,
+            "n": n,
+            "features": FEATURES,
+            "threads": config.threads,
+            "warmup": config.warmup,
+            "repeats": config.repeats,
+            "budget_seconds": config.budget_seconds,
+            **ATTENTION,
+        }
         return bench.measure_worker([sys.executable, str(HERE / "peers.py"), json.dumps(spec)], config, n)
 
     return run_peer
@@ -162,8 +178,16 @@ def profile(model: Path, inputs: Path, threads: int, folder: Path) -> list[tuple
     "replacement" for the nodes onnxruntime inlined from an attnrewrite function (it names
     them _inlfunc_*), "rest" for the model around them."""
     runs = 2
-    spec = {"model": str(model), "inputs": str(inputs), "provider": "cpu", "threads": threads, "warmup": 1,
-            "repeats": runs, "budget_seconds": 1e9, "profile": str(folder / f"profile-{model.stem}")}
+    spec = {
+        "model": str(model),
+        "inputs": str(inputs),
+        "provider": "cpu",
+        "threads": threads,
+        "warmup": 1,
+        "repeats": runs,
+        "budget_seconds": 1e9,
+        "profile": str(folder / f"profile-{model.stem}"),
+    }
     outcome = bench.run_worker([sys.executable, str(bench.WORKER), json.dumps(spec)], 2**62, 1e9)
     if outcome.get("status") != "ok":
         return []
@@ -218,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--skip-stack", action="store_true", help="leave out the 6-layer N = 32768 run")
     parser.add_argument(
-        "--attention-rows", metavar="VARIANTS",
+        "--attention-rows",
+        metavar="VARIANTS",
         help="only the attention-only section, for these comma-separated variants "
         "(softmax, a method, or method:option=value, e.g. hedgehog:window=32; several options joined by +): "
         "print its tables, write no file",
@@ -227,8 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     lengths = args.lengths or ([128, 256, 512, 1024] if args.quick else bench.DEFAULT_LENGTHS)
     config = bench.BenchConfig(
-        model="", method="", lengths=lengths, budget_seconds=args.budget_seconds, budget_gb=args.budget_gb,
-        threads=args.threads, repeats=2 if args.quick else args.repeats, trials=1 if args.quick else args.trials,
+        model="",
+        method="",
+        lengths=lengths,
+        budget_seconds=args.budget_seconds,
+        budget_gb=args.budget_gb,
+        threads=args.threads,
+        repeats=2 if args.quick else args.repeats,
+        trials=1 if args.quick else args.trials,
     )
     if args.attention_rows:
         return attention_rows([v.replace("+", ",") for v in args.attention_rows.split(",")], config)
@@ -239,9 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         attention = models.export_attention(folder / "attention.onnx", **ATTENTION)
 
         layer_paths, layer_refused = rewritten_variants(layer, folder, lengths)
-        layer_labels = {k: ("softmax (exported)" if k == "softmax" else "identity bound" if k == "identity" else k) for k in layer_paths}
+        layer_labels = {
+            k: ("softmax (exported)" if k == "softmax" else "identity bound" if k == "identity" else k)
+            for k in layer_paths
+        }
         runners = {k: bench.onnx_runner(p, config) for k, p in layer_paths.items()}
-        layer_section = run_section("one BERT-base encoder layer", runners, layer_labels, config, inputs_writer(layer, folder))
+        layer_section = run_section(
+            "one BERT-base encoder layer", runners, layer_labels, config, inputs_writer(layer, folder)
+        )
 
         # attention only: no bound (it would be zero work)
         attention_paths, attention_refused = rewritten_variants(
@@ -276,9 +312,18 @@ def main(argv: list[str] | None = None) -> int:
             series = {section.labels[k]: [m for m in section.measurements if m.variant == k] for k in section.labels}
             bench.plot_series(series, args.output.parent / name, title)
         report = render(
-            started, ended, config, layer_section, attention_section, stack, targets, profiles, peers,
+            started,
+            ended,
+            config,
+            layer_section,
+            attention_section,
+            stack,
+            targets,
+            profiles,
+            peers,
             {**layer_refused, **{f"{k} (attention only)": v for k, v in attention_refused.items()}},
-            previous_analysis(args.output), list(plots),
+            previous_analysis(args.output),
+            list(plots),
         )
         args.output.write_text(report)
         raw = {
@@ -310,9 +355,11 @@ def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
         labels = {v: ("softmax (ORT)" if v == "softmax" else variant_label(v)) for v in variants}
         section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
     state = machine_state()
-    print(f"{state['time']}, {state['cpu']}, load average {state['load_average']}, "
-          f"other processes' cores during the run {others_cores(cpu_start, cpu_seconds()):.2f}; "
-          f"{config.threads} threads, {config.trials} trials x {config.repeats} runs\n")
+    print(
+        f"{state['time']}, {state['cpu']}, load average {state['load_average']}, "
+        f"other processes' cores during the run {others_cores(cpu_start, cpu_seconds()):.2f}; "
+        f"{config.threads} threads, {config.trials} trials x {config.repeats} runs\n"
+    )
     print(section_tables(section, "softmax" if "softmax" in variants else None))
     return 0
 
@@ -356,29 +403,73 @@ def evaluate_targets(layer: Section, attention: Section, stack: dict | None) -> 
                 ratios.append((n, ours, bound, ours / bound))
         measured = "; ".join(f"N={n}: {o:.0f} / {b:.0f} ms = {r:.2f}x" for n, o, b, r in ratios) or "not measured"
         worst = max(ratios, key=lambda r: r[3]) if ratios else None
-        targets.append(Target(
-            f"{method} within 1.1x of the identity bound at N >= 4096 (layer)", measured,
-            None if not ratios else all(r[3] <= 1.1 for r in ratios),
-            (method, worst[0], "layer") if worst else None,
-        ))
-    targets.append(speedup_target(layer, "favor", "softmax", 4096, 3.0, f"favor (m={FEATURES}) >= 3x faster than softmax at N=4096 (layer)", "layer"))
-    targets.append(speedup_target(layer, "linformer", "softmax", 4096, 3.0, f"linformer (k={FEATURES}) >= 3x faster than softmax at N=4096 (layer)", "layer"))
-    targets.append(speedup_target(layer, "lsh", "softmax", 8192, 1.5, "lsh >= 1.5x faster than softmax at N=8192 (layer)", "layer"))
-    targets.append(speedup_target(attention, "favor", "performer", 4096, 1.5, f"our FAVOR+ graph >= 1.5x faster than performer FastAttention at N=4096, m={FEATURES} (attention only)", "attention"))
+        targets.append(
+            Target(
+                f"{method} within 1.1x of the identity bound at N >= 4096 (layer)",
+                measured,
+                None if not ratios else all(r[3] <= 1.1 for r in ratios),
+                (method, worst[0], "layer") if worst else None,
+            )
+        )
+    targets.append(
+        speedup_target(
+            layer,
+            "favor",
+            "softmax",
+            4096,
+            3.0,
+            f"favor (m={FEATURES}) >= 3x faster than softmax at N=4096 (layer)",
+            "layer",
+        )
+    )
+    targets.append(
+        speedup_target(
+            layer,
+            "linformer",
+            "softmax",
+            4096,
+            3.0,
+            f"linformer (k={FEATURES}) >= 3x faster than softmax at N=4096 (layer)",
+            "layer",
+        )
+    )
+    targets.append(
+        speedup_target(layer, "lsh", "softmax", 8192, 1.5, "lsh >= 1.5x faster than softmax at N=8192 (layer)", "layer")
+    )
+    targets.append(
+        speedup_target(
+            attention,
+            "favor",
+            "performer",
+            4096,
+            1.5,
+            f"our FAVOR+ graph >= 1.5x faster than performer FastAttention at N=4096, m={FEATURES} (attention only)",
+            "attention",
+        )
+    )
     if stack is None:
-        targets.append(Target(f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak", "not run", None))
+        targets.append(
+            Target(f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak", "not run", None)
+        )
     else:
         m = stack["hydra"]
         peak = m["peak_rss_bytes"]
-        measured = f"{m['status']}, peak RSS {peak / 2**30:.2f} GB" + (f", median {m['median_s']:.1f} s" if m["median_s"] else "")
-        targets.append(Target(
-            f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak", measured,
-            m["status"] == "ok" and peak <= STACK_BUDGET_GB * 2**30,
-        ))
+        measured = f"{m['status']}, peak RSS {peak / 2**30:.2f} GB" + (
+            f", median {m['median_s']:.1f} s" if m["median_s"] else ""
+        )
+        targets.append(
+            Target(
+                f"6-layer 384-wide encoder, hydra, N={STACK_N} within {STACK_BUDGET_GB:g} GB peak",
+                measured,
+                m["status"] == "ok" and peak <= STACK_BUDGET_GB * 2**30,
+            )
+        )
     return targets
 
 
-def speedup_target(section: Section, method: str, baseline: str, n: int, factor: float, text: str, where: str) -> Target:
+def speedup_target(
+    section: Section, method: str, baseline: str, n: int, factor: float, text: str, where: str
+) -> Target:
     ours, base = section.median_ms(method, n), section.median_ms(baseline, n)
     if ours is None:
         return Target(text, f"{method} not measured at N={n}", None)
@@ -388,8 +479,10 @@ def speedup_target(section: Section, method: str, baseline: str, n: int, factor:
         return Target(text, f"{method} {ours:.0f} ms; {baseline} {why} at N={n}", None, (method, n, where))
     speedup = base / ours
     return Target(
-        text, f"{baseline} {base:.0f} ms / {method} {ours:.0f} ms = {speedup:.2f}x",
-        speedup >= factor, (method, n, where),
+        text,
+        f"{baseline} {base:.0f} ms / {method} {ours:.0f} ms = {speedup:.2f}x",
+        speedup >= factor,
+        (method, n, where),
     )
 
 
@@ -404,8 +497,11 @@ def cpu_seconds() -> dict:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    ours = sum(getattr(resource.getrusage(who), t) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for t in ("ru_utime", "ru_stime"))
+    ours = sum(
+        getattr(resource.getrusage(who), t)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for t in ("ru_utime", "ru_stime")
+    )
     return {"machine": busy / os.sysconf("SC_CLK_TCK"), "ours": ours, "wall": time.monotonic()}
 
 
@@ -420,7 +516,10 @@ def machine_state() -> dict:
     import torch
 
     versions = {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "numpy": np.__version__}
-    for name, module in (("performer-pytorch", "performer_pytorch"), ("pytorch-fast-transformers", "fast_transformers")):
+    for name, _module in (
+        ("performer-pytorch", "performer_pytorch"),
+        ("pytorch-fast-transformers", "fast_transformers"),
+    ):
         try:
             from importlib.metadata import version
 
@@ -443,7 +542,7 @@ def previous_analysis(path: Path) -> str | None:
         return None
     text = path.read_text()
     if ANALYSIS_START in text and ANALYSIS_END in text:
-        return text[text.index(ANALYSIS_START): text.index(ANALYSIS_END) + len(ANALYSIS_END)]
+        return text[text.index(ANALYSIS_START) : text.index(ANALYSIS_END) + len(ANALYSIS_END)]
     return None
 
 
@@ -467,7 +566,9 @@ def _time(m: bench.Measurement | None) -> str:
 def _memory(m: bench.Measurement | None) -> str:
     if m is None or m.peak_bytes is None:
         return ""
-    return f"{m.peak_bytes / 2**20:.0f}" + ("" if m.status == "ok" else " (killed)" if m.status == "over_memory" else "")
+    return f"{m.peak_bytes / 2**20:.0f}" + (
+        "" if m.status == "ok" else " (killed)" if m.status == "over_memory" else ""
+    )
 
 
 def section_tables(section: Section, ratio_to: str | None) -> str:
@@ -513,13 +614,19 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
         f"pytorch-fast-transformers {versions['pytorch-fast-transformers'] or 'not installed'}",
         f"- load average (1, 5, 15 min) before the run {started['load_average']} (after: {ended['load_average']}, ours included); "
         f"other processes used {others:.2f} of {started['cores']} cores on average during the run: "
-        + ("the machine was otherwise idle." if idle else "the machine was NOT idle (shared with other work); timings are noisy."),
+        + (
+            "the machine was otherwise idle."
+            if idle
+            else "the machine was NOT idle (shared with other work); timings are noisy."
+        ),
         f"- fp32, batch 1, {config.threads} intra-op threads (onnxruntime and torch alike); median of "
         f"{config.trials} fresh processes x {config.repeats} runs after {config.warmup} warm-up each, interleaved across models; memory = that process's peak resident set "
         "(VmHWM), interpreter and weights included; a series stops at its first run over "
         f"{config.budget_seconds:g} s or {config.budget_gb:g} GB.",
         f"- methods as registered: {', '.join(passes.PASSES)}; options: "
-        + ", ".join(f"{m} {method_options(m, config.lengths)}" for m in passes.PASSES if method_options(m, config.lengths)),
+        + ", ".join(
+            f"{m} {method_options(m, config.lengths)}" for m in passes.PASSES if method_options(m, config.lengths)
+        ),
         "",
     ]
     if refused:
@@ -527,18 +634,32 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
     unavailable = {p: why for p, why in peers.items() if why}
     if unavailable:
         out += ["Peers not measured:", ""] + [f"- {PEER_LABELS[p]}: {why}" for p, why in unavailable.items()] + [""]
-    out += ["## Targets", "", _table(["target", "measured", "result"], [
-        [t.text, t.measured, {True: "**reached**", False: "**missed**", None: "not measured"}[t.reached]] for t in targets
-    ], numeric=False), ""]
     out += [
-        "## One BERT-base encoder layer (d = 768, 12 heads, FFN 3072, with projections)", "",
+        "## Targets",
+        "",
+        _table(
+            ["target", "measured", "result"],
+            [
+                [t.text, t.measured, {True: "**reached**", False: "**missed**", None: "not measured"}[t.reached]]
+                for t in targets
+            ],
+            numeric=False,
+        ),
+        "",
+    ]
+    out += [
+        "## One BERT-base encoder layer (d = 768, 12 heads, FFN 3072, with projections)",
+        "",
         "Hidden states [1, N, 768] in and out. `identity bound`: every attention replaced by its values v,",
         "spliced like a real replacement, q, k and v still computed but not q's and k's head transposes",
-        "(attnrewrite/bench.py): the fastest any attention replacement can be.", "",
+        "(attnrewrite/bench.py): the fastest any attention replacement can be.",
+        "",
         section_tables(layer, "softmax"),
-        "## Attention only, q, k, v of [1, 12, N, 64]", "",
+        "## Attention only, q, k, v of [1, 12, N, 64]",
+        "",
         "No projections: these rows compare attention implementations, not layers. Ours are ONNX",
-        "graphs on onnxruntime; the peers are torch modules (torch SDPA is exact softmax attention).", "",
+        "graphs on onnxruntime; the peers are torch modules (torch SDPA is exact softmax attention).",
+        "",
         section_tables(attention, "softmax"),
     ]
     if stack:
@@ -546,12 +667,30 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
         for key in ("hydra", "softmax"):
             m = stack[key]
             median = f"{m['median_s']:.2f} s" if m["median_s"] else "-"
-            rows.append([key, m["status"].replace("_", " "), median, f"{(m['peak_rss_bytes'] or 0) / 2**30:.2f}", m["detail"] or ""])
-        out += [f"## 6-layer, 384-wide encoder at N = {STACK_N}", "",
-                f"Budget {STACK_BUDGET_GB:g} GB (the process is killed past it).", "",
-                _table(["model", "status", "median", "peak GB", "detail"], rows, numeric=False), ""]
+            rows.append(
+                [
+                    key,
+                    m["status"].replace("_", " "),
+                    median,
+                    f"{(m['peak_rss_bytes'] or 0) / 2**30:.2f}",
+                    m["detail"] or "",
+                ]
+            )
+        out += [
+            f"## 6-layer, 384-wide encoder at N = {STACK_N}",
+            "",
+            f"Budget {STACK_BUDGET_GB:g} GB (the process is killed past it).",
+            "",
+            _table(["model", "status", "median", "peak GB", "detail"], rows, numeric=False),
+            "",
+        ]
     if profiles:
-        out += ["## Profiles of missed targets", "", "onnxruntime's profiler, kernel time per run by op type (top 10); part: the replacement's inlined nodes or the rest of the model.", ""]
+        out += [
+            "## Profiles of missed targets",
+            "",
+            "onnxruntime's profiler, kernel time per run by op type (top 10); part: the replacement's inlined nodes or the rest of the model.",
+            "",
+        ]
         for (key, n, where), rows in profiles.items():
             replacement = sum(ms for _, part, ms, _ in rows if part == "replacement")
             total = sum(ms for *_, ms, _ in rows)
@@ -559,8 +698,17 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
             if not rows:
                 out += ["profile failed", ""]
                 continue
-            out += [f"Kernel time {total:.0f} ms per run, of which the replacement {replacement:.0f} ms ({replacement / total:.0%}).", ""]
-            out += [_table(["op", "part", "ms per run", "share"], [[op, part, f"{ms:.1f}", f"{share:.0%}"] for op, part, ms, share in rows[:10]]), ""]
+            out += [
+                f"Kernel time {total:.0f} ms per run, of which the replacement {replacement:.0f} ms ({replacement / total:.0%}).",
+                "",
+            ]
+            out += [
+                _table(
+                    ["op", "part", "ms per run", "share"],
+                    [[op, part, f"{ms:.1f}", f"{share:.0%}"] for op, part, ms, share in rows[:10]],
+                ),
+                "",
+            ]
     out += ["## Analysis", "", analysis or f"{ANALYSIS_START}\n(to be written after a full run)\n{ANALYSIS_END}", ""]
     out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(out)

@@ -43,14 +43,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # models.py, peers.py, run_benchmarks.py; this tree's attnrewrite
 
-import models  # noqa: E402
-from attnrewrite import passes  # noqa: E402
-import run_benchmarks as standard  # noqa: E402  (the CPU sweep: its model building and tables)
-from attnrewrite import bench  # noqa: E402
-from attnrewrite.errors import AttnRewriteError  # noqa: E402
-from attnrewrite.fused import fused_exact_attention  # noqa: E402
-from attnrewrite.onnx import io as onnx_io  # noqa: E402
-from attnrewrite.onnx.rewrite import analyze  # noqa: E402
+import models
+import run_benchmarks as standard  # the CPU sweep: its model building and tables
+
+from attnrewrite import bench, passes
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.fused import fused_exact_attention
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.rewrite import analyze
 
 LENGTHS = [1024, 4096, 16384, 32768, 65536]
 SMOKE_LENGTHS = [256]  # >= linformer's k (256), its projection's shortest max_len
@@ -62,7 +62,9 @@ SECTIONS = {
 JSON_NAME, REPORT_NAME = "results_cuda.json", "RESULTS_CUDA.md"
 SCHEMA = "attnrewrite.cuda-bench/1"
 NOT_REACHED = "not_reached"  # a cell the deadline left out
-OUT_OF_MEMORY = re.compile(r"out of memory|Failed to allocate|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|OutOfMemoryError", re.I)
+OUT_OF_MEMORY = re.compile(
+    r"out of memory|Failed to allocate|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|OutOfMemoryError", re.I
+)
 
 
 # --- what is measured ---------------------------------------------------------------------------
@@ -94,7 +96,9 @@ def build_models(
     for section, original in originals.items():
         for dtype in dtypes:
             source = as_fp16(original) if dtype == "fp16" else original
-            variants, refused = standard.rewritten_variants(source, folder, lengths, with_bound=section == "layer", methods=methods)
+            variants, refused = standard.rewritten_variants(
+                source, folder, lengths, with_bound=section == "layer", methods=methods
+            )
             notes[section, dtype] = [f"{method} not measured: {why}" for method, why in refused.items()]
             paths[section, dtype] = variants
     return originals, paths, notes
@@ -134,7 +138,11 @@ def plan_sweep(args, folder: Path) -> tuple[Plan, dict[str, Path]]:
             paths = built[section, dtype]
             fused, how = fused_model(original, dtype == "fp16", folder)
             if fused is not None:
-                paths = {"softmax": paths["softmax"], "fused": fused, **{k: p for k, p in paths.items() if k != "softmax"}}
+                paths = {
+                    "softmax": paths["softmax"],
+                    "fused": fused,
+                    **{k: p for k, p in paths.items() if k != "softmax"},
+                }
             keys = list(paths)
             if section == "attention":
                 keys += [f"torch:{m}" for m in args.methods] + ["torch:sdpa"]
@@ -220,11 +228,20 @@ def torch_runner(method: str, config: bench.BenchConfig, device: str, dtype: str
     """A pass's torch module, or torch SDPA for "sdpa", in bench/peers.py's process."""
 
     def run(n: int, inputs: Path) -> bench.Measurement:
-        spec = {"peer": "sdpa" if method == "sdpa" else "module", "method": method, "n": n,
-                "options": standard.method_options(method, config.lengths), "features": standard.FEATURES,
-                "threads": config.threads, "device": device, "dtype": "float16" if dtype == "fp16" else "float32",
-                "warmup": config.warmup, "repeats": config.repeats, "budget_seconds": config.budget_seconds,
-                **standard.ATTENTION}
+        spec = {
+            "peer": "sdpa" if method == "sdpa" else "module",
+            "method": method,
+            "n": n,
+            "options": standard.method_options(method, config.lengths),
+            "features": standard.FEATURES,
+            "threads": config.threads,
+            "device": device,
+            "dtype": "float16" if dtype == "fp16" else "float32",
+            "warmup": config.warmup,
+            "repeats": config.repeats,
+            "budget_seconds": config.budget_seconds,
+            **standard.ATTENTION,
+        }
         return bench.measure_worker([sys.executable, str(HERE / "peers.py"), json.dumps(spec)], config, n)
 
     return run
@@ -234,8 +251,15 @@ def sweep_all(plan: Plan, originals: dict[str, Path], args, store: Store, folder
     device = "cuda" if plan.provider == "cuda" else "cpu"
     for (section, dtype), columns in plan.columns.items():
         config = bench.BenchConfig(
-            model="", method="", lengths=plan.lengths, provider=plan.provider, budget_seconds=args.budget_seconds,
-            budget_gb=args.budget_gb, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+            model="",
+            method="",
+            lengths=plan.lengths,
+            provider=plan.provider,
+            budget_seconds=args.budget_seconds,
+            budget_gb=args.budget_gb,
+            threads=args.threads,
+            repeats=args.repeats,
+            warmup=args.warmup,
         )
         runners = {}
         for column in columns:
@@ -260,7 +284,9 @@ def place_all(plan: Plan, originals: dict[str, Path], store: Store, folder: Path
                 continue
             spec = {"model": str(path), "inputs": str(inputs), "provider": plan.provider, "placement": True}
             outcome = bench.run_worker([sys.executable, str(bench.WORKER), json.dumps(spec)], 2**62, 600.0)
-            store.data["placement"][key] = outcome.get("placement") or {"error": outcome.get("error") or outcome.get("detail")}
+            store.data["placement"][key] = outcome.get("placement") or {
+                "error": outcome.get("error") or outcome.get("detail")
+            }
             store.save()
 
 
@@ -297,21 +323,35 @@ def environment(provider: str) -> dict:
 def gpu_facts() -> list[dict] | str:
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
-        cuda = re.search(r"CUDA Version:\s*([\d.]+)", subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout)
+        cuda = re.search(
+            r"CUDA Version:\s*([\d.]+)",
+            subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout,
+        )
     except (OSError, subprocess.SubprocessError) as error:
         return f"no GPU seen ({type(error).__name__}: nvidia-smi)"
     fields = ("name", "driver", "memory", "max_sm_clock", "power_limit")
-    return [dict(zip(fields, (x.strip() for x in line.split(","))), driver_cuda=cuda.group(1) if cuda else None)
-            for line in out.strip().splitlines()]
+    return [
+        dict(zip(fields, (x.strip() for x in line.split(","))), driver_cuda=cuda.group(1) if cuda else None)
+        for line in out.strip().splitlines()
+    ]
 
 
 # --- the report ---------------------------------------------------------------------------------
 
 
-def measurements(store: Store, section: str, dtype: str, columns: dict[str, str], lengths: list[int]) -> dict[str, list[bench.Measurement]]:
+def measurements(
+    store: Store, section: str, dtype: str, columns: dict[str, str], lengths: list[int]
+) -> dict[str, list[bench.Measurement]]:
     found = {}
     for column in columns:
         found[column] = [m for n in lengths if (m := store.cell(cell_key(section, dtype, column, n))) is not None]
@@ -353,19 +393,35 @@ def section_report(store: Store, plan: Plan, section: str, dtype: str) -> list[s
         base_ms = base.median_s * 1e3 if base is not None and base.status == "ok" else None
         times.append([str(n), *[cell_text(at.get((c, n)), base_ms if c != baseline else None) for c in columns]])
         memory.append([str(n), *[memory_text(at.get((c, n)), plan.provider) for c in columns]])
-    memory_kind = "GPU memory of the process (nvidia-smi, CUDA context included)" if plan.provider == "cuda" else "peak RSS of the process"
+    memory_kind = (
+        "GPU memory of the process (nvidia-smi, CUDA context included)"
+        if plan.provider == "cuda"
+        else "peak RSS of the process"
+    )
     out = [
-        f"### {SECTIONS[section]}, {dtype}", "",
-        *[f"- {note}" for note in plan.notes[(section, dtype)]], "",
-        f"Median latency, ms (in parentheses: speedup over {columns[baseline]})", "",
-        standard._table(header, times), "",
-        f"Memory, MiB: {memory_kind}", "",
-        standard._table(header, memory), "",
+        f"### {SECTIONS[section]}, {dtype}",
+        "",
+        *[f"- {note}" for note in plan.notes[(section, dtype)]],
+        "",
+        f"Median latency, ms (in parentheses: speedup over {columns[baseline]})",
+        "",
+        standard._table(header, times),
+        "",
+        f"Memory, MiB: {memory_kind}",
+        "",
+        standard._table(header, memory),
+        "",
     ]
     out += crossovers(series, columns, plan.lengths)
-    problems = [(columns[c], m) for c, ms in series.items() for m in ms if m.status not in ("ok", NOT_REACHED) and m.detail]
+    problems = [
+        (columns[c], m) for c, ms in series.items() for m in ms if m.status not in ("ok", NOT_REACHED) and m.detail
+    ]
     if problems:
-        out += ["Cells that did not finish:", ""] + [f"- {title}, N = {m.n}: {m.status.replace('_', ' ')}: {m.detail}" for title, m in problems] + [""]
+        out += (
+            ["Cells that did not finish:", ""]
+            + [f"- {title}, N = {m.n}: {m.status.replace('_', ' ')}: {m.detail}" for title, m in problems]
+            + [""]
+        )
     return out
 
 
@@ -384,8 +440,12 @@ def crossovers(series: dict[str, list[bench.Measurement]], columns: dict[str, st
         rows.append(cells)
     if not rows:
         return []
-    return ["Crossover: the smallest N from which the method is faster at every longer N measured, beyond the spread of the runs (interquartile ranges apart)", "",
-            standard._table(["method", "vs softmax (ORT)", "vs fused exact (ORT)"], rows, numeric=False), ""]
+    return [
+        "Crossover: the smallest N from which the method is faster at every longer N measured, beyond the spread of the runs (interquartile ranges apart)",
+        "",
+        standard._table(["method", "vs softmax (ORT)", "vs fused exact (ORT)"], rows, numeric=False),
+        "",
+    ]
 
 
 def placement_report(store: Store, plan: Plan) -> list[str]:
@@ -405,10 +465,15 @@ def placement_report(store: Store, plan: Plan) -> list[str]:
         return []
     expected = bench_worker_provider(plan.provider)
     return [
-        "## Node placement", "",
+        "## Node placement",
+        "",
         f"Nodes that ran off {expected} and make float tensors (shape arithmetic on CPU is left out: onnxruntime",
-        f"puts it there on purpose), and the copies between devices, at N = {plan.lengths[0]}; from onnxruntime's profiler.", "",
-        standard._table(["section", "dtype", "model", "nodes", "Memcpy", "float-producing nodes elsewhere"], rows, numeric=False), "",
+        f"puts it there on purpose), and the copies between devices, at N = {plan.lengths[0]}; from onnxruntime's profiler.",
+        "",
+        standard._table(
+            ["section", "dtype", "model", "nodes", "Memcpy", "float-producing nodes elsewhere"], rows, numeric=False
+        ),
+        "",
     ]
 
 
@@ -419,15 +484,23 @@ def bench_worker_provider(provider: str) -> str:
 def render(store: Store, plan: Plan, args, plots: list[str], analysis: str | None) -> str:
     env = store.data["environment"]
     gpu = env["gpu"]
-    gpu_line = gpu if isinstance(gpu, str) else "; ".join(
-        f"{g['name']} ({g['memory']}, driver {g['driver']}, CUDA {g['driver_cuda']}, max SM clock {g['max_sm_clock']}, power limit {g['power_limit']})" for g in gpu
+    gpu_line = (
+        gpu
+        if isinstance(gpu, str)
+        else "; ".join(
+            f"{g['name']} ({g['memory']}, driver {g['driver']}, CUDA {g['driver_cuda']}, max SM clock {g['max_sm_clock']}, power limit {g['power_limit']})"
+            for g in gpu
+        )
     )
     missing = sum(1 for c in store.data["cells"].values() if c["status"] == NOT_REACHED)
     out = [
-        "# CUDA benchmark results" + (" (SMOKE RUN: CPU provider, tiny N; not a measurement)" if args.smoke else ""), "",
+        "# CUDA benchmark results" + (" (SMOKE RUN: CPU provider, tiny N; not a measurement)" if args.smoke else ""),
+        "",
         f"Written by `python bench/run_cuda_benchmarks.py {' '.join(args.argv)}` "
-        f"({', '.join(r['started'] for r in store.data['runs'])}; {len(store.data['runs'])} run(s)).", "",
-        "## Machine", "",
+        f"({', '.join(r['started'] for r in store.data['runs'])}; {len(store.data['runs'])} run(s)).",
+        "",
+        "## Machine",
+        "",
         f"- GPU: {gpu_line}",
         f"- CPU: {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GB; Python {env['python']}",
         f"- onnxruntime {env['onnxruntime']} ({', '.join(env['onnxruntime_providers'])}), onnx {env['onnx']}, "
@@ -435,16 +508,29 @@ def render(store: Store, plan: Plan, args, plots: list[str], analysis: str | Non
         f"- provider {plan.provider}; batch 1; median of {args.repeats} runs after {args.warmup} warm-up, each cell in a "
         f"fresh process; onnxruntime with IOBinding on CUDA (inputs on the device, no copies timed); torch runs "
         f"synchronized; a series stops at its first run over {args.budget_seconds:g} s, GPU out-of-memory or failure.",
-        f"- options: " + ", ".join(f"{m} {standard.method_options(m, plan.lengths)}" for m in passes.PASSES if standard.method_options(m, plan.lengths)),
+        "- options: "
+        + ", ".join(
+            f"{m} {standard.method_options(m, plan.lengths)}"
+            for m in passes.PASSES
+            if standard.method_options(m, plan.lengths)
+        ),
         "",
     ]
     if missing:
-        out += [f"**{missing} cells were not reached before the deadline**: rerun with `--resume` to complete them.", ""]
+        out += [
+            f"**{missing} cells were not reached before the deadline**: rerun with `--resume` to complete them.",
+            "",
+        ]
     out += ["## Results", ""]
     for section, dtype in plan.columns:
         out += section_report(store, plan, section, dtype)
     out += placement_report(store, plan)
-    out += ["## Analysis", "", analysis or f"{standard.ANALYSIS_START}\n(to be written after a full run)\n{standard.ANALYSIS_END}", ""]
+    out += [
+        "## Analysis",
+        "",
+        analysis or f"{standard.ANALYSIS_START}\n(to be written after a full run)\n{standard.ANALYSIS_END}",
+        "",
+    ]
     out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(out)
 
@@ -454,7 +540,11 @@ def draw(store: Store, plan: Plan, folder: Path) -> list[str]:
     for (section, dtype), columns in plan.columns.items():
         series = measurements(store, section, dtype, columns, plan.lengths)
         name = f"cuda_{section}_{dtype}.png" if plan.provider == "cuda" else f"smoke_{section}_{dtype}.png"
-        bench.plot_series({columns[c]: ms for c, ms in series.items()}, folder / name, f"{SECTIONS[section]}, {dtype}, {plan.provider}")
+        bench.plot_series(
+            {columns[c]: ms for c, ms in series.items()},
+            folder / name,
+            f"{SECTIONS[section]}, {dtype}, {plan.provider}",
+        )
         names.append(name)
     return names
 
@@ -479,17 +569,23 @@ def dtypes_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU provider, N = 64, 1 repeat: the whole script in about a minute")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU provider, N = 64, 1 repeat: the whole script in about a minute"
+    )
     parser.add_argument("--lengths", type=lambda t: sorted(int(x) for x in t.split(",")), default=None)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 5; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; smoke 0)")
     parser.add_argument("--budget-seconds", type=float, default=2.0, help="a series stops at a run slower than this")
     parser.add_argument("--budget-gb", type=float, default=None, help="host memory per cell (default: 3/4 of RAM)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (onnxruntime intra-op and torch)")
-    parser.add_argument("--deadline-minutes", type=float, default=9.0, help="start no cell after this; then write the report")
+    parser.add_argument(
+        "--deadline-minutes", type=float, default=9.0, help="start no cell after this; then write the report"
+    )
     parser.add_argument("--resume", action="store_true", help="keep the cells already in OUTPUT_DIR/results_cuda.json")
     parser.add_argument("--no-placement", action="store_true", help="leave out the node placement check")
-    parser.add_argument("--methods", type=methods_list, default=list(passes.PASSES), help="a subset, e.g. hydra,lsh (default: all)")
+    parser.add_argument(
+        "--methods", type=methods_list, default=list(passes.PASSES), help="a subset, e.g. hydra,lsh (default: all)"
+    )
     parser.add_argument("--dtypes", type=dtypes_list, default=list(DTYPES), help="fp16,fp32 (default) or one of them")
     parser.add_argument("--output-dir", type=Path, default=HERE)
     raw = sys.argv[1:] if argv is None else argv
@@ -510,11 +606,17 @@ def main(argv: list[str] | None = None) -> int:
         import onnxruntime
 
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            print(f"run_cuda_benchmarks: this onnxruntime ({onnxruntime.__version__}) has no CUDA execution provider "
-                  "(see docs/GPU.md); --smoke runs the script on CPU", file=sys.stderr)
+            print(
+                f"run_cuda_benchmarks: this onnxruntime ({onnxruntime.__version__}) has no CUDA execution provider "
+                "(see docs/GPU.md); --smoke runs the script on CPU",
+                file=sys.stderr,
+            )
             return 2
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    header = {"environment": environment(args.provider), "runs": [{"started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": args.argv}]}
+    header = {
+        "environment": environment(args.provider),
+        "runs": [{"started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": args.argv}],
+    }
     store = Store(args.output_dir / JSON_NAME, args.resume, header)
     with tempfile.TemporaryDirectory(prefix="attnrewrite-cuda-") as tmp:
         folder = Path(tmp)

@@ -28,17 +28,17 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights are in the package: never download
 
-import torch  # noqa: E402
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-import corpus  # noqa: E402
-from attention_mass import block_offsets  # noqa: E402
+import corpus
+from attention_mass import block_offsets
 
-from attnrewrite.site import AttentionSite, MaskKind  # noqa: E402
-from attnrewrite.passes import hedgehog  # noqa: E402
-from attnrewrite.passes.fit import SiteSamples, exact_attention, fit_site  # noqa: E402
+from attnrewrite.passes import hedgehog
+from attnrewrite.passes.fit import SiteSamples, exact_attention, fit_site
+from attnrewrite.site import AttentionSite, MaskKind
 
 HELDOUT_PASSAGES = 64
 LOG_SCALES = ("query_log_scale", "key_log_scale")
@@ -66,7 +66,10 @@ def collect(model, tokenizer, texts, layers) -> dict[int, list]:
             model(input_ids=torch.tensor([tokenizer.encode(text).ids]))
             for layer in layers:
                 found[layer].append(
-                    tuple(captured[layer, p][0].view(-1, heads, head_dim).transpose(0, 1) for p in ("query", "key", "value"))
+                    tuple(
+                        captured[layer, p][0].view(-1, heads, head_dim).transpose(0, 1)
+                        for p in ("query", "key", "value")
+                    )
                 )
     for hook in hooks:
         hook.remove()
@@ -88,7 +91,9 @@ def fitted(site, window, beta, fitted_values, calibration, steps):
 
 def heldout_error(module, heldout, scale) -> float:
     with torch.no_grad():
-        return sum(float((module(q, k, v) - exact_attention(q, k, v, scale)).square().mean()) for q, k, v in heldout) / len(heldout)
+        return sum(
+            float((module(q, k, v) - exact_attention(q, k, v, scale)).square().mean()) for q, k, v in heldout
+        ) / len(heldout)
 
 
 def far_split(module, heldout, scale, window) -> dict[str, float]:
@@ -139,12 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     heldout = collect(model, tokenizer, texts.heldout[:HELDOUT_PASSAGES], args.layers)
     heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
     site = AttentionSite(
-        "attn", scale=1 / math.sqrt(head_dim), mask=MaskKind.NONE, rank=4, num_heads=heads, head_dim=head_dim,
+        "attn",
+        scale=1 / math.sqrt(head_dim),
+        mask=MaskKind.NONE,
+        rank=4,
+        num_heads=heads,
+        head_dim=head_dim,
         value_dim=head_dim,
     )
-    print(f"all-MiniLM-L6-v2, one layer's hedgehog + window={args.window} fitted alone ({args.steps} steps, "
-          f"{len(texts.calibration)} calibration passages); attention-output MSE on {HELDOUT_PASSAGES} held-out passages")
-    print("| layer | " + " | ".join(VARIANTS) + " | far mass | fitted mass, softmax's distribution | softmax's mass, fitted distribution |")
+    print(
+        f"all-MiniLM-L6-v2, one layer's hedgehog + window={args.window} fitted alone ({args.steps} steps, "
+        f"{len(texts.calibration)} calibration passages); attention-output MSE on {HELDOUT_PASSAGES} held-out passages"
+    )
+    print(
+        "| layer | "
+        + " | ".join(VARIANTS)
+        + " | far mass | fitted mass, softmax's distribution | softmax's mass, fitted distribution |"
+    )
     print("|---" * (len(VARIANTS) + 4) + "|")
     for layer in args.layers:
         errors, module = [], None
@@ -153,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(heldout_error(module, heldout[layer], site.scale))
         split = far_split(module, heldout[layer], site.scale, args.window)  # the default, fitted last
         cells = [f"{e:.5f}" for e in errors] + [
-            f"{split['far mass']:.3f}", f"{split['true distribution']:.5f}", f"{split['true mass']:.5f}"
+            f"{split['far mass']:.3f}",
+            f"{split['true distribution']:.5f}",
+            f"{split['true mass']:.5f}",
         ]
         print(f"| {layer} | " + " | ".join(cells) + " |", flush=True)
     return 0

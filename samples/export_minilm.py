@@ -46,8 +46,13 @@ def export_minilm(folder: str | os.PathLike) -> Path:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            model, (ids, mask), str(path), dynamo=False, opset_version=OPSET,
-            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+            model,
+            (ids, mask),
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=["input_ids", "attention_mask"],
+            output_names=["last_hidden_state"],
             dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "last_hidden_state": dynamic},
         )
     shutil.copyfile(source / TOKENIZER_FILE, folder / TOKENIZER_FILE)
@@ -56,7 +61,9 @@ def export_minilm(folder: str | os.PathLike) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", nargs="?", default="minilm", help="where to write minilm.onnx and tokenizer.json (default: ./minilm)")
+    parser.add_argument(
+        "folder", nargs="?", default="minilm", help="where to write minilm.onnx and tokenizer.json (default: ./minilm)"
+    )
     args = parser.parse_args(argv)
     path = export_minilm(args.folder)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB) and {path.with_name(TOKENIZER_FILE)}")

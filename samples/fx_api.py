@@ -76,7 +76,9 @@ class PaddedEncoder(nn.Module):
 
 def print_record(gm: torch.fx.GraphModule) -> None:
     record = gm.meta[METADATA_KEY]
-    print(f"  {record['sites_rewritten']} of {record['sites_found']} sites rewritten ({record['method']}, seed {record['seed']})")
+    print(
+        f"  {record['sites_rewritten']} of {record['sites_found']} sites rewritten ({record['method']}, seed {record['seed']})"
+    )
     for site in record["sites"]:
         result = site["replacement"] if site["status"] == "rewritten" else f"skipped: {site['reason']}"
         print(f"    {site['name']:<28} layer {site['layer']}  mask {site['mask']:<18} {result}")

@@ -19,19 +19,29 @@ class LastHiddenState(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def main(path: Path = Path(__file__).with_name("tiny_bert.onnx")) -> None:
+def main(path: Path = Path(__file__).with_name("tiny_bert.onnx")) -> None:  # noqa: B008 - a constant path
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=512, attn_implementation="eager",
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        attn_implementation="eager",
     )
     model = LastHiddenState(BertModel(config, add_pooling_layer=False).eval())
     ids = torch.randint(0, 1000, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     dynamic = {0: "batch", 1: "sequence"}
     torch.onnx.export(
-        model, (ids, mask), path, dynamo=False, opset_version=18,
-        input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+        model,
+        (ids, mask),
+        path,
+        dynamo=False,
+        opset_version=18,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["last_hidden_state"],
         dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "last_hidden_state": dynamic},
     )
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")

@@ -236,9 +236,7 @@ def lowering_model(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_ran
     ``dtype``), key_keep (float, rank ``keep_rank``, default ``rank``), every dim dynamic, and
     the lowering's constants as initializers."""
     names = list(lowering.constants)
-    node = helper.make_node(
-        lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite"
-    )
+    node = helper.make_node(lowering.op_type, ["q", "k", "v", "key_keep", *names], ["out"], domain="attnrewrite")
 
     def value(name, elem_type=dtype, rank=rank):
         return helper.make_tensor_value_info(name, elem_type, [f"{name}{i}" for i in range(rank)])
@@ -248,9 +246,7 @@ def lowering_model(lowering, rank: int, dtype: int = TensorProto.FLOAT, keep_ran
         "attention",
         [value("q"), value("k"), value("v"), value("key_keep", TensorProto.FLOAT, keep_rank or rank)],
         [value("out")],
-        initializer=[
-            numpy_helper.from_array(array, name) for name, array in lowering.constants.items()
-        ],
+        initializer=[numpy_helper.from_array(array, name) for name, array in lowering.constants.items()],
     )
     model = helper.make_model(
         graph,
@@ -299,7 +295,7 @@ def padding_mask(batch: int, seq: int) -> np.ndarray:
     """Row 0 unpadded; row r > 0 drops r keys at the end and one at the start (never all)."""
     mask = np.ones((batch, seq), np.int64)
     for row in range(1, batch):
-        mask[row, seq - min(row, seq - 2):] = 0
+        mask[row, seq - min(row, seq - 2) :] = 0
         if seq > 3:
             mask[row, 0] = 0
     return mask
@@ -307,6 +303,7 @@ def padding_mask(batch: int, seq: int) -> np.ndarray:
 
 def reference_qkv(spec: AttentionSpec, feeds: dict[str, np.ndarray]):
     """(q, k, v, key_keep) as float32 arrays in the site's layout: what the replacement reads."""
+
     def heads(x, transposed=False):
         x = np.asarray(x, dtype=np.float32)
         if spec.split_heads:
@@ -336,3 +333,13 @@ def softmax_attention(spec: AttentionSpec, feeds: dict[str, np.ndarray]) -> np.n
     logits -= logits.max(-1, keepdims=True)
     p = np.exp(logits)
     return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def expected_refusal(method: str, mask: str, head_dim: int, value_dim: int) -> str | None:
+    """Why ``method`` must leave a found site with a positive scale and no bias alone, written out
+    here rather than asked of the pass (whose ``supports`` is what the tests check)."""
+    if method == "linformer" and mask.startswith("causal"):
+        return "Linformer mixes every position into each projected key, so a causal mask cannot be expressed"
+    if method == "hydra" and head_dim != value_dim:
+        return f"Hydra multiplies keys and values feature-wise: key dim {head_dim} != value dim {value_dim}"
+    return None

@@ -7,7 +7,6 @@ import json
 
 import onnx
 import pytest
-
 from models import Export, ExportCache, ExportUnsupported
 
 import attnrewrite

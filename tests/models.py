@@ -28,8 +28,8 @@ import dataclasses
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -152,8 +152,13 @@ def _bert(attn: str):
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS,
+        attn_implementation=attn,
     )
     return TextEncoder(BertModel(config, add_pooling_layer=False))
 
@@ -162,7 +167,11 @@ def _distilbert():
     from transformers import DistilBertConfig, DistilBertModel
 
     config = DistilBertConfig(
-        vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=2 * HIDDEN,
+        vocab_size=VOCAB,
+        dim=HIDDEN,
+        n_layers=LAYERS,
+        n_heads=HEADS,
+        hidden_dim=2 * HIDDEN,
         max_position_embeddings=MAX_POSITIONS,
     )
     return TextEncoder(DistilBertModel(config))
@@ -172,8 +181,13 @@ def _roberta():
     from transformers import RobertaConfig, RobertaModel
 
     config = RobertaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS + 2,
+        pad_token_id=1,
     )
     return TextEncoder(RobertaModel(config, add_pooling_layer=False))
 
@@ -182,8 +196,13 @@ def _vit():
     from transformers import ViTConfig, ViTModel
 
     config = ViTConfig(
-        image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+        image_size=IMAGE,
+        patch_size=PATCH,
+        num_channels=3,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
     )
     return ImageEncoder(ViTModel(config, add_pooling_layer=False))
 
@@ -192,8 +211,14 @@ def _gpt2(attn: str):
     from transformers import GPT2Config, GPT2Model
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,
-        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, attn_implementation=attn,
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_positions=MAX_POSITIONS,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        attn_implementation=attn,
     )
     return TextEncoder(GPT2Model(config))
 
@@ -264,7 +289,16 @@ TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch",
 
 
 def _text(name, build, mask="key_padding", inputs=_text_inputs, **details):
-    return ModelSpec(name, _seeded(build), ("input_ids", "attention_mask"), inputs, TEXT_AXES, mask=mask, swap="transformers", **details)
+    return ModelSpec(
+        name,
+        _seeded(build),
+        ("input_ids", "attention_mask"),
+        inputs,
+        TEXT_AXES,
+        mask=mask,
+        swap="transformers",
+        **details,
+    )
 
 
 def _torch_encoder(name, build, mask, padded=False):
@@ -272,8 +306,14 @@ def _torch_encoder(name, build, mask, padded=False):
     # [batch, heads, seq, head_dim]: detection reads the heads from that view
     names = ("x", "attention_mask") if padded else ("x",)
     return ModelSpec(
-        name, _seeded(build), names, _padded_sequence_inputs if padded else _sequence_inputs,
-        {n: {0: "batch", 1: "seq"} for n in names}, layers=LAYERS, mask=mask, swap="sdpa",
+        name,
+        _seeded(build),
+        names,
+        _padded_sequence_inputs if padded else _sequence_inputs,
+        {n: {0: "batch", 1: "seq"} for n in names},
+        layers=LAYERS,
+        mask=mask,
+        swap="sdpa",
     )
 
 
@@ -286,8 +326,14 @@ MODELS: dict[str, ModelSpec] = {
         # RoBERTa's position ids come from input_ids != pad (1): keep random ids off the pad id
         _text("roberta", _roberta, layers=LAYERS, inputs=lambda b, s: _text_inputs(b, s, low=2)),
         ModelSpec(
-            "vit", _seeded(_vit), ("pixel_values",), _image_inputs, {"pixel_values": {0: "batch"}},  # seq is fixed by the image size
-            layers=LAYERS, mask="none", swap="transformers",
+            "vit",
+            _seeded(_vit),
+            ("pixel_values",),
+            _image_inputs,
+            {"pixel_values": {0: "batch"}},  # seq is fixed by the image size
+            layers=LAYERS,
+            mask="none",
+            swap="transformers",
         ),
         _text("gpt2", lambda: _gpt2("sdpa"), layers=LAYERS, mask="causal+key_padding"),
         _text("gpt2-eager", lambda: _gpt2("eager"), layers=LAYERS, mask="causal+key_padding"),
@@ -323,8 +369,14 @@ def _t5_encoder(attn: str):
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
-        num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=HIDDEN // HEADS,
+        d_ff=2 * HIDDEN,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
         attn_implementation=attn,
     )
     return TextEncoder(T5EncoderModel(config))
@@ -349,9 +401,17 @@ def _falcon_multi_query():
     from transformers import FalconConfig, FalconModel
 
     config = FalconConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        multi_query=True, new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False,
-        max_position_embeddings=MAX_POSITIONS, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        multi_query=True,
+        new_decoder_architecture=False,
+        parallel_attn=True,
+        alibi=False,
+        bias=False,
+        max_position_embeddings=MAX_POSITIONS,
+        attn_implementation="sdpa",
     )
     return TextEncoder(FalconModel(config))
 
@@ -360,8 +420,13 @@ def _llama_grouped_query():
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=MAX_POSITIONS,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2,
+        max_position_embeddings=MAX_POSITIONS,
         attn_implementation="sdpa",
     )
     return TextEncoder(LlamaModel(config))
@@ -372,8 +437,14 @@ GROUPED_HEAD_MODELS: dict[str, ModelSpec] = {
     for spec in (
         # Falcon calls torch's scaled_dot_product_attention itself (no transformers interface)
         ModelSpec(
-            "falcon-multi-query", _seeded(_falcon_multi_query), ("input_ids", "attention_mask"), _text_inputs,
-            TEXT_AXES, layers=LAYERS, mask="causal+key_padding", swap="sdpa",
+            "falcon-multi-query",
+            _seeded(_falcon_multi_query),
+            ("input_ids", "attention_mask"),
+            _text_inputs,
+            TEXT_AXES,
+            layers=LAYERS,
+            mask="causal+key_padding",
+            swap="sdpa",
         ),
         _text("llama-grouped-query", _llama_grouped_query, layers=LAYERS, mask="causal+key_padding"),
     )
@@ -402,7 +473,9 @@ class Seq2Seq(nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, decoder_input_ids):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids).last_hidden_state
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids
+        ).last_hidden_state
 
 
 class SpeechSeq2Seq(nn.Module):
@@ -422,8 +495,13 @@ class TorchTransformer(nn.Module):
     def __init__(self):
         super().__init__()
         self.model = nn.Transformer(
-            HIDDEN, HEADS, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS, dim_feedforward=2 * HIDDEN,
-            dropout=0.0, batch_first=True,
+            HIDDEN,
+            HEADS,
+            num_encoder_layers=LAYERS,
+            num_decoder_layers=LAYERS,
+            dim_feedforward=2 * HIDDEN,
+            dropout=0.0,
+            batch_first=True,
         )
 
     def forward(self, src, tgt):
@@ -438,11 +516,20 @@ SAMPLES_PER_FRAME = 10
 
 def _audio_config(config_class, **overrides):
     return config_class(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
-        conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4, vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        conv_dim=(16, 16),
+        conv_kernel=(10, 3),
+        conv_stride=(5, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        vocab_size=VOCAB,
         # no SpecAugment or LayerDrop: both draw random numbers, which torch.export cannot trace
-        apply_spec_augment=False, layerdrop=0.0, **overrides,
+        apply_spec_augment=False,
+        layerdrop=0.0,
+        **overrides,
     )
 
 
@@ -465,7 +552,9 @@ def _wavlm():
     """WavLM adds a gated relative position bias to the logits: not a mask."""
     from transformers import WavLMConfig, WavLMModel
 
-    config = _audio_config(WavLMConfig, feat_extract_norm="layer", do_stable_layer_norm=True, num_buckets=8, max_bucket_distance=16)
+    config = _audio_config(
+        WavLMConfig, feat_extract_norm="layer", do_stable_layer_norm=True, num_buckets=8, max_bucket_distance=16
+    )
     return AudioEncoder(WavLMModel(config))
 
 
@@ -490,9 +579,16 @@ def _audio_inputs(batch: int, seq: int, with_mask: bool = True) -> dict[str, tor
 def _audio(name, build, with_mask=True, mask="key_padding"):
     names = ("input_values", "attention_mask") if with_mask else ("input_values",)
     return ModelSpec(
-        name, _seeded(build), names, lambda b, s: _audio_inputs(b, s, with_mask),
-        {n: {0: "batch", 1: "samples"} for n in names}, layers=LAYERS, mask=mask, swap="transformers",
-        output_axes={0: "batch", 1: "frames"}, auto_dims=True,
+        name,
+        _seeded(build),
+        names,
+        lambda b, s: _audio_inputs(b, s, with_mask),
+        {n: {0: "batch", 1: "samples"} for n in names},
+        layers=LAYERS,
+        mask=mask,
+        swap="transformers",
+        output_axes={0: "batch", 1: "frames"},
+        auto_dims=True,
     )
 
 
@@ -514,8 +610,12 @@ AUDIO_MODELS: dict[str, ModelSpec] = {
 
 def _tiny_text_config(config_class, **overrides):
     fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, max_position_embeddings=MAX_POSITIONS,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS,
     )
     return config_class(**{**fields, **overrides})
 
@@ -536,8 +636,13 @@ def _hf_vision(model_name: str, config_name: str, **overrides):
 
     def build():
         fields = dict(
-            image_size=IMAGE, patch_size=PATCH, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+            image_size=IMAGE,
+            patch_size=PATCH,
+            num_channels=3,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN,
         )
         model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**fields, **overrides}))
         _randomize_position_biases(model)
@@ -558,8 +663,15 @@ def _segformer():
     from transformers import SegformerConfig, SegformerModel
 
     config = SegformerConfig(
-        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-        patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+        num_channels=3,
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        patch_sizes=[3, 3],
+        strides=[2, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
     )
     return ImageEncoder(SegformerModel(config))
 
@@ -568,9 +680,19 @@ def _bart():
     from transformers import BartConfig, BartModel
 
     config = BartConfig(
-        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
-        decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
-        max_position_embeddings=MAX_POSITIONS, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
     )
     return Seq2Seq(BartModel(config))
 
@@ -582,11 +704,23 @@ def _whisper():
     from transformers import WhisperConfig, WhisperModel
 
     config = WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=WHISPER_MELS, encoder_layers=LAYERS, decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, d_model=HIDDEN, encoder_ffn_dim=2 * HIDDEN,
-        decoder_ffn_dim=2 * HIDDEN, max_source_positions=WHISPER_FRAMES // 2, max_target_positions=MAX_POSITIONS,
-        pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, decoder_start_token_id=VOCAB - 2,
-        suppress_tokens=[], begin_suppress_tokens=[],
+        vocab_size=VOCAB,
+        num_mel_bins=WHISPER_MELS,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS,
+        d_model=HIDDEN,
+        encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN,
+        max_source_positions=WHISPER_FRAMES // 2,
+        max_target_positions=MAX_POSITIONS,
+        pad_token_id=VOCAB - 1,
+        bos_token_id=VOCAB - 2,
+        eos_token_id=VOCAB - 1,
+        decoder_start_token_id=VOCAB - 2,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
     )
     return SpeechSeq2Seq(WhisperModel(config))
 
@@ -607,11 +741,24 @@ def _whisper_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
 
 def _torch_transformer_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seq * 1000 + batch)
-    return {"src": torch.randn(batch, seq, HIDDEN, generator=generator), "tgt": torch.randn(batch, seq, HIDDEN, generator=generator)}
+    return {
+        "src": torch.randn(batch, seq, HIDDEN, generator=generator),
+        "tgt": torch.randn(batch, seq, HIDDEN, generator=generator),
+    }
 
 
 def _corpus(name, build, input_names, make_inputs, dynamic, layers, mask="mixed", **details):
-    return ModelSpec(name, _seeded(build), input_names, make_inputs, dynamic, layers=layers, mask=mask, swap="transformers", **details)
+    return ModelSpec(
+        name,
+        _seeded(build),
+        input_names,
+        make_inputs,
+        dynamic,
+        layers=layers,
+        mask=mask,
+        swap="transformers",
+        **details,
+    )
 
 
 def _corpus_text(name, build, layers=LAYERS, inputs=_text_inputs, **details):
@@ -630,35 +777,127 @@ CORPUS_MODELS: dict[str, ModelSpec] = {
     for spec in (
         _corpus_text("albert", _hf_text("AlbertModel", "AlbertConfig", embedding_size=16)),
         _corpus_text("electra", _hf_text("ElectraModel", "ElectraConfig", embedding_size=HIDDEN)),
-        _corpus_text("xlm-roberta", _hf_text("XLMRobertaModel", "XLMRobertaConfig", max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1), inputs=_TEXT_IDS_FROM_2),
-        _corpus("bart", _bart, ("input_ids", "attention_mask", "decoder_input_ids"), _seq2seq_inputs, SEQ2SEQ_AXES, 3 * LAYERS,
-                output_axes={0: "batch", 1: "target"}),
-        _corpus("whisper", _whisper, ("input_features", "decoder_input_ids"), _whisper_inputs,
-                {"input_features": {0: "batch"}, "decoder_input_ids": {0: "batch", 1: "target"}}, 3 * LAYERS,
-                output_axes={0: "batch", 1: "target"}),
-        _corpus_text("clip-text", _hf_text("CLIPTextModel", "CLIPTextConfig", eos_token_id=VOCAB - 1), mask="causal+key_padding"),
+        _corpus_text(
+            "xlm-roberta",
+            _hf_text("XLMRobertaModel", "XLMRobertaConfig", max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1),
+            inputs=_TEXT_IDS_FROM_2,
+        ),
+        _corpus(
+            "bart",
+            _bart,
+            ("input_ids", "attention_mask", "decoder_input_ids"),
+            _seq2seq_inputs,
+            SEQ2SEQ_AXES,
+            3 * LAYERS,
+            output_axes={0: "batch", 1: "target"},
+        ),
+        _corpus(
+            "whisper",
+            _whisper,
+            ("input_features", "decoder_input_ids"),
+            _whisper_inputs,
+            {"input_features": {0: "batch"}, "decoder_input_ids": {0: "batch", 1: "target"}},
+            3 * LAYERS,
+            output_axes={0: "batch", 1: "target"},
+        ),
+        _corpus_text(
+            "clip-text", _hf_text("CLIPTextModel", "CLIPTextConfig", eos_token_id=VOCAB - 1), mask="causal+key_padding"
+        ),
         _corpus_image("clip-vision", _hf_vision("CLIPVisionModel", "CLIPVisionConfig"), mask="none"),
         _corpus_image("siglip-vision", _hf_vision("SiglipVisionModel", "SiglipVisionConfig"), mask="none"),
         _corpus_image("segformer", _segformer, mask="none", heads=None),
-        _corpus_text("opt", _hf_text("OPTModel", "OPTConfig", ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, pad_token_id=1), mask="causal+key_padding"),
-        _corpus_text("llama", _hf_text("LlamaModel", "LlamaConfig", num_key_value_heads=HEADS), mask="causal+key_padding"),
+        _corpus_text(
+            "opt",
+            _hf_text("OPTModel", "OPTConfig", ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, pad_token_id=1),
+            mask="causal+key_padding",
+        ),
+        _corpus_text(
+            "llama", _hf_text("LlamaModel", "LlamaConfig", num_key_value_heads=HEADS), mask="causal+key_padding"
+        ),
         _corpus_text("qwen2", _hf_text("Qwen2Model", "Qwen2Config", num_key_value_heads=2), mask="causal+key_padding"),
-        _corpus_text("falcon", _hf_text("FalconModel", "FalconConfig", multi_query=True, new_decoder_architecture=False, alibi=False), mask="causal+key_padding"),
-        _corpus_text("esm", _hf_text("EsmModel", "EsmConfig", pad_token_id=1, mask_token_id=VOCAB - 1, token_dropout=False,
-                                     position_embedding_type="rotary"), inputs=_TEXT_IDS_FROM_2),
-        _corpus("nn-transformer", TorchTransformer, ("src", "tgt"), _torch_transformer_inputs,
-                {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "target"}}, 3 * LAYERS, output_axes={0: "batch", 1: "target"}),
+        _corpus_text(
+            "falcon",
+            _hf_text("FalconModel", "FalconConfig", multi_query=True, new_decoder_architecture=False, alibi=False),
+            mask="causal+key_padding",
+        ),
+        _corpus_text(
+            "esm",
+            _hf_text(
+                "EsmModel",
+                "EsmConfig",
+                pad_token_id=1,
+                mask_token_id=VOCAB - 1,
+                token_dropout=False,
+                position_embedding_type="rotary",
+            ),
+            inputs=_TEXT_IDS_FROM_2,
+        ),
+        _corpus(
+            "nn-transformer",
+            TorchTransformer,
+            ("src", "tgt"),
+            _torch_transformer_inputs,
+            {"src": {0: "batch", 1: "seq"}, "tgt": {0: "batch", 1: "target"}},
+            3 * LAYERS,
+            output_axes={0: "batch", 1: "target"},
+        ),
         # negatives: every site must be refused
-        _corpus_text("deberta", _hf_text("DebertaModel", "DebertaConfig", relative_attention=True, max_relative_positions=8), mask="bias"),
-        _corpus_text("deberta-v2", _hf_text("DebertaV2Model", "DebertaV2Config", relative_attention=True, position_buckets=8), mask="bias"),
+        _corpus_text(
+            "deberta",
+            _hf_text("DebertaModel", "DebertaConfig", relative_attention=True, max_relative_positions=8),
+            mask="bias",
+        ),
+        _corpus_text(
+            "deberta-v2",
+            _hf_text("DebertaV2Model", "DebertaV2Config", relative_attention=True, position_buckets=8),
+            mask="bias",
+        ),
         _corpus_text("mpnet", _hf_text("MPNetModel", "MPNetConfig"), inputs=_TEXT_IDS_FROM_2, mask="bias"),
         _corpus_image("beit", _hf_vision("BeitModel", "BeitConfig", use_relative_position_bias=True), mask="bias"),
         _corpus_text("bloom", _hf_text("BloomModel", "BloomConfig", n_head=HEADS, n_layer=LAYERS), mask="bias"),
-        _corpus_text("mpt", _hf_text("MptModel", "MptConfig", d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, expansion_ratio=2, max_seq_len=MAX_POSITIONS), mask="bias"),
-        _corpus_text("gemma2", _hf_text("Gemma2Model", "Gemma2Config", num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
-                                        attn_logit_softcapping=50.0, final_logit_softcapping=None, sliding_window=MAX_POSITIONS), mask="causal+key_padding"),
-        _corpus_text("gpt-neo", _hf_text("GPTNeoModel", "GPTNeoConfig", num_layers=LAYERS, num_heads=HEADS, attention_types=[[["local"], LAYERS]], window_size=4), mask="bias"),
-        _corpus_text("mistral", _hf_text("MistralModel", "MistralConfig", num_key_value_heads=HEADS, sliding_window=4), mask="bias"),
+        _corpus_text(
+            "mpt",
+            _hf_text(
+                "MptModel",
+                "MptConfig",
+                d_model=HIDDEN,
+                n_heads=HEADS,
+                n_layers=LAYERS,
+                expansion_ratio=2,
+                max_seq_len=MAX_POSITIONS,
+            ),
+            mask="bias",
+        ),
+        _corpus_text(
+            "gemma2",
+            _hf_text(
+                "Gemma2Model",
+                "Gemma2Config",
+                num_key_value_heads=HEADS,
+                head_dim=HIDDEN // HEADS,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=None,
+                sliding_window=MAX_POSITIONS,
+            ),
+            mask="causal+key_padding",
+        ),
+        _corpus_text(
+            "gpt-neo",
+            _hf_text(
+                "GPTNeoModel",
+                "GPTNeoConfig",
+                num_layers=LAYERS,
+                num_heads=HEADS,
+                attention_types=[[["local"], LAYERS]],
+                window_size=4,
+            ),
+            mask="bias",
+        ),
+        _corpus_text(
+            "mistral",
+            _hf_text("MistralModel", "MistralConfig", num_key_value_heads=HEADS, sliding_window=4),
+            mask="bias",
+        ),
     )
 }
 
@@ -669,7 +908,9 @@ ALL_MODELS = {**MODELS, **NEGATIVE_MODELS, **GROUPED_HEAD_MODELS, **AUDIO_MODELS
 # --- export ------------------------------------------------------------------------------
 
 
-def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exporter: str, dynamic: bool = True) -> Path:
+def export_onnx(
+    spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exporter: str, dynamic: bool = True
+) -> Path:
     """Export with dynamic batch and sequence axes (``dynamic=False``: at the traced shape).
 
     ExportUnsupported carries the exporter's reason, also when the export "succeeds" but the
@@ -688,8 +929,13 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
             warnings.simplefilter("ignore")
             if exporter == "legacy":
                 torch.onnx.export(
-                    module, args, str(path), input_names=list(spec.input_names), output_names=["output"],
-                    dynamic_axes={**axes, "output": output_axes} if axes else None, dynamo=False,
+                    module,
+                    args,
+                    str(path),
+                    input_names=list(spec.input_names),
+                    output_names=["output"],
+                    dynamic_axes={**axes, "output": output_axes} if axes else None,
+                    dynamo=False,
                 )
             else:
                 dims: dict[str, torch.export.Dim] = {}
@@ -701,8 +947,13 @@ def export_onnx(spec: ModelSpec, module: nn.Module, path: str | os.PathLike, exp
                     for name in spec.input_names
                 }
                 program = torch.onnx.export(
-                    module, args, input_names=list(spec.input_names), output_names=["output"],
-                    dynamic_shapes=shapes if axes else None, dynamo=True, verbose=False,
+                    module,
+                    args,
+                    input_names=list(spec.input_names),
+                    output_names=["output"],
+                    dynamic_shapes=shapes if axes else None,
+                    dynamo=True,
+                    verbose=False,
                     opset_version=23 if exporter == OPSET23 else None,
                 )
                 program.save(str(path))
@@ -769,7 +1020,9 @@ def attention_operator_model(
     if with_mask:
         inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]))
         nodes += [
-            helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])),
+            helper.make_node(
+                "Constant", [], ["axes"], value=helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])
+            ),
             helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
             helper.make_node("Unsqueeze", ["keep", "axes"], ["keep_4d"]),
             helper.make_node("Shape", ["attention_mask"], ["batch"], start=0, end=1),
@@ -791,8 +1044,13 @@ def attention_operator_model(
 
 
 def softmax_attention_model(
-    heads: int = HEADS, head_dim: int = 8, seq: int | str = "seq", softmax_axis: int = -1,
-    probabilities_output: bool = False, probabilities_summed: bool = False, learned_bias: bool = False,
+    heads: int = HEADS,
+    head_dim: int = 8,
+    seq: int | str = "seq",
+    softmax_axis: int = -1,
+    probabilities_output: bool = False,
+    probabilities_summed: bool = False,
+    learned_bias: bool = False,
 ) -> onnx.ModelProto:
     """softmax(q @ k^T * scale [+ bias]) @ v from q, k, v inputs [batch, heads, seq, head_dim],
     the plainest spelling of attention, with the variants a rewrite must refuse:
@@ -815,12 +1073,18 @@ def softmax_attention_model(
         bias = np.random.default_rng(0).standard_normal((1, heads, seq, seq)).astype(np.float32)
         initializers.append(onnx.numpy_helper.from_array(bias, "position_bias"))
         nodes.append(helper.make_node("Add", ["logits", "position_bias"], ["biased"]))
-    nodes.append(helper.make_node("Softmax", ["biased" if learned_bias else "logits"], ["probabilities"], name="softmax", axis=softmax_axis))
+    nodes.append(
+        helper.make_node(
+            "Softmax", ["biased" if learned_bias else "logits"], ["probabilities"], name="softmax", axis=softmax_axis
+        )
+    )
     nodes.append(helper.make_node("MatMul", ["probabilities", "v"], ["output"], name="attend"))
     if probabilities_output:
         outputs.append(helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", heads, seq, seq]))
     if probabilities_summed:
-        nodes.append(helper.make_node("ReduceSum", ["probabilities"], ["probability_mass"], name="probability_mass", keepdims=0))
+        nodes.append(
+            helper.make_node("ReduceSum", ["probabilities"], ["probability_mass"], name="probability_mass", keepdims=0)
+        )
         outputs.append(helper.make_tensor_value_info("probability_mass", TensorProto.FLOAT, []))
     graph = helper.make_graph(nodes, "softmax_attention", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
@@ -919,8 +1183,15 @@ def _sdpa_attention(attend):
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
-def torch_reference(export, method: str, inputs: dict[str, torch.Tensor], options=None, sites=None,
-                    swap_layers=None, attend_to_padding: bool = False) -> tuple[np.ndarray, dict]:
+def torch_reference(
+    export,
+    method: str,
+    inputs: dict[str, torch.Tensor],
+    options=None,
+    sites=None,
+    swap_layers=None,
+    attend_to_padding: bool = False,
+) -> tuple[np.ndarray, dict]:
     """The exported torch module's output with ``passes.<method>.torch_module`` as its attention
     (in ``swap_layers`` only, when given); sites default to those found in the export.
     ``attend_to_padding``: the swapped module gets no key_keep. Returns (output, swap state)."""

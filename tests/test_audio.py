@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
 from conftest import exported, read_record
 from models import APPROXIMATING_OPTIONS, AUDIO_MODELS, EXPORTERS, op_counts, relative_error, run_onnx, torch_reference
+from onnx import TensorProto, helper
 from test_hardening import one_line, run
 from test_onnx_exports import TOLERANCE
 from test_onnx_negative import BIAS
@@ -73,7 +73,9 @@ def test_rewrite_matches_torch_with_the_same_attention(exports, name, exporter, 
     # the gate needed longer inputs than its default 16 samples, and the record says so
     assert record["notes"][-1] == GATE_NOTE
     inputs = export.parity_inputs()
-    expected, state = torch_reference(export, method, inputs, options=passes.make_options(passes.get_pass(method), **options))
+    expected, state = torch_reference(
+        export, method, inputs, options=passes.make_options(passes.get_pass(method), **options)
+    )
     assert state["calls"] == spec.layers
     assert relative_error(run_onnx(model, inputs), expected) < TOLERANCE
 
@@ -87,7 +89,9 @@ def test_padded_frames_are_left_out(exports, rewritten, exporter):
     inputs = export.parity_inputs()
     expected, state = torch_reference(export, "hydra", inputs)
     frames = expected.shape[1]
-    padded_frames = [int(k[row, ..., 0].reshape(-1, frames)[0].eq(0).sum()) for k in state["key_keep"] for row in range(len(k))]
+    padded_frames = [
+        int(k[row, ..., 0].reshape(-1, frames)[0].eq(0).sum()) for k in state["key_keep"] for row in range(len(k))
+    ]
     assert padded_frames == [0, 3, 0] * export.spec.layers  # row 1 loses 30 of 120 samples: 3 of 11 frames
     attending_to_padding, _ = torch_reference(export, "hydra", inputs, attend_to_padding=True)
     actual = run_onnx(model, inputs)
@@ -125,7 +129,9 @@ def test_cli_inputs_drive_the_probe_and_the_gate(exports, tmp_path, capsys):
     export = exported(exports, "wav2vec2", "legacy")
     feeds = {k: v.numpy() for k, v in export.spec.inputs(2, 30).items()}
     np.savez(tmp_path / "audio.npz", **feeds)
-    code, out, _ = run(capsys, export.path, "--to", "favor", "-o", tmp_path / "out.onnx", "--inputs", tmp_path / "audio.npz")
+    code, out, _ = run(
+        capsys, export.path, "--to", "favor", "-o", tmp_path / "out.onnx", "--inputs", tmp_path / "audio.npz"
+    )
     assert code == 0
     assert "note:" not in out
     assert f"inputs: {tmp_path / 'audio.npz'}" in out.splitlines()
@@ -136,14 +142,19 @@ def test_cli_check_grows_generated_inputs_the_original_does_not_take(exports, tm
     code, out, _ = run(capsys, path, "--to", "hydra", "-o", tmp_path / "out.onnx", "--check", "--seq", "8")
     assert code == 0
     assert "inputs: generated (batch 2, seq 32, seed 0); the original model does not run at seq 8" in out.splitlines()
-    assert "note: the original model does not run on generated inputs of length 8; validated at length 32" in out.splitlines()
+    assert (
+        "note: the original model does not run on generated inputs of length 8; validated at length 32"
+        in out.splitlines()
+    )
 
 
 def test_inputs_too_short_for_any_searched_length_are_bad_input(exports, tmp_path, capsys):
     """Given arrays are not grown: too short for the feature encoder is the input's fault."""
     export = exported(exports, "wav2vec2-group", "legacy")
     np.savez(tmp_path / "short.npz", input_values=np.zeros((1, 12), np.float32))
-    code, _, err = run(capsys, export.path, "--to", "hydra", "-o", tmp_path / "out.onnx", "--inputs", tmp_path / "short.npz")
+    code, _, err = run(
+        capsys, export.path, "--to", "hydra", "-o", tmp_path / "out.onnx", "--inputs", tmp_path / "short.npz"
+    )
     assert code == 2
     assert one_line(err).startswith(f"{export.path}: the input model itself fails on the given inputs: ")
     assert not (tmp_path / "out.onnx").exists()
@@ -176,7 +187,9 @@ def mask_fixed_at_length(length: int) -> onnx.ModelProto:
     ]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"]
     inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]))
-    graph = helper.make_graph(nodes, "fixed_mask", inputs, [helper.make_tensor_value_info("output", TensorProto.FLOAT, shape)], initializers)
+    graph = helper.make_graph(
+        nodes, "fixed_mask", inputs, [helper.make_tensor_value_info("output", TensorProto.FLOAT, shape)], initializers
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 

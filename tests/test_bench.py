@@ -43,7 +43,9 @@ def attention_model(path: Path) -> Path:
         helper.make_node("Softmax", ["scaled"], ["probs"], axis=-1, name="softmax"),
         helper.make_node("MatMul", ["probs", "v"], ["out"], name="pv"),
     ]
-    graph = helper.make_graph(nodes, "attention", qkv, [out], [numpy_helper.from_array(np.array(0.5, np.float32), "scale")])
+    graph = helper.make_graph(
+        nodes, "attention", qkv, [out], [numpy_helper.from_array(np.array(0.5, np.float32), "scale")]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 10
     onnx.save(model, path)
@@ -55,7 +57,9 @@ def test_identity_bound_returns_the_values(tmp_path):
     onnx_io.save_model(model, tmp_path / "bound.onnx")
     assert [n.op_type for n in model.graph] == ["Identity"]  # q, k and k's transpose are gone
     assert not model.functions and not model.graph.initializers
-    feeds = {name: np.random.default_rng(i).standard_normal((1, 2, 5, 4)).astype(np.float32) for i, name in enumerate("qkv")}
+    feeds = {
+        name: np.random.default_rng(i).standard_normal((1, 2, 5, 4)).astype(np.float32) for i, name in enumerate("qkv")
+    }
     [out] = ort.InferenceSession(str(tmp_path / "bound.onnx")).run(None, feeds)
     np.testing.assert_array_equal(out, feeds["v"])
 
@@ -82,8 +86,21 @@ def test_identity_bound_keeps_the_projections_but_not_the_head_transposes_of_q_a
 def test_tiny_sweep_json_table_and_plot(tmp_path, capsys):
     report, picture = tmp_path / "bench.json", tmp_path / "bench.png"
     code, out, err = run(
-        capsys, "bench", SAMPLE, "--to", "hydra", "--lengths", "32,16", "--repeats", "1", "--threads", "1",
-        "--json", report, "--plot", picture,
+        capsys,
+        "bench",
+        SAMPLE,
+        "--to",
+        "hydra",
+        "--lengths",
+        "32,16",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        report,
+        "--plot",
+        picture,
     )
     assert code == 0, err
     data = json.loads(report.read_text())
@@ -96,7 +113,14 @@ def test_tiny_sweep_json_table_and_plot(tmp_path, capsys):
         for m in series:
             assert m["status"] == "ok" and len(m["times_s"]) == 1 and m["median_s"] > 0
             assert m["peak_rss_bytes"] >= m["loaded_rss_bytes"] > 10 * 2**20
-    assert data["stopped"] == {} and (data["crossover"] is None or data["crossover"] in (16, 32))
+    assert data["stopped"] == {}
+    # One run per length: "faster" means a smaller time, and the crossover is the first length
+    # from which on the rewrite is faster at every length.
+    faster = [
+        r["times_s"][0] < o["times_s"][0] for r, o in zip(data["series"]["rewritten"], data["series"]["original"])
+    ]
+    expected = next((n for i, n in enumerate([16, 32]) if all(faster[i:])), None)
+    assert data["crossover"] == expected
     assert picture.read_bytes()[:8] == PNG_MAGIC
     assert "original ms" in out and "hydra ms" in out and "crossover:" in out
     assert "bench [" in err  # progress on stderr
@@ -137,16 +161,24 @@ def test_without_a_limit_in_the_graph_the_sweep_stops_where_the_original_fails(m
     monkeypatch.setattr(bench, "position_limit", lambda graph: None)
     result = bench.run(_config(lengths=[16, 1024, 2048]))
     assert [(m.variant, m.n, m.status) for m in result.measurements] == [
-        ("original", 16, "ok"), ("rewritten", 16, "ok"), ("identity", 16, "ok"), ("original", 1024, "failed"),
+        ("original", 16, "ok"),
+        ("rewritten", 16, "ok"),
+        ("identity", 16, "ok"),
+        ("original", 1024, "failed"),
     ]  # the rewritten models are not run where the original cannot
     assert result.stopped == {} and result.not_run == [1024, 2048]
     assert result.limit.startswith("stopped at N = 1024: the original model fails there: InvalidArgument")
 
 
 def test_explicit_lengths_that_cannot_run_fail_the_command(capsys, monkeypatch):
-    code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--lengths", "16,1024", "--repeats", "1", "--threads", "1")
+    code, out, err = run(
+        capsys, "bench", SAMPLE, "--to", "hydra", "--lengths", "16,1024", "--repeats", "1", "--threads", "1"
+    )
     assert code == 2
-    assert err.splitlines()[-1] == f"attnrewrite: error: --lengths 1024 not run: sweep stopped before N = 1024: {SAMPLE_LIMIT}"
+    assert (
+        err.splitlines()[-1]
+        == f"attnrewrite: error: --lengths 1024 not run: sweep stopped before N = 1024: {SAMPLE_LIMIT}"
+    )
     # the default lengths stop at the model's limit without failing
     monkeypatch.setattr(bench, "DEFAULT_LENGTHS", [16, 1024])
     code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--repeats", "1", "--threads", "1")
@@ -197,13 +229,18 @@ def test_crossover(original, rewritten, expected):
 def test_a_difference_within_the_spread_is_not_a_crossover():
     lengths = [16, 32, 64]
     measurements = [
-        _m("original", 16, [1.0, 1.1, 1.2, 1.3]), _m("rewritten", 16, [0.9, 1.0, 1.1, 1.2]),  # overlapping quartiles
-        _m("original", 32, [2.0, 2.1, 2.2, 2.3]), _m("rewritten", 32, [1.0, 1.1, 1.2, 1.3]),
-        _m("original", 64, [4.0, 4.1, 4.2, 4.3]), _m("rewritten", 64, [2.0, 2.1, 2.2, 2.3]),
+        _m("original", 16, [1.0, 1.1, 1.2, 1.3]),
+        _m("rewritten", 16, [0.9, 1.0, 1.1, 1.2]),  # overlapping quartiles
+        _m("original", 32, [2.0, 2.1, 2.2, 2.3]),
+        _m("rewritten", 32, [1.0, 1.1, 1.2, 1.3]),
+        _m("original", 64, [4.0, 4.1, 4.2, 4.3]),
+        _m("rewritten", 64, [2.0, 2.1, 2.2, 2.3]),
     ]
     result = bench.BenchResult(bench.BenchConfig(str(SAMPLE), "hydra", lengths=lengths), measurements, {}, 2, {})
     assert result.comparisons() == {16: "noise", 32: "faster", 64: "faster"}
-    assert result.crossover_line() == "crossover: hydra is faster than the original from N = 32 on; within noise at N = 16"
+    assert (
+        result.crossover_line() == "crossover: hydra is faster than the original from N = 32 on; within noise at N = 16"
+    )
     noisy = bench.BenchResult(result.config, measurements[:2], {}, 2, {})
     assert noisy.crossover_line() == (
         "crossover: hydra is not faster than the original beyond the measured spread at any length; within noise at N = 16"
@@ -211,9 +248,18 @@ def test_a_difference_within_the_spread_is_not_a_crossover():
 
 
 def test_plot_marks_where_a_series_stopped(tmp_path):
-    series = {"original": [_m("original", 16, 0.001), _m("original", 32, 0.0, status="failed")],
-              "hydra": [_m("hydra", 16, 0.001), _m("hydra", 32, 0.002)]}
-    bench.plot_series(series, tmp_path / "p.png", "title", note="sweep stopped at N = 32")
+    series = {
+        "original": [_m("original", 16, 0.001), _m("original", 32, 0.0, status="failed")],
+        "hydra": [_m("hydra", 16, 0.001), _m("hydra", 32, 0.002)],
+    }
+    figure = bench.draw_series(series, "title", note="sweep stopped at N = 32")
+    for axes in figure.axes:  # latency and memory: the stopped series ends in an x at N = 16, saying why
+        stops = [line for line in axes.get_lines() if line.get_marker() == "x"]
+        assert [list(line.get_xdata()) for line in stops] == [[16]]
+        assert [text.get_text() for text in axes.texts] == ["failed at N = 32"]
+        assert [list(line.get_xdata()) for line in axes.get_lines() if line.get_marker() == "o"] == [[16], [16, 32]]
+    assert [text.get_text() for text in figure.texts] == ["title", "sweep stopped at N = 32"]
+    bench.plot_series(series, tmp_path / "p.png", "title")
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -249,8 +295,22 @@ def test_cuda_sweep_with_iobinding(tmp_path, capsys):
     if not HAS_CUDA:
         pytest.skip("no CUDA execution provider")
     report = tmp_path / "cuda.json"
-    code, _, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--provider", "cuda", "--fp16", "--lengths", "64",
-                       "--repeats", "2", "--json", report)
+    code, _, err = run(
+        capsys,
+        "bench",
+        SAMPLE,
+        "--to",
+        "hydra",
+        "--provider",
+        "cuda",
+        "--fp16",
+        "--lengths",
+        "64",
+        "--repeats",
+        "2",
+        "--json",
+        report,
+    )
     assert code == 0, err
     series = json.loads(report.read_text())["series"]
     assert all(m["status"] == "ok" for s in series.values() for m in s)

@@ -6,26 +6,24 @@ from __future__ import annotations
 import hashlib
 import re
 
+import models
 import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import read_record
-from onnx import numpy_helper
-
 from attention_graphs import AttentionSpec, build_attention_model, lowering_session, make_feeds
-import models
+from conftest import read_record
 from models import SAMPLE_BERT, relative_error, run_onnx, text_args
+from onnx import numpy_helper
 
 import attnrewrite
 import attnrewrite.onnx.calibrate
 import attnrewrite.onnx.io
-from attnrewrite import passes
-from attnrewrite import calibration
+from attnrewrite import calibration, passes
 from attnrewrite.cli import main
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes import fit
+from attnrewrite.site import AttentionSite, MaskKind
 
 HEADS, HEAD_DIM = 2, 16
 
@@ -51,8 +49,13 @@ def clustered_site_samples(seed: int = 0, batches: int = 3, batch: int = 4, n: i
 
 def site(mask=MaskKind.NONE, heads=HEADS) -> AttentionSite:
     return AttentionSite(
-        "attn", scale=HEAD_DIM**-0.5, mask=mask, rank=4 if heads else 3, num_heads=heads,
-        head_dim=HEAD_DIM, value_dim=HEAD_DIM,
+        "attn",
+        scale=HEAD_DIM**-0.5,
+        mask=mask,
+        rank=4 if heads else 3,
+        num_heads=heads,
+        head_dim=HEAD_DIM,
+        value_dim=HEAD_DIM,
     )
 
 
@@ -141,22 +144,23 @@ def test_learnable_lowering_with_fitted_values_equals_the_torch_module(method, o
     assert relative_error(actual, expected) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["linear", "hydra"])
-def test_query_key_maps_exist_only_when_learnable(method):
+@pytest.mark.parametrize("method, op_type", [("linear", "LinearAttention"), ("hydra", "Hydra")])
+def test_query_key_maps_exist_only_when_learnable(method, op_type):
     method_pass = passes.get_pass(method)
     opts = passes.make_options(method_pass)
     assert not list(method_pass.torch_module(site(), opts).parameters())
     learnable = method_pass.torch_module(site(), opts, learnable=True)
     assert {n: tuple(p.shape) for n, p in learnable.named_parameters()} == {
-        "query_map": (HEADS, HEAD_DIM, HEAD_DIM), "key_map": (HEADS, HEAD_DIM, HEAD_DIM),
+        "query_map": (HEADS, HEAD_DIM, HEAD_DIM),
+        "key_map": (HEADS, HEAD_DIM, HEAD_DIM),
     }
     folded = method_pass.torch_module(site(heads=None), opts, learnable=True)
     assert folded.query_map.shape == (1, HEAD_DIM, HEAD_DIM)
     plain = method_pass.onnx_lowering(site(), opts, 18)
-    assert plain.op_type == method_pass.onnx_lowering(site(), opts, 18).op_type
+    assert plain.op_type == op_type
     assert "query_map" not in plain.constants
     fitted = method_pass.onnx_lowering(site(), opts, 18, weights=perturbed_state(learnable))
-    assert fitted.op_type == f"Learned{plain.op_type}"
+    assert fitted.op_type == f"Learned{op_type}"
 
 
 def test_lsh_and_unfittable_linformer_say_why():
@@ -172,7 +176,9 @@ def test_lsh_and_unfittable_linformer_say_why():
 # --- both frontends ---------------------------------------------------------------------------
 
 
-def _rewrite_onnx_with_torch_weights(model: onnx.ModelProto, method: str, feeds, fitted: dict, **options) -> onnx.ModelProto:
+def _rewrite_onnx_with_torch_weights(
+    model: onnx.ModelProto, method: str, feeds, fitted: dict, **options
+) -> onnx.ModelProto:
     """The ONNX rewrite with learnable lowerings (0 calibration steps: initial values), its
     fittable initializers then overwritten with ``fitted`` (layer -> a torch module's state)."""
     rewritten = attnrewrite.rewrite(model, to=method, calibrate=feeds, calibrate_steps=0, **options)
@@ -310,9 +316,7 @@ def test_cli_calibrates_each_site_and_writes_the_fitted_initializers(tmp_path, c
     digest = hashlib.sha256()
     for name in ("input_ids", "attention_mask"):  # the model's input order, batch by batch
         digest.update(np.ascontiguousarray(arrays[name]).tobytes())
-    initial = passes.favor.projection_for(
-        AttentionSite("s", head_dim=model_head_dim(record)), passes.favor.Options()
-    )
+    initial = passes.favor.projection_for(AttentionSite("s", head_dim=model_head_dim(record)), passes.favor.Options())
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for entry in record["sites"]:
         calibration = entry["calibration"]
@@ -339,7 +343,9 @@ def test_onnx_calibration_fits_on_cuda_when_torch_sees_a_gpu(tmp_path, monkeypat
 
     def fitted_projections(device: str) -> dict[str, np.ndarray]:
         monkeypatch.setattr(attnrewrite.onnx.calibrate, "_fitting_device", lambda: torch.device(device))
-        model = attnrewrite.rewrite(str(SAMPLE_BERT), to="favor", calibrate=arrays, calibrate_steps=5, calibrate_lr=1e-3)
+        model = attnrewrite.rewrite(
+            str(SAMPLE_BERT), to="favor", calibrate=arrays, calibrate_steps=5, calibrate_lr=1e-3
+        )
         return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("/projection")}
 
     torch.cuda.reset_peak_memory_stats()
@@ -361,7 +367,8 @@ def test_cli_keeps_the_starting_values_of_a_fit_that_ends_worse(tmp_path, capsys
     for line in progress:
         assert re.fullmatch(
             r"calibrating site \d/2 \(layer \d\): loss \S+ -> \S+, worse: the values before fitting kept "
-            r"\(on 2 of 2 batches; steps 30, [\d.]+ s\)", line
+            r"\(on 2 of 2 batches; steps 30, [\d.]+ s\)",
+            line,
         ), line
     model = onnx.load(out)
     record = read_record(model)
@@ -408,7 +415,9 @@ def test_each_collecting_run_computes_only_what_lies_after_the_previous_site():
             node("Add", ["attention0", "hidden"], ["residual"], name="residual0"),
             node("Neg", ["residual"], ["q1"], name="project1"),
         ],
-        "chain", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
+        "chain",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [],
     )
     model = onnx.helper.make_model(graph)
     calibrate = attnrewrite.onnx.calibrate
@@ -499,18 +508,36 @@ def test_a_batch_is_cut_along_its_examples_only_where_every_input_has_them():
 @pytest.mark.parametrize(
     "make_data, extra, message",
     [
-        (lambda p: np.savez(p / "d.npz", ids=np.zeros((2, 4), np.int64)), [],
-         "{d}/d.npz: 'ids' is not an input of the model (inputs: input_ids, attention_mask)"),
-        (lambda p: (p / "d.npz").write_text("a text\nanother text\n"), [],
-         "{d}/d.npz: a text file needs --tokenizer tokenizer.json to make the model's inputs"),
-        (lambda p: calibration_npz(p / "d.npz"), ["--to", "lsh"],
-         "cannot calibrate: lsh has nothing to fit (its buckets come from random rotations and a sort)"),
-        (lambda p: calibration_npz(p / "d.npz"), ["-O", "projection=pool", "--to", "linformer"],
-         "cannot calibrate: linformer's 'pool' projection has nothing to fit (use gaussian or learned)"),
-        (lambda p: calibration_npz(p / "d.npz"), ["--to", "hydra", "--calibrate-ce", "1"],
-         "cannot calibrate with the attention-weight cross-entropy: hydra gives no attention weights"),
-        (lambda p: calibration_npz(p / "d.npz"), ["-O", "window=4", "--calibrate-ce", "0.5"],
-         "cannot calibrate with the attention-weight cross-entropy: favor with a window gives no attention weights"),
+        (
+            lambda p: np.savez(p / "d.npz", ids=np.zeros((2, 4), np.int64)),
+            [],
+            "{d}/d.npz: 'ids' is not an input of the model (inputs: input_ids, attention_mask)",
+        ),
+        (
+            lambda p: (p / "d.npz").write_text("a text\nanother text\n"),
+            [],
+            "{d}/d.npz: a text file needs --tokenizer tokenizer.json to make the model's inputs",
+        ),
+        (
+            lambda p: calibration_npz(p / "d.npz"),
+            ["--to", "lsh"],
+            "cannot calibrate: lsh has nothing to fit (its buckets come from random rotations and a sort)",
+        ),
+        (
+            lambda p: calibration_npz(p / "d.npz"),
+            ["-O", "projection=pool", "--to", "linformer"],
+            "cannot calibrate: linformer's 'pool' projection has nothing to fit (use gaussian or learned)",
+        ),
+        (
+            lambda p: calibration_npz(p / "d.npz"),
+            ["--to", "hydra", "--calibrate-ce", "1"],
+            "cannot calibrate with the attention-weight cross-entropy: hydra gives no attention weights",
+        ),
+        (
+            lambda p: calibration_npz(p / "d.npz"),
+            ["-O", "window=4", "--calibrate-ce", "0.5"],
+            "cannot calibrate with the attention-weight cross-entropy: favor with a window gives no attention weights",
+        ),
     ],
 )
 def test_calibration_errors_are_one_line_and_write_nothing(tmp_path, capsys, make_data, extra, message):
@@ -527,7 +554,9 @@ def test_without_torch_calibration_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(passes._torch, "torch", None)
     out = tmp_path / "out.onnx"
     assert main([str(SAMPLE_BERT), "--to", "favor", "--calibrate", str(tmp_path / "d.npz"), "-o", str(out)]) == 2
-    assert capsys.readouterr().err == "attnrewrite: error: calibration fits in PyTorch: pip install 'attnrewrite[torch]'\n"
+    assert (
+        capsys.readouterr().err == "attnrewrite: error: calibration fits in PyTorch: pip install 'attnrewrite[torch]'\n"
+    )
     assert not out.exists()
 
 
@@ -560,8 +589,21 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
     assert first["attention_mask"].sum(1).tolist() == [2, 3, 4, 5, 2, 3, 4, 5]  # texts 0-3, 5-8 in file order
     assert data.examples == 11 and data.tokens == sum(min(len(t.split()), 16) for t in texts)
     out = tmp_path / "out.onnx"
-    argv = [str(SAMPLE_BERT), "--to", "linear", "--calibrate", str(tmp_path / "texts.txt"),
-            "--tokenizer", str(tmp_path / "tokenizer.json"), "--max-length", "16", "--calibrate-steps", "10", "-o", str(out)]
+    argv = [
+        str(SAMPLE_BERT),
+        "--to",
+        "linear",
+        "--calibrate",
+        str(tmp_path / "texts.txt"),
+        "--tokenizer",
+        str(tmp_path / "tokenizer.json"),
+        "--max-length",
+        "16",
+        "--calibrate-steps",
+        "10",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     assert [s["calibration"]["tokens"] for s in read_record(onnx.load(out))["sites"]] == [data.tokens] * 2
 
@@ -569,8 +611,12 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
 @pytest.mark.parametrize(
     "method, options",
     [
-        ("linear", {}), ("linear", {"window": 4}), ("favor", {"features": 24}),
-        ("favor", {"features": 24, "variant": "hyperbolic"}), ("hedgehog", {}), ("hedgehog", {"window": 4}),
+        ("linear", {}),
+        ("linear", {"window": 4}),
+        ("favor", {"features": 24}),
+        ("favor", {"features": 24, "variant": "hyperbolic"}),
+        ("hedgehog", {}),
+        ("hedgehog", {"window": 4}),
     ],
 )
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL])
@@ -605,12 +651,22 @@ def test_attention_weights_are_declared_where_the_modules_give_them(method):
 
 def test_cross_entropy_weight_and_seed_reach_the_fit(tmp_path):
     calibration_npz(tmp_path / "data.npz")
-    common = [str(SAMPLE_BERT), "--to", "hedgehog", "--calibrate", str(tmp_path / "data.npz"), "--calibrate-steps", "10"]
+    common = [
+        str(SAMPLE_BERT),
+        "--to",
+        "hedgehog",
+        "--calibrate",
+        str(tmp_path / "data.npz"),
+        "--calibrate-steps",
+        "10",
+    ]
     assert main([*common, "--calibrate-ce", "0.5", "--calibrate-seed", "3", "-o", str(tmp_path / "a.onnx")]) == 0
     assert main([*common, "--calibrate-ce", "0.5", "-o", str(tmp_path / "b.onnx")]) == 0
     assert main([*common, "--calibrate-seed", "3", "-o", str(tmp_path / "c.onnx")]) == 0
     seeded, other_seed, without_ce = (onnx.load(tmp_path / name) for name in ("a.onnx", "b.onnx", "c.onnx"))
-    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in read_record(seeded)["sites"]} == {(0.5, 3)}
+    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in read_record(seeded)["sites"]} == {
+        (0.5, 3)
+    }
 
     def fitted(model) -> dict[str, np.ndarray]:
         return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("/weight")}
@@ -625,7 +681,9 @@ def test_cross_entropy_weight_and_seed_reach_the_fit(tmp_path):
     gm = attnrewrite.rewrite(
         encoder, to="linear", calibrate=examples, calibrate_steps=2, calibrate_ce_weight=0.25, calibrate_seed=7
     )
-    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in gm.meta["attnrewrite"]["sites"]} == {(0.25, 7)}
+    assert {(s["calibration"]["ce_weight"], s["calibration"]["seed"]) for s in gm.meta["attnrewrite"]["sites"]} == {
+        (0.25, 7)
+    }
     hydra_error = "^cannot calibrate with the attention-weight cross-entropy: hydra gives no attention weights$"
     with pytest.raises(AttnRewriteError, match=hydra_error):
         attnrewrite.rewrite(encoder, to="hydra", calibrate=examples, calibrate_ce_weight=1.0)
@@ -637,7 +695,9 @@ def test_cross_entropy_term_fits_too_and_is_seeded():
     runs = []
     for _ in range(2):
         module = passes.favor.torch_module(s, passes.favor.Options(features=32), learnable=True)
-        runs.append(fit.fit_site(module, samples, scale=s.scale, causal=False, steps=40, lr=3e-2, seed=3, ce_weight=0.1))
+        runs.append(
+            fit.fit_site(module, samples, scale=s.scale, causal=False, steps=40, lr=3e-2, seed=3, ce_weight=0.1)
+        )
     assert runs[0].loss_after < runs[0].loss_before / 2
     assert runs[0].loss_after == runs[1].loss_after
     with pytest.raises(ValueError, match="HydraAttention cannot give its attention weights"):
@@ -673,8 +733,15 @@ def test_fx_calibration_of_swapped_multihead_attention_is_sequential_and_trainab
 def sites_of(entries: list[dict]) -> list[AttentionSite]:
     """The sites a record's entries describe."""
     return [
-        AttentionSite(s["name"], scale=s["scale"], mask=MaskKind(s["mask"]), rank=4, num_heads=s["num_heads"],
-                      head_dim=s["head_dim"], value_dim=s["value_dim"])
+        AttentionSite(
+            s["name"],
+            scale=s["scale"],
+            mask=MaskKind(s["mask"]),
+            rank=4,
+            num_heads=s["num_heads"],
+            head_dim=s["head_dim"],
+            value_dim=s["value_dim"],
+        )
         for s in entries
     ]
 

@@ -30,7 +30,9 @@ SLIDING = "the mask is neither key padding nor causal (e.g. a sliding window or 
 def site_summary(sites) -> dict[tuple[str, str | None], int]:
     """How many sites have each (mask kind, reason refused); node names in reasons are
     replaced by '*' (they differ between exporters and layers)."""
-    counts = collections.Counter((s.mask.value, s.skip_reason and re.sub(r"'[^']*'", "'*'", s.skip_reason)) for s in sites)
+    counts = collections.Counter(
+        (s.mask.value, s.skip_reason and re.sub(r"'[^']*'", "'*'", s.skip_reason)) for s in sites
+    )
     return dict(sorted(counts.items(), key=lambda item: (item[0][0], item[0][1] or "")))
 
 
@@ -76,11 +78,15 @@ EXPECTED: dict[tuple[str, str], dict[tuple[str, str | None], int]] = {
         "whisper": both({("causal", None): 2, ("none", None): 4}),
         # the legacy export of nn.MultiheadAttention keeps the traced shape in its Reshapes
         # (skipped with that reason); at a fixed shape see "nn-transformer", "legacy-static"
-        "nn-transformer": {exporter: {("causal", None): 2, ("none", None): 4} for exporter in (*EXPORTERS, "legacy-static")},
+        "nn-transformer": {
+            exporter: {("causal", None): 2, ("none", None): 4} for exporter in (*EXPORTERS, "legacy-static")
+        },
         # negatives: every site refused
         "t5-encoder-eager": both(BIASED),
         "t5-encoder-sdpa": both(BIASED),
-        "beit": both(BIASED),  # relative position bias (the dynamo exporter fails on it today: skipped, its reason said)
+        "beit": both(
+            BIASED
+        ),  # relative position bias (the dynamo exporter fails on it today: skipped, its reason said)
         "mpnet": both(BIASED),  # relative position bias
         "mpt": both(BIASED),  # ALiBi, added as a bias
         "bloom": both({("unknown", "cannot tell the logits from the mask in '*'"): 2}),  # ALiBi through baddbmm
@@ -118,7 +124,11 @@ def test_sites(exports, name, exporter):
 def rewritable_by(method: str, expected: dict[tuple[str, str | None], int]) -> int:
     """How many sites of an expectation ``method`` must rewrite: every unrefused one, but
     causal ones for linformer (its projections would mix future keys into the past)."""
-    return sum(n for (mask, reason), n in expected.items() if reason is None and not (method == "linformer" and "causal" in mask))
+    return sum(
+        n
+        for (mask, reason), n in expected.items()
+        if reason is None and not (method == "linformer" and "causal" in mask)
+    )
 
 
 @pytest.mark.parametrize("method", passes.PASSES)

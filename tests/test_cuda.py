@@ -20,8 +20,7 @@ import pytest
 from attention_graphs import AttentionSpec, build_attention_model
 from models import relative_error
 
-from attnrewrite import passes
-from attnrewrite import bench
+from attnrewrite import bench, passes
 from attnrewrite.bench_worker import cuda_ready, node_placement, placement_from_profile
 from attnrewrite.check import cosine_similarity
 from attnrewrite.onnx import io as onnx_io
@@ -50,12 +49,21 @@ FP16_TOLERANCE = 2e-2
 FP16_TOLERANCE_LSH = 0.1
 
 
-def cases():
+# Measured on an H100 (issue 33): the causal lsh graph computes another answer on CUDA than on
+# CPU (0.91 relative, fp32 and fp16). Strict, so the fix shows as an unexpected pass.
+LSH_CAUSAL_WRONG_ON_CUDA = pytest.mark.xfail(
+    strict=True, reason="issue 33: causal lsh differs between CUDA and CPU (0.91 relative error on an H100)"
+)
+
+
+def cases(known_failures: bool = False):
+    """(model, method) pairs; ``known_failures``: mark the numeric comparisons known to fail."""
     for model, spec in MODELS.items():
         for method in passes.PASSES:
             if spec is not None and spec.causal and method == "linformer":
                 continue  # linformer refuses causal attention (tested in test_linformer)
-            yield pytest.param(model, method, id=f"{model}-{method}")
+            wrong = known_failures and model == "causal_attention" and method == "lsh"
+            yield pytest.param(model, method, id=f"{model}-{method}", marks=[LSH_CAUSAL_WRONG_ON_CUDA] if wrong else [])
 
 
 def _original(name: str, folder) -> str:
@@ -79,9 +87,17 @@ def _rewritten(name: str, method: str, folder, fp16: bool = False) -> tuple[str,
 
 def _run(path: str, feeds: dict, provider: str) -> np.ndarray:
     providers = [("CUDAExecutionProvider", {"use_tf32": "0"})] if provider == "cuda" else ["CPUExecutionProvider"]
-    session = ort.InferenceSession(path, providers=providers)
-    typed = {i.name: feeds[i.name].astype(np.float16) if i.type == "tensor(float16)" else feeds[i.name] for i in session.get_inputs()}
-    return session.run(None, typed)[0]
+    return ort.InferenceSession(path, providers=providers).run(None, _in_model_dtypes(path, feeds))[0]
+
+
+def _in_model_dtypes(path: str, feeds: dict) -> dict:
+    """The float32 inputs generated for the original, cast where the (fp16) model takes float16."""
+    half = {
+        i.name
+        for i in onnx.load(path, load_external_data=False).graph.input
+        if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    }
+    return {name: value.astype(np.float16) if name in half else value for name, value in feeds.items()}
 
 
 # --- the placement inspection, on CPU ------------------------------------------------------------
@@ -97,9 +113,16 @@ def test_a_cpu_session_has_every_node_on_cpu(tmp_path):
 
 
 def _event(name, op, provider, inputs, outputs, dims=(4,)):
-    return {"cat": "Node", "name": f"{name}_kernel_time", "args": {
-        "op_name": op, "provider": provider,
-        "input_type_shape": [{t: list(dims)} for t in inputs], "output_type_shape": [{t: list(dims)} for t in outputs]}}
+    return {
+        "cat": "Node",
+        "name": f"{name}_kernel_time",
+        "args": {
+            "op_name": op,
+            "provider": provider,
+            "input_type_shape": [{t: list(dims)} for t in inputs],
+            "output_type_shape": [{t: list(dims)} for t in outputs],
+        },
+    }
 
 
 def test_placement_separates_shape_arithmetic_from_data_on_the_wrong_provider():
@@ -117,7 +140,12 @@ def test_placement_separates_shape_arithmetic_from_data_on_the_wrong_provider():
     ]
     placement = placement_from_profile(events, cuda)
     assert placement["nodes"] == 6 and placement["by_provider"] == {cuda: 2, cpu: 4}
-    assert placement["elsewhere"] == [f"Shape shape ({cpu})", f"Concat concat ({cpu})", f"Pad pad ({cpu})", f"ArgMax argmax ({cpu})"]
+    assert placement["elsewhere"] == [
+        f"Shape shape ({cpu})",
+        f"Concat concat ({cpu})",
+        f"Pad pad ({cpu})",
+        f"ArgMax argmax ({cpu})",
+    ]
     assert placement["data_elsewhere"] == ["Pad pad (int64 -> int64)", "ArgMax argmax (float16 -> int64)"]
     assert placement["memcpy"] == ["MemcpyToHost copy"]
 
@@ -135,14 +163,14 @@ def test_the_worker_reports_placement_in_a_fresh_process(tmp_path):
 
 
 @requires_cuda
-@pytest.mark.parametrize("model,method", cases())
+@pytest.mark.parametrize("model,method", cases(known_failures=True))
 def test_cuda_equals_cpu_in_fp32(model, method, tmp_path):
     path, feeds = _rewritten(model, method, tmp_path)
     assert relative_error(_run(path, feeds, "cuda"), _run(path, feeds, "cpu")) < FP32_TOLERANCE
 
 
 @requires_cuda
-@pytest.mark.parametrize("model,method", cases())
+@pytest.mark.parametrize("model,method", cases(known_failures=True))
 def test_cuda_fp16_is_close_to_cpu_fp32(model, method, tmp_path):
     full, feeds = _rewritten(model, method, tmp_path)
     half, _ = _rewritten(model, method, tmp_path, fp16=True)
@@ -159,8 +187,10 @@ def test_no_data_node_on_the_cpu_provider(model, method, fp16, tmp_path):
     """Shape arithmetic on CPU is onnxruntime's choice and cheap; a node making float tensors
     on CPU means copies both ways and a CPU kernel on the path (issue 12's profile)."""
     path, feeds = _rewritten(model, method, tmp_path, fp16=fp16)
-    placement = node_placement(path, feeds, "cuda")
-    assert placement["data_elsewhere"] == [], f"{len(placement['memcpy'])} copies; on CPU: {placement['data_elsewhere']}"
+    placement = node_placement(path, _in_model_dtypes(path, feeds), "cuda")
+    assert placement["data_elsewhere"] == [], (
+        f"{len(placement['memcpy'])} copies; on CPU: {placement['data_elsewhere']}"
+    )
 
 
 LONG = dict(batch=1, heads=12, n=131072, head_dim=64)
@@ -223,8 +253,15 @@ def test_long_sequence_on_cuda(method, mask, tmp_path):
 def _torch_site(causal: bool):
     from attnrewrite.site import AttentionSite, MaskKind
 
-    return AttentionSite(name="site", scale=0.125, rank=4, num_heads=2, head_dim=16, value_dim=16,
-                         mask=MaskKind.CAUSAL if causal else MaskKind.NONE)
+    return AttentionSite(
+        name="site",
+        scale=0.125,
+        rank=4,
+        num_heads=2,
+        head_dim=16,
+        value_dim=16,
+        mask=MaskKind.CAUSAL if causal else MaskKind.NONE,
+    )
 
 
 def torch_cases():
@@ -239,7 +276,9 @@ def test_torch_modules_make_their_tensors_on_the_inputs_device(method, causal):
     """On torch's meta device, a tensor made on the CPU (torch.ones(()) expanded, say) meets
     the inputs and fails as it would on CUDA; this one runs everywhere."""
     torch = pytest.importorskip("torch")
-    module = passes.PASSES[method].torch_module(_torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {})))
+    module = passes.PASSES[method].torch_module(
+        _torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {}))
+    )
     q = torch.empty(1, 2, SEQ, 16, device="meta", dtype=torch.float16)
     with torch.inference_mode():
         out = module.to("meta")(q, q, q)
@@ -253,9 +292,20 @@ def test_torch_modules_on_cuda_equal_cpu(method, causal):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
-    module = passes.PASSES[method].torch_module(_torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {})))
+    module = passes.PASSES[method].torch_module(
+        _torch_site(causal), passes.make_options(passes.PASSES[method], **OPTIONS.get(method, {}))
+    )
     q, k, v = (torch.randn(1, 2, SEQ, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with torch.inference_mode():
         want = module(q, k, v).numpy()
         got = module.cuda()(q.cuda(), k.cuda(), v.cuda()).cpu().numpy()
     assert relative_error(got, want) < FP32_TOLERANCE
+
+
+def test_fp16_models_are_fed_float16(tmp_path):
+    """The CUDA cases feed each model its own input types (issue 33: fp16 placement runs were fed
+    float32 and failed on the feed, not on placement); checked here on CPU."""
+    half, feeds = _rewritten("causal_attention", "linear", tmp_path, fp16=True)
+    typed = _in_model_dtypes(half, feeds)
+    assert {name: value.dtype for name, value in typed.items()} == {"q": np.float16, "k": np.float16, "v": np.float16}
+    assert _run(half, feeds, "cpu").dtype == np.float16

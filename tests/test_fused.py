@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from attention_graphs import AttentionSpec, build_attention_model
 from models import load_bench_module, relative_error
 
@@ -44,13 +43,17 @@ def _assert_equal_to_original(original: Path, fused: fused_module.FusedModel, tm
         assert relative_error(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("spec", [
-    AttentionSpec(),
-    AttentionSpec(mask="causal"),
-    AttentionSpec(mask="key_padding"),
-    AttentionSpec(layout="3d", mask="key_padding", scale_op="Div"),
-    AttentionSpec(layout="3d", mask="causal"),
-], ids=["plain", "causal", "key_padding", "3d-key_padding", "3d-causal"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(),
+        AttentionSpec(mask="causal"),
+        AttentionSpec(mask="key_padding"),
+        AttentionSpec(layout="3d", mask="key_padding", scale_op="Div"),
+        AttentionSpec(layout="3d", mask="causal"),
+    ],
+    ids=["plain", "causal", "key_padding", "3d-key_padding", "3d-causal"],
+)
 def test_attention23_equals_the_softmax_graph(spec, tmp_path):
     path = tmp_path / "attention.onnx"
     onnx.save(build_attention_model(spec), path)
@@ -66,7 +69,9 @@ def test_attention23_equals_the_softmax_graph(spec, tmp_path):
 @pytest.fixture(scope="module")
 def bert_layer(tmp_path_factory) -> Path:
     """bench/models.py's BERT encoder (what the benchmark measures), 2 small layers."""
-    return load_bench_module("models").export_encoder(tmp_path_factory.mktemp("layer") / "layer.onnx", hidden=32, heads=4, layers=2)
+    return load_bench_module("models").export_encoder(
+        tmp_path_factory.mktemp("layer") / "layer.onnx", hidden=32, heads=4, layers=2
+    )
 
 
 def test_the_optimizer_fuses_a_bert_layer(bert_layer, tmp_path):
@@ -87,7 +92,9 @@ def test_a_fusion_that_changes_the_outputs_is_not_used(tmp_path):
     """The optimizer's fusion of the sample reads the mask as lengths (right padding); the
     generated inputs pad on both sides, so its model is refused and Attention-23 taken."""
     fused = _fuse(SAMPLE)
-    assert fused.how.startswith("opset-23 Attention x2 (onnxruntime.transformers.optimizer: its fused model disagrees with the original (relative error")
+    assert fused.how.startswith(
+        "opset-23 Attention x2 (onnxruntime.transformers.optimizer: its fused model disagrees with the original (relative error"
+    )
     _assert_equal_to_original(SAMPLE, fused, tmp_path, seq=16)
 
 
@@ -96,7 +103,10 @@ def test_no_fusion_is_a_clear_error(monkeypatch):
         raise fused_module.Unsupported("a reason")
 
     monkeypatch.setattr(fused_module, "_attention23", unsupported)
-    with pytest.raises(AttnRewriteError, match=r"^no fused exact attention for this model: a reason; onnxruntime.transformers.optimizer: "):
+    with pytest.raises(
+        AttnRewriteError,
+        match=r"^no fused exact attention for this model: a reason; onnxruntime.transformers.optimizer: ",
+    ):
         _fuse(SAMPLE)
 
 
@@ -104,7 +114,23 @@ def test_bench_fused_column_on_cpu(tmp_path, capsys):
     path = tmp_path / "attention.onnx"
     onnx.save(build_attention_model(AttentionSpec()), path)
     report = tmp_path / "bench.json"
-    code = main(["bench", str(path), "--to", "linear", "--fused", "--lengths", "16", "--repeats", "1", "--threads", "1", "--json", str(report)])
+    code = main(
+        [
+            "bench",
+            str(path),
+            "--to",
+            "linear",
+            "--fused",
+            "--lengths",
+            "16",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(report),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(report.read_text())
@@ -114,8 +140,10 @@ def test_bench_fused_column_on_cpu(tmp_path, capsys):
     assert data["fused"].startswith("opset-23 Attention x1")
     assert data["crossover_fused"] in (None, 16)
     assert "fused exact ms" in out and "vs fused" in out
-    assert "crossover: linear is faster than fused exact attention from N = 16 on" in out or \
-        "crossover: linear is not faster than fused exact attention beyond the measured spread at any length" in out
+    assert (
+        "crossover: linear is faster than fused exact attention from N = 16 on" in out
+        or "crossover: linear is not faster than fused exact attention beyond the measured spread at any length" in out
+    )
 
 
 def test_an_opset_23_model_is_left_untouched_and_checked_against(tmp_path):

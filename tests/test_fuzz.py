@@ -30,8 +30,18 @@ SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 CASES_PER_MODEL = 280
 REWRITE_EVERY = 4
 METHODS = sorted(passes.PASSES)
-ELEMENT_TYPES = [TensorProto.FLOAT, TensorProto.UINT8, TensorProto.INT8, TensorProto.INT32, TensorProto.INT64,
-                 TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16, TensorProto.STRING]
+ELEMENT_TYPES = [
+    TensorProto.FLOAT,
+    TensorProto.UINT8,
+    TensorProto.INT8,
+    TensorProto.INT32,
+    TensorProto.INT64,
+    TensorProto.BOOL,
+    TensorProto.FLOAT16,
+    TensorProto.DOUBLE,
+    TensorProto.BFLOAT16,
+    TensorProto.STRING,
+]
 SIMILAR_OPS = {
     "Softmax": ["LogSoftmax", "Identity", "Relu", "Softmax"],
     "MatMul": ["Add", "Mul", "Sub", "Gemm"],
@@ -199,7 +209,11 @@ class Mutator:
 
     def corrupt_tensor(self, tensor: TensorProto) -> None:
         what = self.rng.random()
-        if what < 0.5 and tensor.data_type in (TensorProto.FLOAT, TensorProto.INT64, TensorProto.DOUBLE) and tensor.raw_data:
+        if (
+            what < 0.5
+            and tensor.data_type in (TensorProto.FLOAT, TensorProto.INT64, TensorProto.DOUBLE)
+            and tensor.raw_data
+        ):
             array = onnx.numpy_helper.to_array(tensor).copy()
             flat = array.reshape(-1)
             if flat.size:
@@ -315,10 +329,22 @@ class Mutator:
         return f"rename values ({style})"
 
     MUTATIONS = [
-        (drop_node, 3), (duplicate_node, 2), (swap_nodes, 1), (rewire_input, 4), (change_op, 2),
-        (corrupt_attribute, 4), (corrupt_initializer, 2), (corrupt_value_type, 2), (cast_target, 1),
-        (extra_probability_consumer, 1), (opset, 1), (ir_version, 1), (metadata, 1), (graph_output, 1),
-        (softmax_axis, 2), (rename, 1),
+        (drop_node, 3),
+        (duplicate_node, 2),
+        (swap_nodes, 1),
+        (rewire_input, 4),
+        (change_op, 2),
+        (corrupt_attribute, 4),
+        (corrupt_initializer, 2),
+        (corrupt_value_type, 2),
+        (cast_target, 1),
+        (extra_probability_consumer, 1),
+        (opset, 1),
+        (ir_version, 1),
+        (metadata, 1),
+        (graph_output, 1),
+        (softmax_axis, 2),
+        (rename, 1),
     ]
 
     def mutate(self) -> None:

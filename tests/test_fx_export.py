@@ -15,15 +15,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_fx_spellings import Attention, causal_and_padding_where, inputs
+from test_fx_torch_modules import Encoder, padding, sequence
+from test_fx_transformers import build, exported, model_inputs
 
 import attnrewrite
 from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.fx.masks import DROPPED_AT
 from attnrewrite.record import METADATA_KEY
-
-from test_fx_spellings import Attention, causal_and_padding_where, inputs
-from test_fx_torch_modules import Encoder, padding, sequence
-from test_fx_transformers import build, exported, model_inputs
 
 onnxruntime = pytest.importorskip("onnxruntime")
 

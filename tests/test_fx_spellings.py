@@ -200,7 +200,9 @@ def fx_model(spelling, convention) -> nn.Module:
 
 
 @pytest.mark.parametrize("method", ["hydra", "linear"])
-@pytest.mark.parametrize(("spelling", "convention", "mask", "scale", "heads"), SPELLINGS, ids=[s[0].__name__ for s in SPELLINGS])
+@pytest.mark.parametrize(
+    ("spelling", "convention", "mask", "scale", "heads"), SPELLINGS, ids=[s[0].__name__ for s in SPELLINGS]
+)
 def test_spelling_is_found_and_rewritten_exactly(spelling, convention, mask, scale, heads, method):
     model = fx_model(spelling, convention)
     gm = rewrite_graph_module(model, method)

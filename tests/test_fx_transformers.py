@@ -54,18 +54,34 @@ def build(name: str, attention: str) -> nn.Module:
         warnings.simplefilter("ignore")
         if name == "bert":
             config = transformers.BertConfig(
-                vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                intermediate_size=2 * HIDDEN, max_position_embeddings=64, attn_implementation=attention,
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS,
+                intermediate_size=2 * HIDDEN,
+                max_position_embeddings=64,
+                attn_implementation=attention,
             )
             return TextEncoder(transformers.BertModel(config, add_pooling_layer=False)).eval()
         if name == "gpt2":
             config = transformers.GPT2Config(
-                vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64, attn_implementation=attention
+                vocab_size=VOCAB,
+                n_embd=HIDDEN,
+                n_layer=LAYERS,
+                n_head=HEADS,
+                n_positions=64,
+                attn_implementation=attention,
             )
             return TextEncoder(transformers.GPT2Model(config)).eval()
         config = transformers.ViTConfig(
-            image_size=16, patch_size=4, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS, intermediate_size=2 * HIDDEN, attn_implementation=attention,
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN,
+            attn_implementation=attention,
         )
         return ImageEncoder(transformers.ViTModel(config, add_pooling_layer=False)).eval()
 
@@ -136,7 +152,9 @@ def test_transformers_model(name, attention, method):
     assert record["sites_found"] == LAYERS and record["sites_rewritten"] == LAYERS, record
     assert [s["layer"] for s in record["sites"]] == list(range(LAYERS))
     assert {s["mask"] for s in record["sites"]} == {EXPECTED_MASK[name].value}
-    assert [(s["num_heads"], s["head_dim"], s["scale"]) for s in record["sites"]] == [(HEADS, 8, pytest.approx(8**-0.5))] * LAYERS
+    assert [(s["num_heads"], s["head_dim"], s["scale"]) for s in record["sites"]] == [
+        (HEADS, 8, pytest.approx(8**-0.5))
+    ] * LAYERS
     assert not any(is_softmax_attention(n) for n in gm.graph.nodes)
 
     args = model_inputs(name, seed=1)  # not the traced values: the mask comes from the input

@@ -10,7 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import exported, read_record
-from models import APPROXIMATING_OPTIONS, EXPORTERS, GROUPED_HEAD_MODELS, attention_operator_model, relative_error, run_onnx, run_pass_module, torch_reference
+from models import (
+    APPROXIMATING_OPTIONS,
+    EXPORTERS,
+    GROUPED_HEAD_MODELS,
+    attention_operator_model,
+    relative_error,
+    run_onnx,
+    run_pass_module,
+    torch_reference,
+)
 from test_onnx_exports import attention_inputs
 from torch import nn
 
@@ -20,7 +29,9 @@ from attnrewrite.fx import find_fx_sites
 
 TOLERANCE = 1e-5
 METHODS = {"hydra": {}, "linear": {}, **APPROXIMATING_OPTIONS}
-CASES = [pytest.param(name, exporter, id=f"{name}-{exporter}") for name in GROUPED_HEAD_MODELS for exporter in EXPORTERS]
+CASES = [
+    pytest.param(name, exporter, id=f"{name}-{exporter}") for name in GROUPED_HEAD_MODELS for exporter in EXPORTERS
+]
 
 
 @pytest.mark.parametrize("method", METHODS)

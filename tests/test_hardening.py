@@ -26,13 +26,13 @@ from attention_graphs import AttentionSpec, build_attention_model, lowering_mode
 from onnx import TensorProto, helper, numpy_helper
 
 from attnrewrite import passes
-from attnrewrite.site import AttentionSite, MaskKind
-from attnrewrite.passes import hydra
 from attnrewrite.cli import main
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.passes import hydra
 from attnrewrite.record import METADATA_KEY
+from attnrewrite.site import AttentionSite, MaskKind
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 PRECIOUS = b"precious: written by someone else"
@@ -49,7 +49,7 @@ def one_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("attnrewrite: error: "), err
-    return lines[0][len("attnrewrite: error: "):]
+    return lines[0][len("attnrewrite: error: ") :]
 
 
 @pytest.fixture
@@ -86,13 +86,23 @@ def test_truncated_protobuf(tmp_path, capsys, output):
     for keep in (len(data) // 2, len(data) - 5, 40):
         path = tmp_path / f"cut{keep}.onnx"
         path.write_bytes(data[:keep])
-        refused(capsys, path, output, f"{path}: not an ONNX model (it does not parse as an ONNX protobuf: truncated or another format)")
+        refused(
+            capsys,
+            path,
+            output,
+            f"{path}: not an ONNX model (it does not parse as an ONNX protobuf: truncated or another format)",
+        )
 
 
 def test_other_onnx_messages_are_not_models(tmp_path, capsys, output):
     tensor = tmp_path / "tensor.onnx"
     tensor.write_bytes(numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w").SerializeToString())
-    refused(capsys, tensor, output, f"{tensor}: not an ONNX model (it does not parse as an ONNX protobuf: truncated or another format)")
+    refused(
+        capsys,
+        tensor,
+        output,
+        f"{tensor}: not an ONNX model (it does not parse as an ONNX protobuf: truncated or another format)",
+    )
     graph = tmp_path / "graph.onnx"
     graph.write_bytes(onnx.load(SAMPLE).graph.SerializeToString())
     refused(capsys, graph, output, f"{graph}: not an ONNX model (a protobuf message without an IR version and a graph)")
@@ -142,7 +152,9 @@ def test_versions_it_cannot_handle(tmp_path, capsys, output):
     newest = onnx.defs.onnx_opset_version()
     refused(capsys, future, output, f"{future}: opset 99 is newer than onnx {onnx.__version__} knows ({newest})")
     ir99 = _attention_at(tmp_path, "ir99.onnx", ir_version=99)
-    refused(capsys, ir99, output, f"{ir99}: IR version 99 is newer than onnx {onnx.__version__} knows ({onnx.IR_VERSION})")
+    refused(
+        capsys, ir99, output, f"{ir99}: IR version 99 is newer than onnx {onnx.__version__} knows ({onnx.IR_VERSION})"
+    )
 
 
 def test_ir_version_the_runtime_cannot_load(tmp_path, capsys, output):
@@ -151,7 +163,9 @@ def test_ir_version_the_runtime_cannot_load(tmp_path, capsys, output):
     if loadable is None:
         pytest.skip(f"onnxruntime {ort.__version__} loads IR version {onnx.IR_VERSION}")
     refused(
-        capsys, newest, output,
+        capsys,
+        newest,
+        output,
         f"{newest}: IR version {onnx.IR_VERSION} is newer than onnxruntime {ort.__version__} can load ({loadable} at most)",
     )
 
@@ -214,8 +228,12 @@ def external_copy(folder: Path, name: str = "bert.onnx", data: str | None = None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     onnx.save_model(
-        onnx.load(SAMPLE), path, save_as_external_data=True, all_tensors_to_one_file=True,
-        location=data or f"{name}.data", size_threshold=1024,
+        onnx.load(SAMPLE),
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data or f"{name}.data",
+        size_threshold=1024,
     )
     return path, onnx.load(path, load_external_data=False)
 
@@ -302,19 +320,27 @@ def test_missing_truncated_and_hard_linked_external_data(tmp_path, capsys, outpu
 
     link = tmp_path / "elsewhere.bin"
     os.link(data, link)  # the same file, reachable from outside the folder
-    refused(capsys, path, output, f"{what}: bert.onnx.data has 2 hard links; refusing it, as a hard link can alias a file outside the model's folder")
+    refused(
+        capsys,
+        path,
+        output,
+        f"{what}: bert.onnx.data has 2 hard links; refusing it, as a hard link can alias a file outside the model's folder",
+    )
     link.unlink()
 
     size = data.stat().st_size
     with open(data, "r+b") as file:
         file.truncate(size // 2)
     short = next(
-        t for t in proto.graph.initializer
+        t
+        for t in proto.graph.initializer
         if t.data_location == TensorProto.EXTERNAL and _extent(t)[0] + _extent(t)[1] > size // 2
     )
     offset, length = _extent(short)
     refused(
-        capsys, path, output,
+        capsys,
+        path,
+        output,
         f"{path}: external data of tensor {short.name!r} lies past the end of bert.onnx.data "
         f"(bytes {offset}..{offset + length} of a {size // 2}-byte file)",
     )
@@ -365,7 +391,12 @@ def test_output_that_is_the_input_under_another_name(tmp_path, capsys):
     (tmp_path / "alias.onnx").symlink_to(model)
     os.link(model, tmp_path / "hard.onnx")
     before = model.read_bytes()
-    spellings = [folder / "." / "m.onnx", folder / ".." / "m" / "m.onnx", tmp_path / "alias.onnx", tmp_path / "hard.onnx"]
+    spellings = [
+        folder / "." / "m.onnx",
+        folder / ".." / "m" / "m.onnx",
+        tmp_path / "alias.onnx",
+        tmp_path / "hard.onnx",
+    ]
     for spelling in spellings:
         code, _, err = run(capsys, model, "--to", "hydra", "-o", spelling)
         assert (code, one_line(err)) == (2, f"{spelling}: the output would overwrite the input model")
@@ -385,7 +416,10 @@ def test_output_that_would_replace_the_inputs_external_data(tmp_path, capsys):
     shared, _ = external_copy(tmp_path / "shared", name="in.onnx", data="out.onnx.data")
     target = shared.parent / "out.onnx"
     code, _, err = run(capsys, shared, "--to", "hydra", "-o", target)
-    assert (code, one_line(err)) == (2, f"{target}: its external data file out.onnx.data would overwrite the input model's")
+    assert (code, one_line(err)) == (
+        2,
+        f"{target}: its external data file out.onnx.data would overwrite the input model's",
+    )
     assert data.read_bytes() == before and not target.exists()
 
 
@@ -542,7 +576,14 @@ def build_big_model(folder: Path) -> Path:
         external("triangle", TensorProto.BOOL, [64, 64], 64 * 64, np.tril(np.ones((64, 64), bool)))
         for i in range(BIG_TABLES):
             row = np.arange(BIG_COLS, dtype=np.float32) + i
-            external(f"table{i}", TensorProto.FLOAT, [BIG_ROWS, BIG_COLS], BIG_ROWS * BIG_COLS * 4, row, at=MARKED_ROW * BIG_COLS * 4)
+            external(
+                f"table{i}",
+                TensorProto.FLOAT,
+                [BIG_ROWS, BIG_COLS],
+                BIG_ROWS * BIG_COLS * 4,
+                row,
+                at=MARKED_ROW * BIG_COLS * 4,
+            )
         data.truncate(offset)
 
     def const(name, value):
@@ -558,32 +599,47 @@ def build_big_model(folder: Path) -> Path:
     const("fill", np.float32(-np.inf))
     node = helper.make_node
     nodes = [
-        node("MatMul", ["x", "Wq"], ["q"]), node("MatMul", ["x", "Wk"], ["k"]), node("MatMul", ["x", "Wv"], ["v"]),
+        node("MatMul", ["x", "Wq"], ["q"]),
+        node("MatMul", ["x", "Wk"], ["k"]),
+        node("MatMul", ["x", "Wv"], ["v"]),
         node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
-        node("MatMul", ["q", "kt"], ["qk"]), node("Mul", ["qk", "scale"], ["logits"]),
+        node("MatMul", ["q", "kt"], ["qk"]),
+        node("Mul", ["qk", "scale"], ["logits"]),
         node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-        node("Sub", ["one", "mask_f"], ["dropped"]), node("Mul", ["dropped", "neg"], ["bias2"]),
+        node("Sub", ["one", "mask_f"], ["dropped"]),
+        node("Mul", ["dropped", "neg"], ["bias2"]),
         node("Unsqueeze", ["bias2", "axis1"], ["bias"]),
-        node("Add", ["logits", "bias"], ["masked"]), node("Softmax", ["masked"], ["p"], axis=-1),
+        node("Add", ["logits", "bias"], ["masked"]),
+        node("Softmax", ["masked"], ["p"], axis=-1),
         node("MatMul", ["p", "v"], ["h"]),
         # layer 2 reads layer 1's output directly as its queries
         node("MatMul", ["h", "kt"], ["qk2"]),
-        node("Shape", ["x"], ["n"], start=1, end=2), node("Concat", ["n", "n"], ["nn"], axis=0),
+        node("Shape", ["x"], ["n"], start=1, end=2),
+        node("Concat", ["n", "n"], ["nn"], axis=0),
         node("Slice", ["triangle", "zeros", "nn", "axes01"], ["causal"]),
-        node("Where", ["causal", "qk2", "fill"], ["masked2"]), node("Softmax", ["masked2"], ["p2"], axis=-1),
+        node("Where", ["causal", "qk2", "fill"], ["masked2"]),
+        node("Softmax", ["masked2"], ["p2"], axis=-1),
         node("MatMul", ["p2", "v"], ["attention"]),
     ]
     for i in range(BIG_TABLES):
-        nodes += [node("Gather", [f"table{i}", "ids"], [f"rows{i}"]), node("ReduceSum", [f"rows{i}", "last"], [f"sum{i}"], keepdims=0)]
+        nodes += [
+            node("Gather", [f"table{i}", "ids"], [f"rows{i}"]),
+            node("ReduceSum", [f"rows{i}", "last"], [f"sum{i}"], keepdims=0),
+        ]
     nodes.append(node("Sum", [f"sum{i}" for i in range(BIG_TABLES)], ["table_sum"]))
     dims = ["batch", "sequence"]
     graph = helper.make_graph(
-        nodes, "big",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*dims, d]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, dims),
-         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, dims)],
-        [helper.make_tensor_value_info("attention", TensorProto.FLOAT, [*dims, d]),
-         helper.make_tensor_value_info("table_sum", TensorProto.FLOAT, dims)],
+        nodes,
+        "big",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [*dims, d]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, dims),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, dims),
+        ],
+        [
+            helper.make_tensor_value_info("attention", TensorProto.FLOAT, [*dims, d]),
+            helper.make_tensor_value_info("table_sum", TensorProto.FLOAT, dims),
+        ],
         initializer=initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
@@ -616,7 +672,9 @@ def test_model_over_2_gib_is_rewritten_without_copying_its_weights_into_memory(t
     out.parent.mkdir()
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, str(path), "--to", "linear", "-o", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
@@ -642,8 +700,11 @@ def test_model_over_2_gib_is_rewritten_without_copying_its_weights_into_memory(t
             data.seek(offset + MARKED_ROW * BIG_COLS * 4)
             assert np.array_equal(np.frombuffer(data.read(BIG_COLS * 4), np.float32), np.arange(BIG_COLS) + i)
     ids = np.array([[MARKED_ROW, 0, 1], [2, MARKED_ROW, 3]])
-    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32), "ids": ids,
-             "attention_mask": np.ones((2, 3), np.int64)}
+    feeds = {
+        "x": np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32),
+        "ids": ids,
+        "attention_mask": np.ones((2, 3), np.int64),
+    }
     got = ort.InferenceSession(str(out)).run(None, feeds)
     marked_sum = sum((np.arange(BIG_COLS) + i).sum() for i in range(BIG_TABLES))
     assert np.allclose(got[1], np.where(ids == MARKED_ROW, marked_sum, 0.0))
@@ -653,9 +714,38 @@ def test_model_over_2_gib_is_rewritten_without_copying_its_weights_into_memory(t
 # --- fp16 and bf16 ---------------------------------------------------------------------------
 
 ARITHMETIC = {
-    "MatMul", "Gemm", "Einsum", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Exp", "Log", "Elu", "Relu",
-    "ReduceSum", "ReduceSumSquare", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceL2", "CumSum", "Sum",
-    "Max", "Min", "Softmax", "LpNormalization", "Reciprocal", "Neg", "Abs", "Sin", "Cos", "Tanh", "Sigmoid",
+    "MatMul",
+    "Gemm",
+    "Einsum",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Sqrt",
+    "Exp",
+    "Log",
+    "Elu",
+    "Relu",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceL2",
+    "CumSum",
+    "Sum",
+    "Max",
+    "Min",
+    "Softmax",
+    "LpNormalization",
+    "Reciprocal",
+    "Neg",
+    "Abs",
+    "Sin",
+    "Cos",
+    "Tanh",
+    "Sigmoid",
 }
 LOW_PRECISION = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
 
@@ -665,7 +755,10 @@ def replacement_arithmetic_types(proto: onnx.ModelProto) -> dict[str, set[int]]:
     functions only (inlined, typed by shape inference)."""
     outside = {n.name for n in proto.graph.node}
     inlined = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(proto), strict_mode=True)
-    types = {v.name: v.type.tensor_type.elem_type for v in [*inlined.graph.input, *inlined.graph.value_info, *inlined.graph.output]}
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*inlined.graph.input, *inlined.graph.value_info, *inlined.graph.output]
+    }
     types.update({t.name: t.data_type for t in inlined.graph.initializer})
     found: dict[str, set[int]] = {}
     for node in inlined.graph.node:
@@ -709,9 +802,9 @@ def test_low_precision_models(dtype, method):
         got = got.astype(np.float32)
         assert np.isfinite(got).all()
         expected = _reference(method, outcome.site, spec, feeds)
-        tolerance = 2 ** -10 if dtype == TensorProto.FLOAT16 else 2 ** -7  # one rounding of the output
+        tolerance = 2**-10 if dtype == TensorProto.FLOAT16 else 2**-7  # one rounding of the output
         if method == "hydra" and dtype == TensorProto.FLOAT16:
-            tolerance = 2 ** -8  # and the float16 roundings of q_hat, k_hat * v and the product
+            tolerance = 2**-8  # and the float16 roundings of q_hat, k_hat * v and the product
         assert np.allclose(got, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
 
 
@@ -781,13 +874,19 @@ def test_dynamic_dims_keep_their_names_and_other_sizes_run(tmp_path, capsys, met
     if code == 1:  # the method refuses this model's sites: that is reported, not tested here
         pytest.skip(one_line(err))
     assert code == 0, err
-    dims = lambda m: [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*m.graph.input, *m.graph.output]]  # noqa: E731
+
+    def dims(m):
+        return [
+            [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*m.graph.input, *m.graph.output]
+        ]
+
     assert dims(onnx.load(out)) == dims(onnx.load(SAMPLE)) == [["batch", "sequence"]] * 2 + [["batch", "sequence", 64]]
     session = ort.InferenceSession(str(out))
     for batch, seq in ((1, 1), (3, 5), (2, 37), (4, 130)):
         ids = np.random.default_rng(seq).integers(0, 1000, (batch, seq))
         mask = np.ones((batch, seq), np.int64)
-        mask[1:, seq // 2 + 1:] = 0
+        mask[1:, seq // 2 + 1 :] = 0
         (hidden,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
         assert hidden.shape == (batch, seq, 64) and np.isfinite(hidden).all()
 
@@ -800,7 +899,9 @@ def test_causal_rewrite_matches_its_reference_at_unseen_lengths(method):
     model, record = rewrite_model(onnx_io.from_proto(build_attention_model(spec)), method)
     (outcome,) = record.outcomes
     if not outcome.rewritten:
-        assert outcome.reason == passes.get_pass(method).supports(outcome.site, passes.make_options(passes.get_pass(method)))
+        assert outcome.reason == passes.get_pass(method).supports(
+            outcome.site, passes.make_options(passes.get_pass(method))
+        )
         return
     proto = __import__("onnx_ir").serde.serialize_model(model)
     assert [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim[:2]] == ["batch", "sequence"]
@@ -850,7 +951,10 @@ def test_identical_bytes_across_processes(tmp_path, capsys):
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     result = subprocess.run(
         [sys.executable, "-c", script, str(SAMPLE), "--to", method, "-o", str(there), "-O", "seed=3"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert here.read_bytes() == there.read_bytes()
@@ -867,15 +971,19 @@ def three_sites_model() -> onnx.ModelProto:
     dims = ["batch", 2, "sequence"]
     inits = [numpy_helper.from_array(np.float32(0.25), "scale")]
     for i in range(3):
-        nodes += [node("Transpose", ["k"], [f"kt{i}"], perm=[0, 1, 3, 2], name=f"/layer{i}/Transpose"),
-                  node("MatMul", ["q", f"kt{i}"], [f"qk{i}"], name=f"/layer{i}/MatMul"),
-                  node("Mul", [f"qk{i}", "scale"], [f"logits{i}"], name=f"/layer{i}/Mul")]
+        nodes += [
+            node("Transpose", ["k"], [f"kt{i}"], perm=[0, 1, 3, 2], name=f"/layer{i}/Transpose"),
+            node("MatMul", ["q", f"kt{i}"], [f"qk{i}"], name=f"/layer{i}/MatMul"),
+            node("Mul", [f"qk{i}", "scale"], [f"logits{i}"], name=f"/layer{i}/Mul"),
+        ]
         logits = f"logits{i}"
         if i == 2:
             nodes.append(node("Add", [logits, "bias"], ["biased"], name="/layer2/Add"))
             logits = "biased"
-        nodes += [node("Softmax", [logits], [f"p{i}"], axis=-1, name=f"/layer{i}/Softmax"),
-                  node("MatMul", [f"p{i}", "v"], [f"out{i}"], name=f"/layer{i}/MatMul_1")]
+        nodes += [
+            node("Softmax", [logits], [f"p{i}"], axis=-1, name=f"/layer{i}/Softmax"),
+            node("MatMul", [f"p{i}", "v"], [f"out{i}"], name=f"/layer{i}/MatMul_1"),
+        ]
         outputs.append(helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [*dims, 8]))
     outputs.append(helper.make_tensor_value_info("p1", TensorProto.FLOAT, [*dims, "sequence"]))
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [*dims, 8]) for n in ("q", "k", "v")]

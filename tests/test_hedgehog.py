@@ -11,8 +11,8 @@ from conftest import exported, read_record
 from models import relative_error, run_onnx, run_pass_module, text_args, torch_reference
 
 import attnrewrite
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes import get_pass, hedgehog, kernels, make_options
+from attnrewrite.site import AttentionSite, MaskKind
 
 H, D, DV = 3, 8, 5
 SCALE = 0.3
@@ -21,7 +21,14 @@ MASKS = list(MaskKind)[:4]  # none, key_padding, causal, causal+key_padding
 
 def make_site(mask=MaskKind.NONE, rank=4, heads=H, **kw) -> AttentionSite:
     return AttentionSite(
-        "attn", scale=SCALE, mask=mask, rank=rank, num_heads=heads if rank == 4 else None, head_dim=D, value_dim=DV, **kw
+        "attn",
+        scale=SCALE,
+        mask=mask,
+        rank=rank,
+        num_heads=heads if rank == 4 else None,
+        head_dim=D,
+        value_dim=DV,
+        **kw,
     )
 
 
@@ -68,8 +75,12 @@ def test_feature_map_starts_at_identity_per_head_and_is_learnable_on_request():
     # heads unknown ([batch * heads, N, d]): one map shared by all
     shared = hedgehog.torch_module(make_site(rank=3), hedgehog.Options(window=8), learnable=True)
     assert {n: tuple(p.shape) for n, p in shared.named_parameters()} == {
-        "weight": (1, D, D), "bias": (1, 1, D), "linear_log_weight": (1, 1, 1), "query_log_scale": (1, D, 1),
-        "key_log_scale": (1, D, 1), "local_max_weight": (1, 1, 1),
+        "weight": (1, D, D),
+        "bias": (1, 1, D),
+        "linear_log_weight": (1, 1, 1),
+        "query_log_scale": (1, D, 1),
+        "key_log_scale": (1, D, 1),
+        "local_max_weight": (1, 1, 1),
     }
     initial = {n: p.detach() for n, p in shared.named_parameters()}
     assert float(initial["local_max_weight"]) == 0.5

@@ -18,14 +18,13 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
+from test_fx_spellings import Attention, causal_and_padding_where, inputs
 from torch.utils._sympy.numbers import int_oo
 
 from attnrewrite.fx import rewrite_graph_module
-from attnrewrite.site import AttentionSite, MaskKind
 from attnrewrite.passes import favor, kernels, linear
 from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION
-
-from test_fx_spellings import Attention, causal_and_padding_where, inputs
+from attnrewrite.site import AttentionSite, MaskKind
 
 CHUNK = 16
 # Shorter than a chunk, exactly one, one more, and several with a partial last chunk.
@@ -96,18 +95,14 @@ def test_export_leaves_sequence_length_free_and_matches_eager(pass_module, mask,
 def to_onnx(model, args: tuple, names: list[str], shapes):
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model, args, input_names=names, dynamic_shapes=shapes, dynamo=True
-        )
+        program = torch.onnx.export(model, args, input_names=names, dynamic_shapes=shapes, dynamo=True)
     return program.model_proto
 
 
 def onnx_session(model) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def test_causal_favor_module_exports_to_onnx_and_runs_on_onnxruntime():
@@ -147,8 +142,7 @@ def test_fx_rewritten_causal_model_exports_with_favor():
 def run_kernel_function(functions, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """One call of the last of `functions` (the others are its callees), on rank-3 inputs."""
     values = [
-        helper.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}{i}" for i in range(3)])
-        for name in inputs
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}{i}" for i in range(3)]) for name in inputs
     ]
     output = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
     node = helper.make_node(functions[-1].name, list(inputs), ["out"], domain=DOMAIN)

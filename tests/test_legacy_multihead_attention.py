@@ -19,7 +19,18 @@ import pytest
 import torch
 from conftest import read_record
 from models import (
-    APPROXIMATING_OPTIONS, HEADS, HIDDEN, LAYERS, Export, ExportUnsupported, ModelSpec, TorchEncoder, _seeded, export_onnx, relative_error, run_onnx,
+    APPROXIMATING_OPTIONS,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    Export,
+    ExportUnsupported,
+    ModelSpec,
+    TorchEncoder,
+    _seeded,
+    export_onnx,
+    relative_error,
+    run_onnx,
     torch_reference,
 )
 from torch import nn
@@ -108,8 +119,14 @@ def _inputs(*names_and_lengths):
 def _spec(name, build, names_and_lengths, layers, masks):
     names = tuple(n for n, _ in names_and_lengths)
     spec = ModelSpec(
-        name, _seeded(build), names, _inputs(*names_and_lengths), {n: {0: "batch"} for n in names},
-        layers=layers, mask=masks[0], swap="sdpa",
+        name,
+        _seeded(build),
+        names,
+        _inputs(*names_and_lengths),
+        {n: {0: "batch"} for n in names},
+        layers=layers,
+        mask=masks[0],
+        swap="sdpa",
     )
     return spec, masks
 
@@ -123,8 +140,14 @@ SPECS = {
         _spec("transformer", TorchTransformer, [("x", SEQ), ("memory", MEMORY)], 3, ["none"] * 3),
         (
             ModelSpec(
-                "torchvision-vit", _seeded(TorchvisionStyleViT), ("images",), _images, {"images": {0: "batch"}},
-                layers=LAYERS, mask="none", swap="sdpa",
+                "torchvision-vit",
+                _seeded(TorchvisionStyleViT),
+                ("images",),
+                _images,
+                {"images": {0: "batch"}},
+                layers=LAYERS,
+                mask="none",
+                swap="sdpa",
             ),
             ["none"] * LAYERS,
         ),
@@ -143,7 +166,9 @@ def legacy_export(tmp_path_factory):
             spec = SPECS[name][0]
             module = spec.build()
             try:
-                cache[name] = Export(spec, module, export_onnx(spec, module, folder / f"{name}.onnx", "legacy"), "legacy", True)
+                cache[name] = Export(
+                    spec, module, export_onnx(spec, module, folder / f"{name}.onnx", "legacy"), "legacy", True
+                )
             except ExportUnsupported as reason:
                 cache[name] = reason
         if isinstance(cache[name], ExportUnsupported):

@@ -8,13 +8,24 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import exported, read_record
-from models import APPROXIMATING_OPTIONS, EXPORTERS, MODELS, OPSET23, OPSET23_MODELS, attention_operator_model, op_counts, relative_error, run_onnx, torch_reference
+from models import (
+    APPROXIMATING_OPTIONS,
+    EXPORTERS,
+    MODELS,
+    OPSET23,
+    OPSET23_MODELS,
+    attention_operator_model,
+    op_counts,
+    relative_error,
+    run_onnx,
+    torch_reference,
+)
 
 import attnrewrite
 from attnrewrite import passes
 
 METHODS = ("hydra", "linear")
-TOLERANCE = 1e-5  # fp32 relative error, DESIGN.md "implementation parity"
+TOLERANCE = 1e-5  # fp32 relative error: implementation parity (docs/ARCHITECTURE.md)
 # Where the torch reference itself moves more than TOLERANCE under fp32 rounding of its inputs:
 # linformer with k = 4 on the trained MiniLM (peaked logits over 4 projected keys) moves by
 # 7e-6 when q, k, v are perturbed by 1e-7 relative (one rounding), and onnxruntime lands 1.3e-5
@@ -34,7 +45,11 @@ REPLACEMENT = {
 CASES = [
     *[pytest.param(name, exporter, True, id=f"{name}-{exporter}") for name in MODELS for exporter in EXPORTERS],
     *[pytest.param(name, OPSET23, True, id=f"{name}-{OPSET23}") for name in OPSET23_MODELS],
-    *[pytest.param(name, "legacy", False, id=f"{name}-legacy-static") for name in MODELS if name.startswith("torch-encoder")],
+    *[
+        pytest.param(name, "legacy", False, id=f"{name}-legacy-static")
+        for name in MODELS
+        if name.startswith("torch-encoder")
+    ],
 ]
 
 
@@ -176,6 +191,7 @@ def test_attention_operator(causal, with_mask, mask, method):
 
 
 # --- the approximating methods on the same exports ----------------------------------------------
+
 
 @pytest.mark.parametrize("method", APPROXIMATING_OPTIONS)
 @pytest.mark.parametrize("name, exporter, dynamic", CASES)

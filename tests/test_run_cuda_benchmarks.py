@@ -21,9 +21,20 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_smoke_run_end_to_end(tmp_path):
     """One method and one dtype keep it short; every other path is the full run's."""
     done = subprocess.run(
-        [sys.executable, str(BENCH / "run_cuda_benchmarks.py"), "--smoke", "--methods", "hydra", "--dtypes", "fp16",
-         "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(BENCH / "run_cuda_benchmarks.py"),
+            "--smoke",
+            "--methods",
+            "hydra",
+            "--dtypes",
+            "fp16",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads((tmp_path / "results_cuda.json").read_text())
@@ -43,7 +54,10 @@ def test_smoke_run_end_to_end(tmp_path):
     assert "### attention only, q, k, v of [1, 12, N, 64], fp16" in report
     assert "- fused exact: opset-23 Attention x1" in report
     assert "### one BERT-base encoder layer (d = 768, 12 heads, FFN 3072), fp16" in report
-    assert "- fused exact: onnxruntime.transformers.optimizer: com.microsoft.Attention x1, float16 by onnxruntime's converter" in report
+    assert (
+        "- fused exact: onnxruntime.transformers.optimizer: com.microsoft.Attention x1, float16 by onnxruntime's converter"
+        in report
+    )
     assert "| hydra | N = 256 |" in report or "| hydra | never |" in report
     assert "## Node placement" in report and "not reached" not in report
     for name in ("smoke_attention_fp16.png", "smoke_layer_fp16.png"):
@@ -76,12 +90,19 @@ def test_cells_past_the_deadline_are_left_for_a_resumed_run(tmp_path):
     assert again(1024, tmp_path).status == "ok" and calls == [2048, 1024]
 
 
-@pytest.mark.parametrize("detail,status,text", [
-    ("RuntimeException: ... Failed to allocate memory for requested buffer of size 17179869184", "over_memory", "GPU OOM"),
-    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB", "over_memory", "GPU OOM"),
-    ("worker exited with -11: no message", "failed", "crashed"),
-    ("Fail: ReduceMax CUDNN_STATUS_BAD_PARAM", "failed", "failed"),
-])
+@pytest.mark.parametrize(
+    "detail,status,text",
+    [
+        (
+            "RuntimeException: ... Failed to allocate memory for requested buffer of size 17179869184",
+            "over_memory",
+            "GPU OOM",
+        ),
+        ("OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB", "over_memory", "GPU OOM"),
+        ("worker exited with -11: no message", "failed", "crashed"),
+        ("Fail: ReduceMax CUDNN_STATUS_BAD_PARAM", "failed", "failed"),
+    ],
+)
 def test_out_of_memory_and_crashes_are_named_in_the_table(tmp_path, detail, status, text):
     store = script.Store(tmp_path / "results_cuda.json", resume=False, header={"runs": []})
     runner, _ = _measured("failed", detail)

@@ -52,11 +52,13 @@ def test_prose_filter():
     sentence = "The event loop runs callbacks in the order in which they were registered with it."
     assert corpus.is_prose(sentence)
     assert not corpus.is_prose(">>> loop.call_soon(callback, *args)  # the event loop runs callbacks in order.")
-    assert not corpus.is_prose("Example:\n    loop.run_forever()\n    loop.close() and some more words to pass the count.")
+    assert not corpus.is_prose(
+        "Example:\n    loop.run_forever()\n    loop.close() and some more words to pass the count."
+    )
     assert not corpus.is_prose("Too short to be a passage.")
-    assert corpus.paragraphs_of("1. The loop runs the callbacks in the order in which\n   they were registered with the loop.") == [
-        "The loop runs the callbacks in the order in which they were registered with the loop."
-    ]
+    assert corpus.paragraphs_of(
+        "1. The loop runs the callbacks in the order in which\n   they were registered with the loop."
+    ) == ["The loop runs the callbacks in the order in which they were registered with the loop."]
 
 
 def test_fidelity_metrics():
@@ -168,4 +170,6 @@ def test_window_units_variant_without_units_fits_only_w_b_and_the_kernel_weight(
     assert module.linear_log_weight.abs().sum() > 0 and not torch.equal(module.weight, torch.eye(8).repeat(2, 1, 1))
     beta, fitted_values = window_units.VARIANTS["beta_h from 1/2 (default)"]
     module = window_units.fitted(site, 8, beta, fitted_values, data, steps=3)
-    assert module.query_log_scale.abs().sum() > 0 and not torch.equal(module.local_max_weight, torch.full((2, 1, 1), 0.5))
+    assert module.query_log_scale.abs().sum() > 0 and not torch.equal(
+        module.local_max_weight, torch.full((2, 1, 1), 0.5)
+    )

@@ -25,7 +25,9 @@ FLOAT = onnx.TensorProto.FLOAT
 
 def run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """``session.run(None, feeds)``, also for bfloat16 inputs and outputs."""
-    if not any(_is_bf16(a) for a in feeds.values()) and not any(o.type == "tensor(bfloat16)" for o in session.get_outputs()):
+    if not any(_is_bf16(a) for a in feeds.values()) and not any(
+        o.type == "tensor(bfloat16)" for o in session.get_outputs()
+    ):
         return session.run(None, feeds)
     values = {name: _ort_value(array) for name, array in feeds.items()}
     return [_to_numpy(value) for value in session.run_with_ort_values(None, values)]

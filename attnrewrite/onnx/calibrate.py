@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -55,8 +55,14 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
                 samples.add(q, k, v, keep)
             del session
             result = fit_site(
-                site.module, samples, scale=site.outcome.site.scale, causal=site.outcome.site.mask.causal,
-                steps=calibration.steps, lr=calibration.lr, seed=calibration.seed, ce_weight=calibration.ce_weight,
+                site.module,
+                samples,
+                scale=site.outcome.site.scale,
+                causal=site.outcome.site.mask.causal,
+                steps=calibration.steps,
+                lr=calibration.lr,
+                seed=calibration.seed,
+                ce_weight=calibration.ce_weight,
                 device=device,
             )
             site.module.cpu()  # where the end-to-end stage evaluates it
@@ -71,13 +77,13 @@ def _fitting_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _torch_graph(model: ir.Model, sites: list["_Site"]):
+def _torch_graph(model: ir.Model, sites: list[_Site]):
     from attnrewrite.onnx.torch_graph import TorchGraph
 
     return TorchGraph(model.graph, [site.call for site in sites])
 
 
-def _fit_end_to_end(whole, sites: list["_Site"], calibration) -> dict:
+def _fit_end_to_end(whole, sites: list[_Site], calibration) -> dict:
     """All sites fitted together on the model's outputs; their initializers rewritten. A step
     runs at most EXAMPLES_PER_STEP examples, as the per-site fits take them: a step is a forward
     and backward pass of the whole model, and on MiniLM 100 steps of 4 passages fit as well as
@@ -93,8 +99,12 @@ def _fit_end_to_end(whole, sites: list["_Site"], calibration) -> dict:
     targets = [whole.run(feeds, exact) for feeds in batches]
     fitted = {s.call: fitted_stand_in(s.module) for s in sites}
     result = fit_end_to_end(
-        lambda feeds: whole.run(feeds, fitted), [p for s in sites for p in s.module.parameters() if p.requires_grad],
-        batches, targets, steps=calibration.end_to_end, seed=calibration.seed,
+        lambda feeds: whole.run(feeds, fitted),
+        [p for s in sites for p in s.module.parameters() if p.requires_grad],
+        batches,
+        targets,
+        steps=calibration.end_to_end,
+        seed=calibration.seed,
     )
     for site in sites:
         site.write_fitted()
@@ -108,9 +118,7 @@ class _Site:
         self.call = call
         state = set(module.state_dict())
         # the call reads (q, k, v, key_keep, *constants), constants in the lowering's order
-        self.constants = {
-            name: value for name, value in zip(constant_names, call.inputs[4:]) if name in state
-        }
+        self.constants = {name: value for name, value in zip(constant_names, call.inputs[4:]) if name in state}
         self.outputs = [f"attnrewrite/calibrate/{outcome.site.name}/{role}" for role in ROLES]
 
     def fitted(self) -> dict[ir.Value, np.ndarray]:
@@ -131,7 +139,7 @@ class _Site:
 
 
 @contextlib.contextmanager
-def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator["_Runs"]:
+def _collecting(model: ir.Model, sites: list[_Site]) -> Iterator[_Runs]:
     """The collecting runs (_Runs) of the model with every site's inputs as extra float32
     outputs and its fittable initializers as overridable inputs; the model is restored afterwards."""
     graph = model.graph
@@ -237,7 +245,11 @@ def _needed_nodes(model: onnx.ModelProto, outputs: list[str], available: set[str
 def _names_read(node: onnx.NodeProto) -> set[str]:
     names = {name for name in node.input if name}
     for attribute in node.attribute:
-        for graph in [attribute.g, *attribute.graphs] if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) else []:
+        for graph in (
+            [attribute.g, *attribute.graphs]
+            if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            else []
+        ):
             for inner in graph.node:
                 names |= _names_read(inner)
     return names

@@ -11,8 +11,8 @@ never a fully masked row.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Callable, TypeVar
+from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import numpy as np
 import onnx
@@ -61,7 +61,9 @@ def _bind(dim, axis: int, bound: dict[str, int], batch: int, seq: int) -> int:
     return bound[key]
 
 
-def _fill(value: ir.Value, shape: list[int], rng: np.random.Generator, padding_marked_by_one: bool, end_padding: int) -> np.ndarray:
+def _fill(
+    value: ir.Value, shape: list[int], rng: np.random.Generator, padding_marked_by_one: bool, end_padding: int
+) -> np.ndarray:
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)

@@ -107,7 +107,9 @@ def _parse(path: Path) -> onnx.ModelProto:
 def _check_versions(proto: onnx.ModelProto, path: Path) -> None:
     newest_ir = onnx.IR_VERSION
     if proto.ir_version > newest_ir:
-        raise AttnRewriteError(f"{path}: IR version {proto.ir_version} is newer than onnx {onnx.__version__} knows ({newest_ir})")
+        raise AttnRewriteError(
+            f"{path}: IR version {proto.ir_version} is newer than onnx {onnx.__version__} knows ({newest_ir})"
+        )
     loadable = _runtime_max_ir_version(proto.ir_version)
     if loadable is not None:
         import onnxruntime
@@ -127,7 +129,7 @@ def _check_versions(proto: onnx.ModelProto, path: Path) -> None:
         raise AttnRewriteError(f"{path}: opset {opset} is newer than onnx {onnx.__version__} knows ({newest})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runtime_max_ir_version(ir_version: int) -> int | None:
     """None when onnxruntime loads models of `ir_version`, else the newest IR version it loads.
     Found by loading a one-node model: the runtime has no API that says it."""
@@ -223,7 +225,9 @@ def check_external_data(proto: onnx.ModelProto, model_path: str | os.PathLike) -
         if "\0" in location:
             raise AttnRewriteError(f"{what} names an invalid file ({location!r})")
         if os.path.isabs(location) or location.startswith(("/", "\\")) or location[1:2] == ":":
-            raise AttnRewriteError(f"{what} is at an absolute path ({location}); only files in the model's folder are read")
+            raise AttnRewriteError(
+                f"{what} is at an absolute path ({location}); only files in the model's folder are read"
+            )
         joined = os.path.normpath(os.path.join(folder, location))
         if not _inside(joined, folder):
             raise AttnRewriteError(f"{what} ({location}) is outside the model's folder")
@@ -389,7 +393,9 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
 # --- writing ---------------------------------------------------------------------------------
 
 
-def check_output_path(path: str | os.PathLike, model_path: str | os.PathLike, reads: Iterable[str] = (), what: str = "output") -> None:
+def check_output_path(
+    path: str | os.PathLike, model_path: str | os.PathLike, reads: Iterable[str] = (), what: str = "output"
+) -> None:
     """Refuse, before any work, an output that cannot be written or would destroy an input:
     the model itself (under any spelling, symlink or hard link) or the data files it reads."""
     path = Path(path)
@@ -505,7 +511,9 @@ def _inline_external_attributes(model: ir.Model) -> None:
         for node in graph:
             for name, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
-                    node.attributes[name] = ir.AttrTensor(name, ir.tensor(attr.value.numpy().copy(), name=attr.value.name))
+                    node.attributes[name] = ir.AttrTensor(
+                        name, ir.tensor(attr.value.numpy().copy(), name=attr.value.name)
+                    )
 
 
 def _needs_external_data(model: ir.Model) -> bool:

@@ -71,7 +71,9 @@ class Splicer:
             k, v = self._broadcast_to_queries(k, q, new_nodes), self._broadcast_to_queries(v, q, new_nodes)
         key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
         constants = [
-            self._initializer(f"{s.site.name}/{name}", array) if name in own else self._constant(f"{s.site.name}/{name}", array)
+            self._initializer(f"{s.site.name}/{name}", array)
+            if name in own
+            else self._constant(f"{s.site.name}/{name}", array)
             for name, array in lowering.constants.items()
         ]
         op_type = self._add_functions(lowering)
@@ -122,7 +124,9 @@ class Splicer:
             return self._node(new_nodes, "Expand", [value, target])
         # [.., Hkv, N, D] -> [.., Hkv, group, N, D] -> [.., Hkv * group, N, D]
         unsqueezed = self._node(new_nodes, "Unsqueeze", [value, self._const([-3])])
-        grouped = self._node(new_nodes, "Expand", [unsqueezed, concat(shape_of(value, end=-2), self._const([group]), rows)])
+        grouped = self._node(
+            new_nodes, "Expand", [unsqueezed, concat(shape_of(value, end=-2), self._const([group]), rows)]
+        )
         return self._node(new_nodes, "Reshape", [grouped, target])
 
     def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
@@ -174,7 +178,9 @@ class Splicer:
             keep = self._index_keep(mask, term.form, k, new_nodes)
             return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2])])
         if term.rank == 3:  # [batch, queries, keys]: the last query's row
-            mask = self._node(new_nodes, "Slice", [mask, self._const([-1]), self._const([INT64_MAX]), self._const([-2])])
+            mask = self._node(
+                new_nodes, "Slice", [mask, self._const([-1]), self._const([INT64_MAX]), self._const([-2])]
+            )
         as_float = self._node(new_nodes, "Cast", [mask], [ir.AttrInt64("to", ir.DataType.FLOAT)])
         keep = self._node(new_nodes, "Greater", [as_float, self._const(np.array(0, np.float32))])
         return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2] if term.rank == 2 else [1])])
@@ -217,7 +223,9 @@ class Splicer:
         if source.layout is HeadLayout.HEADS:
             return value
         if source.layout is HeadLayout.PACKED:  # [batch, seq, heads, n, head_dim]
-            value = self._node(new_nodes, "Gather", [value, self._const(np.array(source.index, np.int64))], [ir.AttrInt64("axis", 3)])
+            value = self._node(
+                new_nodes, "Gather", [value, self._const(np.array(source.index, np.int64))], [ir.AttrInt64("axis", 3)]
+            )
         else:  # [batch, seq, heads * head_dim]
             value = self._node(new_nodes, "Reshape", [value, self._const([0, 0, heads, -1])])
         return self._node(new_nodes, "Transpose", [value], [ir.AttrInt64s("perm", [0, 2, 1, 3])])
@@ -228,7 +236,9 @@ class Splicer:
         return self._node(new_nodes, "Reshape", [merged, self._const([0, 0, -1])])
 
     def _split(self, value: ir.Value, sizes, axis: int, new_nodes: list[ir.Node]) -> list[ir.Value]:
-        node = ir.Node("", "Split", [value, self._const(list(sizes))], [ir.AttrInt64("axis", axis)], num_outputs=len(sizes))
+        node = ir.Node(
+            "", "Split", [value, self._const(list(sizes))], [ir.AttrInt64("axis", axis)], num_outputs=len(sizes)
+        )
         new_nodes.append(node)
         return list(node.outputs)
 

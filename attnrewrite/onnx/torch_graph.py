@@ -27,7 +27,8 @@ class TorchGraph:
             raise AttnRewriteError(f"cannot fit end to end: {reason}")
         self.graph = graph
         self.constants = {
-            value.name: _tensor(value.const_value.numpy()) for value in graph.initializers.values()
+            value.name: _tensor(value.const_value.numpy())
+            for value in graph.initializers.values()
             if value.const_value is not None
         }
         self.spent = _spent_after(graph)
@@ -181,8 +182,12 @@ def _conv(node, x, weight, bias=None):
     x = torch.nn.functional.pad(x, padding) if any(padding) else x
     conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[dims - 1]
     return conv(
-        x, weight, bias, stride=list(_attr(node, "strides", [1] * dims)),
-        dilation=list(_attr(node, "dilations", [1] * dims)), groups=_attr(node, "group", 1),
+        x,
+        weight,
+        bias,
+        stride=list(_attr(node, "strides", [1] * dims)),
+        dilation=list(_attr(node, "dilations", [1] * dims)),
+        groups=_attr(node, "group", 1),
     )
 
 
@@ -353,7 +358,9 @@ OPS = {
     "ConstantOfShape": _constant_of_shape,
     "Shape": _shape,
     "Size": lambda node, x: torch.tensor(x.numel(), dtype=torch.int64),
-    "Range": _elementwise(lambda start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)),
+    "Range": _elementwise(
+        lambda start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype)
+    ),
     "Gather": _gather,
     "GatherElements": _gather_elements,
     "GatherND": _gather_nd,
@@ -369,7 +376,9 @@ OPS = {
     "Unsqueeze": _unsqueeze,
     "Expand": _expand,
     "Tile": _elementwise(lambda x, repeats: x.repeat(_ints(repeats))),
-    "Trilu": lambda node, x, k=None: (torch.triu if _attr(node, "upper", 1) else torch.tril)(x, 0 if k is None else int(k)),
+    "Trilu": lambda node, x, k=None: (torch.triu if _attr(node, "upper", 1) else torch.tril)(
+        x, 0 if k is None else int(k)
+    ),
     "ReduceMean": _reduce(torch.mean),
     "ReduceSum": _reduce(torch.sum),
     "ReduceMax": _reduce(torch.amax),

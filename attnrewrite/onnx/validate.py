@@ -1,4 +1,4 @@
-"""Validation gates every rewritten model passes before it is written (DESIGN.md):
+"""Validation gates every rewritten model passes before it is written (docs/ARCHITECTURE.md, "Gates and records"):
 the full ONNX check, an onnxruntime session, and a run on inputs of the original signature."""
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ class GateRun:
     note: str | None = None  # set when the run needed longer inputs than asked for
 
 
-def validate(model: ir.Model, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None) -> GateRun:
+def validate(
+    model: ir.Model, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None
+) -> GateRun:
     """Raise RewriteFailed naming the failed gate (InputFails when ``original`` itself fails
     the run); see validate_saved."""
     with saved_copy(model) as path:
         return validate_saved(path, model.graph, seq, original, feeds)
 
 
-def validate_saved(path, graph: ir.Graph, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None) -> GateRun:
+def validate_saved(
+    path, graph: ir.Graph, seq: int = DEFAULT_SEQ, original=None, feeds: dict[str, np.ndarray] | None = None
+) -> GateRun:
     """The gates on a model already written to `path` (the CLI's staged output: checking the
     file that will be renamed into place, and writing big weights only once); `graph` is the
     in-memory graph it was written from, for the input signature.
@@ -63,8 +67,12 @@ def validate_saved(path, graph: ir.Graph, seq: int = DEFAULT_SEQ, original=None,
     try:
         outputs = bfloat16.run(session, generate_inputs(graph, seq=length))
     except Exception as error:
-        raise RewriteFailed(f"the rewritten model fails to run on generated inputs of length {length}: {_first_line(error)}") from error
-    return GateRun(outputs, f"the original model does not run on generated inputs of length {seq}; validated at length {length}")
+        raise RewriteFailed(
+            f"the rewritten model fails to run on generated inputs of length {length}: {_first_line(error)}"
+        ) from error
+    return GateRun(
+        outputs, f"the original model does not run on generated inputs of length {seq}; validated at length {length}"
+    )
 
 
 def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> int:
