@@ -1,4 +1,6 @@
-"""Errors a user can act on. The CLI prints ``str(error)`` as its one line; anything else is a bug."""
+"""Errors a user can act on. The CLI prints ``str(error)`` as its one line; anything else is a bug.
+An error a rewrite run raises (attnrewrite.pipeline.run, and so attnrewrite.rewrite) carries the
+run's report as ``error.report`` (record.Report); pipeline.ending says which outcome it is."""
 
 
 class AttnRewriteError(Exception):
@@ -14,7 +16,12 @@ class NothingToRewrite(AttnRewriteError):
 
 
 class NothingRewritten(UserWarning):
-    """The Python API returned the model unchanged: no site could be rewritten."""
+    """The Python API returned the model unchanged: no site could be rewritten. ``report``: the
+    run's (record.Report, outcome "refused"; None for torch models)."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
 
 
 class RewriteFailed(AttnRewriteError):

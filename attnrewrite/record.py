@@ -1,15 +1,21 @@
-"""What a rewrite did, kept with its output (ONNX metadata_props, GraphModule.meta) and printed."""
+"""What a rewrite did, kept with its output (ONNX metadata_props, GraphModule.meta) and printed;
+and what a whole run did and how it ended, the ``--report`` file (docs/report.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from attnrewrite.site import AttentionSite
 
 METADATA_KEY = "attnrewrite"
+REPORT_SCHEMA = "attnrewrite.report/1"
 
 
 @dataclasses.dataclass
@@ -89,6 +95,173 @@ class RewriteRecord:
             for o in self.outcomes
         ]
         return "\n".join([format_table(header, rows), *(f"note: {n}" for n in self.notes)])
+
+
+# --- the run report -----------------------------------------------------------------------------
+
+# How a run ended (docs/report.md). A model was produced only in the first two: there, and only
+# there, a replaced site is "rewritten"; elsewhere it is "not_written".
+WRITTEN = "written"  # the CLI wrote the output
+RETURNED = "returned"  # the Python API returned the rewritten model
+LISTED = "listed"  # --list / --list-options printed what was asked
+CHECKED = "checked"  # ``attnrewrite check`` compared the models and every gate passed
+REFUSED = "refused"  # nothing could be rewritten
+GATE_FAILED = "gate_failed"  # the rewritten model failed a validation or fidelity gate
+INPUT_FAILED = "input_failed"  # bad input: the arguments, the model file, the model itself
+ERROR = "error"  # the environment (interrupted, out of memory, a file system error) or a bug
+
+
+_measuring: contextvars.ContextVar[StageTimes | None] = contextvars.ContextVar("attnrewrite_stage_times", default=None)
+
+
+class StageTimes:
+    """Seconds spent in each stage of one run. Stages nest (layer selection checks inside its
+    rewrite): time is charged to the innermost open stage only, so the figures add up."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._open: list[str] = []
+        self._started = self._since = time.perf_counter()
+        self._total: float | None = None
+        self._failure: tuple[BaseException, str] | None = None  # the last error out of a stage, and where
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[StageTimes]:
+        """Make these the times ``stage`` charges, in this thread or task, until the block ends."""
+        token = _measuring.set(self)
+        try:
+            yield self
+        finally:
+            _measuring.reset(token)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self._charge()
+        self._open.append(name)
+        try:
+            yield
+        except BaseException as error:
+            if self.stage_of(error) is None:  # the innermost stage it (or the error it replaces) left
+                self._failure = (error, name)
+            raise
+        finally:
+            self._charge()
+            self._open.pop()
+
+    def stage_of(self, error: BaseException) -> str | None:
+        """The stage ``error`` (or the error it was raised in handling) left; None: none."""
+        while error is not None and self._failure is not None:
+            if error is self._failure[0]:
+                return self._failure[1]
+            error = error.__context__
+        return None
+
+    def stop(self) -> None:
+        self._total = time.perf_counter() - self._started
+
+    def as_dict(self) -> dict[str, float]:
+        total = self._total if self._total is not None else time.perf_counter() - self._started
+        return {**{name: round(s, 6) for name, s in self.seconds.items()}, "total": round(total, 6)}
+
+    def _charge(self) -> None:
+        now = time.perf_counter()
+        if self._open:
+            self.seconds[self._open[-1]] = self.seconds.get(self._open[-1], 0.0) + now - self._since
+        self._since = now
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Time the block as stage ``name`` of the run being measured (StageTimes.measuring); a no-op
+    outside one, so library code can mark its stages whoever calls it."""
+    times = _measuring.get()
+    if times is None:
+        yield
+        return
+    with times.stage(name):
+        yield
+
+
+@dataclasses.dataclass
+class Report:
+    """What one run did and how it ended: the CLI's ``--report`` file, ``Result.report`` and
+    ``error.report`` in Python. The stages fill it in as they go, so a run that stops anywhere
+    still says what it had found; ``end`` says how it stopped."""
+
+    command: str  # "rewrite", "list" or "check"
+    input: str | None = None  # the model read (check: the original); None: not a file
+    compared: str | None = None  # check: the model compared with the input
+    method: str | None = None  # as asked for; the record's name once there is one
+    record: RewriteRecord | None = None
+    fidelity: Any = None  # the check's attnrewrite.check.CheckReport
+    thresholds: dict[str, float | None] = dataclasses.field(
+        default_factory=lambda: {"min_cosine": None, "min_agreement": None}
+    )
+    notes: list[str] = dataclasses.field(default_factory=list)  # beyond the record's
+    outcome: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None  # the CLI's error line, without its "attnrewrite: error: "
+    failed_stage: str | None = None  # the stage the run failed in
+    output: str | None = None  # the file written (None unless it was)
+    times: StageTimes = dataclasses.field(default_factory=StageTimes)
+
+    def end(
+        self,
+        outcome: str,
+        exit_code: int,
+        reason: str | None = None,
+        *,
+        output: str | None = None,
+        failed_stage: str | None = None,
+    ) -> None:
+        """How the run ended; ``output``: the file it wrote."""
+        self.outcome, self.exit_code, self.reason = outcome, exit_code, reason
+        self.output, self.failed_stage = output, failed_stage
+        self.times.stop()
+
+    @property
+    def produced_model(self) -> bool:
+        return self.outcome in (WRITTEN, RETURNED)
+
+    def as_dict(self) -> dict[str, Any]:
+        from attnrewrite import __version__
+
+        record = self.record.as_dict() if self.record is not None else {}
+        sites = [self._final(site) for site in record.get("sites", [])]
+        notes = record.get("notes", [])
+        return {
+            "schema": REPORT_SCHEMA,
+            "tool": f"attnrewrite {__version__}",
+            "command": self.command,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "failed_stage": self.failed_stage,
+            "input": self.input,
+            "compared": self.compared,
+            "output": self.output,
+            "method": record.get("method", self.method),
+            "options": record.get("options"),
+            "seed": record.get("seed"),
+            "sites_found": record.get("sites_found"),  # None: detection did not finish
+            "sites_rewritten": sum(site["status"] == "rewritten" for site in sites),
+            "bytes_added": record.get("bytes_added", 0),
+            "sites": sites,
+            "notes": [*notes, *(n for n in self.notes if n not in notes)],
+            "selection": record.get("selection"),
+            "end_to_end": record.get("end_to_end"),
+            "check": None if self.fidelity is None else self.fidelity.as_dict(**self.thresholds),
+            "seconds": self.times.as_dict(),
+        }
+
+    def _final(self, site: dict[str, Any]) -> dict[str, Any]:
+        """A site the rewrite replaced is "rewritten" only in a model the run produced."""
+        if site["status"] == "rewritten" and not self.produced_model:
+            return {**site, "status": "not_written"}
+        return site
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, sort_keys=True) + "\n"
 
 
 def record_json(record: RewriteRecord, earlier: str | None) -> str:

@@ -47,7 +47,7 @@ def classifier(tmp_path_factory):
 
 def agreement(model, method: str, layers: list[int]) -> float:
     result = pipeline.run(str(model), pipeline.Settings(method=method, layers=layers, check=True))
-    return result.report.min_agreement
+    return result.fidelity.min_agreement
 
 
 def same_model(written, returned: onnx.ModelProto) -> None:
@@ -164,8 +164,8 @@ def test_the_report_the_cli_prints_is_the_pipeline_s(tmp_path, capsys):
     code, out, err = run(capsys, SAMPLE_BERT, "--to", "linear", "--check", "--inputs", inputs, "-o", output)
     assert code == 0, err
     result = pipeline.run(str(SAMPLE_BERT), pipeline.Settings(method="linear", check=True, inputs=str(inputs)))
-    assert result.report.table() in out and f"inputs: {inputs}" in out
-    assert result.report.inputs == {"input_ids": [2, 12], "attention_mask": [2, 12]}
+    assert result.fidelity.table() in out and f"inputs: {inputs}" in out
+    assert result.fidelity.inputs == {"input_ids": [2, 12], "attention_mask": [2, 12]}
     same_model(output, ir.serde.serialize_model(result.model))
 
 
@@ -174,7 +174,7 @@ def test_every_form_of_an_onnx_model_is_compared_with_its_original(tmp_path):
     before) give the same report."""
     settings = pipeline.Settings(method="hydra", check=True)
     forms = [str(SAMPLE_BERT), onnx.load(SAMPLE_BERT), ir.load(SAMPLE_BERT)]
-    reports = [pipeline.run(form, settings).report.as_dict() for form in forms]
+    reports = [pipeline.run(form, settings).fidelity.as_dict() for form in forms]
     assert reports[0] == reports[1] == reports[2]
     assert reports[0]["observed"]["cosine_min"] < 1
 
