@@ -31,7 +31,7 @@ from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs, model_around
 from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.onnx.validate import make_session
-from attnrewrite.record import format_table, json_float
+from attnrewrite.record import format_table, json_float, stage
 
 DEFAULT_SEQ = 64
 DEFAULT_BATCH = 2
@@ -361,11 +361,17 @@ def check(
     threads: int | None = None,
 ) -> CheckReport:
     """Run ``original`` and ``rewritten`` (paths or ``onnx_ir.Model``) on the same inputs and
-    compare every output the original has, by name. ``inputs``: see ``prepare_inputs``."""
-    if not isinstance(inputs, CheckInputs):
-        inputs = prepare_inputs(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
+    compare every output the original has, by name. ``inputs``: see ``prepare_inputs``. Timed
+    as the run's stage "check" (record.stage), layer selection's trials too."""
+    with stage("check"):
+        if not isinstance(inputs, CheckInputs):
+            inputs = prepare_inputs(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
+        return _run_both(original, rewritten, inputs, threads)
+
+
+def _run_both(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:
     with _session(original, "the original model", threads) as session:
-        inputs, expected = _run_original(session, inputs)
+        inputs, expected = _run_original(session, inputs, original)
     feeds = inputs.feeds
     with _session(rewritten, "the rewritten model", threads) as session:
         missing = sorted(set(feeds) - {i.name for i in session.get_inputs()})
@@ -380,9 +386,10 @@ def check(
     return CheckReport(outputs, {k: list(v.shape) for k, v in feeds.items()}, inputs.source)
 
 
-def _run_original(session, inputs: CheckInputs) -> tuple[CheckInputs, dict[str, np.ndarray]]:
+def _run_original(session, inputs: CheckInputs, original) -> tuple[CheckInputs, dict[str, np.ndarray]]:
     """The original's outputs; generated inputs it does not take (an audio model's convolutional
-    front end needs more samples) are generated again, longer, until it runs (the report says so)."""
+    front end needs more samples, a legacy export runs only at the lengths baked into its
+    Reshapes) are generated again at other lengths until it runs (the report says so)."""
     if inputs.regenerate is None:
         return inputs, _run(session, inputs.feeds, "the original model")
 
@@ -390,7 +397,7 @@ def _run_original(session, inputs: CheckInputs) -> tuple[CheckInputs, dict[str, 
         at = inputs if length == inputs.seq else inputs.regenerate(length)
         return at, _run(session, at.feeds, "the original model")
 
-    length, (used, expected) = first_that_runs(run_at, inputs.seq)
+    length, (used, expected) = first_that_runs(run_at, inputs.seq, _as_ir(original).graph)
     if length != inputs.seq:
         used = dataclasses.replace(used, source=f"{used.source}; the original model does not run at seq {inputs.seq}")
     return used, expected

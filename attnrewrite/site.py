@@ -38,11 +38,33 @@ UPSTREAM_WALK_DEPTH = 8
 # a mask that is causal at one size only is caught), where the graph does not fix the lengths.
 MASK_PROBE_LENGTHS = (6, 9)
 MASK_PROBE_BATCH = 2
+# A model with a KV cache is probed and gated with this many cached positions before the new
+# ones (its attention mask spans both): fewer than the new ones, so the two are never confused.
+KV_PROBE_PAST = 3
 # Why a mask is refused, where both frontends find the same thing.
 ATTENTION_BIAS = (
     "the additive term on the logits is an attention bias, not a mask (values other than 0 and large negatives)"
 )
 MASK_VARIES_WITH_LENGTH = "the mask behaves differently at different sequence lengths"
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCache:
+    """Where a site's keys and values come from in a model that generates with a KV cache: the
+    keys are the past ones (a graph input, ``[batch, kv_heads, past, head_dim]``) followed by the
+    new ones, and the model returns both (a graph output, ``[batch, kv_heads, past + new,
+    head_dim]``) for the next step. ``kv_heads`` < the query heads: grouped or multi-query
+    attention, each key/value head shared by heads / kv_heads query heads. A present name is
+    None where the model does not return that cache."""
+
+    past_key: str
+    past_value: str
+    present_key: str | None
+    present_value: str | None
+    kv_heads: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -66,7 +88,15 @@ class AttentionSite:
     layer: int | None = None
     # Why this site must be left alone; None when it is rewritable (by some method).
     skip_reason: str | None = None
+    # set when the keys and values include a KV cache: queries are the new positions only, and
+    # a causal mask is offset by the past length (query i sees keys up to past + i)
+    kv_cache: KvCache | None = None
     provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mask_label(self) -> str:
+        """The mask as ``--list`` shows it: the kind, and "(kv cache)" where the keys include one."""
+        return f"{self.mask.value} (kv cache)" if self.kv_cache is not None else self.mask.value
 
     @property
     def layout(self) -> str:
@@ -88,4 +118,5 @@ class AttentionSite:
             "scale": self.scale,
             "mask": self.mask.value,
             "dtype": self.dtype,
+            **({"kv_cache": self.kv_cache.describe()} if self.kv_cache is not None else {}),
         }

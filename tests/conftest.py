@@ -7,6 +7,7 @@ import json
 
 import onnx
 import pytest
+from decoders import DecoderCache, DecoderExport
 from models import Export, ExportCache, ExportUnsupported
 
 import attnrewrite
@@ -42,5 +43,19 @@ def exported(exports: ExportCache, name: str, exporter: str, dynamic: bool = Tru
     """The export, or a skip that says why the exporter could not make it."""
     try:
         return exports.get(name, exporter, dynamic)
+    except ExportUnsupported as reason:
+        pytest.skip(str(reason))
+
+
+@pytest.fixture(scope="session")
+def decoder_exports(tmp_path_factory) -> DecoderCache:
+    """tests/decoders.py's generation exports (KV cache and no cache), once per session."""
+    return DecoderCache(tmp_path_factory.mktemp("decoders"))
+
+
+def decoder_exported(exports: DecoderCache, name: str, exporter: str, cache: bool = True) -> DecoderExport:
+    """The decoder's export, or a skip that says why the exporter could not make it."""
+    try:
+        return exports.get(name, exporter, cache)
     except ExportUnsupported as reason:
         pytest.skip(str(reason))

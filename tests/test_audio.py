@@ -193,10 +193,19 @@ def mask_fixed_at_length(length: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def test_a_mask_that_runs_at_no_probed_length_is_unknown():
-    """6 and 9 doubled never reach 7 (and a fixed length could not run at both probe lengths
-    anyway): the site is refused, and its mask is unknown, not none."""
+def test_a_mask_that_runs_at_one_length_is_probed_there():
+    """6 and 9 doubled never reach 7, but the probe also tries the lengths the graph's Reshapes
+    hold: at 7, the only length the model runs at, the mask is classified."""
     (site,) = attnrewrite.find_sites(mask_fixed_at_length(7))
+    assert (site.mask, site.skip_reason) == (MaskKind.KEY_PADDING, None)
+
+
+def test_a_mask_that_runs_at_no_length_is_unknown():
+    """The mask reshaped to 3 x 1 x 1 x 7: a probe batch of 2 masks 2N keys, never 21, at any
+    length: the site is refused, and its mask is unknown, not none."""
+    model = mask_fixed_at_length(7)
+    model.graph.initializer[-1].CopyFrom(helper.make_tensor("fixed_shape", TensorProto.INT64, [4], [3, 1, 1, 7]))
+    (site,) = attnrewrite.find_sites(model)
     assert site.mask is MaskKind.UNKNOWN
     assert site.skip_reason.startswith("could not evaluate the attention mask to classify it ([ONNXRuntimeError]")
     assert "Reshape" in site.skip_reason

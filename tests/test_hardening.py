@@ -526,19 +526,23 @@ def test_failed_validation_writes_nothing(tmp_path, capsys, output):
 
 
 def test_input_that_fails_on_its_own_is_bad_input(tmp_path, capsys, output):
-    """A model that only runs at one shape (a Reshape to a fixed shape after the attention)
-    fails the run gate after the rewrite; the input fails the same way, so it is the input
-    that is reported (exit 2), not the rewrite."""
+    """A model that runs at no shape (the attention's [2, N, 8] output reshaped to 15 elements)
+    fails the run gate after the rewrite; the input fails the same way at every length tried, so
+    it is the input that is reported (exit 2), not the rewrite, with the lengths tried."""
     model = build_attention_model(AttentionSpec(mask="key_padding", layout="3d"))
-    model.graph.initializer.append(numpy_helper.from_array(np.array([2, 7, 8], np.int64), "fixed_shape"))
+    model.graph.initializer.append(numpy_helper.from_array(np.array([15], np.int64), "fixed_shape"))
     model.graph.node.append(helper.make_node("Reshape", [model.graph.output[0].name, "fixed_shape"], ["fixed"]))
-    model.graph.output.append(helper.make_tensor_value_info("fixed", TensorProto.FLOAT, [2, 7, 8]))
+    model.graph.output.append(helper.make_tensor_value_info("fixed", TensorProto.FLOAT, [15]))
     path = tmp_path / "fixed.onnx"
     onnx.save(model, path)
     code, _, err = run(capsys, path, "--to", "linear", "-o", output)
     assert code == 2
-    assert one_line(err).startswith(f"{path}: the input model itself fails on generated inputs: ")
-    assert "Reshape" in err
+    assert one_line(err).startswith(
+        f"{path}: the input model itself fails on generated inputs of batch 2 and every length tried ("
+    )
+    assert "Reshape" in err and one_line(err).endswith(
+        "give inputs it runs on with --inputs, or their length with --seq"
+    )
     assert_untouched(output)
 
 
@@ -1000,7 +1004,8 @@ def test_report_records_rewritten_and_skipped_sites(tmp_path, capsys):
     assert code == 0, err
     written = json.loads(report.read_text())
     stored = json.loads({p.key: p.value for p in onnx.load(out).metadata_props}[METADATA_KEY])
-    assert written == stored  # the report is the record the model carries
+    assert (written["outcome"], written["output"]) == ("written", str(out))
+    assert {key: written[key] for key in stored} == stored  # the report holds the record the model carries
     assert (written["method"], written["sites_found"], written["sites_rewritten"]) == ("linear", 3, 1)
     assert written["options"] == {"chunk": 32, "window": 0, "window_next": True, "sinks": 1, "seed": 0}
     sites = {s["name"]: s for s in written["sites"]}

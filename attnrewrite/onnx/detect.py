@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar, known_dims
 from attnrewrite.passes._onnx import DOMAIN as REPLACEMENT_DOMAIN
-from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
+from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, KvCache, MaskKind
 
 # An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
 MASKED_BELOW = -1e3
@@ -73,6 +73,9 @@ class OnnxSite:
     # [batch, heads, seq, head_dim] tensors): the splice unpacks them with this plan
     packing: PackedHeads | None = None
     static_batch: int | None = None  # tells a 1-D mask index's forms apart when the batch is fixed
+    # where the keys and values include a KV cache (site.kv_cache says it frontend-free)
+    key_cache: CachedTensor | None = None
+    value_cache: CachedTensor | None = None
 
 
 class Unsupported(Exception):
@@ -121,6 +124,7 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
                 raise Unsupported(
                     f"q @ k^T or p @ v has a rank-{_rank(operand)} operand {operand.name!r}: not attention"
                 )
+        caches = _caches_of(k_t, v)
     except Unsupported as reason:
         site.skip_reason = str(reason)
         site.mask = MaskKind.UNKNOWN
@@ -132,7 +136,9 @@ def _match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     site.provenance = {"nodes": [n.name for n in nodes]}
     lengths = _static_dims(softmax.inputs[0], -2, -1)
     site.query_length = lengths[0]
-    return OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes, static_lengths=lengths)
+    onnx_site = OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes, static_lengths=lengths)
+    _set_caches(onnx_site, *caches)
+    return onnx_site
 
 
 def _check_softmax_axis(softmax: ir.Node) -> None:
@@ -340,6 +346,196 @@ def _dropout_mask_used(dropout: ir.Node) -> bool:
     return len(dropout.outputs) > 1 and bool(dropout.outputs[1].uses())
 
 
+# --- KV cache -------------------------------------------------------------------------------------
+#
+# A decoder exported for generation reads the keys and values of earlier steps as graph inputs
+# ([batch, kv_heads, past, head_dim]) and appends this step's: Concat(past, new) on the sequence
+# axis, also returned as a graph output for the next step. Between that Concat and the attention
+# lie only layout ops: k's transpose (4-D, or 3-D between Reshapes), key/value heads repeated for
+# grouped-query attention (Unsqueeze, Expand, Reshape; or Tile), a constant scale. Rotary
+# embeddings are applied to the new keys before the Concat: the cache holds rotated keys.
+
+_LAYOUT_OPS = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Cast", "Identity", "Mul", "Div"}
+_CACHE_WALK_DEPTH = 10
+
+
+@dataclasses.dataclass
+class CachedTensor:
+    """A site's keys or values: the past (a graph input) followed by this step's, as computed by
+    ``node`` (a Concat on the sequence axis, or a fused attention operator that appends)."""
+
+    node: ir.Node
+    past: ir.Value  # the graph input, [batch, kv_heads, past, head_dim]
+    new: ir.Value  # this step's keys or values, [batch, kv_heads, new, head_dim]
+    present: ir.Value | None  # past then new, [batch, kv_heads, past + new, head_dim]
+    output: ir.Value | None  # the graph output that returns ``present``, if the model returns it
+
+    @property
+    def kv_heads(self) -> int | None:
+        return next((d for d in (_static_dims(v, 1)[0] for v in (self.past, self.new)) if d is not None), None)
+
+
+def _caches_of(k: ir.Value, v: ir.Value) -> tuple[CachedTensor | None, CachedTensor | None]:
+    """The caches the attention's keys (``k``: k^T or k) and values are read from: both or neither."""
+    key, value = cached_tensor(k), cached_tensor(v)
+    if (key is None) != (value is None):
+        which, other = ("keys", "values") if key is not None else ("values", "keys")
+        cache = (key or value).past.name
+        raise Unsupported(f"the {which} include the KV cache {cache!r} but the {other} include none: not understood")
+    return key, value
+
+
+def _set_caches(onnx_site: OnnxSite, key: CachedTensor | None, value: CachedTensor | None) -> None:
+    onnx_site.key_cache, onnx_site.value_cache = key, value
+    if key is None or value is None:
+        return
+    onnx_site.site.kv_cache = KvCache(
+        past_key=key.past.name,
+        past_value=value.past.name,
+        present_key=key.output.name if key.output is not None else None,
+        present_value=value.output.name if value.output is not None else None,
+        kv_heads=key.kv_heads,
+    )
+
+
+def cached_tensor(value: ir.Value) -> CachedTensor | None:
+    """The cache ``value`` is read from through layout ops; None where it reads none (Unsupported
+    where it reads a graph input through something that is not a Concat(past, new))."""
+    node = value.producer()
+    for _ in range(_CACHE_WALK_DEPTH):
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type == "Concat":
+            return _cache_concat(node)
+        data = _layout_data_input(node)
+        if data is None:
+            break
+        node = data.producer()
+    _check_reads_no_cache(node)
+    return None
+
+
+def _layout_data_input(node: ir.Node) -> ir.Value | None:
+    """The tensor a layout op moves (None for other ops, and for a product with a tensor)."""
+    if node.op_type not in _LAYOUT_OPS:
+        return None
+    if node.op_type in ("Mul", "Div"):  # a constant scale, on either side of a Mul
+        a, b = node.inputs
+        if constant_scalar(b) is not None:
+            return a
+        return b if node.op_type == "Mul" and constant_scalar(a) is not None else None
+    return node.inputs[0]
+
+
+def _cache_concat(concat: ir.Node) -> CachedTensor | None:
+    """Concat(past, new) on the sequence axis; None for a Concat that reads no cache input."""
+    pasts = [(i, past) for i, v in enumerate(concat.inputs) if v is not None and (past := past_input(v)) is not None]
+    if not pasts:
+        return None
+    (index, past), name = pasts[0], concat.name or "Concat"
+    if len(concat.inputs) != 2 or len(pasts) != 1 or index != 0:
+        joined = ", ".join(repr(v.name) for v in concat.inputs if v is not None)
+        raise Unsupported(f"Concat {name!r} joins {joined}: the cache input {past.name!r} is not Concat(past, new)")
+    axis, rank = concat.attributes["axis"].as_int(), _rank(past)
+    if rank is None or axis not in (rank - 2, -2):
+        raise Unsupported(
+            f"the cache input {past.name!r} is concatenated on axis {axis}, "
+            "not the sequence axis of [batch, kv_heads, past, head_dim]"
+        )
+    present = concat.outputs[0]
+    return CachedTensor(concat, past, concat.inputs[1], present, _returned(present))
+
+
+def past_input(value: ir.Value) -> ir.Value | None:
+    """The graph input ``value`` is, through Identity, Cast and one-input Concats (the legacy
+    exporter's copy of a cache tensor); None for anything computed."""
+    for _ in range(4):
+        if value.is_graph_input():
+            return value if not value.is_initializer() and _rank(value) == 4 else None
+        node = value.producer()
+        if node is None or node.op_type not in ("Identity", "Cast", "Concat") or len(node.inputs) != 1:
+            return None
+        value = node.inputs[0]
+    return None
+
+
+def cache_inputs(graph: ir.Graph) -> dict[str, int]:
+    """The graph inputs that are KV caches, each with its sequence (past) axis: those a
+    Concat(past, new) appends to (through Identity, Cast, one-input Concats) and the past inputs
+    of fused attention operators (com.microsoft Attention packs keys and values in one
+    [2, batch, heads, past, head_dim] input)."""
+    found = {}
+    for value in graph.inputs:
+        if value.is_initializer():
+            continue
+        for node, index in _uses_through_copies(value):
+            axis = _past_axis(node, index, _rank(value))
+            if axis is not None:
+                found[value.name] = axis
+                break
+    return found
+
+
+def _uses_through_copies(value: ir.Value) -> list[tuple[ir.Node, int]]:
+    uses, frontier = [], [value]
+    for _ in range(4):
+        following = []
+        for v in frontier:
+            for use in v.uses():
+                node = use.node
+                if node.op_type in ("Identity", "Cast") or (node.op_type == "Concat" and len(node.inputs) == 1):
+                    following.append(node.outputs[0])
+                else:
+                    uses.append((node, use.idx))
+        frontier = following
+    return uses
+
+
+# (domain, op) -> the inputs that are caches; com.microsoft's are named in its ContribOperators.md
+_FUSED_PAST_SLOTS = {
+    ("", "Attention"): (4, 5),
+    ("com.microsoft", "MultiHeadAttention"): (6, 7),
+    ("com.microsoft", "GroupQueryAttention"): (3, 4),
+    ("com.microsoft", "Attention"): (4,),
+}
+
+
+def _past_axis(node: ir.Node, index: int, rank: int | None) -> int | None:
+    """The sequence axis of input ``index`` of ``node`` (of rank ``rank``) if it is a cache."""
+    if node.op_type == "Concat" and node.domain in ("", "ai.onnx"):
+        axis = node.attributes["axis"].as_int() if "axis" in node.attributes else None
+        return 2 if index == 0 and len(node.inputs) == 2 and rank == 4 and axis in (2, -2) else None
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    if index not in _FUSED_PAST_SLOTS.get((domain, node.op_type), ()):
+        return None
+    return 3 if (domain, node.op_type) == ("com.microsoft", "Attention") else 2  # [2, batch, heads, past, head_dim]
+
+
+def _returned(present: ir.Value) -> ir.Value | None:
+    """The graph output returning ``present``: itself, or an Identity of it."""
+    if present.is_graph_output():
+        return present
+    copies = [u.node.outputs[0] for u in present.uses() if u.node.op_type == "Identity"]
+    return next((copy for copy in copies if copy.is_graph_output()), None)
+
+
+def _check_reads_no_cache(node: ir.Node | None) -> None:
+    """Where the layout walk stops at a scatter into a graph input, the cache is a fixed-size
+    buffer written in place (a static cache: ScatterND, ScatterElements, TensorScatter), which
+    is not understood."""
+    if node is None or node.op_type not in _CACHE_WRITES:
+        return
+    past = past_input(node.inputs[0])
+    if past is not None:
+        raise Unsupported(
+            f"the keys or values are written into the graph input {past.name!r} by {node.op_type} {node.name!r}: "
+            "a fixed-size KV cache updated in place, not Concat(past, new), is not understood"
+        )
+
+
+_CACHE_WRITES = {"ScatterND", "ScatterElements", "TensorScatter"}
+
+
 # --- fused Attention (opset 23) -----------------------------------------------------------------
 
 
@@ -348,7 +544,11 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     q, k, v, attn_mask, past_key, past_value = inputs[:6]
     onnx_site = _fused_site(node, index, q, k, v)
     site = onnx_site.site
-    reason = _fused_attention_limits(node, q, past_key, past_value)
+    try:
+        caches = _fused_caches(node, k, v, past_key, past_value)
+    except Unsupported as reason:
+        return _refused(onnx_site, str(reason))
+    reason = _fused_attention_limits(node, q, cached=caches[0] is not None)
     if reason:
         return _refused(onnx_site, reason)
     attrs = node.attributes
@@ -361,7 +561,26 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     onnx_site.static_lengths = (_static_dims(q, -2)[0], _static_dims(k, -2)[0])
     site.query_length = onnx_site.static_lengths[0]
     _set_scale(site, node, zero_is_default=False)
+    _set_caches(onnx_site, *caches)
     return onnx_site
+
+
+def _fused_caches(node: ir.Node, k, v, past_key, past_value) -> tuple[CachedTensor | None, CachedTensor | None]:
+    """Attention (opset 23) appends k and v to past_key and past_value (graph inputs) and
+    returns them as present_key and present_value (outputs 1 and 2); its causal mask is then
+    aligned to the last key (query i sees keys up to past + i), as a Concat(past, new) decoder's."""
+    if past_key is None and past_value is None:
+        return None, None
+    if past_key is None or past_value is None:
+        raise Unsupported("Attention with only one of past_key and past_value is not understood")
+    caches = []
+    for past, new, slot in ((past_key, k, 1), (past_value, v, 2)):
+        if past_input(past) is None:
+            raise Unsupported(f"Attention's past cache {past.name!r} is computed in the graph, not a graph input")
+        present = node.outputs[slot] if len(node.outputs) > slot else None
+        output = _returned(present) if present is not None else None
+        caches.append(CachedTensor(node, past_input(past), new, present, output))
+    return caches[0], caches[1]
 
 
 def _fused_site(node: ir.Node, index: int, q: ir.Value, k: ir.Value | None, v: ir.Value) -> OnnxSite:
@@ -389,12 +608,14 @@ def _set_scale(site: AttentionSite, node: ir.Node, zero_is_default: bool) -> Non
         site.skip_reason = f"{node.op_type} without a scale attribute and with an unknown head size"
 
 
-def _fused_attention_limits(node, q, past_key, past_value) -> str | None:
+def _fused_attention_limits(node, q, cached: bool) -> str | None:
     attrs = node.attributes
-    if past_key is not None or past_value is not None:
-        return "Attention with a KV cache (past_key/past_value) is not supported"
-    if any(out is not None and out.uses() or (out is not None and out.is_graph_output()) for out in node.outputs[1:]):
-        return "Attention's present key/value or qk outputs are used"
+    qk = node.outputs[3] if len(node.outputs) > 3 else None
+    if qk is not None and (qk.uses() or qk.is_graph_output()):
+        return "Attention's qk output (the attention scores) is used"
+    presents = [out for out in node.outputs[1:3] if out is not None and (out.uses() or out.is_graph_output())]
+    if presents and not cached:
+        return "Attention's present key/value outputs are used without a past cache"
     if "softcap" in attrs and attrs["softcap"].as_float() != 0.0:
         return "Attention with softcap is not expressible by linear methods"
     if _rank(q) != 4:
@@ -452,6 +673,7 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
     inputs = [*node.inputs, *[None] * (10 - len(node.inputs))]
     onnx_site = _fused_site(node, index, inputs[0], inputs[1], inputs[2])
     site = onnx_site.site
+    site.kv_cache = _contrib_cache(node)  # listed with the site, which is refused for it below
     try:
         _check_contrib_limits(node)
         if node.op_type == "Attention":
@@ -482,6 +704,28 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
             f"{node.op_type} masks with mask_filter_value={fill:g}, which leaves masked keys a weight: a bias, not a mask",
         )
     return onnx_site
+
+
+def _contrib_cache(node: ir.Node) -> KvCache | None:
+    """The cache a contrib operator appends to inside itself: past key and value inputs (one
+    packed ``past`` [2, batch, heads, past, head_dim] for Attention), present outputs 1 and 2
+    (one packed ``present`` for Attention)."""
+    slots = _FUSED_PAST_SLOTS[("com.microsoft", node.op_type)]
+    if not any(_has_input(node, i) for i in slots):
+        return None
+    (key, value), (present_key, present_value) = (slots * 2, (1, 1)) if len(slots) == 1 else (slots, (1, 2))
+
+    def name(i: int) -> str:
+        return node.inputs[i].name if _has_input(node, i) else ""
+
+    def returned(i: int) -> str | None:
+        out = node.outputs[i] if i < len(node.outputs) else None
+        return out.name if out is not None and out.is_graph_output() else None
+
+    heads = node.attributes.get("kv_num_heads") or node.attributes.get("num_heads")
+    return KvCache(
+        name(key), name(value), returned(present_key), returned(present_value), heads.as_int() if heads else None
+    )
 
 
 def _contrib_lengths(packing: PackedHeads) -> tuple[int | None, int | None]:

@@ -21,6 +21,7 @@ from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, 
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
 from attnrewrite.site import (
     ATTENTION_BIAS,
+    KV_PROBE_PAST,
     MASK_PROBE_BATCH,
     MASK_PROBE_LENGTHS,
     MASK_VARIES_WITH_LENGTH,
@@ -41,21 +42,23 @@ def classify_masks(model: ir.Model, sites: list[OnnxSite], seq: int | None = Non
     """Set ``site.mask`` (or ``site.skip_reason``) for every site that has mask terms.
 
     The probe starts at ``probe_lengths(seq)``; where the mask's subgraph does not run at a
-    length (a convolutional front end needs more samples) it doubles the length until it does.
-    Returns the lengths the probe ran at, None when there was nothing to probe."""
+    length (a convolutional front end needs more samples) it doubles the length until it does,
+    then tries the lengths the graph's constants hold (inputs.searched_lengths). A model that
+    runs at one length only is probed at that one. Returns the lengths the probe ran at, None
+    when there was nothing to probe."""
     pending = [s for s in sites if s.site.skip_reason is None and s.masks]
     if not pending:
         return None
     values = list({id(t.value): t.value for s in pending for t in s.masks}.values())
     try:
         probe = _MaskProbe(model, values)
-        runs = [first_that_runs(probe.run, start) for start in probe_lengths(seq)]
+        runs = _probe_runs(probe, seq, model.graph)
     except Exception as error:  # a mask we cannot run is a mask we do not understand
         if len(pending) > 1:  # ... but it must not hide the masks of the other sites
             lengths = [classify_masks(model, [s], seq) for s in pending]
             return next((found for found in lengths if found is not None), None)
         for s in pending:
-            s.site.skip_reason = f"could not evaluate the attention mask to classify it ({_first_line(error)})"
+            s.site.skip_reason = _not_evaluated(s, error)
             s.site.mask = MaskKind.UNKNOWN
         return None
     for s in pending:
@@ -79,13 +82,40 @@ def classify_masks(model: ir.Model, sites: list[OnnxSite], seq: int | None = Non
     return lengths
 
 
+def _probe_runs(probe: _MaskProbe, seq: int | None, graph: ir.Graph) -> list[tuple[int, dict[int, np.ndarray]]]:
+    """(length, mask arrays) from each of probe_lengths(seq), at the first length from it that
+    runs, each length once; the error of the first start when none runs."""
+    runs, errors = {}, []
+    for start in probe_lengths(seq):
+        try:
+            length, arrays = first_that_runs(probe.run, start, graph)
+        except Exception as error:
+            errors.append(error)
+            continue
+        runs.setdefault(length, arrays)
+    if not runs:
+        raise errors[0]
+    return list(runs.items())
+
+
+def _not_evaluated(s: OnnxSite, error: Exception) -> str:
+    if s.site.kv_cache is not None:  # inputs.CacheContract made inputs the cache takes: say so in words
+        return (
+            "could not evaluate the attention mask of a KV-cache site on inputs that follow its cache "
+            f"(a past of {KV_PROBE_PAST} positions in {s.site.kv_cache.past_key!r}, the attention mask over "
+            "past and new positions): the model's cache contract is not understood"
+        )
+    return f"could not evaluate the attention mask to classify it ({_first_line(error)})"
+
+
 def probe_note(sites: list[AttentionSite]) -> str | None:
     """One line when the mask probe had to run on longer inputs than it was asked to."""
     moved = [s.provenance["mask_probe_lengths"] for s in sites if "mask_probe_lengths" in s.provenance]
     if not moved:
         return None
-    asked, ran = (" and ".join(map(str, moved[0][key])) for key in ("asked", "ran"))
-    return f"mask probe: the mask subgraph does not run on inputs of length {asked}; probed at {ran}"
+    failed = [n for n in moved[0]["asked"] if n not in moved[0]["ran"]]
+    failed, ran = (" and ".join(map(str, lengths)) for lengths in (failed, moved[0]["ran"]))
+    return f"mask probe: the mask subgraph does not run on inputs of length {failed}; probed at {ran}"
 
 
 def _key_padding_seen_at_one_length(kinds: set[MaskKind]) -> set[MaskKind]:
@@ -113,7 +143,7 @@ def _classify_site(s: OnnxSite, arrays: dict[int, np.ndarray], seq: int) -> Mask
             )
         keep = term_keep if keep is None else np.logical_and(keep, term_keep)
     queries, keys = _attention_lengths(s, keep, seq)
-    kind = classify_keep_matrix(keep, queries, keys)
+    kind = classify_keep_matrix(keep, queries, keys, past=_past_length(s))
     if any(t.key_only for t in s.masks):  # key padding by definition, whether the probe padded or not
         kind = {MaskKind.NONE: MaskKind.KEY_PADDING, MaskKind.CAUSAL: MaskKind.CAUSAL_KEY_PADDING}.get(kind, kind)
     if s.causal_by_attribute:  # fused Attention(is_causal=1) with an extra mask
@@ -125,12 +155,19 @@ def _attention_lengths(s: OnnxSite, keep: np.ndarray, seq: int) -> tuple[int, in
     """(queries, keys) of the logits in a probe run on ``seq``-long inputs. Static lengths are
     known; a dynamic one is ``seq`` unless the mask spans another length: a convolutional front
     end (audio) makes fewer frames than it reads samples, and a mask that broadcasts to the
-    logits with an axis longer than 1 has the logits' length there."""
+    logits with an axis longer than 1 has the logits' length there. With a KV cache the keys
+    are the past ones and the ``seq`` new ones, the queries only the new ones."""
     static_queries, static_keys = s.static_lengths
     rows, columns = (1,) * max(0, 2 - keep.ndim) + keep.shape[-2:]
-    keys = static_keys or (columns if columns > 1 else seq)
-    queries = static_queries or (rows if rows > 1 else keys)
+    past = _past_length(s)
+    keys = static_keys or (columns if columns > 1 else seq + past)
+    queries = static_queries or (rows if rows > 1 else keys - past)
     return queries, keys
+
+
+def _past_length(s: OnnxSite) -> int:
+    """The cached positions before the new ones in probe inputs (inputs.CacheContract)."""
+    return KV_PROBE_PAST if s.site.kv_cache is not None else 0
 
 
 def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -182,8 +219,9 @@ def contrib_keep_matrix(array: np.ndarray, term: MaskTerm, batch: int, keys: int
     raise Unsupported(f"a rank-{array.ndim} attention mask is not one onnxruntime defines")
 
 
-def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int) -> MaskKind:
-    """``queries`` x ``keys``: the logits' last two dims in the probe run."""
+def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int, past: int = 0) -> MaskKind:
+    """``queries`` x ``keys``: the logits' last two dims in the probe run; ``past``: how many of
+    the keys are cached ones before the queries' (causal: query i sees keys up to past + i)."""
     keep = keep.reshape((1,) * max(0, 2 - keep.ndim) + keep.shape)
     rows, columns = keep.shape[-2:]
     if columns != keys or rows not in (1, queries):
@@ -192,9 +230,9 @@ def classify_keep_matrix(keep: np.ndarray, queries: int, keys: int) -> MaskKind:
     last_row = slices[:, -1:, :]
     if np.array_equal(np.broadcast_to(last_row, slices.shape), slices):
         return MaskKind.NONE if slices.all() else MaskKind.KEY_PADDING
-    if queries != keys:  # a causal triangle needs as many queries as keys (no KV cache here)
+    if keys != queries + past:  # a causal triangle: as many keys as queries, after the cached ones
         raise Unsupported(f"the mask varies over {queries} queries x {keys} keys and is not a key padding mask")
-    triangle = np.tril(np.ones((queries, keys), dtype=bool))
+    triangle = np.tril(np.ones((queries, keys), dtype=bool), k=past)
     if np.array_equal(slices, np.broadcast_to(triangle, slices.shape)):
         return MaskKind.CAUSAL
     if np.array_equal(slices, triangle & last_row):
@@ -219,7 +257,15 @@ def inputs_marking_padding(model: ir.Model) -> set[str]:
 def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
     values = [t.value for t in s.masks]
     session, names, as_float32 = _probe_session(model, values)
-    feeds = _probe_feeds(model.graph, names, MASK_PROBE_LENGTHS[0], as_float32)
+
+    def feeds_at(length: int) -> dict[str, np.ndarray]:
+        feeds = _probe_feeds(model.graph, names, length, as_float32)
+        session.run(None, feeds)
+        return feeds
+
+    # at the first length the mask's subgraph runs at (a model exported at one length)
+    length, feeds = first_that_runs(feeds_at, MASK_PROBE_LENGTHS[0], model.graph)
+    keys = s.static_lengths[1] or length + _past_length(s)
     marked = set()
     for name, default in feeds.items():
         if np.issubdtype(default.dtype, np.floating):
@@ -227,7 +273,6 @@ def _padding_marked_by_one(model: ir.Model, s: OnnxSite) -> set[str]:
 
         def keeps_any(fill: int) -> bool:
             outputs = session.run(None, {**feeds, name: np.full_like(default, fill)})
-            keys = s.static_lengths[1] or MASK_PROBE_LENGTHS[0]
             keeps = [_term_keep(out, t, s, keys) for out, t in zip(outputs, s.masks)]
             return bool(functools.reduce(np.logical_and, keeps).any())  # a causal term keeps some alone
 

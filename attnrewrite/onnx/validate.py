@@ -13,10 +13,11 @@ import onnxruntime as ort
 
 from attnrewrite.errors import InputFails, RewriteFailed
 from attnrewrite.onnx import bfloat16
-from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
+from attnrewrite.onnx.inputs import first_that_runs, generate_inputs, searched_lengths
 from attnrewrite.onnx.io import saved_copy
 
 DEFAULT_SEQ = 16  # generated inputs' length when the user gives none
+GATE_BATCH = 2  # generate_inputs' batch
 
 
 @dataclasses.dataclass
@@ -55,7 +56,9 @@ def validate_saved(
         raise RewriteFailed(f"onnxruntime cannot load the rewritten model: {_first_line(error)}") from error
     which = "the given inputs" if feeds is not None else "generated inputs"
     try:
-        return GateRun(bfloat16.run(session, feeds if feeds is not None else generate_inputs(graph, seq=seq)))
+        return GateRun(
+            bfloat16.run(session, feeds if feeds is not None else generate_inputs(graph, batch=GATE_BATCH, seq=seq))
+        )
     except Exception as error:
         failure = RewriteFailed(f"the rewritten model fails to run on {which}: {_first_line(error)}")
         failure.__cause__ = error
@@ -65,7 +68,7 @@ def validate_saved(
     if length == seq or feeds is not None:
         raise failure
     try:
-        outputs = bfloat16.run(session, generate_inputs(graph, seq=length))
+        outputs = bfloat16.run(session, generate_inputs(graph, batch=GATE_BATCH, seq=length))
     except Exception as error:
         raise RewriteFailed(
             f"the rewritten model fails to run on generated inputs of length {length}: {_first_line(error)}"
@@ -76,9 +79,9 @@ def validate_saved(
 
 
 def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> int:
-    """The shortest searched length (``seq`` doubled) of generated inputs that ``original`` runs
-    on, or ``seq`` when it runs on ``feeds``; InputFails when there is none."""
-    which = "the given inputs" if feeds is not None else "generated inputs"
+    """The first searched length (``seq`` doubled, then the lengths the graph's constants hold)
+    of generated inputs that ``original`` runs on, or ``seq`` when it runs on ``feeds``;
+    InputFails when there is none, naming the shapes tried."""
     shown = f"{os.fspath(original)}: " if isinstance(original, (str, os.PathLike)) else ""
     if isinstance(original, onnx.ModelProto):
         original = original.SerializeToString()
@@ -87,9 +90,26 @@ def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> 
         if feeds is not None:
             bfloat16.run(session, feeds)
             return seq
-        return first_that_runs(lambda n: bfloat16.run(session, generate_inputs(graph, seq=n)), seq)[0]
+        return first_that_runs(
+            lambda n: bfloat16.run(session, generate_inputs(graph, batch=GATE_BATCH, seq=n)), seq, graph
+        )[0]
     except Exception as error:
-        raise InputFails(f"{shown}the input model itself fails on {which}: {_first_line(error)}") from error
+        if feeds is not None:
+            raise InputFails(
+                f"{shown}the input model itself fails on the given inputs: {_first_line(error)}"
+            ) from error
+        raise InputFails(
+            f"{shown}the input model itself fails on generated inputs of batch {GATE_BATCH} and every length tried "
+            f"({_lengths_tried(seq, graph)}): {_first_line(error)}; "
+            "give inputs it runs on with --inputs, or their length with --seq"
+        ) from error
+
+
+def _lengths_tried(seq: int, graph: ir.Graph) -> str:
+    doubled = searched_lengths(seq)
+    constants = searched_lengths(seq, graph)[len(doubled) :]
+    said = f"{seq} to {doubled[-1]}, doubling" if len(doubled) > 2 else ", ".join(map(str, doubled))
+    return f"{said}, then {', '.join(map(str, constants))}" if constants else said
 
 
 def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
