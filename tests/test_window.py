@@ -114,6 +114,8 @@ def elu_features(q, k, keep):
 # N = 7 in windows of 3: blocks {0}, {1, 2, 3}, {4, 5, 6} (the layout pads 5 rows in front).
 # Each query's keys in the previous and its own block, and with the next block too.
 LOCAL_KEYS = np.array([[1, 0, 0, 0, 0, 0, 0]] + [[1, 1, 1, 1, 0, 0, 0]] * 3 + [[0, 1, 1, 1, 1, 1, 1]] * 3, bool)
+# Causal blocks are aligned to the start, {0, 1, 2}, {3, 4, 5}, {6}: no output depends on later tokens.
+CAUSAL_LOCAL_KEYS = np.array([[1, 1, 1, 0, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 1, 1, 0]] * 3 + [[0, 0, 0, 1, 1, 1, 1]], bool)
 WITH_NEXT_KEYS = np.array([[1, 1, 1, 1, 0, 0, 0]] + [[1, 1, 1, 1, 1, 1, 1]] * 3 + [[0, 1, 1, 1, 1, 1, 1]] * 3, bool)
 
 
@@ -125,7 +127,7 @@ def test_exact_keys_are_the_neighbouring_blocks_and_the_sinks(causal, exact_keys
     window_next, sinks = exact_keys
     q, k, v = (torch.from_numpy(x) for x in qkv(7))
     zero = torch.zeros(B, H, 7, 4)
-    local = WITH_NEXT_KEYS if window_next and not causal else LOCAL_KEYS.copy()
+    local = CAUSAL_LOCAL_KEYS.copy() if causal else (WITH_NEXT_KEYS if window_next else LOCAL_KEYS).copy()
     local[:, :sinks] = True
     if causal:
         local &= np.tri(7, dtype=bool)

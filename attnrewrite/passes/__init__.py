@@ -36,6 +36,11 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
   a method says for which options it has them with ``attention_weights_unavailable(options) ->
   None | reason`` (``passes.attention_weights_unavailable`` answers for the others).
 
+Decoders that generate (passes/recurrent.py): a causal linear, hedgehog or favor site, window
+included, also has a recurrent form carrying a fixed-size state instead of a KV cache
+(``recurrent_module``, ``recurrent_lowering``, ``state_description``); the other methods say why
+not (``recurrent_refusal``).
+
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
 take ``window`` (exact softmax over neighbouring blocks and sink keys, the kernel beyond, with
 ``window_next`` and ``sinks``: kernels.windowed_kernel_attention);

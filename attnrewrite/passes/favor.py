@@ -516,3 +516,27 @@ def _windowed_favor_function(
         return op.CastLike(out, v)
 
     return WindowedFavor
+
+
+def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
+    and keep [..., N', 1] (passes/recurrent.py): FavorCausalTerms(q, k, keep, projection) ->
+    (phi_q, phi_k, query log scale, key log scale), each query over its row max and each key over
+    its own max (causal_key_features), the maxima as their log scales."""
+    op = standard_opset(opset_version)
+    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
+    root_scale = math.sqrt(site.scale)
+    log_features = _log_features_functions(op, options.variant)[1]
+    query_features = _query_features_function(op, norm)
+    causal_key_features = _causal_key_features_function(op, norm, masked=True)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorCausalTerms(q, k, keep, projection):
+        w = op.Cast(projection, to=FLOAT)
+        root = op.Constant(value_float=root_scale)
+        log_q = log_features(op.Cast(q, to=FLOAT) * root, w)
+        phi_k, key_log_scale = causal_key_features(log_features(op.Cast(k, to=FLOAT) * root, w), keep)
+        query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
+        return query_features(log_q), phi_k, query_log_scale, key_log_scale
+
+    return FavorCausalTerms, ("projection",)

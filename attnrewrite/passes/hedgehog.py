@@ -210,14 +210,8 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (weight, bias, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
-    root_scale = math.sqrt(site.scale)
     flatten = kernels.flatten_heads_function(opset_version)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HedgehogFeatures(x, weight, bias):
-        scaled = op.Cast(x, to=FLOAT) * op.Constant(value_float=root_scale)
-        z = op.MatMul(scaled, op.Transpose(weight, perm=[0, 2, 1])) + bias
-        return op.Concat(op.Softmax(z, axis=-1), op.Softmax(op.Neg(z), axis=-1), axis=-1)
+    HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
 
     if options.window:
         *callees, kernel = kernels.windowed_kernel_attention_functions(
@@ -232,17 +226,7 @@ def onnx_lowering(
             eps=kernels.RESCALED_EPS,
         )
 
-        @script(ATTNREWRITE, default_opset=op)
-        def HedgehogLogScale(x, log_scale):
-            return op.MatMul(op.Cast(x, to=FLOAT) * op.Constant(value_float=root_scale), log_scale)
-
-        @script(ATTNREWRITE, default_opset=op)
-        def HedgehogKeyLogScale(k, key_log_scale, keep):
-            # bounded (KEY_LOG_SCALE_BOUND); padded keys: the lowest, so they never raise a maximum
-            bound = op.Constant(value_float=KEY_LOG_SCALE_BOUND)
-            bounded = op.Tanh(HedgehogLogScale(k, key_log_scale) / bound) * bound
-            kept = op.Greater(keep, op.Constant(value_float=0.0))
-            return op.Where(kept, bounded, op.Constant(value_float=kernels.LOWEST_LOG_SCALE))
+        HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
 
         @script(ATTNREWRITE, default_opset=op)
         def HedgehogHeadKeys(phi_k, key_log_scale):
@@ -300,3 +284,57 @@ def onnx_lowering(
         functions = [HedgehogFeatures, flatten, *callees, kernel]
     lowering = OnnxLowering([*(f.to_function_proto() for f in functions), entry], initial_values(site, options))
     return lowering.with_weights(weights)
+
+
+def _features_function(op, root_scale: float):
+    """HedgehogFeatures(x, weight, bias), as HedgehogAttention.features."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogFeatures(x, weight, bias):
+        scaled = op.Cast(x, to=FLOAT) * op.Constant(value_float=root_scale)
+        z = op.MatMul(scaled, op.Transpose(weight, perm=[0, 2, 1])) + bias
+        return op.Concat(op.Softmax(z, axis=-1), op.Softmax(op.Neg(z), axis=-1), axis=-1)
+
+    return HedgehogFeatures
+
+
+def _log_scale_functions(op, root_scale: float):
+    """(HedgehogLogScale, HedgehogKeyLogScale), as HedgehogAttention.log_scales."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogLogScale(x, log_scale):
+        return op.MatMul(op.Cast(x, to=FLOAT) * op.Constant(value_float=root_scale), log_scale)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogKeyLogScale(k, key_log_scale, keep):
+        # bounded (KEY_LOG_SCALE_BOUND); padded keys: the lowest, so they never raise a maximum
+        bound = op.Constant(value_float=KEY_LOG_SCALE_BOUND)
+        bounded = op.Tanh(HedgehogLogScale(k, key_log_scale) / bound) * bound
+        kept = op.Greater(keep, op.Constant(value_float=0.0))
+        return op.Where(kept, bounded, op.Constant(value_float=kernels.LOWEST_LOG_SCALE))
+
+    return HedgehogLogScale, HedgehogKeyLogScale
+
+
+def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
+    and keep [..., N', 1] (passes/recurrent.py), padded keys' features zero: HedgehogCausalTerms
+    (q, k, keep, weight, bias) -> (phi_q, phi_k), with a window HedgehogWindowedTerms(...,
+    query_log_scale, key_log_scale) -> (phi_q, phi_k, query log scale, key log scale)."""
+    op = standard_opset(opset_version)
+    HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogCausalTerms(q, k, keep, weight, bias):
+        return HedgehogFeatures(q, weight, bias), HedgehogFeatures(k, weight, bias) * keep
+
+    if not options.window:
+        return HedgehogCausalTerms, ("weight", "bias")
+    HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogWindowedTerms(q, k, keep, weight, bias, query_log_scale, key_log_scale):
+        phi_q, phi_k = HedgehogCausalTerms(q, k, keep, weight, bias)
+        return phi_q, phi_k, HedgehogLogScale(q, query_log_scale), HedgehogKeyLogScale(k, key_log_scale, keep)
+
+    return HedgehogWindowedTerms, ("weight", "bias", "query_log_scale", "key_log_scale")

@@ -132,8 +132,9 @@ def windowed_kernel_attention(
     """Exact softmax over nearby keys and sink keys plus kernel attention over the rest, one
     normaliser.
 
-    Queries go in blocks of ``window`` (laid out by _ChunkLayout, padded at the front); block c's
-    exact keys are
+    Queries go in blocks of ``window`` (laid out by _ChunkLayout: aligned to the end of the
+    sequence, causal ones to its start, so that a causal output never depends on what follows
+    it); block c's exact keys are
     - its local keys: blocks c-1, c and, when bidirectional and ``window_next``, c+1 (causal:
       c-1 and the causal part of c; a causal site never sees later keys, whatever window_next);
     - the sinks: sequence positions 0..sinks-1, for every query (attention sinks such as
@@ -164,7 +165,7 @@ def windowed_kernel_attention(
     if linear_log_weight is not None:
         phi_q = phi_q * torch.exp(linear_log_weight.float())  # w_h scales the kernel part only
     keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
-    layout = _ChunkLayout(n, window)
+    layout = _ChunkLayout(n, window, aligned_to_start=causal)
     following = window_next and not causal
     local_num, local_den, local_max = _local_softmax_sums(
         layout.blocks(q), *_exact_keys(layout, k, v, keep, causal, following, sinks), scale
@@ -279,7 +280,7 @@ def windowed_attention_weights(
     against; never for inference."""
     n = q.shape[-2]
     position = torch.arange(n, device=q.device)
-    block = (position + _ChunkLayout(n, window).pad) // window
+    block = (position + _ChunkLayout(n, window, aligned_to_start=causal).pad) // window
     offset = block.unsqueeze(0) - block.unsqueeze(1)  # key's block - query's block
     following = window_next and not causal
     local = (offset >= -1) & (offset <= int(following))
@@ -300,11 +301,13 @@ def windowed_attention_weights(
     if key_log_scale is not None:
         # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
         unit = row_max if local_max_weight is None else row_max * local_max_weight
-        ratio = query_log_scale + key_log_scale.transpose(-2, -1) - unit
-        ratio_max = torch.where(far, ratio, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
-        shift = torch.clamp_min(ratio_max, 0.0)
-        exact_weights = exact_weights * torch.exp(-shift)
-        kernel = kernel * torch.exp(torch.clamp_max(ratio - shift, 0.0))
+        kernel_log_scale = query_log_scale + key_log_scale.transpose(-2, -1)
+        # The larger of the two parts' units, before any difference is taken: a row without an
+        # exact key has unit LOWEST_LOG_SCALE, and (x - LOWEST) - (y - LOWEST) is not x - y.
+        far_max = torch.where(far, kernel_log_scale, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+        top = torch.maximum(unit, far_max)
+        exact_weights = exact_weights * torch.exp(unit - top)
+        kernel = kernel * torch.exp(torch.clamp_max(kernel_log_scale - top, 0.0))
     weights = exact_weights + torch.where(far, kernel, 0.0)
     return weights / (weights.sum(-1, keepdim=True) + eps)
 
@@ -356,11 +359,12 @@ def _local_causal_mask(window: int, device):
     return torch.ones(window, 2 * window, dtype=torch.bool, device=device).tril(window)
 
 
-def _without_sinks(x, sinks: int, fill: float):
-    """x [..., N, F] with rows 0..sinks-1 set to ``fill`` (x itself without sinks)."""
+def _without_sinks(x, sinks: int, fill: float, start: int = 0):
+    """x [..., N, F] with the rows of positions 0..sinks-1 set to ``fill`` (x itself without
+    sinks); row 0 is position ``start``."""
     if not sinks:
         return x
-    sink = torch.arange(x.shape[-2], device=x.device).unsqueeze(-1) < sinks
+    sink = torch.arange(x.shape[-2], device=x.device).unsqueeze(-1) + start < sinks
     return torch.where(sink, fill, x)
 
 
@@ -422,15 +426,23 @@ class _ChunkLayout:
     chunk boundaries elsewhere, so the two lowerings differ by rounding only. The windowed ONNX
     function pads as here, since there the blocks decide which keys are exact. (A window >= N
     thus costs two blocks of W: exact attention, with W x 2W logits per block.)
+
+    ``aligned_to_start`` (the causal window's layout): one whole chunk in front and the rest at
+    the end, so position p lies in block p // chunk + 1 whatever N is. Blocks decide which keys
+    are exact, and a causal output must not depend on how many positions follow it: aligned to
+    the end, appending a token would move every block boundary, and a decoder stepping token by
+    token (passes/recurrent.py) could not reproduce the outputs. Padding at the end is hidden
+    from every real query by the causal mask.
     """
 
-    def __init__(self, n, chunk: int):
+    def __init__(self, n, chunk: int, aligned_to_start: bool = False):
         self.n, self.chunk = n, chunk
         self.chunks = (n + 2 * chunk - 1) // chunk
-        self.pad = self.chunks * chunk - n  # in [chunk, 2 * chunk - 1]
+        self.pad = chunk if aligned_to_start else self.chunks * chunk - n  # in [chunk, 2 * chunk - 1]
+        self.tail = self.chunks * chunk - chunk - n if aligned_to_start else 0  # in [0, chunk - 1]
 
     def blocks(self, x, fill: float = 0.0):
-        x = torch.nn.functional.pad(flatten_heads(x), (0, 0, self.pad, 0), value=fill)
+        x = torch.nn.functional.pad(flatten_heads(x), (0, 0, self.pad, self.tail), value=fill)
         return x.reshape(x.shape[0], self.chunks, self.chunk, x.shape[-1])
 
     def unblock(self, x4):
@@ -463,6 +475,210 @@ def _running_max(x):
     size = x.shape[-1]
     lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
     return torch.where(lower, x.unsqueeze(-2), LOWEST_LOG_SCALE).amax(dim=-1)
+
+
+# --- the causal forms continued from a state (passes/recurrent.py) --------------------------------
+# A decoder feeds the positions of a sequence in pieces: each call takes the N new positions and
+# what the earlier ones left behind, and returns the new outputs and the state after them. The
+# sums are the parallel forms' over the whole sequence, grouped differently: rounding only.
+
+
+class KernelState(typing.NamedTuple):
+    """The keys a causal kernel has absorbed: sum phi_k v^T [..., F, Dv] and sum phi_k [..., F],
+    float32; with per-key log scales (``log_scale`` [...], FAVOR+ and the rescaled windows),
+    both relative to exp(log_scale), the max of the absorbed keys' log scales
+    (LOWEST_LOG_SCALE before any key), so no factor exceeds 1."""
+
+    kv: typing.Any
+    key_sum: typing.Any
+    log_scale: typing.Any = None
+
+
+def absorb_keys(state: KernelState, phi_k, v, key_log_scale=None) -> KernelState:
+    """``state`` with the keys phi_k [..., N, F] (zero where padded) and values v added;
+    ``key_log_scale`` [..., N, 1] (LOWEST_LOG_SCALE where padded) when the state has one."""
+    phi_k, v = phi_k.float(), v.float()
+    if state.log_scale is None:
+        return KernelState(state.kv + phi_k.transpose(-2, -1) @ v, state.key_sum + phi_k.sum(-2))
+    log_scale = torch.maximum(state.log_scale, key_log_scale.amax(dim=(-2, -1)))
+    held = torch.exp(state.log_scale - log_scale)  # <= 1: the old reference below the new one
+    k_rel = phi_k * torch.exp(key_log_scale - log_scale[..., None, None])
+    kv = state.kv * held[..., None, None] + k_rel.transpose(-2, -1) @ v
+    return KernelState(kv, state.key_sum * held[..., None] + k_rel.sum(-2), log_scale)
+
+
+def causal_linear_attention_from_state(phi_q, phi_k, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS):
+    """causal_linear_attention of N new positions after the keys in ``state``: (out, state
+    with the new keys)."""
+    lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
+    layout = _ChunkLayout(n, chunk)
+    q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
+    k4t = k4.transpose(-2, -1)
+    earlier = _exclusive_cumsum(k4t @ v4) + flatten_heads(state.kv).unsqueeze(1)
+    key_sum = _exclusive_cumsum(k4.sum(dim=2, keepdim=True)) + state.key_sum.reshape(-1, 1, 1, q4.shape[-1])
+    scores = torch.tril(q4 @ k4t)
+    numerator = q4 @ earlier + scores @ v4
+    denominator = (q4 * key_sum).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
+    out = layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
+    return out, absorb_keys(state, phi_k, v)
+
+
+def causal_rescaled_linear_attention_from_state(
+    phi_q, phi_k, key_log_scale, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS
+):
+    """causal_rescaled_linear_attention of N new positions after the keys in ``state``: (out,
+    state with the new keys). Row i's reference r_i is the running max over every key up to i,
+    the state's included (its log_scale), exactly as in the parallel form."""
+    lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
+    layout = _ChunkLayout(n, chunk)
+    q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
+    s = layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]
+    absorbed = state.log_scale.reshape(-1, 1)  # [G, 1]
+    seen = _running_max(s)
+    upto = torch.maximum(_running_max(seen[..., -1]), absorbed)
+    before = torch.maximum(_shift_right(upto, LOWEST_LOG_SCALE), absorbed)
+    ref = torch.maximum(seen, before.unsqueeze(-1))
+    decay = torch.exp(torch.clamp_max(s.unsqueeze(-2) - ref.unsqueeze(-1), 0.0))
+    scores = torch.tril((q4 @ k4.transpose(-2, -1)) * decay)
+    k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
+    kv = k_rel.transpose(-2, -1) @ v4
+    carry = torch.tril(torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1)
+    held = torch.exp(absorbed - before).unsqueeze(-1)  # the state moved to each chunk's start, <= 1
+    earlier = carry @ kv.flatten(2) + held * flatten_heads(state.kv).flatten(1).unsqueeze(1)
+    key_sum = carry @ k_rel.sum(dim=2) + held * state.key_sum.reshape(-1, 1, q4.shape[-1])
+    into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)
+    numerator = into * (q4 @ earlier.reshape(kv.shape)) + scores @ v4
+    denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
+    out = layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
+    return out, absorb_keys(state, phi_k, v, key_log_scale)
+
+
+def far_key_features(phi_k, key_log_scale, start: int, sinks: int):
+    """What the window's kernel part reads of keys at positions start, start + 1, ...: phi_k
+    zero and the log scale (if any) LOWEST_LOG_SCALE on the sinks, which are exact keys only."""
+    far_phi_k = _without_sinks(phi_k.float(), sinks, 0.0, start)
+    if key_log_scale is None:
+        return far_phi_k, None
+    return far_phi_k, _without_sinks(key_log_scale.float(), sinks, LOWEST_LOG_SCALE, start)
+
+
+class SinkKeys(typing.NamedTuple):
+    """The sinks (positions 0..sinks-1) as a decoder keeps them: keys, values and keep [..., sinks, *]."""
+
+    k: typing.Any
+    v: typing.Any
+    keep: typing.Any
+
+
+def windowed_kernel_attention_from_state(
+    phi_q,
+    far_phi_k,
+    q,
+    k,
+    v,
+    keep,
+    *,
+    start: int,
+    sink_keys: SinkKeys,
+    far: KernelState,
+    scale: float,
+    window: int,
+    linear_log_weight=None,
+    query_log_scale=None,
+    far_key_log_scale=None,
+    local_max_weight=None,
+    eps: float = DENOMINATOR_EPS,
+):
+    """The causal windowed_kernel_attention of the last N' rows of the keys k, v, keep [..., N, *]
+    (positions start .. start + N - 1; far_phi_k and far_key_log_scale from far_key_features),
+    whose queries phi_q, q, query_log_scale are [..., N', *]. ``far``: every key before
+    ``start`` that is no sink; they lie in blocks before every query's previous one (the caller
+    keeps the 2 * window - 1 positions before the queries among k), so they are all kernel part.
+    Blocks are aligned to sequence positions, as the parallel causal form's."""
+    lead, n_keys, n = k.shape[:-2], k.shape[-2], q.shape[-2]
+    q, k, v, phi_q = q.float(), k.float(), v.float(), phi_q.float()
+    if linear_log_weight is not None:
+        phi_q = phi_q * torch.exp(linear_log_weight.float())
+    layout = _PositionedLayout(start, n_keys, window)
+
+    def query_blocks(x):  # queries are the last rows: none for the rows before them
+        return layout.blocks(torch.nn.functional.pad(x.float().expand(*lead, n, x.shape[-1]), (0, 0, n_keys - n, 0)))
+
+    keep = keep.float().expand(*k.shape[:-1], 1)
+    local_num, local_den, local_max = _local_softmax_sums(
+        query_blocks(q), *_positioned_exact_keys(layout, start, k, v, keep, sink_keys), scale
+    )
+    pq4, v4, pk4 = query_blocks(phi_q), layout.blocks(v), layout.blocks(far_phi_k)
+    if far_key_log_scale is None:
+        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, True, False) + flatten_heads(far.kv).unsqueeze(1)
+        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), True, False) + far.key_sum.reshape(-1, 1, pk4.shape[-1])
+    else:
+        s = layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0]
+        far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states_after(pk4, s, v4, far)
+    far_num = pq4 @ far_kv
+    far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
+    if far_key_log_scale is not None:
+        if local_max_weight is not None:
+            local_max = local_max * query_blocks(local_max_weight)
+        ratio = query_blocks(query_log_scale) + far_log_scale - local_max
+        local_factor, far_factor = torch.exp(-torch.clamp_min(ratio, 0.0)), torch.exp(torch.clamp_max(ratio, 0.0))
+        local_num, local_den = local_num * local_factor, local_den * local_factor
+        far_num, far_den = far_num * far_factor, far_den * far_factor
+    out = layout.unblock((local_num + far_num) / (local_den + far_den + eps))[:, n_keys - n :]
+    return out.reshape(*lead, n, v.shape[-1])
+
+
+def _positioned_exact_keys(layout, start: int, k, v, keep, sink_keys: SinkKeys):
+    """_exact_keys (causal) of a _PositionedLayout: the previous and own block up to the query,
+    then the sinks from ``sink_keys``, taken by a query of a later block than their next one and
+    not before them."""
+    taken = _local_causal_mask(layout.chunk, k.device)
+
+    def exact(x, sink):
+        local = torch.cat(_local_blocks(layout.blocks(x), False), dim=2)
+        if sink is None:
+            return local
+        return torch.cat([local, flatten_heads(sink.float()).unsqueeze(1).expand(-1, layout.chunks, -1, -1)], dim=2)
+
+    sinks = sink_keys.k.shape[-2] if sink_keys is not None else 0
+    if not sinks:
+        return exact(k, None), exact(v, None), (exact(keep, None).transpose(-2, -1) > 0) & taken
+    first = start - layout.pad  # the sequence position of the layout's first row
+    query_at = first + torch.arange(layout.chunks * layout.chunk, device=k.device).reshape(layout.chunks, -1, 1)
+    sink_at = torch.arange(sinks, device=k.device)
+    query_block = torch.div(query_at[:, :1], layout.chunk, rounding_mode="floor")
+    outside = torch.div(sink_at, layout.chunk, rounding_mode="floor") < query_block - 1
+    taken = torch.cat([taken.expand(layout.chunks, -1, -1), outside & (sink_at <= query_at)], dim=-1)
+    sink_keep = sink_keys.keep.float().expand(*sink_keys.k.shape[:-1], 1)
+    allowed = (exact(keep, sink_keep).transpose(-2, -1) > 0) & taken
+    return exact(k, sink_keys.k), exact(v, sink_keys.v), allowed
+
+
+def _rescaled_earlier_states_after(pk4, s, v4, far: KernelState):
+    """_rescaled_earlier_states with the keys of ``far`` before the first block: R_c is the max
+    over them too, and they are moved from their reference to R_c (a factor <= 1)."""
+    absorbed = far.log_scale.reshape(-1, 1)
+    block_max = s.amax(dim=-1)
+    reach = torch.maximum(_shift_right(_running_max(block_max), LOWEST_LOG_SCALE, steps=2), absorbed)
+    k_rel = pk4 * torch.exp(s - block_max.unsqueeze(-1)).unsqueeze(-1)
+    kv = k_rel.transpose(-2, -1) @ v4
+    carry = torch.tril(torch.exp(torch.clamp_max(block_max.unsqueeze(1) - reach.unsqueeze(2), 0.0)), diagonal=-2)
+    held = torch.exp(absorbed - reach).unsqueeze(-1)
+    state = carry @ kv.flatten(2) + held * flatten_heads(far.kv).flatten(1).unsqueeze(1)
+    key_sum = carry @ k_rel.sum(dim=2) + held * far.key_sum.reshape(-1, 1, pk4.shape[-1])
+    return state.reshape(kv.shape), key_sum, reach[..., None, None]
+
+
+class _PositionedLayout(_ChunkLayout):
+    """_ChunkLayout's blocks for the rows of positions start .. start + N - 1 of a longer
+    sequence: aligned to the sequence's positions as the causal window's layout is (position p
+    in block p // chunk, counted from the first block), padded only as far as that needs."""
+
+    def __init__(self, start: int, n: int, chunk: int):
+        self.n, self.chunk = n, chunk
+        self.pad = start % chunk
+        self.chunks = (self.pad + n + chunk - 1) // chunk
+        self.tail = self.chunks * chunk - self.pad - n
 
 
 def expand_to_query_heads(x, q):
@@ -785,7 +1001,7 @@ def windowed_kernel_attention_functions(
     """
     op = standard_opset(opset_version)
     following = window_next and not causal
-    blocks = _window_block_functions(op, window)
+    blocks = _window_block_functions(op, window, aligned_to_start=causal)
     flatten = flatten_heads_function(opset_version)
     without_sinks = _without_sinks_function(op, sinks)
     exact_keys = _exact_keys_function(op, blocks, window, causal, following, sinks)
@@ -811,13 +1027,14 @@ class _WindowBlocks(typing.NamedTuple):
     and moves of whole blocks along axis 1."""
 
     BlockCount: OnnxFunction
+    FrontPad: OnnxFunction
     WindowBlocks: OnnxFunction
     UnblockLike: OnnxFunction
     ShiftBlocks: OnnxFunction
     ShiftBlocksEarlier: OnnxFunction
 
 
-def _window_block_functions(op, window: int) -> _WindowBlocks:
+def _window_block_functions(op, window: int, aligned_to_start: bool) -> _WindowBlocks:
     @script(ATTNREWRITE, default_opset=op)
     def BlockCount(n):
         """[1]: the blocks of N positions, ceil(N/window) + 1 (_ChunkLayout's count)."""
@@ -825,22 +1042,37 @@ def _window_block_functions(op, window: int) -> _WindowBlocks:
         return op.Div(n + w + w - op.Constant(value_ints=[1]), w)
 
     @script(ATTNREWRITE, default_opset=op)
+    def EndAlignedFrontPad(n):
+        """[1]: the rows in front of N positions, so that the last block ends with the last one."""
+        return BlockCount(n) * op.Constant(value_ints=[window]) - n
+
+    @script(ATTNREWRITE, default_opset=op)
+    def StartAlignedFrontPad(n):
+        """[1]: one block in front, so that position p lies in block p // window + 1 (causal)."""
+        return op.Constant(value_ints=[window])
+
+    FrontPad = StartAlignedFrontPad if aligned_to_start else EndAlignedFrontPad
+
+    @script(ATTNREWRITE, default_opset=op)
     def WindowBlocks(x, fill):
-        """[G, N, F] -> [G, chunks, window, F], padded at the front (BlockCount blocks)."""
+        """[G, N, F] -> [G, chunks, window, F], FrontPad rows in front, the rest of the
+        BlockCount blocks at the end."""
         n = op.Shape(x, start=1, end=2)
         w = op.Constant(value_ints=[window])
         zero = op.Constant(value_ints=[0])
         chunks = BlockCount(n)
-        pads = op.Concat(zero, chunks * w - n, zero, zero, zero, zero, axis=0)
+        front = FrontPad(n)
+        pads = op.Concat(zero, front, zero, zero, chunks * w - front - n, zero, axis=0)
         shape = op.Concat(op.Constant(value_ints=[-1]), chunks, w, op.Shape(x, start=2), axis=0)
         return op.Reshape(op.Pad(x, pads, fill), shape)
 
     @script(ATTNREWRITE, default_opset=op)
     def UnblockLike(out4, q, v):
-        """[G, chunks, window, Dv] -> q's leading axes + [N, Dv]: the last N rows."""
+        """[G, chunks, window, Dv] -> q's leading axes + [N, Dv]: the N rows after FrontPad."""
         rows = op.Reshape(out4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(v, start=-1), axis=0))
         n = op.Shape(v, start=-2, end=-1)
-        kept = op.Slice(rows, op.Neg(n), op.Constant(value_ints=[2147483647]), op.Constant(value_ints=[1]))
+        front = FrontPad(n)
+        kept = op.Slice(rows, front, front + n, op.Constant(value_ints=[1]))
         return op.Reshape(kept, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
@@ -857,7 +1089,7 @@ def _window_block_functions(op, window: int) -> _WindowBlocks:
         shifted = op.Pad(x, op.Concat(op.Constant(value_ints=[0]), steps, axis=0), fill, one)
         return op.Slice(shifted, steps, op.Constant(value_ints=[2147483647]), one)
 
-    return _WindowBlocks(BlockCount, WindowBlocks, UnblockLike, ShiftBlocks, ShiftBlocksEarlier)
+    return _WindowBlocks(BlockCount, FrontPad, WindowBlocks, UnblockLike, ShiftBlocks, ShiftBlocksEarlier)
 
 
 def _exact_keys_function(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool, sinks: int):
@@ -866,13 +1098,21 @@ def _exact_keys_function(op, blocks: _WindowBlocks, window: int, causal: bool, f
     kept_local_keys, local_keys = _local_keys_functions(op, blocks, window, causal, following)
     if not sinks:
         return local_keys
-    sink_mask = _sink_mask_function(op, blocks.BlockCount, window, causal, following, sinks)
+    sink_mask = _sink_mask_function(op, blocks, window, causal, following, sinks)
     return _local_and_sink_keys_function(op, sinks, kept_local_keys, local_keys, sink_mask)
 
 
 def _local_keys_functions(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool):
     """(KeptLocalKeys, LocalKeys): the kept keys among a block's local ones, and the local keys
     (blocks c-1, c and, ``following``, c+1) with which of them each query takes."""
+    kept_local_keys, local_keys, _, _ = _local_key_pieces(op, blocks, window, causal, following)
+    return kept_local_keys, local_keys
+
+
+def _local_key_pieces(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool):
+    """_local_keys_functions' two, then the pieces LocalKeys is made of: the local blocks of
+    [G, chunks, window, F] (WithPreviousBlock or WithNeighbourBlocks) and which of them a query
+    takes, from their keep flags (KeptLocalKeys or CausalKeptLocalKeys)."""
     WindowBlocks, ShiftBlocks, ShiftBlocksEarlier = blocks.WindowBlocks, blocks.ShiftBlocks, blocks.ShiftBlocksEarlier
 
     @script(ATTNREWRITE, default_opset=op)
@@ -911,19 +1151,19 @@ def _local_keys_functions(op, blocks: _WindowBlocks, window: int, causal: bool, 
         allowed = allowed_local_keys(local_blocks(WindowBlocks(keep, zero)))
         return v4, local_blocks(WindowBlocks(k, zero)), local_blocks(v4), allowed
 
-    return KeptLocalKeys, LocalKeys
+    return KeptLocalKeys, LocalKeys, local_blocks, allowed_local_keys
 
 
-def _sink_mask_function(op, block_count, window: int, causal: bool, following: bool, sinks: int):
+def _sink_mask_function(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool, sinks: int):
     """SinkMask(n), or causal CausalSinkMask: which query of block c takes sink s as an extra
     exact key (kernels._sink_mask)."""
-    BlockCount = block_count
+    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     sink_positions = list(range(sinks))
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkPositions(n):
         """[sinks]: the sinks' positions in the padded layout (sink s at s + pad)."""
-        return op.Constant(value_ints=sink_positions) + (BlockCount(n) * op.Constant(value_ints=[window]) - n)
+        return op.Constant(value_ints=sink_positions) + FrontPad(n)
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkMask(n):
@@ -995,11 +1235,7 @@ def _without_sinks_function(op, sinks: int):
     return WithoutSinks if sinks else NoSinks
 
 
-def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_keys, scale: float):
-    """LocalPart(q, k, v, key_keep): v in blocks, and the softmax sums and row max of every
-    query block over its ``exact_keys``."""
-    WindowBlocks = blocks.WindowBlocks
-
+def _local_softmax_sums_function(op, scale: float):
     @script(ATTNREWRITE, default_opset=op)
     def LocalSoftmaxSums(q4, k_x, v_x, allowed):
         """Numerator, denominator and row max m_i of the softmax over each block's exact keys."""
@@ -1009,6 +1245,15 @@ def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_
         row_max = op.ReduceMax(scores, last, keepdims=1)
         weights = op.Exp(scores - row_max) * op.Cast(allowed, to=FLOAT)
         return op.MatMul(weights, v_x), op.ReduceSum(weights, last, keepdims=1), row_max
+
+    return LocalSoftmaxSums
+
+
+def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_keys, scale: float):
+    """LocalPart(q, k, v, key_keep): v in blocks, and the softmax sums and row max of every
+    query block over its ``exact_keys``."""
+    WindowBlocks = blocks.WindowBlocks
+    LocalSoftmaxSums = _local_softmax_sums_function(op, scale)
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalPart(q, k, v, key_keep):
@@ -1202,3 +1447,464 @@ def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts,
         return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
 
     return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
+
+
+# --- ONNX: the causal forms continued from a state (passes/recurrent.py) ------------------------
+# Every tensor is flattened to [G, ...] by the caller: the state to [G, F, Dv], [G, F] and
+# [G, 1] (its log scale).
+
+PREFIX_GROUP = 16  # rows per group of the first level of ExclusivePrefixSum
+
+
+def exclusive_prefix_sum_function(opset_version: int):
+    """ExclusivePrefixSum(x): [G, L, X] -> the sums over rows before each row (axis 1), with no
+    CumSum (DESIGN.md "Numerics": onnxruntime's CUDA CumSum is quadratic in its axis): inside
+    groups of PREFIX_GROUP rows a product with a strictly lower-triangular matrix, across groups
+    another. Both axes stay <= PREFIX_GROUP up to PREFIX_GROUP^2 rows (of chunks: 256 * chunk
+    positions); past that the second grows, exact still."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def StrictlyLower(size):
+        ones = op.Expand(op.Constant(value_float=1.0), op.Concat(size, size, axis=0))
+        return op.Trilu(ones, op.Constant(value_int=-1), upper=0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ExclusivePrefixSum(x):
+        rows = op.Shape(x, start=1, end=2)
+        g = op.Constant(value_ints=[PREFIX_GROUP])
+        zero, rest = op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])
+        groups = op.Div(rows + g - op.Constant(value_ints=[1]), g)
+        pads = op.Concat(zero, zero, zero, zero, groups * g - rows, zero, axis=0)
+        x4 = op.Reshape(op.Pad(x, pads), op.Concat(zero, groups, g, rest, axis=0))
+        within = op.MatMul(StrictlyLower(g), x4)
+        across = op.MatMul(StrictlyLower(groups), op.ReduceSum(x4, op.Constant(value_ints=[2]), keepdims=0))
+        prefix = op.Reshape(
+            within + op.Unsqueeze(across, op.Constant(value_ints=[2])), op.Concat(zero, groups * g, rest, axis=0)
+        )
+        return op.Slice(prefix, zero, rows, op.Constant(value_ints=[1]))
+
+    return ExclusivePrefixSum
+
+
+def absorb_keys_functions(opset_version: int):
+    """(AbsorbKeys, AbsorbRescaledKeys), as absorb_keys: the state with keys [G, N, F] added."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def AbsorbKeys(phi_k, v, kv_state, key_sum):
+        kv = kv_state + op.MatMul(op.Transpose(phi_k, perm=[0, 2, 1]), v)
+        return kv, key_sum + op.ReduceSum(phi_k, op.Constant(value_ints=[1]), keepdims=0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def AbsorbRescaledKeys(phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
+        """Both sums moved to the new max log scale (a factor <= 1), then the keys added."""
+        new_scale = op.Max(log_scale, op.ReduceMax(key_log_scale, op.Constant(value_ints=[1]), keepdims=0))
+        held = op.Exp(log_scale - new_scale)  # [G, 1]
+        k_rel = phi_k * op.Exp(key_log_scale - op.Unsqueeze(new_scale, op.Constant(value_ints=[1])))
+        kv = kv_state * op.Unsqueeze(held, op.Constant(value_ints=[2])) + op.MatMul(
+            op.Transpose(k_rel, perm=[0, 2, 1]), v
+        )
+        return kv, key_sum * held + op.ReduceSum(k_rel, op.Constant(value_ints=[1]), keepdims=0), new_scale
+
+    return AbsorbKeys, AbsorbRescaledKeys
+
+
+def causal_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+    """ONNX form of causal_linear_attention_from_state: CausalKernelAttentionFromState(phi_q,
+    phi_k, v, kv_state, key_sum) -> (out, kv_state, key_sum), after the functions it calls."""
+    op = standard_opset(opset_version)
+    prefix_sum = exclusive_prefix_sum_function(opset_version)
+    absorb = absorb_keys_functions(opset_version)[0]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalKernelAttentionFromState(phi_q, phi_k, v, kv_state, key_sum):
+        n = op.Shape(v, start=1, end=2)
+        f = op.Shape(phi_q, start=2)
+        dv = op.Shape(v, start=2)
+        c = op.Constant(value_ints=[chunk])
+        zero, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])
+        chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
+        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
+        q4 = op.Reshape(op.Pad(phi_q, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
+        k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
+        kv = op.MatMul(k4t, v4)
+        flat_kv = op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))
+        one = op.Constant(value_ints=[1])
+        earlier = op.Reshape(prefix_sum(flat_kv), op.Shape(kv)) + op.Unsqueeze(kv_state, one)
+        sums = op.ReduceSum(k4, op.Constant(value_ints=[2]), keepdims=0)
+        earlier_sum = prefix_sum(sums) + op.Unsqueeze(key_sum, one)  # [G, chunks, F]
+        scores = op.Trilu(op.MatMul(q4, k4t), upper=0)
+        numerator = op.MatMul(q4, earlier) + op.MatMul(scores, v4)
+        last_axis = op.Constant(value_ints=[3])
+        denominator = op.ReduceSum(
+            q4 * op.Unsqueeze(earlier_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
+        ) + op.ReduceSum(scores, last_axis, keepdims=1)
+        out = op.Reshape(
+            numerator / (denominator + op.Constant(value_float=eps)),
+            op.Concat(minus_one, chunks * c, dv, axis=0),
+        )
+        new_kv, new_sum = absorb(phi_k, v, kv_state, key_sum)
+        return op.Slice(out, zero, n, one), new_kv, new_sum
+
+    return with_callees(CausalKernelAttentionFromState)
+
+
+def causal_rescaled_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+    """ONNX form of causal_rescaled_linear_attention_from_state:
+    CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum,
+    log_scale) -> (out, kv_state, key_sum, log_scale), after the functions it calls."""
+    op = standard_opset(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    absorb = absorb_keys_functions(opset_version)[1]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
+        # as CausalRescaledKernelAttention, every running max starting from the state's log_scale
+        n = op.Shape(v, start=1, end=2)
+        f = op.Shape(phi_q, start=2)
+        dv = op.Shape(v, start=2)
+        c = op.Constant(value_ints=[chunk])
+        zero, one, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[-1])
+        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
+        no_more = op.Constant(value_float=0.0)
+        chunks = op.Div(n + c - one, c)
+        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
+        q4 = op.Reshape(op.Pad(phi_q, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
+        v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
+        s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
+        seen = RunningMax(s, LowerTriangle(c))
+        upto = op.Max(RunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2), LowerTriangle(chunks)), log_scale)
+        shifted = op.Pad(op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest)
+        before = op.Max(shifted, log_scale)
+        ref = op.Max(seen, op.Unsqueeze(before, minus_one))
+        decay = op.Exp(op.Min(op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one), no_more))
+        k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
+        scores = op.Trilu(op.MatMul(q4, k4t) * decay, upper=0)
+        k_rel = k4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(upto, minus_one)), minus_one)
+        kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
+        moves = op.Unsqueeze(upto, one) - op.Unsqueeze(before, op.Constant(value_ints=[2]))
+        carry = op.Trilu(op.Exp(op.Min(moves, no_more)), op.Constant(value_int=-1), upper=0)
+        held = op.Unsqueeze(op.Exp(log_scale - before), minus_one)  # the state at each chunk's start
+        flat_kv = op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])))
+        flat_state = op.Reshape(kv_state, op.Constant(value_ints=[0, -1]))
+        state = op.Reshape(flat_kv + held * op.Unsqueeze(flat_state, one), op.Shape(kv))
+        earlier_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        earlier_sum = earlier_sum + held * op.Unsqueeze(key_sum, one)
+        into = op.Unsqueeze(op.Exp(op.Unsqueeze(before, minus_one) - ref), minus_one)
+        last_axis = op.Constant(value_ints=[3])
+        numerator = into * op.MatMul(q4, state) + op.MatMul(scores, v4)
+        denominator = into * op.ReduceSum(
+            q4 * op.Unsqueeze(earlier_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
+        ) + op.ReduceSum(scores, last_axis, keepdims=1)
+        out = op.Reshape(
+            numerator / (denominator + op.Constant(value_float=eps)),
+            op.Concat(minus_one, chunks * c, dv, axis=0),
+        )
+        new_kv, new_sum, new_scale = absorb(phi_k, key_log_scale, v, kv_state, key_sum, log_scale)
+        return op.Slice(out, zero, n, one), new_kv, new_sum, new_scale
+
+    return with_callees(CausalRescaledKernelAttentionFromState)
+
+
+class FunctionNodes:
+    """The nodes of a function written node by node (make_function), for bodies whose inputs
+    depend on options: each call adds one node and returns its output name(s)."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+
+    def __call__(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attributes):
+        names = [f"n{len(self.nodes)}_{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, domain=domain, **attributes))
+        return names[0] if outputs == 1 else names
+
+    def call(self, function: OnnxFunction, *inputs: str, outputs: int = 1):
+        """A call of one of our functions."""
+        return self(function.name, *inputs, outputs=outputs, domain=DOMAIN)
+
+    def ints(self, *values: int) -> str:
+        return self("Constant", value_ints=list(values))
+
+    def output(self, name: str, value: str) -> None:
+        """``value`` under the function output's ``name``."""
+        self.nodes.append(helper.make_node("Identity", [value], [name]))
+
+
+def windowed_kernel_attention_from_state_functions(
+    opset_version: int,
+    window: int,
+    scale: float,
+    *,
+    sinks: int,
+    rescaled: bool,
+    max_weighted: bool = False,
+    eps: float = DENOMINATOR_EPS,
+) -> list[onnx.FunctionProto]:
+    """ONNX form of windowed_kernel_attention_from_state: the functions it calls, then the entry
+    RecurrentWindowedKernelAttention, whose inputs are WINDOWED_FROM_STATE_INPUTS(sinks,
+    rescaled, max_weighted), all flattened to [G, ...] (phi_q already weighted by
+    linear_log_weight; start int64 [1]); it returns out [G, N', Dv] float32."""
+    pieces = _recurrent_window_functions(opset_version, window, scale, sinks, rescaled, eps)
+    inputs = windowed_from_state_inputs(sinks, rescaled, max_weighted)
+    body = FunctionNodes()
+    n_keys, n = body("Shape", "k", start=1, end=2), body("Shape", "q", start=1, end=2)
+    front, chunks, first = body.call(pieces.layout, "start", n_keys, n, outputs=3)
+    sinks_in = ["start", "sink_keys", "sink_values", "sink_keep"] if sinks else []
+    k_x, v_x, allowed = body.call(pieces.exact_keys, "k", "v", "keep", front, chunks, first, *sinks_in, outputs=3)
+
+    def query_blocks(x):
+        return body.call(pieces.query_blocks, x, front, chunks, first, n_keys)
+
+    local = body.call(pieces.local_sums, query_blocks("q"), k_x, v_x, allowed, outputs=3)
+    states_in = ["far_phi_k", "v", front, chunks, first, "kernel_state", "normaliser"]
+    if rescaled:
+        states_in[1:1] = ["far_key_log_scale"]
+        far_kv, far_key_sum, far_log_scale = body.call(pieces.far_states, *states_in, "log_scale", outputs=3)
+    else:
+        far_kv, far_key_sum = body.call(pieces.far_states, *states_in, outputs=2)
+    far_num, far_den = body.call(pieces.kernel_sums, query_blocks("phi_q"), far_kv, far_key_sum, outputs=2)
+    if rescaled:
+        weight = query_blocks("row_weight") if max_weighted else body("Constant", value_float=1.0)
+        mixed = body.call(pieces.mix, *local, far_num, far_den, far_log_scale, query_blocks("query_log_scale"), weight)
+    else:
+        mixed = body.call(pieces.mix, local[0], local[1], far_num, far_den)
+    body.output("out", body.call(pieces.unblock, mixed, front, first, n_keys, n))
+    entry = make_function("RecurrentWindowedKernelAttention", inputs, ["out"], body.nodes, opset_version)
+    return [*(f.to_function_proto() for f in with_callees(*pieces)), entry]
+
+
+def windowed_from_state_inputs(sinks: int, rescaled: bool, max_weighted: bool) -> list[str]:
+    """The inputs of RecurrentWindowedKernelAttention for these options, in order."""
+    inputs = ["phi_q", "q", "far_phi_k", "k", "v", "keep", "start", "kernel_state", "normaliser"]
+    if rescaled:
+        inputs += ["log_scale", "query_log_scale", "far_key_log_scale"]
+    if max_weighted:
+        inputs.append("row_weight")
+    if sinks:
+        inputs += ["sink_keys", "sink_values", "sink_keep"]
+    return inputs
+
+
+class _RecurrentWindowPieces(typing.NamedTuple):
+    """The functions RecurrentWindowedKernelAttention calls (its variant's)."""
+
+    layout: OnnxFunction
+    query_blocks: OnnxFunction
+    exact_keys: OnnxFunction
+    local_sums: OnnxFunction
+    far_states: OnnxFunction
+    kernel_sums: OnnxFunction
+    mix: OnnxFunction
+    unblock: OnnxFunction
+
+
+def _recurrent_window_functions(
+    opset_version: int, window: int, scale: float, sinks: int, rescaled: bool, eps: float
+) -> _RecurrentWindowPieces:
+    op = standard_opset(opset_version)
+    blocks = _window_block_functions(op, window, aligned_to_start=True)  # its block moves only
+    layout, positioned_blocks, query_blocks, unblock = _positioned_layout_functions(op, window)
+    exact_keys = _recurrent_exact_keys_function(op, blocks, positioned_blocks, window, sinks)
+    if rescaled:
+        far_states = _recurrent_rescaled_far_states_function(opset_version, blocks, positioned_blocks)
+    else:
+        far_states = _recurrent_far_states_function(opset_version, blocks, positioned_blocks)
+    kernel_sums = _far_kernel_functions(op, blocks, True, False)[1]
+    mix = _window_mix_function(op, rescaled, eps)
+    local_sums = _local_softmax_sums_function(op, scale)
+    return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
+
+
+TO_THE_END = 2147483647  # a Slice end past any axis
+
+
+def _positioned_layout_functions(op, window: int):
+    """(PositionedLayout, PositionedBlocks, QueryBlocks, UnblockQueries): _PositionedLayout's
+    blocks, for keys of positions start .. start + n_keys - 1 whose last n rows are queries."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PositionedLayout(start, n_keys, n):
+        """[1] each: the rows in front of the keys (their blocks aligned to sequence positions),
+        the blocks, and the first block that holds a query."""
+        w = op.Constant(value_ints=[window])
+        front = op.Mod(start, w)  # integer Mod takes the divisor's sign: in [0, window)
+        chunks = op.Div(front + n_keys + w - op.Constant(value_ints=[1]), w)
+        return front, chunks, op.Div(front + n_keys - n, w)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PositionedBlocks(x, fill, front, chunks):
+        """[G, rows, F] -> [G, chunks, window, F]: ``front`` rows of fill before, the rest after."""
+        w = op.Constant(value_ints=[window])
+        zero = op.Constant(value_ints=[0])
+        pads = op.Concat(zero, front, zero, zero, chunks * w - front - op.Shape(x, start=1, end=2), zero, axis=0)
+        shape = op.Concat(op.Constant(value_ints=[-1]), chunks, w, op.Shape(x, start=2), axis=0)
+        return op.Reshape(op.Pad(x, pads, fill), shape)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def QueryBlocks(x, front, chunks, first, n_keys):
+        """x [G, n, F] of the queries (the last n of n_keys rows), in the blocks from ``first``."""
+        behind = front + n_keys - op.Shape(x, start=1, end=2)
+        blocked = PositionedBlocks(x, op.Constant(value_float=0.0), behind, chunks)
+        return op.Slice(blocked, first, op.Constant(value_ints=[TO_THE_END]), op.Constant(value_ints=[1]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def UnblockQueries(out4, front, first, n_keys, n):
+        """[G, blocks from first, window, Dv] -> the queries' rows [G, n, Dv]."""
+        rows = op.Reshape(out4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(out4, start=3), axis=0))
+        offset = front + n_keys - n - first * op.Constant(value_ints=[window])
+        return op.Slice(rows, offset, offset + n, op.Constant(value_ints=[1]))
+
+    return PositionedLayout, PositionedBlocks, QueryBlocks, UnblockQueries
+
+
+def _recurrent_exact_keys_function(op, blocks: _WindowBlocks, positioned_blocks, window: int, sinks: int):
+    """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
+    RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
+    each query block from ``first`` (_positioned_exact_keys), their values and which each query takes."""
+    kept_local_keys, _, with_previous_block, causal_kept_local_keys = _local_key_pieces(
+        op, blocks, window, causal=True, following=False
+    )
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentLocalKeys(k, v, keep, front, chunks, first):
+        """Each query block's previous and own block, and which of those keys each query takes."""
+        zero = op.Constant(value_float=0.0)
+        end, one = op.Constant(value_ints=[TO_THE_END]), op.Constant(value_ints=[1])
+        k_local = op.Slice(with_previous_block(positioned_blocks(k, zero, front, chunks)), first, end, one)
+        v_local = op.Slice(with_previous_block(positioned_blocks(v, zero, front, chunks)), first, end, one)
+        keep_local = op.Slice(with_previous_block(positioned_blocks(keep, zero, front, chunks)), first, end, one)
+        return k_local, v_local, causal_kept_local_keys(keep_local)
+
+    if not sinks:
+        return RecurrentLocalKeys
+    sink_positions = list(range(sinks))
+    query_offsets = list(range(window))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentSinkMask(start, front, chunks, first):
+        """[blocks from first, window, sinks]: a query takes sink s when s lies before its
+        block's previous one and not after the query."""
+        w = op.Constant(value_ints=[window])
+        first_at = start - front + first * w  # a multiple of window, so Div below is exact
+        count = op.Squeeze(chunks - first)
+        block_at = first_at + op.Range(op.Constant(value_int=0), count, op.Constant(value_int=1)) * w
+        query_at = op.Unsqueeze(block_at, op.Constant(value_ints=[1])) + op.Constant(value_ints=query_offsets)
+        sink_at = op.Constant(value_ints=sink_positions)
+        block_before = op.Unsqueeze(op.Div(block_at, w) - op.Constant(value_ints=[1]), op.Constant(value_ints=[1]))
+        outside = op.Unsqueeze(op.Less(op.Div(sink_at, w), block_before), op.Constant(value_ints=[1]))
+        return op.And(outside, op.LessOrEqual(sink_at, op.Unsqueeze(query_at, op.Constant(value_ints=[2]))))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentLocalAndSinkKeys(k, v, keep, front, chunks, first, start, sink_keys, sink_values, sink_keep):
+        """RecurrentLocalKeys with the sink columns after each block's local keys."""
+        k_local, v_local, allowed = RecurrentLocalKeys(k, v, keep, front, chunks, first)
+        one = op.Constant(value_ints=[1])
+        per_block = op.Concat(one, op.Shape(k_local, start=1, end=2), one, one, axis=0)
+        sink_k = op.Expand(op.Unsqueeze(sink_keys, one), per_block)
+        sink_v = op.Expand(op.Unsqueeze(sink_values, one), per_block)
+        kept = kept_local_keys(op.Expand(op.Unsqueeze(sink_keep, one), per_block))
+        taken = op.And(kept, RecurrentSinkMask(start, front, chunks, first))
+        return op.Concat(k_local, sink_k, axis=2), op.Concat(v_local, sink_v, axis=2), op.Concat(allowed, taken, axis=3)
+
+    return RecurrentLocalAndSinkKeys
+
+
+def _recurrent_far_states_function(opset_version: int, blocks: _WindowBlocks, positioned_blocks):
+    """RecurrentFarStates: the kernel's state and key sum over each query block's far keys:
+    the absorbed ones and the blocks <= c-2 (no CumSum: ExclusivePrefixSum)."""
+    op = standard_opset(opset_version)
+    prefix_sum = exclusive_prefix_sum_function(opset_version)
+    ShiftBlocks = blocks.ShiftBlocks
+
+    @script(ATTNREWRITE, default_opset=op)
+    def EarlierBlocksPrefix(x):
+        """Per block c (axis 1), the sum of x over blocks <= c-2."""
+        return ShiftBlocks(prefix_sum(x), op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentFarStates(far_phi_k, v, front, chunks, first, kv_state, key_sum):
+        zero = op.Constant(value_float=0.0)
+        end, one = op.Constant(value_ints=[TO_THE_END]), op.Constant(value_ints=[1])
+        pk4 = positioned_blocks(far_phi_k, zero, front, chunks)
+        kv = op.MatMul(op.Transpose(pk4, perm=[0, 1, 3, 2]), positioned_blocks(v, zero, front, chunks))
+        earlier = op.Reshape(EarlierBlocksPrefix(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
+        sums = EarlierBlocksPrefix(op.ReduceSum(pk4, op.Constant(value_ints=[2]), keepdims=0))
+        far_kv = op.Slice(earlier + op.Unsqueeze(kv_state, one), first, end, one)
+        return far_kv, op.Slice(sums + op.Unsqueeze(key_sum, one), first, end, one)
+
+    return RecurrentFarStates
+
+
+def _recurrent_rescaled_far_states_function(opset_version: int, blocks: _WindowBlocks, positioned_blocks):
+    """RecurrentRescaledFarStates: _rescaled_earlier_states_after, with the block carry of
+    CausalRescaledFarStates."""
+    op = standard_opset(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    ShiftBlocks = blocks.ShiftBlocks
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentRescaledFarStates(far_phi_k, far_key_log_scale, v, front, chunks, first, kv_state, key_sum, log_scale):
+        zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
+        last, one = op.Constant(value_ints=[-1]), op.Constant(value_ints=[1])
+        end = op.Constant(value_ints=[TO_THE_END])
+        pk4 = positioned_blocks(far_phi_k, zero, front, chunks)
+        s = op.Squeeze(positioned_blocks(far_key_log_scale, lowest, front, chunks), last)
+        block_max = op.ReduceMax(s, last, keepdims=0)
+        running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
+        reach = op.Max(ShiftBlocks(running, lowest, op.Constant(value_ints=[2])), log_scale)
+        k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
+        kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), positioned_blocks(v, zero, front, chunks))
+        moves = op.Unsqueeze(block_max, one) - op.Unsqueeze(reach, op.Constant(value_ints=[2]))
+        carry = op.Trilu(op.Exp(op.Min(moves, zero)), op.Constant(value_int=-2), upper=0)
+        held = op.Unsqueeze(op.Exp(log_scale - reach), last)  # the absorbed keys moved to R_c, <= 1
+        flat_state = op.Unsqueeze(op.Reshape(kv_state, op.Constant(value_ints=[0, -1])), one)
+        state = op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))) + held * flat_state
+        sums = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        sums = sums + held * op.Unsqueeze(key_sum, one)
+        shape = op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(kv, start=2), axis=0)
+        far_log_scale = op.Unsqueeze(op.Slice(reach, first, end, one), op.Constant(value_ints=[2, 3]))
+        return op.Reshape(op.Slice(state, first, end, one), shape), op.Slice(sums, first, end, one), far_log_scale
+
+    return RecurrentRescaledFarStates
+
+
+def _window_mix_function(op, rescaled: bool, eps: float):
+    """WindowMix: both parts' sums, one normaliser; RescaledWindowMix first moves them to one
+    unit by their log ratio, as CombineRescaled."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowMix(local_num, local_den, far_num, far_den):
+        return (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RescaledWindowMix(
+        local_num, local_den, local_max, far_num, far_den, far_log_scale, query_log_scale, row_weight
+    ):
+        zero = op.Constant(value_float=0.0)
+        ratio = query_log_scale + far_log_scale - local_max * row_weight
+        local_factor = op.Exp(op.Neg(op.Max(ratio, zero)))
+        far_factor = op.Exp(op.Min(ratio, zero))
+        numerator = local_num * local_factor + far_num * far_factor
+        denominator = local_den * local_factor + far_den * far_factor
+        return numerator / (denominator + op.Constant(value_float=eps))
+
+    return RescaledWindowMix if rescaled else WindowMix
+
+
+def without_sinks_from_function(opset_version: int, sinks: int):
+    """WithoutSinksFrom(x, fill, start): x [..., N, F] with the rows of positions 0..sinks-1 set
+    to fill, row 0 being position ``start`` ([1]), as _without_sinks."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithoutSinksFrom(x, fill, start):
+        n = op.Squeeze(op.Shape(x, start=-2, end=-1))
+        position = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1)) + start
+        sink = op.Unsqueeze(op.Less(position, op.Constant(value_int=sinks)), op.Constant(value_ints=[1]))
+        return op.Where(sink, fill, x)
+
+    return WithoutSinksFrom

@@ -169,3 +169,17 @@ def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int
     functions = [f.to_function_proto() for f in [*callees, kernel]]
     constants = {"linear_log_weight": kernels.initial_linear_log_weight(site)}
     return OnnxLowering([*functions, fn], constants)
+
+
+def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
+    and keep [..., N', 1] (passes/recurrent.py): LinearCausalTerms(q, k, keep) -> (phi_q,
+    phi_k), padded keys' features zero."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LinearCausalTerms(q, k, keep):
+        one = op.Constant(value_float=1.0)
+        return op.Elu(op.Cast(q, to=FLOAT)) + one, (op.Elu(op.Cast(k, to=FLOAT)) + one) * keep
+
+    return LinearCausalTerms, ()
