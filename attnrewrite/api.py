@@ -23,6 +23,7 @@ def rewrite(
     validate: bool = True,
     include_single_query: bool = False,
     *,
+    recurrent: bool = False,
     seq: int | None = None,
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
@@ -52,14 +53,22 @@ def rewrite(
     64), and those the mask probe and the run gate start from (both double it until the original
     model runs, e.g. past an audio model's convolutional front end).
 
+    ``recurrent`` (ONNX decoders exported with a KV cache; linear, hedgehog, favor and their
+    windows): each KV-cache site becomes a recurrence and its cache a fixed-size state, inputs
+    ``past_key_values.{i}.<part>`` and outputs ``present.{i}.<part>`` (README, "--recurrent").
+
     Fidelity gates (ONNX models), as the CLI's ``--min-cosine`` and ``--min-agreement``: with
     ``min_cosine`` (the per-example cosine of every output) or ``min_agreement`` (the argmax
     agreement of every logits-like output) the rewritten model is compared with the original
     (``attnrewrite.check``) and ``FidelityBelowThreshold`` raised when it falls below; an
     ``AttnRewriteError`` when ``min_agreement`` finds no logits-like output. They compare on
     ``inputs`` (a ``.npz`` path or arrays by input name, which the run gate and the mask probe
-    then use too; default: generated from the signature). ``attnrewrite.pipeline.run`` gives the
-    comparison's report with the model.
+    then use too; default: generated from the signature).
+
+    What the run did and how it ended (docs/report.md, the CLI's ``--report``): an error raised
+    for an ONNX model carries it as ``error.report``, the ``NothingRewritten`` warning as
+    ``warning.report``; ``attnrewrite.pipeline.run`` returns it as ``Result.report`` with the
+    model, its record and the comparison (``Result.fidelity``).
 
     ``layers``: the site indices to replace (default: all), or ``"auto"`` with ``min_cosine``
     (ONNX models): replace the sites that cost least while the model keeps the fidelity gates
@@ -85,6 +94,7 @@ def rewrite(
         options=options,
         layers=layers,
         include_single_query=include_single_query,
+        recurrent=recurrent,
         seq=seq,
         validate=validate,
         min_cosine=min_cosine,
@@ -116,6 +126,8 @@ def _rewrite_torch(model, settings: pipeline.Settings):
 
     if settings.layers == "auto":
         raise AttnRewriteError("layers='auto' measures fidelity with onnxruntime: it takes an ONNX model")
+    if settings.recurrent:
+        raise AttnRewriteError("recurrent=True rewrites an ONNX decoder's KV caches: it takes an ONNX model")
     if settings.compares:
         raise AttnRewriteError(
             "min_cosine, min_agreement and inputs measure fidelity with onnxruntime: they take an ONNX model"
@@ -148,10 +160,11 @@ def _warn_nothing_rewritten(result: pipeline.Result) -> None:
     if result.selection is not None and result.selection.choices:
         _warn(
             f"layer selection: no site keeps the {result.selection.budget}; the model is returned "
-            "unchanged (the record's selection says what each site cost)"
+            "unchanged (the record's selection says what each site cost)",
+            result.report,
         )
     else:
-        _warn(_nothing_rewritten(len(result.record.outcomes)))
+        _warn(_nothing_rewritten(len(result.record.outcomes)), result.report)
 
 
 def _nothing_rewritten(found: int) -> str:
@@ -159,9 +172,9 @@ def _nothing_rewritten(found: int) -> str:
     return f"{why}; the model is returned unchanged (the record says why)"
 
 
-def _warn(message: str) -> None:
+def _warn(message: str, report=None) -> None:
     # at the line that called rewrite: through _warn and the helper that chose the message
-    warnings.warn(f"attnrewrite: {message}", NothingRewritten, stacklevel=4)
+    warnings.warn(NothingRewritten(f"attnrewrite: {message}", report), stacklevel=4)
 
 
 def _with_record(original: onnx.ModelProto, rewritten: ir.Model) -> onnx.ModelProto:

@@ -1,5 +1,6 @@
 """Command line: ``attnrewrite model.onnx --to hydra -o out.onnx`` and ``attnrewrite model.onnx --list``,
-plus the subcommands ``attnrewrite check ORIGINAL REWRITTEN`` and ``attnrewrite bench MODEL --to M``
+plus the subcommands ``attnrewrite check ORIGINAL REWRITTEN``, ``attnrewrite bench MODEL --to M`` and
+``attnrewrite generate MODEL [REWRITTEN] --tokenizer T --prompt TEXT`` (attnrewrite.generate_cli)
 (chosen by the first argument; a model file literally named ``check`` or ``bench`` is ``./check``).
 The rewrite runs attnrewrite.pipeline, the stages the Python API runs too: this module reads the
 arguments, prints what the stages found and moves the output into place once its gates passed.
@@ -9,12 +10,15 @@ could be rewritten or the output failed a validation gate); the output file is w
 after the gates pass, so a failed run leaves whatever was there untouched. ``-v`` adds the
 traceback for bug reports. When the reader of stdout goes away (``attnrewrite M --list | head -1``)
 the run stops quietly with 141, the status of a tool killed by SIGPIPE, as coreutils report it.
+``--report FILE`` is written at the end of every run, failed or not, with how it ended
+(record.Report, docs/report.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,19 +29,27 @@ from pathlib import Path
 
 from attnrewrite import __version__, calibration, passes, pipeline
 from attnrewrite import check as check_mod
-from attnrewrite.check import FidelityBelowThreshold
 from attnrewrite.data import load_inputs
-from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.masks import probe_note
-from attnrewrite.onnx.rewrite import analyze, rewritten_sites
+from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.passes import fit
-from attnrewrite.record import RewriteRecord, SiteOutcome, format_bytes, format_table
+from attnrewrite.pipeline import EXIT_BAD_INPUT
+from attnrewrite.record import (
+    CHECKED,
+    ERROR,
+    LISTED,
+    WRITTEN,
+    Report,
+    RewriteRecord,
+    SiteOutcome,
+    format_bytes,
+    format_table,
+    stage,
+)
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_BUG = 3
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE: what a shell reports for a tool SIGPIPE killed
 
 
@@ -60,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="attnrewrite",
         description="Find softmax attention in an ONNX model and replace it with linearized attention.",
         epilog="subcommands: 'attnrewrite check ORIGINAL REWRITTEN' compares outputs, "
-        "'attnrewrite bench MODEL --to METHOD' sweeps latency and memory over sequence length "
+        "'attnrewrite bench MODEL --to METHOD' sweeps latency and memory over sequence length, "
+        "'attnrewrite generate MODEL [REWRITTEN] --tokenizer T --prompt TEXT' continues text with a decoder "
         "(each with -h for its options)",
     )
     parser.add_argument("model", nargs="?", help="the ONNX model to read (never modified)")
@@ -79,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also rewrite sites with one query (a decoder step), which stay exact by default: linearizing them saves nothing",
     )
     parser.add_argument(
+        "--recurrent",
+        action="store_true",
+        help="for a decoder exported with a KV cache: each cache becomes the fixed-size state of a recurrence "
+        "(linear, hedgehog, favor, with or without a window), inputs past_key_values.{i}.<part>, "
+        "outputs present.{i}.<part>",
+    )
+    parser.add_argument(
         "-O",
         "--option",
         action="append",
@@ -87,7 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="a method option, e.g. -O features=256 -O seed=1 (see --list-options)",
     )
     parser.add_argument("--list-options", action="store_true", help="print the options of --to METHOD and exit")
-    parser.add_argument("--report", metavar="FILE.json", help="also write the record of every site as JSON")
+    parser.add_argument(
+        "--report",
+        metavar="FILE.json",
+        help="write the run's report as JSON, failed or not: how it ended, every site, the check's figures "
+        "(docs/report.md)",
+    )
+    _add_calibration_arguments(parser)
+    parser.add_argument(
+        "--check", action="store_true", help="compare the rewritten outputs with the original's before writing"
+    )
+    _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
+    parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
+    parser.add_argument("--version", action="version", version=f"attnrewrite {__version__}")
+    return parser
+
+
+def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    """--calibrate and the settings of the fit it runs (attnrewrite.calibration)."""
     parser.add_argument(
         "--calibrate",
         metavar="DATA",
@@ -144,13 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --tokenizer: truncate texts to N tokens (default: %(default)s)",
     )
-    parser.add_argument(
-        "--check", action="store_true", help="compare the rewritten outputs with the original's before writing"
-    )
-    _add_fidelity_arguments(parser, gate="with --check: write nothing and fail")
-    parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
-    parser.add_argument("--version", action="version", version=f"attnrewrite {__version__}")
-    return parser
 
 
 def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
@@ -190,7 +220,12 @@ def build_check_parser() -> argparse.ArgumentParser:
     parser.add_argument("original", help="the reference model")
     parser.add_argument("rewritten", help="the model to compare with it")
     _add_fidelity_arguments(parser, gate="fail (exit 1)")
-    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    parser.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    parser.add_argument(
+        "--report",
+        metavar="FILE.json",
+        help="write the run's report as JSON, failed or not: how it ended and the comparison (docs/report.md)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
     return parser
 
@@ -362,30 +397,80 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
+    run = _Run(argv)
     try:
-        with _quiet_libraries(verbose):
-            code = _dispatch(argv)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        with _quiet_libraries(verbose), run.report.times.measuring():
+            code = _dispatch(argv, run)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            run.save_report()
         return code
     except BrokenPipeError:
-        return _reader_went_away()
-    except (AttnRewriteError, passes.OptionError) as error:
-        failed_gate = getattr(error, "record", None) or isinstance(error, (FidelityBelowThreshold, RewriteFailed))
-        return _fail(str(error), EXIT_FAILED if failed_gate else EXIT_BAD_INPUT, verbose)
-    except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_FAILED, verbose)
-    except MemoryError:
-        return _fail("out of memory", EXIT_FAILED, verbose)
-    except OSError as error:  # the environment (disk full, a file vanished), not a bug
-        where = f"{error.filename}: " if error.filename else ""
-        return _fail(f"{where}{error.strerror or error}", EXIT_FAILED, verbose)
-    except Exception as error:  # a bug: still one line, the traceback on request
-        text = str(error).strip().splitlines()
-        return _fail(
-            f"internal error: {type(error).__name__}: {text[0] if text else ''} (run with -v for the traceback)",
-            EXIT_BUG,
-            verbose,
-        )
+        code = _reader_went_away()
+        run.fail(pipeline.Ending(ERROR, code, "the reader of stdout went away"))
+        return code
+    except (Exception, KeyboardInterrupt) as error:
+        ending = pipeline.ending(error, run.report.times.stage_of(error))
+        run.fail(ending, error)
+        return _fail(ending.reason, ending.exit_code, verbose)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One command line: the report its stages fill in, and where ``--report`` writes it (None:
+    not asked for, or not known yet) but never over a file it must keep: the model, its external
+    data, the output (a failed run leaves them as they were)."""
+
+    argv: list[str]
+    report: Report = dataclasses.field(init=False)
+    report_path: str | None = None
+    keep: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.report = Report("check" if self.argv[:1] == ["check"] else "rewrite")
+
+    @property
+    def takes_report(self) -> bool:
+        """Whether the command has --report: the rewrite (and --list) and check do."""
+        return self.argv[:1] not in (["bench"], ["generate"])
+
+    def report_to(self, path: str | None, keep) -> None:
+        self.report_path, self.keep = path, [os.fspath(k) for k in keep if k]
+
+    def save_report(self) -> None:
+        if self.report_path is not None and not any(_same_file(self.report_path, k) for k in self.keep):
+            with stage("write"):  # a report that cannot be written fails the run as the environment's fault
+                onnx_io.write_text(self.report_path, self.report.to_json())
+
+    def fail(self, ending: pipeline.Ending, error: BaseException | None = None) -> None:
+        """End the report as ``ending`` says and write it if it can be: the run's own error line
+        is the one thing said, whatever happens to the report."""
+        if isinstance(error, UsageError) and self.report_path is None and self.takes_report:
+            self.report_to(*_report_asked_in(self.argv[1:] if self.report.command == "check" else self.argv))
+        self.report.end(ending.outcome, ending.exit_code, ending.reason, failed_stage=ending.failed_stage)
+        with contextlib.suppress(AttnRewriteError, OSError):
+            self.save_report()
+
+
+def _report_asked_in(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``--report``'s file in a command line argparse refused, and every other argument in each
+    spelling argparse reads (``-oFILE``, ``--output=FILE``): which one is the model or the
+    output is not known, so the report may replace none of them."""
+    path, others = None, []
+    tokens = iter(argv)
+    for token in tokens:
+        name, equals, value = token.partition("=")
+        if len(name) > 2 and "--report".startswith(name):  # argparse takes unambiguous prefixes
+            path = value if equals else next(tokens, None)
+            continue
+        others += [token, value, token[2:] if token[:1] == "-" and token[1:2] != "-" else ""]
+    return path, others
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 @contextlib.contextmanager
@@ -423,46 +508,59 @@ def _fail(message: str, code: int, verbose: bool) -> int:
     return code
 
 
-def _dispatch(argv: list[str]) -> int:
+def _dispatch(argv: list[str], run: _Run) -> int:
     if argv and argv[0] == "check":
-        return _check_command(build_check_parser().parse_args(argv[1:]))
+        return _check_command(build_check_parser().parse_args(argv[1:]), run)
     if argv and argv[0] == "bench":
         return _bench_command(build_bench_parser().parse_args(argv[1:]))
-    return _run(argv)
+    if argv and argv[0] == "generate":
+        from attnrewrite.generate_cli import build_generate_parser, generate_command
+
+        return generate_command(build_generate_parser().parse_args(argv[1:]))
+    return _run(argv, run)
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], run: _Run) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    report = run.report
+    run.report_to(args.report, keep=[args.model, None if args.list else args.output])
+    report.method = args.to
+    if args.list or args.list_options:
+        report.command = "list"
     if args.list_options:
-        return _print_options(args)
+        return _print_options(args, report)
     if args.model is None:
         parser.error("the following arguments are required: model")
-    model = onnx_io.load_model(args.model)
+    report.input = args.model
+    with stage("load"):
+        model = onnx_io.load_model(args.model)
+    run.keep += onnx_io.files_read_by(model)
     _check_report_argument(args, model)
     if args.list:
-        return _list_sites(model, args)
+        return _list_sites(model, args, report)
     _check_rewrite_arguments(args, model)
     settings = _settings(args)
     if settings.compares:
         check_length_fits(model.graph, args)
     _check_calibration_arguments(args)
-    result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings)
+    result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings, report)
     if args.layers != "auto":
         check_layers_exist(args.layers, result.record)
     if result.record.outcomes:
         print(result.record.table())
     if result.selection is not None:
         print(result.selection.table())
-    _write_report(args.report, result.record)
     if not result.record.rewritten:
-        raise _nothing_to_rewrite(result)
-    _write_proved(result, args.output)
+        raise pipeline.refusal(result)
+    with stage("write"):
+        _write_proved(result, args.output)
     record = result.record
     print(
         f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}"
         + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
     )
+    report.end(WRITTEN, 0, output=args.output)
     return 0
 
 
@@ -473,6 +571,7 @@ def _settings(args) -> pipeline.Settings:
         options=parse_options(args.option),
         layers=args.layers,
         include_single_query=args.include_single_query,
+        recurrent=args.recurrent,
         seq=args.seq,
         check=args.check,
         min_cosine=args.min_cosine,
@@ -519,16 +618,26 @@ def _check_seq(args) -> int:
     return args.seq or check_mod.DEFAULT_SEQ
 
 
-def _check_command(args) -> int:
+def _check_command(args, run: _Run) -> int:
+    report = run.report
+    report.input, report.compared = args.original, args.rewritten
+    report.thresholds = {"min_cosine": args.min_cosine, "min_agreement": args.min_agreement}
+    run.report_to(args.report, keep=[args.original, args.rewritten])
     if args.json:
         onnx_io.check_output_path(args.json, args.original, what="report")
-    check_length_fits(onnx_io.load_model(args.original).graph, args)
-    report = check_mod.check(args.original, args.rewritten, args.inputs, seq=_check_seq(args))
-    print(report.table())
+    if args.report:
+        for model in (args.original, args.rewritten):
+            onnx_io.check_output_path(args.report, model, what="report")
+    with stage("load"):
+        original = onnx_io.load_model(args.original)
+    check_length_fits(original.graph, args)
+    fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=_check_seq(args))
+    print(fidelity.table())
     if args.json:
-        thresholds = {"min_cosine": args.min_cosine, "min_agreement": args.min_agreement}
-        Path(args.json).write_text(json.dumps(report.as_dict(**thresholds), indent=2) + "\n")
-    report.gate(args.min_cosine, args.min_agreement)
+        Path(args.json).write_text(json.dumps(fidelity.as_dict(**report.thresholds), indent=2) + "\n")
+    with stage("check"):
+        fidelity.gate(args.min_cosine, args.min_agreement)
+    report.end(CHECKED, 0)
     return 0
 
 
@@ -598,31 +707,12 @@ def _check_report_argument(args, model) -> None:
         raise AttnRewriteError(f"{args.report}: the report and the output are the same file")
 
 
-def _nothing_to_rewrite(result: pipeline.Result) -> AttnRewriteError:
-    record, selection = result.record, result.selection
-    if selection is not None and selection.choices:
-        best = selection.choices[0]
-        return NothingToRewrite(
-            f"layer selection: no site can be replaced keeping {selection.budget} "
-            f"(the least harmful, layer {best.layer} alone, gives {best.alone:.6f}); nothing written",
-            record,
-        )
-    if not record.outcomes:
-        done = len(rewritten_sites(result.model))
-        if done:
-            return NothingToRewrite(
-                f"no softmax attention left: {done} sites were already rewritten; nothing written", record
-            )
-        return NothingToRewrite("no softmax attention found; nothing written", record)
-    return NothingToRewrite(
-        f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written", record
-    )
-
-
-def _list_sites(model, args) -> int:
+def _list_sites(model, args, report: Report) -> int:
     given = load_inputs(args.inputs, model.graph) if args.inputs else None
-    sites = analyze(onnx_io.infer_shapes(model), seq=pipeline.probe_seq(args.seq, model.graph, given))
+    with stage("detect"):
+        sites = analyze(onnx_io.infer_shapes(model), seq=pipeline.probe_seq(args.seq, model.graph, given))
     record = RewriteRecord("none", {}, [SiteOutcome(s.site, rewritten=False, reason=s.site.skip_reason) for s in sites])
+    report.record = record
     header = ("site", "layer", "heads", "head_dim", "mask", "scale", "status")
     rows = [
         (
@@ -630,7 +720,7 @@ def _list_sites(model, args) -> int:
             str(s.site.layer),
             "-" if s.site.num_heads is None else str(s.site.num_heads),
             "-" if s.site.head_dim is None else str(s.site.head_dim),
-            s.site.mask.value,
+            s.site.mask_label,
             f"{s.site.scale:.4g}",
             "rewritable" if s.site.skip_reason is None else f"unsupported: {s.site.skip_reason}",
         )
@@ -641,11 +731,11 @@ def _list_sites(model, args) -> int:
     note = probe_note([s.site for s in sites])
     if note:
         print(f"note: {note}")
-    _write_report(args.report, record)
+    report.end(LISTED, 0)
     return 0
 
 
-def _print_options(args) -> int:
+def _print_options(args, report: Report) -> int:
     from attnrewrite.passes._options import describe_options
 
     if not args.to:
@@ -654,12 +744,8 @@ def _print_options(args) -> int:
     rows = [(o.name, o.type, str(o.default), o.valid or "-", o.help) for o in describe_options(method.Options)]
     print(f"options of {method.NAME} (set with -O NAME=VALUE):")
     print(format_table(("name", "type", "default", "valid", "meaning"), rows))
+    report.end(LISTED, 0)
     return 0
-
-
-def _write_report(path: str | None, record: RewriteRecord) -> None:
-    if path:
-        onnx_io.write_text(path, json.dumps(record.as_dict(), indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from typing import Any
 from attnrewrite.site import AttentionSite
 
 SINGLE_QUERY = "a single query: linearizing saves nothing"
+KV_CACHE = "a KV-cache site: its past keys cannot enter a parallel linear attention; rewrite it with --recurrent"
+NO_CACHE = "not a KV-cache site: --recurrent replaces the KV caches of a decoder exported for generation"
 
 
 def refusal(
@@ -21,19 +23,37 @@ def refusal(
     options: Any,
     layers: list[int] | None = None,
     include_single_query: bool = False,
+    recurrent: bool = False,
 ) -> str | None:
     """None when ``method`` is to replace the site, else why it is left alone. The first reason
     that applies: what detection found (probabilities used elsewhere, a mask that is a bias),
-    the layer selection, a single query, the method's own limits."""
+    the layer selection, a KV cache (``recurrent``: its absence, or the method having no
+    recurrence), a single query, the method's own limits."""
     if site.skip_reason is not None:
         return site.skip_reason
     if layers is not None and site.layer not in layers:
         return f"layer {site.layer} is not among the selected layers"
+    if recurrent:
+        return _recurrent_refusal(site, method, options)
+    if site.kv_cache is not None:
+        return KV_CACHE
     if site.query_length == 1 and not include_single_query:
         # one query (a decoder step) attends to N keys in O(N) already: a linear method would
         # only approximate it
         return SINGLE_QUERY
     return method.supports(site, options)
+
+
+def _recurrent_refusal(site: AttentionSite, method: types.ModuleType, options: Any) -> str | None:
+    """A KV-cache site becomes a recurrence where the method has one (it then serves any number
+    of queries: one is a decoding step)."""
+    from attnrewrite.passes import recurrent
+
+    if site.kv_cache is None:
+        return NO_CACHE
+    return (
+        recurrent.recurrent_refusal(method, options) or recurrent.site_refusal(site) or method.supports(site, options)
+    )
 
 
 def learnable_module(

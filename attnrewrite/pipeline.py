@@ -10,7 +10,9 @@
    once every gate passed (onnx.io.staged_save); ``run`` a temporary copy.
 3. ``gate``: the fidelity thresholds on the check's report, once the caller has shown it.
 
-``run`` does all of it for a model in memory and returns one ``Result``.
+``run`` does all of it for a model in memory and returns one ``Result``. Every stage adds what
+it found to the run's report (record.Report, docs/report.md) and times itself (record.stage),
+so a run that stops anywhere still says how far it got; ``ending`` says how an error ends it.
 """
 
 from __future__ import annotations
@@ -25,15 +27,31 @@ import onnx_ir as ir
 
 from attnrewrite import calibration, passes
 from attnrewrite import check as check_mod
-from attnrewrite.check import CheckInputs, CheckReport
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.check import CheckInputs, CheckReport, FidelityBelowThreshold
+from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import sequence_length
-from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.onnx.recurrent import NO_CALIBRATION
+from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
-from attnrewrite.record import METADATA_KEY, RewriteRecord
+from attnrewrite.record import (
+    ERROR,
+    GATE_FAILED,
+    INPUT_FAILED,
+    METADATA_KEY,
+    REFUSED,
+    RETURNED,
+    Report,
+    RewriteRecord,
+    stage,
+)
+
+# exit statuses, the CLI's; a report says which one its run ended with, the API's too
+EXIT_FAILED = 1  # nothing could be rewritten, the result failed a gate, or the environment failed
+EXIT_BAD_INPUT = 2  # bad input or usage
+EXIT_BUG = 3
 
 
 @dataclasses.dataclass
@@ -44,6 +62,7 @@ class Settings:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's (passes.<method>.Options)
     layers: list[int] | str | None = None  # site indices (None: all), or "auto": layer selection
     include_single_query: bool = False
+    recurrent: bool = False  # KV caches become recurrent states (attnrewrite.onnx.recurrent)
     # generated inputs' length: the fidelity check's (default check.DEFAULT_SEQ); the mask probe
     # and the run gate start there and double it until the original runs
     seq: int | None = None
@@ -127,11 +146,12 @@ class Result:
     record: RewriteRecord
     settings: Settings
     source: Source
+    report: Report  # the run's, as far as it has got (its outcome once ``run`` returns)
     selection: Selection | None = None  # with layers="auto": what each site cost
     inputs: CheckInputs | None = None  # what the fidelity check compares on (None: no check)
     original: Any = None  # the original as the fidelity check runs it
     note: str | None = None  # the run gate's, when it had to adapt (longer inputs than asked for)
-    report: CheckReport | None = None  # the fidelity check's
+    fidelity: CheckReport | None = None  # the fidelity check's
 
     @property
     def given_inputs(self) -> dict | None:
@@ -139,39 +159,68 @@ class Result:
         return self.inputs.feeds if self.settings.inputs is not None else None
 
 
-def rewrite(source: Source, settings: Settings) -> Result:
-    """Stage 1: the model rewritten in memory, with its record; nothing proved yet."""
+def rewrite(source: Source, settings: Settings, report: Report | None = None) -> Result:
+    """Stage 1: the model rewritten in memory, with its record (also in ``report``, the run's);
+    nothing proved yet."""
+    report = report or Report("rewrite")
+    report.method = settings.method
+    report.thresholds = {"min_cosine": settings.min_cosine, "min_agreement": settings.min_agreement}
     if settings.layers == "auto" and settings.min_cosine is None:
         raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
-    model = source.load()
+    if settings.recurrent and settings.calibrate is not None:
+        raise AttnRewriteError(NO_CALIBRATION)
+    with stage("load"):
+        model = source.load()
     inputs = original = None
-    if settings.compares:
-        # from the original's signature, before the rewrite changes the model in place
-        inputs = check_mod.prepare_inputs(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
-        original = source.original()
+    if settings.recurrent and settings.compares:
+        report.notes.append(_recurrent_check_note(settings))
+    if settings.compares and not settings.recurrent:
+        with stage("check"):  # from the original's signature, before the rewrite changes the model in place
+            inputs = check_mod.prepare_inputs(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
+            original = source.original()
     given = inputs.feeds if settings.inputs is not None else None
-    fitting = _calibration(settings, model.graph)
+    fitting, inputs = _calibration(settings, model.graph, inputs)
     options = {
         **settings.options,
         "include_single_query": settings.include_single_query,
         "seq": probe_seq(settings.seq, model.graph, given),
+        **({"recurrent": True} if settings.recurrent else {}),
     }
-    selection = None
-    if settings.layers == "auto":
-        if fitting is not None and settings.inputs is None:
-            fitting, inputs = hold_out_for_selection(fitting, model.graph)
-        model, record, selection = select_onnx(
-            source.fresh,
-            settings.method,
-            options,
-            settings.min_cosine,
-            inputs,
-            settings.min_agreement,
-            calibration=fitting,
+    with stage("rewrite"):
+        model, record, selection = _rewrite(source, model, settings, options, fitting, inputs)
+    report.record = record
+    return Result(model, record, settings, source, report, selection, inputs, original)
+
+
+def _rewrite(source: Source, model: ir.Model, settings: Settings, options: dict, fitting, inputs):
+    """The sites asked for replaced, or those layer selection chooses: (model, record, selection)."""
+    if settings.layers != "auto":
+        return *rewrite_model(model, settings.method, layers=settings.layers, calibration=fitting, **options), None
+    return select_onnx(
+        source.fresh,
+        settings.method,
+        options,
+        settings.min_cosine,
+        inputs,
+        settings.min_agreement,
+        calibration=fitting,
+    )
+
+
+RECURRENT_CHECK = (
+    "the fidelity check was skipped: a recurrent model takes states where the original takes KV caches, so the "
+    "two do not run on the same inputs; compare it with the parallel rewrite of the model's no-cache export"
+)
+
+
+def _recurrent_check_note(settings: Settings) -> str:
+    """--check on a recurrent rewrite is skipped (RECURRENT_CHECK); what it would gate is refused."""
+    if settings.min_cosine is not None or settings.min_agreement is not None or settings.inputs is not None:
+        raise AttnRewriteError(
+            "--min-cosine, --min-agreement and --inputs compare the rewritten model with the original on the same "
+            "inputs, which a recurrent model does not take (states instead of KV caches): use --check alone"
         )
-    else:
-        model, record = rewrite_model(model, settings.method, layers=settings.layers, calibration=fitting, **options)
-    return Result(model, record, settings, source, selection, inputs, original)
+    return RECURRENT_CHECK
 
 
 def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | None:
@@ -179,63 +228,153 @@ def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | Non
     return seq or (sequence_length(graph, given) if given is not None else None)
 
 
-def _calibration(settings: Settings, graph: ir.Graph) -> calibration.Calibration | None:
-    """The data to fit on, checked and loaded before any rewriting (None without it)."""
+def _calibration(settings: Settings, graph: ir.Graph, inputs: CheckInputs | None):
+    """The data to fit on, checked and loaded before any rewriting (None without it), and the
+    inputs to compare on: layer selection without inputs of its own holds the last batch out."""
     if settings.calibrate is None:
-        return None
-    method = passes.get_pass(settings.method)
-    calibration.require_fittable(method, passes.make_options(method, **settings.options), settings.calibrate_ce_weight)
-    return calibration.onnx_calibration(
-        settings.calibrate,
-        graph,
-        tokenizer=settings.tokenizer,
-        max_length=settings.max_length,
-        **settings.calibration_settings(),
-    )
+        return None, inputs
+    with stage("calibrate"):
+        method = passes.get_pass(settings.method)
+        options = passes.make_options(method, **settings.options)
+        calibration.require_fittable(method, options, settings.calibrate_ce_weight)
+        fitting = calibration.onnx_calibration(
+            settings.calibrate,
+            graph,
+            tokenizer=settings.tokenizer,
+            max_length=settings.max_length,
+            **settings.calibration_settings(),
+        )
+        if settings.layers == "auto" and settings.inputs is None:
+            return hold_out_for_selection(fitting, graph)
+        return fitting, inputs
 
 
 def validate(result: Result, path: str | os.PathLike) -> None:
     """Stage 2: the validation gates on the rewritten model saved at ``path``: RewriteFailed
     naming the gate, or InputFails when the original fails too. ``result.note`` says what the
     run gate had to adapt to."""
-    gate = validate_saved(
-        path,
-        result.model.graph,
-        seq=result.settings.seq or DEFAULT_GATE_SEQ,
-        original=result.source.runnable(),
-        feeds=result.given_inputs,
-    )
+    with stage("validate"):
+        gate = validate_saved(
+            path,
+            result.model.graph,
+            seq=result.settings.seq or DEFAULT_GATE_SEQ,
+            original=result.source.runnable(),
+            feeds=result.given_inputs,
+        )
     result.note = gate.note
+    if gate.note:
+        result.report.notes.append(gate.note)
 
 
 def compare(result: Result, path: str | os.PathLike) -> CheckReport | None:
     """Stage 2: the fidelity check of the rewritten model saved at ``path`` against the
-    original, when the settings ask for one (``result.report``)."""
+    original, when the settings ask for one (``result.fidelity``)."""
     if result.inputs is not None:
-        result.report = check_mod.check(result.original, path, result.inputs)
-    return result.report
+        result.fidelity = result.report.fidelity = check_mod.check(result.original, path, result.inputs)
+    return result.fidelity
 
 
 def gate(result: Result) -> None:
     """Stage 3: FidelityBelowThreshold when the check's report falls below a threshold."""
-    if result.report is not None:
-        result.report.gate(result.settings.min_cosine, result.settings.min_agreement)
+    if result.fidelity is not None:
+        with stage("check"):
+            result.fidelity.gate(result.settings.min_cosine, result.settings.min_agreement)
+
+
+def refusal(result: Result) -> NothingToRewrite:
+    """Why nothing was rewritten, as the CLI fails with it."""
+    record, selection = result.record, result.selection
+    if selection is not None and selection.choices:
+        best = selection.choices[0]
+        return NothingToRewrite(
+            f"layer selection: no site can be replaced keeping {selection.budget} "
+            f"(the least harmful, layer {best.layer} alone, gives {best.alone:.6f}); nothing written",
+            record,
+        )
+    if not record.outcomes:
+        done = len(rewritten_sites(result.model))
+        if done:
+            return NothingToRewrite(
+                f"no softmax attention left: {done} sites were already rewritten; nothing written", record
+            )
+        return NothingToRewrite("no softmax attention found; nothing written", record)
+    return NothingToRewrite(
+        f"none of the {len(record.outcomes)} attention sites could be rewritten; nothing written",
+        record,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Ending:
+    """How a run that raised ends: its report's outcome, the exit status, the CLI's one line."""
+
+    outcome: str
+    exit_code: int
+    reason: str
+    failed_stage: str | None = None
+
+
+def ending(error: BaseException, failed_stage: str | None = None) -> Ending:
+    """The ending of a run ``error`` stopped in stage ``failed_stage`` (record.StageTimes.stage_of)."""
+    outcome, code, reason = _classify(error, failed_stage)
+    return Ending(outcome, code, reason, failed_stage)
+
+
+def _classify(error: BaseException, failed_stage: str | None) -> tuple[str, int, str]:
+    if isinstance(error, NothingToRewrite):
+        return REFUSED, EXIT_FAILED, str(error)
+    if isinstance(error, RewriteFailed) and failed_stage == "write":  # the disk, not the model
+        return ERROR, EXIT_FAILED, str(error)
+    if isinstance(error, (FidelityBelowThreshold, RewriteFailed)):
+        return GATE_FAILED, EXIT_FAILED, str(error)
+    if isinstance(error, (AttnRewriteError, passes.OptionError)):  # InputFails too: the input is to blame
+        return INPUT_FAILED, EXIT_BAD_INPUT, str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return ERROR, EXIT_FAILED, "interrupted"
+    if isinstance(error, MemoryError):
+        return ERROR, EXIT_FAILED, "out of memory"
+    if isinstance(error, OSError):  # the environment (disk full, a file vanished), not a bug
+        where = f"{error.filename}: " if error.filename else ""
+        return ERROR, EXIT_FAILED, f"{where}{error.strerror or error}"
+    text = str(error).strip().splitlines()  # a bug: still one line, the traceback on request
+    return (
+        ERROR,
+        EXIT_BUG,
+        f"internal error: {type(error).__name__}: {text[0] if text else ''} (run with -v for the traceback)",
+    )
 
 
 def run(model, settings: Settings) -> Result:
     """Every stage, on the model as given (a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``,
     rewritten in place), the gates on a temporary copy. A note of the run gate joins the record
-    in the model. Nothing rewritten: the result says so, nothing is proved."""
-    result = rewrite(Source(model), settings)
-    if not result.record.rewritten or not (settings.validate or result.inputs is not None):
+    in the model. Nothing rewritten: the result says so, nothing is proved. ``Result.report``
+    says how the run ended (``returned`` or ``refused``); an error raised carries the report
+    as ``error.report``."""
+    report = Report("rewrite", input=os.fspath(model) if isinstance(model, (str, os.PathLike)) else None)
+    with report.times.measuring():
+        try:
+            return _run(model, settings, report)
+        except Exception as error:
+            end = ending(error, report.times.stage_of(error))
+            report.end(end.outcome, end.exit_code, end.reason, failed_stage=end.failed_stage)
+            error.report = report
+            raise
+
+
+def _run(model, settings: Settings, report: Report) -> Result:
+    result = rewrite(Source(model), settings, report)
+    if not result.record.rewritten:
+        report.end(REFUSED, EXIT_FAILED, str(refusal(result)))
         return result
-    with onnx_io.saved_copy(result.model) as path:
-        if settings.validate:
-            validate(result, path)
-        compare(result, path)
-    gate(result)
+    if settings.validate or result.inputs is not None:
+        with stage("write"), onnx_io.saved_copy(result.model) as path:
+            if settings.validate:
+                validate(result, path)
+            compare(result, path)
+        gate(result)
     if result.note:
         _add_note(result.model, result.record, result.note)
+    report.end(RETURNED, 0)
     return result
 
 

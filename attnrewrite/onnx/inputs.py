@@ -11,6 +11,7 @@ never a fully masked row.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from typing import TypeVar
 
@@ -20,6 +21,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.constants import known_dims
+from attnrewrite.onnx.detect import cache_inputs
+from attnrewrite.passes._onnx import DOMAIN
+from attnrewrite.site import KV_PROBE_PAST
 
 # A convolutional front end rejects short inputs (wav2vec2's feature encoder needs 400
 # samples for one frame): generated inputs then grow by doubling, up to this length, until
@@ -40,24 +45,136 @@ def generate_inputs(
     end_padding: int = 2,
 ) -> dict[str, np.ndarray]:
     """``padding_marked_by_one``: the names of mask inputs whose 1/True means padding;
-    ``end_padding``: positions padded at the end of the padded rows (see padding_pattern)."""
+    ``end_padding``: positions padded at the end of the padded rows (see padding_pattern).
+    A model with a KV cache gets ``seq`` new positions after ``KV_PROBE_PAST`` cached ones (see
+    CacheContract); a recurrent model's states (recurrent_state_inputs) are zero, their start."""
     rng = np.random.default_rng(seed)
+    contract = cache_contract(graph)
+    states = recurrent_state_inputs(graph)
     bound: dict[str, int] = {}
     feeds = {}
     for value in graph.inputs:
-        if value.is_initializer() or (names is not None and value.name not in names):
+        if value.is_initializer():
             continue
-        shape = [_bind(dim, axis, bound, batch, seq) for axis, dim in enumerate(value.shape or [])]
-        feeds[value.name] = _fill(value, shape, rng, value.name in padding_marked_by_one, end_padding)
-    return feeds
+        shape = [_bind(value, axis, bound, batch, seq, contract) for axis in range(len(value.shape or []))]
+        if value.name in states:
+            feeds[value.name] = np.zeros(shape, value.dtype.numpy())
+        else:
+            feeds[value.name] = _fill(value, shape, rng, value.name in padding_marked_by_one, end_padding)
+    if contract is not None:
+        contract.conform(graph, feeds, padding_marked_by_one)
+    return {name: array for name, array in feeds.items() if names is None or name in names}
 
 
-def _bind(dim, axis: int, bound: dict[str, int], batch: int, seq: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class CacheContract:
+    """What a model that generates with a KV cache expects of its inputs: cache inputs holding
+    ``past`` positions (their ``past_axes``), an attention mask over past and new positions (dims
+    ``total_dims``), position ids counting on from the past (inputs named for positions).
+    Found from the graph: the cache inputs are those its attention appends to
+    (detect.cache_inputs); a length is the new tokens' where token ids (an input indexing an
+    embedding table) have it, the past's where a cache input has it, and past + new for any other
+    length of an integer input (the mask) or one named after the past length."""
+
+    past_axes: dict[str, int]
+    past_dims: frozenset[str]
+    total_dims: frozenset[str]
+    past: int = KV_PROBE_PAST
+
+    def conform(self, graph: ir.Graph, feeds: dict[str, np.ndarray], padding_marked_by_one: Collection[str]) -> None:
+        """Masks padded on the left only (the padding is in the past, as in batched generation),
+        position ids counting the real tokens before each new one."""
+        masks = [v for v in self.mask_inputs(graph) if v.name in feeds]
+        for value in masks:
+            keep = left_padding_pattern(list(feeds[value.name].shape), self.past)
+            marked = value.name in padding_marked_by_one
+            feeds[value.name] = (1 - keep if marked else keep).astype(feeds[value.name].dtype)
+        mask = feeds[masks[0].name] if masks else None
+        for value in self.position_inputs(graph):
+            if value.name in feeds:
+                array = feeds[value.name]
+                feeds[value.name] = self._positions(array.shape, mask).astype(array.dtype)
+
+    def mask_inputs(self, graph: ir.Graph) -> list[ir.Value]:
+        """The integer inputs over past and new positions: attention masks."""
+        return [v for v in graph.inputs if _is_integer(v) and v.shape and _symbol(v.shape[-1]) in self.total_dims]
+
+    @staticmethod
+    def position_inputs(graph: ir.Graph) -> list[ir.Value]:
+        """The integer inputs named for positions (``position_ids``), over the new positions."""
+        return [v for v in graph.inputs if _is_integer(v) and "position" in v.name.lower()]
+
+    def _positions(self, shape: tuple[int, ...], mask: np.ndarray | None) -> np.ndarray:
+        new = shape[-1]
+        if mask is None or mask.ndim != 2 or mask.shape[0] != shape[0]:
+            return np.broadcast_to(np.arange(self.past, self.past + new), shape)
+        positions = np.cumsum(mask, axis=-1) - 1
+        return np.where(mask == 0, 1, positions)[:, -new:]  # what transformers' generate() feeds
+
+
+def recurrent_state_inputs(graph: ir.Graph) -> set[str]:
+    """The inputs carrying a recurrent state (attnrewrite.onnx.recurrent): those a replacement
+    node reads after its q, k, v and key_keep (constants are initializers)."""
+    return {
+        use.node.inputs[use.idx].name
+        for value in graph.inputs
+        if not value.is_initializer()
+        for use in value.uses()
+        if use.node.domain == DOMAIN and use.idx >= 4
+    }
+
+
+def cache_contract(graph: ir.Graph) -> CacheContract | None:
+    """The graph's KV-cache contract, None for a model without a cache."""
+    past_axes = cache_inputs(graph)
+    if not past_axes:
+        return None
+    inputs = {v.name: v for v in graph.inputs}
+    past_dims = {_symbol(inputs[name].shape[axis]) for name, axis in past_axes.items() if inputs[name].shape}
+    past_dims.discard(None)
+    new_dims = {
+        _symbol(v.shape[1])
+        for v in graph.inputs
+        if _is_integer(v) and v.shape is not None and len(v.shape) == 2 and embedding_rows(v) is not None
+    }
+    total = set()
+    for value in graph.inputs:
+        if value.name in past_axes or value.shape is None:
+            continue
+        for axis, dim in enumerate(value.shape):
+            name = _symbol(dim)
+            if axis == 0 or name is None or name in past_dims or name in new_dims:
+                continue
+            if _is_integer(value) or any(p in name for p in past_dims):
+                total.add(name)
+    return CacheContract(past_axes, frozenset(past_dims), frozenset(total))
+
+
+def _symbol(dim) -> str | None:
+    return None if isinstance(dim, int) or dim is None or str(dim) in ("", "None") else str(dim)
+
+
+def _is_integer(value: ir.Value) -> bool:
+    return value.dtype is not None and (
+        value.dtype == ir.DataType.BOOL or np.issubdtype(value.dtype.numpy(), np.integer)
+    )
+
+
+def _bind(
+    value: ir.Value, axis: int, bound: dict[str, int], batch: int, seq: int, contract: CacheContract | None
+) -> int:
+    dim = value.shape[axis]
     if isinstance(dim, int):
         return dim
-    key = str(dim) if dim is not None and str(dim) not in ("", "None") else f"?{axis}"
+    if contract is not None and contract.past_axes.get(value.name) == axis:
+        return contract.past
+    key = _symbol(dim) or f"?{axis}"
     if key not in bound:
         bound[key] = batch if axis == 0 else seq
+        if contract is not None and key in contract.past_dims:
+            bound[key] = contract.past
+        elif contract is not None and key in contract.total_dims:
+            bound[key] = contract.past + seq
     return bound[key]
 
 
@@ -72,6 +189,15 @@ def _fill(
         return rng.integers(0, vocab, size=shape).astype(dtype)
     pattern = padding_pattern(shape, end_padding)
     return (1 - pattern if padding_marked_by_one else pattern).astype(dtype)
+
+
+def left_padding_pattern(shape: list[int], past: int) -> np.ndarray:
+    """1 = a real position, 0 = padding, along the last axis: row 0 unpadded, the others padded
+    at their first min(2, past) positions (within the past, so every new token is real)."""
+    pattern = np.ones(shape, dtype=np.int64)
+    if len(shape) >= 2 and shape[0] > 1:
+        pattern[1:, ..., : min(2, past)] = 0
+    return pattern
 
 
 def padding_pattern(shape: list[int], end: int = 2) -> np.ndarray:
@@ -153,19 +279,33 @@ def model_around(graph: ir.Graph) -> ir.Model:
     return ir.Model(graph, ir_version=onnx.helper.find_min_ir_version_for(opsets))
 
 
-def searched_lengths(seq: int) -> list[int]:
-    """seq, 2 seq, 4 seq, ... up to MAX_SEARCHED_LENGTH (seq itself always)."""
+def searched_lengths(seq: int, graph: ir.Graph | None = None) -> list[int]:
+    """seq, 2 seq, 4 seq, ... up to MAX_SEARCHED_LENGTH (seq itself always), then the sizes the
+    graph's Reshapes hold (constant_lengths)."""
     lengths = [seq]
     while lengths[-1] * 2 <= MAX_SEARCHED_LENGTH:
         lengths.append(lengths[-1] * 2)
-    return lengths
+    return lengths + [n for n in (constant_lengths(graph) if graph is not None else []) if n not in lengths]
 
 
-def first_that_runs(run: Callable[[int], T], seq: int) -> tuple[int, T]:
-    """(length, run(length)) for the first of searched_lengths(seq) at which ``run`` does not
-    raise; when none does, the error at ``seq`` (what the user asked for) is raised."""
+def constant_lengths(graph: ir.Graph) -> list[int]:
+    """The static sizes of the graph's Reshape outputs, in graph order: where an exporter baked
+    the traced sequence length into a Reshape target (the legacy exporter's nn.MultiheadAttention),
+    the model runs at that length only, and it is among these."""
+    found = []
+    for node in graph:
+        if node.op_type == "Reshape" and node.domain in ("", "ai.onnx"):
+            for dim in known_dims(node.outputs[0]) or []:
+                if isinstance(dim, int) and 1 < dim <= MAX_SEARCHED_LENGTH and dim not in found:
+                    found.append(dim)
+    return found
+
+
+def first_that_runs(run: Callable[[int], T], seq: int, graph: ir.Graph | None = None) -> tuple[int, T]:
+    """(length, run(length)) for the first of searched_lengths(seq, graph) at which ``run`` does
+    not raise; when none does, the error at ``seq`` (what the user asked for) is raised."""
     first_error = None
-    for length in searched_lengths(seq):
+    for length in searched_lengths(seq, graph):
         try:
             return length, run(length)
         except Exception as error:

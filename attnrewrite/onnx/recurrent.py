@@ -1,0 +1,284 @@
+"""``--recurrent``: a decoder's KV caches become the fixed-size states of its attention's
+recurrence (DESIGN.md, "Recurrent decoding").
+
+Per KV-cache site, one node calls the method's recurrent lowering (passes/recurrent.py) with q,
+this step's NEW keys and values (after rotary; each key/value head repeated for the query heads
+it serves, as the model's own repeat does), the new tokens' key_keep (the attention mask's last N
+columns) and the layer's state, and returns the attention's output and the state after it. The
+graph interface changes with it: the ``past_key_values.{i}.key/value`` inputs and
+``present.{i}.key/value`` outputs give way to ``past_key_values.{i}.<part>`` and
+``present.{i}.<part>`` (onnxruntime-genai's naming), one per state tensor, the batch symbolic and
+every other size fixed. Whatever read the past length from a cache input (Shape nodes: the
+model's own position and mask arithmetic) reads it from what the model still takes:
+PAST_LENGTH. An all-zero state is the initial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import onnx_ir as ir
+
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.constants import known_dims
+from attnrewrite.onnx.detect import CachedTensor, OnnxSite
+from attnrewrite.onnx.inputs import cache_contract, embedding_rows
+from attnrewrite.onnx.splice import INT64_MAX, Splicer
+from attnrewrite.passes import recurrent
+from attnrewrite.passes._onnx import DOMAIN, OnnxLowering
+
+PAST_LENGTH = "the attention mask's length minus input_ids' length"
+NO_CALIBRATION = "--calibrate does not work with --recurrent yet: calibrate the parallel rewrite"
+_DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
+
+
+@dataclasses.dataclass(frozen=True)
+class Interface:
+    """What the recurrent model reads its new tokens' count and padding from."""
+
+    mask: ir.Value  # [batch, past + new]: 1 = a token
+    input_ids: ir.Value  # [batch, new]
+
+
+def interface_refusal(graph: ir.Graph, sites: list[OnnxSite]) -> tuple[Interface | None, str | None]:
+    """(the interface, None), or (None, why the KV-cache sites in ``sites`` (those to become
+    recurrent) cannot: the reason in words), checked before anything changes."""
+    contract = cache_contract(graph)
+    masks = contract.mask_inputs(graph) if contract is not None else []
+    ids = [v for v in graph.inputs if v.shape is not None and len(v.shape) == 2 and embedding_rows(v) is not None]
+    if not masks or not ids:
+        missing = "an attention mask over past and new tokens" if not masks else "token ids (input_ids)"
+        return None, f"--recurrent needs {missing} among the model's inputs: the past length and padding come from them"
+    for s in sites:
+        reason = _site_refusal(s) or _past_readers_refusal(s)
+        if reason:
+            return None, reason
+    return Interface(masks[0], ids[0]), None
+
+
+def _site_refusal(s: OnnxSite) -> str | None:
+    site = s.site
+    if site.rank != 4 or _query_heads(s) is None:
+        return "--recurrent needs q as [batch, heads, seq, head_dim] with a known number of heads"
+    if site.head_dim is None or site.value_dim is None:
+        return "--recurrent needs the head dims known: the state's sizes are fixed"
+    if _static_dims(s.key_cache.past) is None:
+        return f"--recurrent needs the KV cache {s.key_cache.past.name!r}'s heads and head dim fixed"
+    return None
+
+
+def _past_readers_refusal(s: OnnxSite) -> str | None:
+    for cache in (s.key_cache, s.value_cache):
+        for node in _past_readers(cache.past):
+            if node is not cache.node and node.op_type != "Shape":
+                return (
+                    f"the KV cache {cache.past.name!r} is also read by {node.op_type} node {node.name!r}, which a "
+                    f"recurrent model, keeping no past keys, cannot feed"
+                )
+    return None
+
+
+def _past_readers(past: ir.Value) -> list[ir.Node]:
+    """The nodes reading a cache input, through copies (Identity, Cast, a one-input Concat)."""
+    readers, frontier = [], [past]
+    while frontier:
+        for use in frontier.pop().uses():
+            node = use.node
+            if node.op_type in ("Identity", "Cast") or (node.op_type == "Concat" and len(node.inputs) == 1):
+                frontier.append(node.outputs[0])
+            else:
+                readers.append(node)
+    return readers
+
+
+def _query_heads(s: OnnxSite) -> int | None:
+    dims = known_dims(s.q)
+    heads = dims[1] if dims is not None and len(dims) == 4 else None
+    return heads if isinstance(heads, int) else s.site.num_heads
+
+
+def _static_dims(past: ir.Value) -> tuple[int, int] | None:
+    """(kv heads, head dim) of a cache input declared [batch, kv_heads, past, head_dim]."""
+    dims = past.shape
+    if dims is None or len(dims) != 4 or not all(isinstance(d, int) for d in (dims[1], dims[3])):
+        return None
+    return dims[1], dims[3]
+
+
+class RecurrentSplicer(Splicer):
+    """Splices recurrent replacements into one model; ``finish`` then changes its interface."""
+
+    def __init__(self, model: ir.Model, interface: Interface):
+        super().__init__(model)
+        self.interface = interface
+        self._new_key_keep: ir.Value | None = None
+        self.state_inputs: list[str] = []
+        self._caches: list[CachedTensor] = []
+
+    def splice_recurrent(self, s: OnnxSite, lowering: OnnxLowering, options) -> str:
+        anchor = s.output.producer()
+        new_nodes: list[ir.Node] = []
+        heads = _query_heads(s)
+        q = self._current(s.q)
+        k, v = (self._repeated_heads(c, heads, new_nodes) for c in (s.key_cache, s.value_cache))
+        description = recurrent.state_description(s.site, options)
+        inputs, outputs = self._state_values(s, description, heads, options)
+        constants = [self._constant(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
+        op_type = self._add_functions(lowering)
+        call = ir.Node(
+            DOMAIN,
+            op_type,
+            [q, k, v, self._key_keep_of_new_tokens(q, new_nodes), *inputs, *constants],
+            name=f"{s.site.name}/{op_type}",
+            num_outputs=1 + len(outputs),
+        )
+        call.outputs[0].type, call.outputs[0].shape = s.output.type, s.output.shape
+        for value, declared in zip(call.outputs[1:], outputs):
+            value.name, value.type, value.shape = declared.name, declared.type, declared.shape
+            self.graph.outputs.append(value)
+        self.calls[s.site.name] = call
+        self.graph.insert_before(anchor, [*new_nodes, call])
+        self._take_over(s.output, call.outputs[0])
+        self._remove_dead(s.nodes)
+        self._caches += [s.key_cache, s.value_cache]
+        return f"{DOMAIN}.{op_type}"
+
+    def _repeated_heads(self, cache: CachedTensor, heads: int, new_nodes: list[ir.Node]) -> ir.Value:
+        """The new keys or values [B, Hkv, N, D] as [B, heads, N, D], query head h reading
+        key/value head h // (heads / Hkv)."""
+        new = self._current(cache.new)
+        kv_heads, head_dim = _static_dims(cache.past)
+        if kv_heads == heads:
+            return new
+        grouped = self._node(new_nodes, "Unsqueeze", [new, self._const([2])])
+        grouped = self._node(new_nodes, "Expand", [grouped, self._const([1, 1, heads // kv_heads, 1, 1])])
+        return self._node(new_nodes, "Reshape", [grouped, self._const([0, heads, -1, head_dim])])
+
+    def _key_keep_of_new_tokens(self, q: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """[B, 1, N, 1] float, 1.0 where a new token is real: the mask's last N columns."""
+        if self._new_key_keep is None:
+            new = self._node(new_nodes, "Neg", [self._dim(q, 2, new_nodes)])
+            last = self._node(
+                new_nodes, "Slice", [self.interface.mask, new, self._const([INT64_MAX]), self._const([1])]
+            )
+            as_float = self._node(new_nodes, "Cast", [last], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+            self._new_key_keep = self._node(new_nodes, "Unsqueeze", [as_float, self._const([1, 3])])
+            self._new_key_keep.name = "attnrewrite/new_key_keep"
+        return self._new_key_keep
+
+    def _state_values(self, s: OnnxSite, description, heads: int, options) -> tuple[list[ir.Value], list[ir.Value]]:
+        """The layer's state inputs (added to the graph) and its outputs as declared."""
+        layer = _layer_number(s)
+        sizes = {
+            "B": self.interface.mask.shape[0],
+            "H": heads,
+            "F": recurrent.feature_count(s.site, options),
+            "D": s.site.head_dim,
+            "Dv": s.site.value_dim,
+        }
+        model_dtype = s.key_cache.past.dtype
+        inputs, outputs = [], []
+        for t in description:
+            dtype = _DTYPES.get(t.dtype, model_dtype)
+            shape = ir.Shape([sizes[a] if isinstance(a, str) else a for a in t.shape])
+            value = ir.Value(name=f"past_key_values.{layer}.{t.name}", type=ir.TensorType(dtype), shape=shape)
+            self.graph.inputs.append(value)
+            self.state_inputs.append(value.name)
+            inputs.append(value)
+            outputs.append(ir.Value(name=f"present.{layer}.{t.name}", type=ir.TensorType(dtype), shape=shape))
+        return inputs, outputs
+
+    def finish(self) -> None:
+        """The KV caches leave the interface; what read their shapes reads them from the mask
+        (the past length: PAST_LENGTH)."""
+        for cache in self._caches:
+            if cache.output is not None and cache.output in self.graph.outputs:
+                self.graph.outputs.remove(cache.output)
+            for node in [use.node for use in cache.node.outputs[0].uses() if use.node.op_type == "Shape"]:
+                self._read_shape(node, functools.partial(self._cache_shape, cache, False))
+            for node in _shape_readers_through_layout(cache.node.outputs[0]):
+                self._read_shape(node, functools.partial(self._shape_of_dims, known_dims(node.inputs[0])))
+        self._remove_dead([c.node for c in self._caches])
+        for cache in self._caches:
+            for node in _past_readers(cache.past):
+                if node.op_type == "Shape":
+                    self._read_shape(node, functools.partial(self._cache_shape, cache, True))
+            self._remove_dead([use.node for use in cache.past.uses()])  # copies nothing reads now
+            if cache.past.uses():
+                raise AttnRewriteError(
+                    f"--recurrent: the KV cache {cache.past.name!r} is still read by "
+                    f"{', '.join(sorted({u.node.op_type for u in cache.past.uses()}))} after the rewrite, "
+                    f"which a model keeping no past keys cannot feed"
+                )
+            self.graph.inputs.remove(cache.past)
+
+    def _read_shape(self, shape_node: ir.Node, full_shape) -> None:
+        """``shape_node`` (Shape of the cache input, of past and new keys or of a layout of
+        them, maybe sliced) replaced by the same slice of ``full_shape(nodes)``, the shape its
+        input would have had (None where unknown: the node stays, and the rewrite fails)."""
+        attributes = shape_node.attributes
+        start = attributes["start"].as_int() if "start" in attributes else 0
+        end = attributes["end"].as_int() if "end" in attributes else INT64_MAX
+        nodes: list[ir.Node] = []
+        full = full_shape(nodes)
+        if full is None:
+            return
+        sliced = self._node(nodes, "Slice", [full, self._const([start]), self._const([end])])
+        self.graph.insert_before(shape_node, nodes)
+        shape_node.outputs[0].replace_all_uses_with(sliced)
+        source = shape_node.inputs[0].producer()
+        self.graph.remove(shape_node, safe=True)
+        if source is not None:
+            self._remove_dead([source])
+
+    def _cache_shape(self, cache: CachedTensor, past: bool, nodes: list[ir.Node]) -> ir.Value:
+        """[batch, kv_heads, length, head_dim] of the cache input (length: PAST_LENGTH) or of
+        past and new keys (the mask's length)."""
+        mask, ids = self.interface.mask, self.interface.input_ids
+        kv_heads, head_dim = _static_dims(cache.past)
+        total = self._dim(mask, 1, nodes)
+        length = self._node(nodes, "Sub", [total, self._dim(ids, 1, nodes)]) if past else total
+        shape = [self._dim(mask, 0, nodes), self._const([kv_heads]), length, self._const([head_dim])]
+        return self._node(nodes, "Concat", shape, [ir.AttrInt64("axis", 0)])
+
+    def _shape_of_dims(self, dims, nodes: list[ir.Node]) -> ir.Value | None:
+        """The shape of a layout of past and new keys (GQA's repeated heads), from its inferred
+        dims: fixed sizes, and the attention mask's batch and length by their symbols."""
+        mask = self.interface.mask
+        by_symbol = {str(mask.shape[0]): 0, str(mask.shape[1]): 1}
+        if dims is None or not all(isinstance(d, int) or str(d) in by_symbol for d in dims):
+            return None
+        parts = [self._const([d]) if isinstance(d, int) else self._dim(mask, by_symbol[str(d)], nodes) for d in dims]
+        return self._node(nodes, "Concat", parts, [ir.AttrInt64("axis", 0)])
+
+    def _dim(self, x: ir.Value, axis: int, nodes: list[ir.Node]) -> ir.Value:
+        """[x.shape[axis]]."""
+        return self._node(nodes, "Shape", [x], [ir.AttrInt64("start", axis), ir.AttrInt64("end", axis + 1)])
+
+
+def _shape_readers_through_layout(present: ir.Value) -> list[ir.Node]:
+    """Shape nodes reading a layout of ``present`` (its heads repeated, transposed), which
+    outlive the attention they were computed for."""
+    readers, frontier = [], [present]
+    while frontier:
+        for use in frontier.pop().uses():
+            if use.node.op_type in ("Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Identity"):
+                frontier.append(use.node.outputs[0])
+            elif use.node.op_type == "Shape" and use.node.inputs[0] is not present:
+                readers.append(use.node)
+    return readers
+
+
+def _layer_number(s: OnnxSite) -> int | str:
+    """i of the cache input ``past_key_values.{i}.key`` (the site's layer index otherwise)."""
+    found = re.fullmatch(r"past_key_values\.(\w+)\.key", s.key_cache.past.name)
+    return found.group(1) if found else s.site.layer
+
+
+def record_note(state_inputs: list[str]) -> str:
+    return (
+        f"recurrent: the KV caches became fixed-size states, inputs {', '.join(state_inputs)} (start from zeros; "
+        f"outputs present.*); the past length the model reads is {PAST_LENGTH}"
+    )
