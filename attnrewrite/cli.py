@@ -57,7 +57,9 @@ class UsageError(AttnRewriteError):
     """A command line argparse refused: one line, exit 2, like every other bad input."""
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """argparse whose refusals are one UsageError line (exit 2), for every subcommand."""
+
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} -h')")
 
@@ -68,7 +70,7 @@ def method_name(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="attnrewrite",
         description="Find softmax attention in an ONNX model and replace it with linearized attention.",
         epilog="subcommands: 'attnrewrite check ORIGINAL REWRITTEN' compares outputs, "
@@ -213,7 +215,7 @@ def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
 
 
 def build_check_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="attnrewrite check",
         description="Run two models on the same inputs and report, per output, how far the second is from the first.",
     )
@@ -233,7 +235,7 @@ def build_check_parser() -> argparse.ArgumentParser:
 def build_bench_parser() -> argparse.ArgumentParser:
     from attnrewrite import bench
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="attnrewrite bench",
         description="Latency and peak memory over sequence length: the original model, the rewritten one, "
         "and the identity-attention bound (each attention replaced by its values). "

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from attnrewrite.cli import _Parser, parse_positive
+from attnrewrite.cli import CommandParser, parse_positive
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import Generation, generate
 from attnrewrite.record import format_bytes
@@ -18,7 +18,7 @@ DEFAULT_MAX_NEW_TOKENS = 20
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="attnrewrite generate",
         description="Continue prompts with a decoder ONNX model (a KV-cache export or a recurrent-state rewrite; "
         "input_ids, attention_mask and past_key_values.* in, logits and present.* out), and with a second "
