@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from models import EXPORTERS, ExportUnsupported, _quiet, _reason, _seeded
+from models import EXPORTERS, ExportUnsupported, _quiet, _reason, _seeded, falcon_multi_query_config
 from torch import nn
 
 VOCAB = 100
@@ -111,22 +111,9 @@ def _llama_like(model_name: str, config_name: str, kv_heads: int, **overrides):
 
 
 def _falcon():
-    from transformers import FalconConfig, FalconForCausalLM
+    from transformers import FalconForCausalLM
 
-    config = FalconConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        multi_query=True,
-        new_decoder_architecture=False,
-        parallel_attn=True,
-        alibi=False,
-        bias=False,
-        max_position_embeddings=MAX_POSITIONS,
-        attn_implementation="sdpa",
-    )
-    return FalconForCausalLM(config)
+    return FalconForCausalLM(falcon_multi_query_config())
 
 
 def _opt():

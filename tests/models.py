@@ -397,10 +397,11 @@ NEGATIVE_MODELS: dict[str, ModelSpec] = {
 # query heads, repeated by repeat_kv). tests/test_grouped_heads.py.
 
 
-def _falcon_multi_query():
-    from transformers import FalconConfig, FalconModel
+def falcon_multi_query_config():
+    """A tiny Falcon with one key/value head (multi-query), rotary positions, no alibi."""
+    from transformers import FalconConfig
 
-    config = FalconConfig(
+    return FalconConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
@@ -413,7 +414,12 @@ def _falcon_multi_query():
         max_position_embeddings=MAX_POSITIONS,
         attn_implementation="sdpa",
     )
-    return TextEncoder(FalconModel(config))
+
+
+def _falcon_multi_query():
+    from transformers import FalconModel
+
+    return TextEncoder(FalconModel(falcon_multi_query_config()))
 
 
 def _llama_grouped_query():
