@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from models import EXPORTERS, ExportUnsupported, _quiet, _reason, _seeded, falcon_multi_query_config
+from models import EXPORTERS, ExportUnsupported, _quiet, _reason, _seeded, export_once, falcon_multi_query_config
 from torch import nn
 
 VOCAB = 100
@@ -407,19 +407,12 @@ class DecoderCache:
         return self._models[name]
 
     def get(self, name: str, exporter: str, cache: bool = True) -> DecoderExport:
-        key = (name, exporter, cache)
-        if key not in self._exports:
+        def export() -> DecoderExport:
             path = self.folder / f"{name}-{exporter}{'-kv' if cache else ''}.onnx"
-            spec = DECODERS[name]
-            try:
-                export_decoder(spec, self.model(name), path, exporter, cache)
-                self._exports[key] = DecoderExport(spec, self.model(name), path, exporter, cache)
-            except ExportUnsupported as reason:
-                self._exports[key] = reason
-        result = self._exports[key]
-        if isinstance(result, ExportUnsupported):
-            raise result
-        return result
+            export_decoder(DECODERS[name], self.model(name), path, exporter, cache)
+            return DecoderExport(DECODERS[name], self.model(name), path, exporter, cache)
+
+        return export_once(self._exports, (name, exporter, cache), export)
 
 
 def run(

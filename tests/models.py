@@ -1290,6 +1290,21 @@ class Export:
         return self.spec.inputs(EXPORT_BATCH + 1, EXPORT_SEQ + 3) if self.dynamic else self.spec.inputs()
 
 
+def export_once(exports: dict, key: tuple, export):
+    """``export()`` the first time ``key`` is asked for; later, what it gave then: the export, or
+    the same ExportUnsupported raised again (an exporter that cannot handle a model costs one
+    attempt per session)."""
+    if key not in exports:
+        try:
+            exports[key] = export()
+        except ExportUnsupported as reason:
+            exports[key] = reason
+    result = exports[key]
+    if isinstance(result, ExportUnsupported):
+        raise result
+    return result
+
+
 class ExportCache:
     """Builds each model once and exports it once per (exporter, dynamic); failures are cached
     too, so a model an exporter cannot handle costs one attempt per session."""
@@ -1305,18 +1320,12 @@ class ExportCache:
         return self._modules[name]
 
     def get(self, name: str, exporter: str, dynamic: bool = True) -> Export:
-        key = (name, exporter, dynamic)
-        if key not in self._exports:
+        def export() -> Export:
             path = self.folder / f"{name}-{exporter}{'' if dynamic else '-static'}.onnx"
-            try:
-                export_onnx(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
-                self._exports[key] = Export(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
-            except ExportUnsupported as reason:
-                self._exports[key] = reason
-        result = self._exports[key]
-        if isinstance(result, ExportUnsupported):
-            raise result
-        return result
+            export_onnx(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
+            return Export(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
+
+        return export_once(self._exports, (name, exporter, dynamic), export)
 
 
 # --- the benchmark scripts' modules ---------------------------------------------------------------
