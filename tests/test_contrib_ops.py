@@ -47,6 +47,11 @@ CONTRIB_OPS = {("com.microsoft", op) for op in ("Attention", "MultiHeadAttention
 # the right-padded key lengths every masked case uses (row 0 unpadded)
 LENGTHS = np.array([SEQ, SEQ - 2, SEQ - 4], np.int32)
 
+FUSED_ADVICE = (
+    "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+)
+
 
 @dataclasses.dataclass
 class Case:
@@ -329,8 +334,8 @@ def test_group_query_attention_is_listed_and_refused_for_its_kv_cache():
     )
     assert _refusal(model) == (
         "unknown",
-        "GroupQueryAttention is a KV-cache decoding kernel (past_key/past_value, seqlens_k, "
-        "total_sequence_length): its keys include the cache, which a linearized replacement cannot read",
+        "com.microsoft.GroupQueryAttention keeps its KV cache inside the operator (past_key, past_value, seqlens_k, "
+        "total_sequence_length): " + FUSED_ADVICE,
     )
     record = read_record(attnrewrite.rewrite(model, to="linear"))
     assert [(s["status"], s["mask"]) for s in record["sites"]] == [("skipped", "unknown")]
@@ -339,7 +344,7 @@ def test_group_query_attention_is_listed_and_refused_for_its_kv_cache():
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"past": True}, "Attention with a KV cache (past) is not supported"),
+        ({"past": True}, "com.microsoft.Attention keeps its KV cache inside the operator (past): " + FUSED_ADVICE),
         ({"do_rotary": 1}, "Attention applies rotary embeddings inside the operator (do_rotary=1)"),
         (
             {"mask_filter_value": -1.0},

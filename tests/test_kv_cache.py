@@ -305,25 +305,30 @@ def test_opset23_attention_cache_must_come_from_the_graph_inputs():
     assert site.skip_reason == "Attention's past cache 'past_key' is computed in the graph, not a graph input"
 
 
+FUSED_ADVICE = (
+    "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+)
 CONTRIB_CASES = {
     "MultiHeadAttention": (
         ["query", "key", "value", "", "", "", "past_key", "past_value"],
         {"num_heads": HEADS},
         KvCache("past_key", "past_value", "present_key", "present_value", HEADS),
-        "MultiHeadAttention with a KV cache (past_key, past_value) is not supported",
+        "com.microsoft.MultiHeadAttention keeps its KV cache inside the operator (past_key, past_value): "
+        + FUSED_ADVICE,
     ),
     "GroupQueryAttention": (
         ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
         {"num_heads": HEADS, "kv_num_heads": KV_HEADS},
         KvCache("past_key", "past_value", "present_key", "present_value", KV_HEADS),
-        "GroupQueryAttention is a KV-cache decoding kernel (past_key/past_value, seqlens_k, "
-        "total_sequence_length): its keys include the cache, which a linearized replacement cannot read",
+        "com.microsoft.GroupQueryAttention keeps its KV cache inside the operator (past_key, past_value, seqlens_k, "
+        "total_sequence_length): " + FUSED_ADVICE,
     ),
     "Attention": (
         ["input", "weights", "", "", "past"],
         {"num_heads": HEADS},
         KvCache("past", "past", "present", "present", HEADS),
-        "Attention with a KV cache (past) is not supported",
+        "com.microsoft.Attention keeps its KV cache inside the operator (past): " + FUSED_ADVICE,
     ),
 }
 

@@ -4,7 +4,9 @@ Detection anchors at Softmax, walks back through scale / mask / Cast nodes to th
 MatMul (q @ k^T), and forward through NaN guards, Cast and Dropout to the MatMul with V.
 The standard ``Attention`` operator (opset 23) and onnxruntime's fused ``com.microsoft``
 Attention / MultiHeadAttention are accepted as already-fused sites (the latter with a plan for
-unpacking their q, k, v). Mask kinds are not decided here: masks.py probes them numerically.
+unpacking their q, k, v). Each site's KV cache is found too, a Concat(past, new) before the
+attention or the past inputs of a fused operator; a contrib operator with a cache is listed with
+it and refused. Mask kinds are not decided here: masks.py probes them numerically.
 """
 
 from __future__ import annotations
@@ -568,9 +570,11 @@ def _match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
 def _fused_caches(node: ir.Node, k, v, past_key, past_value) -> tuple[CachedTensor | None, CachedTensor | None]:
     """Attention (opset 23) appends k and v to past_key and past_value (graph inputs) and
     returns them as present_key and present_value (outputs 1 and 2); its causal mask is then
-    aligned to the last key (query i sees keys up to past + i), as a Concat(past, new) decoder's."""
+    aligned to the last key (query i sees keys up to past + i), as a Concat(past, new) decoder's.
+    Without past inputs its k and v may still hold a cache: the dynamo exporter at opset 23
+    writes scaled_dot_product_attention over Concat(past, new) as one."""
     if past_key is None and past_value is None:
-        return None, None
+        return _caches_of(k, v)
     if past_key is None or past_value is None:
         raise Unsupported("Attention with only one of past_key and past_value is not understood")
     caches = []
@@ -675,11 +679,13 @@ def _match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
     site = onnx_site.site
     site.kv_cache = _contrib_cache(node)  # listed with the site, which is refused for it below
     try:
+        _check_no_cache_inside(node)
         _check_contrib_limits(node)
         if node.op_type == "Attention":
             packing, masks = _attention_packing(node, inputs)
         else:
             packing, masks = _multi_head_packing(node, inputs)
+        _check_no_cache_before(onnx_site, packing)
     except Unsupported as reason:
         return _refused(onnx_site, str(reason))
     attrs = node.attributes
@@ -737,19 +743,53 @@ def _contrib_lengths(packing: PackedHeads) -> tuple[int | None, int | None]:
     return _static_dims(q.value, 1)[0], _static_dims(k.value, 2 if k.layout is HeadLayout.HEADS else 1)[0]
 
 
+# Where a fused decoder attention's cache lives, the splice would have to unpack the operator
+# around a recurrence (packed heads, the cache appended inside): it does not, and says so with
+# what the user can do instead.
+FUSED_DECODER_ADVICE = (
+    "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+)
+
+
+def fused_cache_inside(op: str, inputs: list[str]) -> str:
+    """Why a contrib operator that appends to its own KV cache is left alone."""
+    return f"{CONTRIB_DOMAIN}.{op} keeps its KV cache inside the operator ({', '.join(inputs)}): {FUSED_DECODER_ADVICE}"
+
+
+def fused_cache_before(op: str, past: str) -> str:
+    """Why a contrib operator whose keys are a Concat(past, new) made outside it is left alone."""
+    return (
+        f"{CONTRIB_DOMAIN}.{op} attends over the KV cache {past!r} (a Concat of past and new keys before it) "
+        f"with q, k and v packed: {FUSED_DECODER_ADVICE}"
+    )
+
+
+# the inputs through which each contrib operator holds a cache; GroupQueryAttention always does
+# (seqlens_k and total_sequence_length are required: it runs against the cache it appends to)
+_CACHE_INPUTS = {"Attention": (4, 6), "MultiHeadAttention": (6, 7, 8, 9), "GroupQueryAttention": (3, 4, 5, 6)}
+
+
+def _check_no_cache_inside(node: ir.Node) -> None:
+    names = [_input_name(node, i) for i in _CACHE_INPUTS[node.op_type] if _has_input(node, i)]
+    if names or node.op_type == "GroupQueryAttention":
+        raise Unsupported(fused_cache_inside(node.op_type, names))
+
+
+def _check_no_cache_before(onnx_site: OnnxSite, packing: PackedHeads) -> None:
+    """MultiHeadAttention given past and new keys and values as inputs (onnxscript's fusion of
+    scaled_dot_product_attention over Concat(past, new)): a KV-cache site, listed as one."""
+    keys, values = (source.value for source in packing.sources[1:])
+    if keys is None or values is None:  # Attention projects its keys from its input
+        return
+    key, value = _caches_of(keys, values)
+    if key is not None:
+        _set_caches(onnx_site, key, value)
+        raise Unsupported(fused_cache_before(onnx_site.nodes[0].op_type, key.past.name))
+
+
 def _check_contrib_limits(node: ir.Node) -> None:
     op, attrs = node.op_type, node.attributes
-    if op == "GroupQueryAttention":
-        # seqlens_k and total_sequence_length are required inputs: the operator always runs
-        # against a KV cache it appends to, and its keys are the cached ones
-        raise Unsupported(
-            "GroupQueryAttention is a KV-cache decoding kernel (past_key/past_value, seqlens_k, "
-            "total_sequence_length): its keys include the cache, which a linearized replacement cannot read"
-        )
-    cache = {"Attention": (4, 6), "MultiHeadAttention": (6, 7, 8, 9)}[op]
-    names = [_input_name(node, i) for i in cache if _has_input(node, i)]
-    if names:
-        raise Unsupported(f"{op} with a KV cache ({', '.join(names)}) is not supported")
     used = [
         f"output {i}"
         for i, out in enumerate(node.outputs)
@@ -765,6 +805,7 @@ def _check_contrib_limits(node: ir.Node) -> None:
 
 _CONTRIB_INPUT_NAMES = {
     "Attention": ("input", "weights", "bias", "mask_index", "past", "attention_bias", "past_sequence_length"),
+    "GroupQueryAttention": ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"),
     "MultiHeadAttention": (
         "query",
         "key",

@@ -359,11 +359,26 @@ def infer_shapes(model: ir.Model) -> ir.Model:
         result = common_passes.ShapeInferencePass()(model)
         if not result.modified:
             result = common_passes.ShapeInferencePass(strict_mode=False)(model)
-        return result.model
+        model = result.model
     except Exception:
-        return model
+        pass
     finally:
         quiet.setLevel(level)
+    return _with_contrib_shapes(model) if any(node.domain == "com.microsoft" for node in model.graph) else model
+
+
+def _with_contrib_shapes(model: ir.Model) -> ir.Model:
+    """ONNX shape inference cannot type onnxruntime's com.microsoft operators (a transformer
+    optimizer's fused layer norms and GELUs): every shape after the first is lost. onnxruntime's
+    symbolic shape inference types them; where it fails too, the model is kept as it was."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        with contextlib.redirect_stdout(None):
+            inferred = SymbolicShapeInference.infer_shapes(ir.serde.serialize_model(model), auto_merge=True)
+    except Exception:
+        return model
+    return _keeping_base_dir(model, from_proto(inferred))
 
 
 def default_opset(model: ir.Model) -> int:
@@ -383,7 +398,11 @@ def upgrade_opset(model: ir.Model) -> ir.Model:
         converted = from_proto(version_converter.convert_version(ir.serde.serialize_model(model), MIN_OPSET))
     except Exception as error:
         raise AttnRewriteError(f"could not convert opset {version} to {MIN_OPSET}: {_short(error)}") from error
-    # Serialized external tensors keep their locations but not the folder they are relative to.
+    return _keeping_base_dir(model, converted)
+
+
+def _keeping_base_dir(model: ir.Model, converted: ir.Model) -> ir.Model:
+    """Serialized external tensors keep their locations but not the folder they are relative to."""
     folders = {t.base_dir for t in _external_tensors(model)}
     if len(folders) == 1:
         ir.external_data.set_base_dir(converted.graph, folders.pop())
