@@ -24,6 +24,7 @@ import onnx_ir as ir
 from attnrewrite import passes
 from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.inputs import prefill_filled, with_prefill_inputs
 from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
 
 DEFAULT_MAX_LENGTH = 256
@@ -151,12 +152,14 @@ def onnx_calibration(
 ) -> Calibration:
     """Calibration on ``data`` for the model whose signature ``graph`` has: an ``.npz`` path,
     a text file path (with ``tokenizer``), a dict of arrays (batch axis stacked) or a list of
-    such dicts (one per batch)."""
+    such dicts (one per batch). For a decoder the data is its tokens (and their mask): each batch
+    is a prefill from nothing (onnx.inputs.with_prefill_inputs)."""
     where = "the calibration inputs"
+    filled = prefill_filled(graph)
     if isinstance(data, dict):
-        batches = split_batch(conform(data, graph, where), batch_size)
+        batches = split_batch(conform(data, graph, where, filled), batch_size)
     elif isinstance(data, (list, tuple)):
-        batches = [conform(feeds, graph, where) for feeds in data]
+        batches = [conform(feeds, graph, where, filled) for feeds in data]
     else:
         where = str(data)
         path = Path(data)
@@ -165,7 +168,7 @@ def onnx_calibration(
         with open(path, "rb") as file:
             is_npz = file.read(4) == NPZ_MAGIC
         if is_npz:
-            batches = split_batch(load_inputs(path, graph), batch_size)
+            batches = split_batch(load_inputs(path, graph, filled), batch_size)
         else:
             texts = _read_texts(path)
             if tokenizer is None:
@@ -175,6 +178,7 @@ def onnx_calibration(
             batches = _tokenize(texts, path, tokenizer, graph, max_length, batch_size)
     if not any(_rows(feeds) for feeds in batches):
         raise AttnRewriteError(f"{where}: no examples")
+    batches = [with_prefill_inputs(graph, feeds) for feeds in batches]
     names = [v.name for v in graph.inputs if not v.is_initializer()]
     return Calibration(
         batches,
@@ -244,7 +248,8 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
     except Exception as error:  # the library's errors are plain exceptions with its message
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise AttnRewriteError(f"{tokenizer_path}: not a tokenizer.json ({first})") from error
-    wanted = {v.name: v for v in graph.inputs if not v.is_initializer()}
+    filled = prefill_filled(graph)  # a decoder's caches and positions: not made from text
+    wanted = {v.name: v for v in graph.inputs if not v.is_initializer() and v.name not in filled}
     unknown = [name for name in wanted if name not in TEXT_INPUTS]
     if unknown:
         raise AttnRewriteError(

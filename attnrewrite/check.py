@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -23,19 +24,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.generate import forced_logits
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.onnx.inputs import first_that_runs, generate_inputs, model_around
+from attnrewrite.onnx.inputs import (
+    embedding_rows,
+    first_that_runs,
+    generate_inputs,
+    left_padding_pattern,
+    model_around,
+    prefill_parts,
+)
 from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.onnx.validate import make_session
-from attnrewrite.record import format_table, json_float, stage
+from attnrewrite.record import METADATA_KEY, format_table, json_float, stage
 
 DEFAULT_SEQ = 64
 DEFAULT_BATCH = 2
 TOP_K = 5
+DECODE_STEPS = 8  # a decoder's check feeds its last tokens one at a time, as generation does
 
 
 class FidelityBelowThreshold(AttnRewriteError):
@@ -307,6 +318,8 @@ class CheckInputs:
     seq: int | None = None  # the length they were generated at; None for given arrays
     # the same generation at another length, for a model that does not run at ``seq``
     regenerate: Callable[[int], CheckInputs] | None = None
+    # a decoder's check (decoder_inputs): its last tokens fed one at a time after a prefill
+    decode_steps: int | None = None
 
 
 def prepare_inputs(
@@ -337,6 +350,52 @@ def prepare_inputs(
     return CheckInputs(load_inputs(inputs, graph), str(inputs))
 
 
+def prepare_decoder_inputs(
+    model: ir.Model,
+    inputs: str | os.PathLike | dict[str, np.ndarray] | None = None,
+    *,
+    seq: int = DEFAULT_SEQ,
+    batch: int = DEFAULT_BATCH,
+    seed: int = 0,
+) -> CheckInputs:
+    """The inputs to compare a decoder and its recurrent rewrite on, which take different
+    carried values (KV caches, states): tokens and their mask (decoder_inputs), given (``inputs``)
+    or generated (``batch`` x ``seq`` ids spanning the vocabulary, rows after the first left
+    padded at their first 2 positions)."""
+    graph = model.graph
+    if inputs is None:
+        ids = next((v for v in graph.inputs if v.name == "input_ids"), None)
+        if ids is None:
+            raise AttnRewriteError("a decoder is checked as it generates, from input_ids: the model has no such input")
+        rng = np.random.default_rng(seed)
+        mask = left_padding_pattern([batch, seq], 2)
+        feeds = {"input_ids": rng.integers(0, embedding_rows(ids) or 2, (batch, seq)), "attention_mask": mask}
+        return decoder_inputs(feeds, f"generated (batch {batch}, seq {seq}, seed {seed})")
+    carried, positions = prefill_parts(graph)
+    if isinstance(inputs, dict):
+        source, feeds = "given arrays", conform(inputs, graph, "the given inputs", carried | positions)
+    else:
+        source, feeds = str(inputs), load_inputs(inputs, graph, carried | positions)
+    given = sorted(carried & set(feeds))
+    if given:
+        raise AttnRewriteError(
+            f"{source}: {given[0]!r}: a decoder is checked from an empty cache, on input_ids and attention_mask"
+        )
+    return decoder_inputs(feeds, source)
+
+
+def decoder_inputs(feeds: dict[str, np.ndarray], source: str) -> CheckInputs:
+    """Tokens (input_ids, attention_mask) a decoder is checked on as it generates: a prefill,
+    then the last DECODE_STEPS tokens one at a time (generate.forced_logits); the source says so."""
+    tokens = {name: feeds[name] for name in ("input_ids", "attention_mask") if name in feeds}
+    length = tokens["input_ids"].shape[-1]
+    if length < 2:
+        raise AttnRewriteError(f"{source}: a decoder's check needs at least 2 tokens per row, got {length}")
+    steps = min(DECODE_STEPS, length - 1)
+    said = f"{source}; a prefill of {length - steps} tokens, then {steps} one at a time"
+    return CheckInputs(tokens, said, decode_steps=steps)
+
+
 def _generated_shapes(graph: ir.Graph, feeds: dict[str, np.ndarray], seq: int) -> list[str]:
     """What was fed, not what was asked for: a batch fixed at 1 in the model is batch 1, and
     the sequence length only when some input has a symbolic length to take it."""
@@ -365,11 +424,28 @@ def check(
     as the run's stage "check" (record.stage), layer selection's trials too."""
     with stage("check"):
         if not isinstance(inputs, CheckInputs):
-            inputs = prepare_inputs(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
+            prepare = prepare_decoder_inputs if is_recurrent(rewritten) else prepare_inputs
+            inputs = prepare(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
         return _run_both(original, rewritten, inputs, threads)
 
 
+def is_recurrent(model) -> bool:
+    """Whether ``model`` (a path or a model) is a recurrent rewrite (--recurrent), by its record:
+    it takes states where its original takes KV caches."""
+    if isinstance(model, (str, os.PathLike)):
+        if not Path(model).is_file():
+            return False  # said by what opens it
+        model = onnx.load(os.fspath(model), load_external_data=False)
+    if isinstance(model, onnx.ModelProto):
+        text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    else:
+        text = model.metadata_props.get(METADATA_KEY)
+    return bool(text) and bool(json.loads(text).get("options", {}).get("recurrent"))
+
+
 def _run_both(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:
+    if inputs.decode_steps is not None:
+        return _run_both_decoding(original, rewritten, inputs, threads)
     with _session(original, "the original model", threads) as session:
         inputs, expected = _run_original(session, inputs, original)
     feeds = inputs.feeds
@@ -384,6 +460,21 @@ def _run_both(original, rewritten, inputs: CheckInputs, threads: int | None) -> 
             raise AttnRewriteError(f"the rewritten model has no output {name!r}")
         outputs.append(compare_outputs(name, value, actual[name]))
     return CheckReport(outputs, {k: list(v.shape) for k, v in feeds.items()}, inputs.source)
+
+
+def _run_both_decoding(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:
+    """The logits of every real token as each model generates them (generate.forced_logits),
+    compared as one output of [real tokens, vocab]."""
+    ids = inputs.feeds["input_ids"]
+    mask = inputs.feeds.get("attention_mask", np.ones_like(ids))
+    prefill = ids.shape[-1] - inputs.decode_steps
+    logits = []
+    for model, label in ((original, "the original model"), (rewritten, "the rewritten model")):
+        with _session(model, label, threads) as session:
+            logits.append(forced_logits(session, label, ids, mask, prefill))
+    real = mask != 0
+    output = compare_outputs("logits", logits[0][real], logits[1][real])
+    return CheckReport([output], {k: list(v.shape) for k, v in inputs.feeds.items()}, inputs.source)
 
 
 def _run_original(session, inputs: CheckInputs, original) -> tuple[CheckInputs, dict[str, np.ndarray]]:

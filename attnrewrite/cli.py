@@ -544,7 +544,7 @@ def _run(argv: list[str], run: _Run) -> int:
     _check_rewrite_arguments(args, model)
     settings = _settings(args)
     if settings.compares:
-        check_length_fits(model.graph, args)
+        check_length_fits(model.graph, args, from_empty_cache=settings.recurrent)
     _check_calibration_arguments(args)
     result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings, report)
     if args.layers != "auto":
@@ -632,7 +632,7 @@ def _check_command(args, run: _Run) -> int:
             onnx_io.check_output_path(args.report, model, what="report")
     with stage("load"):
         original = onnx_io.load_model(args.original)
-    check_length_fits(original.graph, args)
+    check_length_fits(original.graph, args, from_empty_cache=check_mod.is_recurrent(args.rewritten))
     fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=_check_seq(args))
     print(fidelity.table())
     if args.json:
@@ -677,12 +677,13 @@ def _bench_command(args) -> int:
     return 0
 
 
-def check_length_fits(graph, args) -> None:
+def check_length_fits(graph, args, from_empty_cache: bool = False) -> None:
     """Generated inputs of --seq tokens must fit the model's positions: said here in one line,
-    instead of onnxruntime's message from deep inside the embeddings."""
+    instead of onnxruntime's message from deep inside the embeddings. A decoder checked against
+    its recurrent rewrite starts ``from_empty_cache`` (check.prepare_decoder_inputs)."""
     if args.inputs is not None:
         return  # the user's own arrays: their length is theirs
-    limit = position_limit(graph)
+    limit = position_limit(graph, from_empty_cache)
     if limit is not None and _check_seq(args) > limit.positions:
         raise AttnRewriteError(
             f"--seq {_check_seq(args)} is too long: {limit.describe()}; use --seq {limit.positions} or less"

@@ -8,6 +8,7 @@ the model does not have, or floats for token ids are refused in one wording wher
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,8 @@ import onnx_ir as ir
 from attnrewrite.errors import AttnRewriteError
 
 
-def load_inputs(path: str | os.PathLike, graph: ir.Graph) -> dict[str, np.ndarray]:
-    """Arrays from a ``.npz`` keyed by input name, cast to each input's declared dtype."""
+def load_inputs(path: str | os.PathLike, graph: ir.Graph, optional: Collection[str] = ()) -> dict[str, np.ndarray]:
+    """Arrays from a ``.npz`` keyed by input name, cast to each input's declared dtype (see conform)."""
     path = Path(path)
     if not path.is_file():
         raise AttnRewriteError(f"{path}: no such file")
@@ -27,22 +28,27 @@ def load_inputs(path: str | os.PathLike, graph: ir.Graph) -> dict[str, np.ndarra
     except Exception as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         raise AttnRewriteError(f"{path}: not a .npz archive of arrays ({first})") from error
-    return conform(arrays, graph, str(path))
+    return conform(arrays, graph, str(path), optional)
 
 
-def conform(arrays: dict[str, np.ndarray], graph: ir.Graph, where: str) -> dict[str, np.ndarray]:
-    """Check the arrays cover the model's inputs (and only them); cast within a dtype kind
-    (int32 ids for an int64 input), refuse across kinds (floats for token ids). ``where`` names
-    the arrays in the messages."""
+def conform(
+    arrays: dict[str, np.ndarray], graph: ir.Graph, where: str, optional: Collection[str] = ()
+) -> dict[str, np.ndarray]:
+    """Check the arrays cover the model's inputs (and only them), but for the ``optional``
+    ones (which the caller fills where left out); cast within a dtype kind (int32 ids for an
+    int64 input), refuse across kinds (floats for token ids). ``where`` names the arrays in the
+    messages."""
     wanted = {v.name: v for v in graph.inputs if not v.is_initializer()}
     unknown = sorted(set(arrays) - set(wanted))
     if unknown:
         raise AttnRewriteError(f"{where}: {unknown[0]!r} is not an input of the model (inputs: {', '.join(wanted)})")
-    missing = [name for name in wanted if name not in arrays]
+    missing = [name for name in wanted if name not in arrays and name not in optional]
     if missing:
         raise AttnRewriteError(f"{where}: no array for input {missing[0]!r}")
     feeds = {}
     for name, value in wanted.items():
+        if name not in arrays:
+            continue
         array = np.asarray(arrays[name])
         dtype = value.dtype.numpy() if value.dtype is not None else array.dtype
         if array.dtype != dtype and not np.can_cast(array.dtype, dtype, casting="same_kind"):

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.inputs import positions_of
 
 # (carried input prefix, returned output prefix): optimum's and onnxruntime-genai's names, and
 # the names issue 26 first proposed for recurrent states
@@ -173,12 +174,6 @@ def _numpy_dtype(onnxruntime_type: str, name: str, label: str) -> np.dtype:
         raise AttnRewriteError(
             f"{label}: the input {name} is {onnxruntime_type}, which generate() cannot make"
         ) from None
-
-
-def positions_of(mask: np.ndarray) -> np.ndarray:
-    """As transformers' generate(): a token's position counts the real tokens before it; pads get 1."""
-    positions = np.cumsum(mask, axis=-1) - 1
-    return np.where(mask == 0, 1, positions)
 
 
 # --- the prompts, the choice of the next token --------------------------------------------------
@@ -350,6 +345,26 @@ def _first_line(error: Exception) -> str:
 
 
 # --- the loop ------------------------------------------------------------------------------------
+
+
+def forced_logits(session, label: str, ids: np.ndarray, mask: np.ndarray, prefill: int) -> np.ndarray:
+    """The logits [B, N, V] of every position of ``ids`` [B, N] (``mask`` 0 on left padding) as
+    generation computes them: the first ``prefill`` tokens in one call, then one token per call,
+    each fed what the call before returned (a model that carries nothing gets the whole
+    sequence so far); ``prefill`` >= 1. The fidelity check of a decoder compares two models by these."""
+    decoder = Decoder.of(session, label)
+    run = _host_runner(session, decoder)
+    state, pieces = decoder.initial_state(len(ids)), []
+    for step, end in enumerate(range(prefill, ids.shape[1] + 1)):
+        start = 0 if step == 0 else end - 1  # the tokens this call computes
+        fed = start if decoder.carried else 0
+        try:
+            logits, state = run(decoder.feeds(ids[:, fed:end], mask[:, :end], step), state)
+        except Exception as error:
+            when = "on the prefill" if step == 0 else f"at decoding step {step}"
+            raise AttnRewriteError(f"{label} fails to run {when}: {_first_line(error)}") from error
+        pieces.append(logits[:, start - end :])
+    return np.concatenate(pieces, axis=1)
 
 
 def generate(

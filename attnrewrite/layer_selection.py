@@ -22,7 +22,7 @@ from typing import Any
 import onnx_ir as ir
 
 from attnrewrite import check as check_mod
-from attnrewrite.check import CheckInputs, FidelityBelowThreshold
+from attnrewrite.check import CheckInputs, FidelityBelowThreshold, decoder_inputs
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
@@ -208,9 +208,10 @@ def select_onnx(
     return model, record, selection
 
 
-def hold_out_for_selection(calibration, graph: ir.Graph) -> tuple[Any, CheckInputs]:
+def hold_out_for_selection(calibration, graph: ir.Graph, decoding: bool = False) -> tuple[Any, CheckInputs]:
     """Layer selection with calibration data and no inputs of its own: the last batch of the
-    data measures the costs and is never fitted on; the batches before it are fitted on.
+    data measures the costs and is never fitted on; the batches before it are fitted on (a
+    decoder, ``decoding``, is measured as it generates: check.decoder_inputs).
     Returns (the calibration to fit with, the inputs to measure on)."""
     from attnrewrite.calibration import onnx_calibration
 
@@ -224,7 +225,8 @@ def hold_out_for_selection(calibration, graph: ir.Graph) -> tuple[Any, CheckInpu
     rows = next(iter(held.values())).shape[0]
     # rebuilt from the fitted batches, so the record's examples and sha256 describe what was fitted
     fit = dataclasses.replace(onnx_calibration(list(fitted), graph), **settings)
-    return fit, CheckInputs(held, f"the last {rows} calibration examples (not fitted on)")
+    source = f"the last {rows} calibration examples (not fitted on)"
+    return fit, (decoder_inputs(held, source) if decoding else CheckInputs(held, source))
 
 
 def _sortable(value: float) -> float:

@@ -32,7 +32,6 @@ from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import sequence_length
-from attnrewrite.onnx.recurrent import NO_CALIBRATION
 from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
@@ -155,8 +154,9 @@ class Result:
 
     @property
     def given_inputs(self) -> dict | None:
-        """The user's own arrays (not generated, not held out of the calibration data)."""
-        return self.inputs.feeds if self.settings.inputs is not None else None
+        """The user's own arrays (not generated, not held out of the calibration data), which
+        the original runs on (a recurrent rewrite's are tokens only: check.decoder_inputs)."""
+        return self.inputs.feeds if self.settings.inputs is not None and not self.settings.recurrent else None
 
 
 def rewrite(source: Source, settings: Settings, report: Report | None = None) -> Result:
@@ -167,18 +167,16 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     report.thresholds = {"min_cosine": settings.min_cosine, "min_agreement": settings.min_agreement}
     if settings.layers == "auto" and settings.min_cosine is None:
         raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
-    if settings.recurrent and settings.calibrate is not None:
-        raise AttnRewriteError(NO_CALIBRATION)
     with stage("load"):
         model = source.load()
     inputs = original = None
-    if settings.recurrent and settings.compares:
-        report.notes.append(_recurrent_check_note(settings))
-    if settings.compares and not settings.recurrent:
+    if settings.compares:
         with stage("check"):  # from the original's signature, before the rewrite changes the model in place
-            inputs = check_mod.prepare_inputs(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
+            # a recurrent model takes states where the original takes caches: both are run as they generate
+            prepare = check_mod.prepare_decoder_inputs if settings.recurrent else check_mod.prepare_inputs
+            inputs = prepare(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
             original = source.original()
-    given = inputs.feeds if settings.inputs is not None else None
+    given = inputs.feeds if settings.inputs is not None and not settings.recurrent else None  # Result.given_inputs
     fitting, inputs = _calibration(settings, model.graph, inputs)
     options = {
         **settings.options,
@@ -207,22 +205,6 @@ def _rewrite(source: Source, model: ir.Model, settings: Settings, options: dict,
     )
 
 
-RECURRENT_CHECK = (
-    "the fidelity check was skipped: a recurrent model takes states where the original takes KV caches, so the "
-    "two do not run on the same inputs; compare it with the parallel rewrite of the model's no-cache export"
-)
-
-
-def _recurrent_check_note(settings: Settings) -> str:
-    """--check on a recurrent rewrite is skipped (RECURRENT_CHECK); what it would gate is refused."""
-    if settings.min_cosine is not None or settings.min_agreement is not None or settings.inputs is not None:
-        raise AttnRewriteError(
-            "--min-cosine, --min-agreement and --inputs compare the rewritten model with the original on the same "
-            "inputs, which a recurrent model does not take (states instead of KV caches): use --check alone"
-        )
-    return RECURRENT_CHECK
-
-
 def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | None:
     """The length the mask probe starts from: ``seq``, or that of the user's inputs, else its own."""
     return seq or (sequence_length(graph, given) if given is not None else None)
@@ -245,7 +227,7 @@ def _calibration(settings: Settings, graph: ir.Graph, inputs: CheckInputs | None
             **settings.calibration_settings(),
         )
         if settings.layers == "auto" and settings.inputs is None:
-            return hold_out_for_selection(fitting, graph)
+            return hold_out_for_selection(fitting, graph, decoding=settings.recurrent)
         return fitting, inputs
 
 

@@ -198,26 +198,6 @@ def test_cli_writes_a_model_that_takes_states(decoder_exports, tmp_path, capsys)
     ]
 
 
-def test_cli_check_on_a_recurrent_rewrite_is_skipped_with_a_note(decoder_exports, tmp_path):
-    from attnrewrite import pipeline  # noqa: PLC0415
-
-    cached = decoder_exported(decoder_exports, "gpt2", "legacy")
-    settings = pipeline.Settings("linear", recurrent=True, check=True)
-    result = pipeline.run(str(cached.path), settings)
-    assert result.fidelity is None
-    assert pipeline.RECURRENT_CHECK in result.report.notes
-
-
-def test_gates_that_compare_with_the_original_are_refused(decoder_exports):
-    from attnrewrite.errors import AttnRewriteError  # noqa: PLC0415
-
-    cached = decoder_exported(decoder_exports, "gpt2", "legacy")
-    with pytest.raises(AttnRewriteError, match="--min-cosine, --min-agreement and --inputs compare the rewritten"):
-        attnrewrite.rewrite(str(cached.path), "linear", recurrent=True, min_cosine=0.9)
-    with pytest.raises(AttnRewriteError, match="--calibrate does not work with --recurrent yet"):
-        attnrewrite.rewrite(str(cached.path), "linear", recurrent=True, calibrate=[{}])
-
-
 def test_a_cache_read_by_anything_else_refuses_the_model_in_words(decoder_exports):
     cached = decoder_exported(decoder_exports, "gpt2", "legacy")
     model = cached.load()

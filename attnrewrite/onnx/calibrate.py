@@ -26,6 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.io import saved_copy
 from attnrewrite.onnx.validate import make_session
 from attnrewrite.record import SiteOutcome
@@ -42,13 +43,14 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
     device = _fitting_device()
+    batches = [with_prefill_inputs(model.graph, feeds) for feeds in calibration.batches]  # a recurrent model's states
     with _collecting(model, sites) as runs:
-        held = [{} for _ in calibration.batches]  # per batch: values an earlier run gave the next cut
+        held = [{} for _ in batches]  # per batch: values an earlier run gave the next cut
         for index, site in enumerate(sites):
             session, cut = runs.session_for(index)
             samples = SiteSamples()
             fitted = {name: array for earlier in sites[:index] for name, array in earlier.feeds().items()}
-            for number, feeds in enumerate(calibration.batches):
+            for number, feeds in enumerate(batches):
                 given = {name: held[number][name] for name in cut.given}
                 q, k, v, keep, *carried = _run(session, site.outputs + cut.carry, {**feeds, **fitted, **given})
                 held[number] = {**given, **dict(zip(cut.carry, carried))}
@@ -94,7 +96,11 @@ def _fit_end_to_end(whole, sites: list[_Site], calibration) -> dict:
     def fitted_stand_in(module):
         return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)
 
-    batches = [part for feeds in calibration.batches for part in split_batch(feeds, EXAMPLES_PER_STEP)]
+    batches = [
+        with_prefill_inputs(whole.graph, part)  # cut before a recurrent model's states: a scalar one has no batch
+        for feeds in calibration.batches
+        for part in split_batch(feeds, EXAMPLES_PER_STEP)
+    ]
     exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
     targets = [whole.run(feeds, exact) for feeds in batches]
     fitted = {s.call: fitted_stand_in(s.module) for s in sites}
@@ -117,8 +123,9 @@ class _Site:
         self.module = module
         self.call = call
         state = set(module.state_dict())
-        # the call reads (q, k, v, key_keep, *constants), constants in the lowering's order
-        self.constants = {name: value for name, value in zip(constant_names, call.inputs[4:]) if name in state}
+        # the call reads (q, k, v, key_keep, *state, *constants), constants last in the lowering's order
+        constants = call.inputs[len(call.inputs) - len(constant_names) :]
+        self.constants = {name: value for name, value in zip(constant_names, constants) if name in state}
         self.outputs = [f"attnrewrite/calibrate/{outcome.site.name}/{role}" for role in ROLES]
 
     def fitted(self) -> dict[ir.Value, np.ndarray]:

@@ -108,8 +108,55 @@ class CacheContract:
         new = shape[-1]
         if mask is None or mask.ndim != 2 or mask.shape[0] != shape[0]:
             return np.broadcast_to(np.arange(self.past, self.past + new), shape)
-        positions = np.cumsum(mask, axis=-1) - 1
-        return np.where(mask == 0, 1, positions)[:, -new:]  # what transformers' generate() feeds
+        return positions_of(mask)[:, -new:]
+
+
+def positions_of(mask: np.ndarray) -> np.ndarray:
+    """As transformers' generate(): a token's position counts the real tokens before it; pads get 1."""
+    positions = np.cumsum(mask, axis=-1) - 1
+    return np.where(mask == 0, 1, positions)
+
+
+def prefill_filled(graph: ir.Graph) -> frozenset[str]:
+    """The inputs of a decoder (a KV-cache model or its recurrent rewrite) that a prefill from
+    nothing fills itself (with_prefill_inputs): the caches or states and the position ids. Data
+    for a decoder is its tokens and their mask, as a tokenizer gives them."""
+    carried, positions = prefill_parts(graph)
+    return frozenset({*carried, *positions})
+
+
+def prefill_parts(graph: ir.Graph) -> tuple[set[str], set[str]]:
+    """(the caches and states, the position ids) of a decoder; nothing for another model."""
+    contract = cache_contract(graph)
+    carried = {*(contract.past_axes if contract is not None else ()), *recurrent_state_inputs(graph)}
+    if not carried:
+        return set(), set()
+    return carried, {v.name for v in CacheContract.position_inputs(graph)} - carried
+
+
+def with_prefill_inputs(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` completed for a prefill from nothing, where they leave an input of
+    prefill_filled out: the KV caches empty (past length 0), the states zero (their start), the
+    position ids counting each row's real tokens (the attention mask's ones)."""
+    carried, positions = prefill_parts(graph)
+    filled = (carried | positions) - set(feeds)
+    if not filled:
+        return feeds
+    tokens = next(iter(feeds.values()))
+    batch, length = tokens.shape[0], tokens.shape[-1]
+    mask = feeds.get("attention_mask")
+    completed = dict(feeds)
+    for value in graph.inputs:
+        if value.name not in filled:
+            continue
+        dtype = value.dtype.numpy()
+        if value.name in positions:
+            counted = positions_of(mask) if mask is not None else np.broadcast_to(np.arange(length), (batch, length))
+            completed[value.name] = np.ascontiguousarray(counted, dtype)
+        else:  # a cache's symbolic past axis is 0 long, a state's only symbolic axis is the batch
+            shape = [d if isinstance(d, int) else (batch if axis == 0 else 0) for axis, d in enumerate(value.shape)]
+            completed[value.name] = np.zeros(shape, dtype)
+    return completed
 
 
 def recurrent_state_inputs(graph: ir.Graph) -> set[str]:

@@ -35,12 +35,13 @@ class PositionLimit:
         return said + (f", {self.past} of them taken by the generated KV cache" if self.past else "")
 
 
-def position_limit(graph: ir.Graph) -> PositionLimit | None:
-    """The smallest such limit in the main graph, or None when none is found."""
+def position_limit(graph: ir.Graph, from_empty_cache: bool = False) -> PositionLimit | None:
+    """The smallest such limit in the main graph, or None when none is found; the positions a
+    generated KV cache takes are not free, but where the inputs start ``from_empty_cache``."""
     limits = [limit for node in graph if (limit := _slice_limit(node) or _gather_limit(node)) is not None]
     limit = min(limits, key=lambda limit: limit.positions, default=None)
     contract = cache_contract(graph) if limit is not None else None
-    if contract is None:
+    if contract is None or from_empty_cache:
         return limit
     return dataclasses.replace(limit, positions=limit.positions - contract.past, past=contract.past)
 

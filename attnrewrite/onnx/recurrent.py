@@ -30,7 +30,6 @@ from attnrewrite.passes import recurrent
 from attnrewrite.passes._onnx import DOMAIN, OnnxLowering
 
 PAST_LENGTH = "the attention mask's length minus input_ids' length"
-NO_CALIBRATION = "--calibrate does not work with --recurrent yet: calibrate the parallel rewrite"
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
 
 
@@ -59,14 +58,18 @@ def interface_refusal(graph: ir.Graph, sites: list[OnnxSite]) -> tuple[Interface
 
 
 def _site_refusal(s: OnnxSite) -> str | None:
+    """Why the site's shapes cannot fix its state's sizes, naming the site (the reason refuses
+    every site of the model)."""
     site = s.site
     if site.rank != 4 or _query_heads(s) is None:
-        return "--recurrent needs q as [batch, heads, seq, head_dim] with a known number of heads"
-    if site.head_dim is None or site.value_dim is None:
-        return "--recurrent needs the head dims known: the state's sizes are fixed"
-    if _static_dims(s.key_cache.past) is None:
+        needed = "q as [batch, heads, seq, head_dim] with a known number of heads"
+    elif site.head_dim is None or site.value_dim is None:
+        needed = "the head dims known (the state's sizes are fixed)"
+    elif _static_dims(s.key_cache.past) is None:
         return f"--recurrent needs the KV cache {s.key_cache.past.name!r}'s heads and head dim fixed"
-    return None
+    else:
+        return None
+    return f"--recurrent needs {needed}, which the shapes at {site.name!r} do not say"
 
 
 def _past_readers_refusal(s: OnnxSite) -> str | None:
@@ -117,7 +120,7 @@ class RecurrentSplicer(Splicer):
         self.state_inputs: list[str] = []
         self._caches: list[CachedTensor] = []
 
-    def splice_recurrent(self, s: OnnxSite, lowering: OnnxLowering, options) -> str:
+    def splice_recurrent(self, s: OnnxSite, lowering: OnnxLowering, options, own: frozenset[str] = frozenset()) -> str:
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
         heads = _query_heads(s)
@@ -125,7 +128,7 @@ class RecurrentSplicer(Splicer):
         k, v = (self._repeated_heads(c, heads, new_nodes) for c in (s.key_cache, s.value_cache))
         description = recurrent.state_description(s.site, options)
         inputs, outputs = self._state_values(s, description, heads, options)
-        constants = [self._constant(f"{s.site.name}/{name}", array) for name, array in lowering.constants.items()]
+        constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
@@ -196,9 +199,11 @@ class RecurrentSplicer(Splicer):
         for cache in self._caches:
             if cache.output is not None and cache.output in self.graph.outputs:
                 self.graph.outputs.remove(cache.output)
-            for node in [use.node for use in cache.node.outputs[0].uses() if use.node.op_type == "Shape"]:
+            if cache.present is None:  # a fused operator that returns no present
+                continue
+            for node in [use.node for use in cache.present.uses() if use.node.op_type == "Shape"]:
                 self._read_shape(node, functools.partial(self._cache_shape, cache, False))
-            for node in _shape_readers_through_layout(cache.node.outputs[0]):
+            for node in _shape_readers_through_layout(cache.present):
                 self._read_shape(node, functools.partial(self._shape_of_dims, known_dims(node.inputs[0])))
         self._remove_dead([c.node for c in self._caches])
         for cache in self._caches:

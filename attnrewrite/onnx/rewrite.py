@@ -8,11 +8,10 @@ import json
 import onnx_ir as ir
 
 from attnrewrite import decision, passes
-from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
-from attnrewrite.onnx.recurrent import NO_CALIBRATION, RecurrentSplicer, interface_refusal
+from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.passes._onnx import DOMAIN
@@ -62,8 +61,6 @@ def rewrite_model(
         from attnrewrite.calibration import require_fittable
 
         require_fittable(method, opts, calibration.ce_weight)
-        if recurrent:
-            raise AttnRewriteError(NO_CALIBRATION)
     model = infer_shapes(model)
     sites = analyze(model, seq)
     decisions = [decision.refusal(s.site, method, opts, layers, include_single_query, recurrent) for s in sites]
@@ -114,11 +111,12 @@ def rewrite_model(
 def _replace(splicer: Splicer, s: OnnxSite, method, opts, opset: int, weights: dict | None):
     """(the lowering, the replacement's op) of the site spliced: its recurrent form for a
     RecurrentSplicer."""
+    own = frozenset(weights or ())  # fitted per site: never shared, though they start equal
     if isinstance(splicer, RecurrentSplicer):
-        lowering = recurrent_lowering(s.site, opts, opset)
-        return lowering, splicer.splice_recurrent(s, lowering, opts)
+        lowering = recurrent_lowering(s.site, opts, opset, weights)
+        return lowering, splicer.splice_recurrent(s, lowering, opts, own)
     lowering = method.onnx_lowering(s.site, opts, opset, weights=weights)
-    return lowering, splicer.splice(s, lowering, own=frozenset(weights or ()))
+    return lowering, splicer.splice(s, lowering, own)
 
 
 def _splicer(model: ir.Model, sites: list[OnnxSite], decisions: list[str | None], recurrent: bool):

@@ -56,8 +56,7 @@ class Splicer:
             raise Unsupported("the key padding mask's rank is unknown")
 
     def splice(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str] = frozenset()) -> str:
-        """``own``: names of constants this site must not share with another (values that
-        calibration will fit per site, though they start equal)."""
+        """``own``: names of constants this site must not share with another (site_constants)."""
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
         if s.packing is not None:
@@ -70,12 +69,7 @@ class Splicer:
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
             k, v = self._broadcast_to_queries(k, q, new_nodes), self._broadcast_to_queries(v, q, new_nodes)
         key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
-        constants = [
-            self._initializer(f"{s.site.name}/{name}", array)
-            if name in own
-            else self._constant(f"{s.site.name}/{name}", array)
-            for name, array in lowering.constants.items()
-        ]
+        constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
@@ -302,6 +296,16 @@ class Splicer:
         node = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array))], num_outputs=1)
         self.graph.insert_before(self.graph.node(0), node) if self.graph.num_nodes() else self.graph.append(node)
         return node.outputs[0]
+
+    def site_constants(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str]) -> list[ir.Value]:
+        """The lowering's constants as initializers, shared with other sites where equal, but for
+        those in ``own`` (values that calibration will fit per site, though they start equal)."""
+        return [
+            self._initializer(f"{s.site.name}/{name}", array)
+            if name in own
+            else self._constant(f"{s.site.name}/{name}", array)
+            for name, array in lowering.constants.items()
+        ]
 
     def _constant(self, name: str, array: np.ndarray) -> ir.Value:
         """An initializer holding `array`: the one already added with the same content, if any."""

@@ -32,6 +32,8 @@ class TorchGraph:
             if value.const_value is not None
         }
         self.spent = _spent_after(graph)
+        # what is fitted on: the model's outputs, not the states a recurrent replacement returns
+        self.outputs = [v for v in graph.outputs if v.producer() not in calls]
 
     def run(self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object]) -> list[torch.Tensor]:
         """The graph's floating-point outputs on ``feeds``, ``stand_ins[call](q, k, v,
@@ -49,7 +51,7 @@ class TorchGraph:
                 values[value.name] = tensor
             for name in self.spent.get(node, ()):  # kept only as long as a later node reads it
                 del values[name]
-        results = [values[v.name] for v in self.graph.outputs]
+        results = [values[v.name] for v in self.outputs]
         return [t for t in results if t.is_floating_point()]
 
 
