@@ -374,11 +374,18 @@ def _with_contrib_shapes(model: ir.Model) -> ir.Model:
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+        # its infer_shapes() saves the model into the working directory where some shape stays
+        # unknown, and raises: the same loop here keeps what it found and writes nothing
+        inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
         with contextlib.redirect_stdout(None):
-            inferred = SymbolicShapeInference.infer_shapes(ir.serde.serialize_model(model), auto_merge=True)
+            inference._preprocess(ir.serde.serialize_model(model))
+            while inference.run_:
+                inference._infer_impl()
+            inference._update_output_from_vi()
+        inferred = from_proto(inference.out_mp_)
     except Exception:
         return model
-    return _keeping_base_dir(model, from_proto(inferred))
+    return _keeping_base_dir(model, inferred)
 
 
 def default_opset(model: ir.Model) -> int:
