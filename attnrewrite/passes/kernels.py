@@ -882,7 +882,8 @@ def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float
         n = op.Shape(v, start=1, end=2)
         f = op.Shape(phi_q, start=2)
         dv = op.Shape(v, start=2)
-        c = op.Constant(value_ints=[chunk])
+        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
+        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
         zero = op.Constant(value_ints=[0])
         minus_one = op.Constant(value_ints=[-1])
         chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
@@ -936,7 +937,8 @@ def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, e
         n = op.Shape(v, start=1, end=2)
         f = op.Shape(phi_q, start=2)
         dv = op.Shape(v, start=2)
-        c = op.Constant(value_ints=[chunk])
+        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
+        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
         zero = op.Constant(value_ints=[0])
         one = op.Constant(value_ints=[1])
         minus_one = op.Constant(value_ints=[-1])
@@ -1522,7 +1524,8 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
         n = op.Shape(v, start=1, end=2)
         f = op.Shape(phi_q, start=2)
         dv = op.Shape(v, start=2)
-        c = op.Constant(value_ints=[chunk])
+        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
+        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
         zero, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])
         chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
         pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
@@ -1566,7 +1569,8 @@ def causal_rescaled_linear_attention_from_state_functions(opset_version: int, ch
         n = op.Shape(v, start=1, end=2)
         f = op.Shape(phi_q, start=2)
         dv = op.Shape(v, start=2)
-        c = op.Constant(value_ints=[chunk])
+        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
+        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
         zero, one, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[-1])
         lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
         no_more = op.Constant(value_float=0.0)
