@@ -5,6 +5,7 @@ the same attention shapes, and a long-sequence memory check. Writes bench/RESULT
     python bench/run_benchmarks.py --quick             # 128..1024, 2 repeats: to try the script
     python bench/run_benchmarks.py --lengths 4096 --attention-rows softmax,hedgehog,hedgehog:window=32
                                                        # a few attention-only rows, printed
+    python bench/run_benchmarks.py --decode            # decoding: KV cache vs recurrent (bench/decode.py)
 
 Everything runs on CPU, fp32, batch 1, ``--threads`` intra-op threads (2), each configuration
 in a fresh process (see attnrewrite/bench.py for why and how memory is measured):
@@ -59,6 +60,7 @@ FEATURES = 256  # favor's m, performer's nb_features, linformer's k
 ATTENTION_VARIANTS = ("linear:window=32", "hedgehog:window=32")
 
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"
+DECODING_MARKERS = ("<!-- DECODING -->", "<!-- /DECODING -->")  # bench/decode.py's section
 
 
 def method_options(method: str, lengths: list[int]) -> dict:
@@ -248,7 +250,18 @@ def main(argv: list[str] | None = None) -> int:
         "(softmax, a method, or method:option=value, e.g. hedgehog:window=32; several options joined by +): "
         "print its tables, write no file",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="only the decoding benchmark (bench/decode.py): a Llama-shaped decoder's KV cache against its "
+        "recurrent hedgehog rewrites; --lengths are its contexts (default 1024,4096,16384,65536); writes the "
+        "Decoding section of --output and decode.png and decode.json beside it",
+    )
     args = parser.parse_args(argv)
+    if args.decode:
+        import decode
+
+        return decode.main(args)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     lengths = args.lengths or ([128, 256, 512, 1024] if args.quick else bench.DEFAULT_LENGTHS)
     config = bench.BenchConfig(
@@ -325,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             previous_analysis(args.output),
             list(plots),
         )
-        args.output.write_text(report)
+        args.output.write_text(report + previous_block(args.output, *DECODING_MARKERS))
         raw = {
             "machine": {"start": started, "end": ended},
             "config": dataclasses.asdict(config),
@@ -535,6 +548,15 @@ def machine_state() -> dict:
         "python": sys.version.split()[0],
         "versions": versions,
     }
+
+
+def previous_block(path: Path, start: str, end: str) -> str:
+    """The text between ``start`` and ``end`` in ``path`` (markers included, on a line of its
+    own), or nothing: another writer's section (--decode's) kept when the file is regenerated."""
+    text = path.read_text() if path.exists() else ""
+    if start not in text or end not in text:
+        return ""
+    return "\n" + text[text.index(start) : text.index(end) + len(end)] + "\n"
 
 
 def previous_analysis(path: Path) -> str | None:

@@ -3,6 +3,7 @@ the crossover, and the CUDA paths on a machine without CUDA."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from models import load_bench_module
 from onnx import TensorProto, helper, numpy_helper
 
 from attnrewrite import bench
@@ -337,3 +339,81 @@ def test_trials_pool_the_runs_of_fresh_processes():
     for m in result.measurements:
         assert m.status == "ok" and len(m.times_s) == 2  # one timed run from each process
     assert "median of 2 runs (2 processes x 1 after 1 warm-up)" in result.table()
+
+
+def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path):
+    """bench/decode.py (run_benchmarks.py --decode but its argument parsing) on a tiny Llama: the
+    Decoding section joins RESULTS.md and the rest is kept; its tables and targets hold the
+    numbers measured; the bytes carried are those of a KV cache of C + 1 positions and of a
+    recurrent state, the same at every C."""
+    decode = load_bench_module("decode")
+    shape = decode.Shape(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=100, max_positions=128)
+    settings = decode.Settings(
+        shape=shape, contexts=(16, 32), prefill=(16,), threads=1, steps=2, warmup=1, prefill_runs=2
+    )
+    report = tmp_path / "RESULTS.md"
+    report.write_text("# Benchmark results\n\nthe other sections\n")
+    results = decode.run(settings, report, cache=tmp_path / "exports")
+
+    # layers x (key, value) x [2 kv heads, C + 1, head_dim 8], fp32
+    kv_bytes = {c: 2 * 2 * (2 * (c + 1) * 8) * 4 for c in (16, 32)}
+    # layers x (kernel state [4 heads, F = 2 x 8 features, 8] + normaliser [4 heads, F]), fp32
+    state_bytes = 2 * (4 * 16 * 8 + 4 * 16) * 4
+    assert results.carried["original"] == kv_bytes
+    assert results.carried["hedgehog"] == {16: state_bytes, 32: state_bytes}
+    assert results.carried["hedgehog-w"][16] == results.carried["hedgehog-w"][32] > state_bytes
+    decoding = [(key, c) for c in (16, 32) for key in ("original", "hedgehog", "hedgehog-w")]
+    assert [(m.variant, m.n) for m in results.steps] == decoding
+    assert [m.variant for m in results.prefill] == [v.key for v in decode.VARIANTS]
+    for m in results.steps + results.prefill:
+        assert m.status == "ok" and len(m.times_s) == 2 and m.median_s > 0
+
+    text = report.read_text()
+    assert text.startswith(
+        "# Benchmark results\n\nthe other sections\n\n<!-- DECODING -->\n## Decoding\n\n"
+        "Written by `python bench/run_benchmarks.py --decode` ("
+    )
+    assert text.endswith("![decode.png](decode.png)\n\n<!-- /DECODING -->\n")
+    steps = _table_rows(text, "### Per-token decoding step, ms")
+    assert [row[0] for row in steps] == ["16", "32"]
+    for row, c in zip(steps, (16, 32)):
+        for cell, key in zip(row[1:], ("original", "hedgehog", "hedgehog-w")):
+            assert float(cell.split(" (")[0]) == pytest.approx(results.step_ms(key, c), abs=0.051)
+    sizes = _table_rows(text, "### Cache or state carried per step, MiB")
+    assert [row[:3] for row in sizes] == [["16", "0.0042", "0.0044 (0.9x)"], ["32", "0.0081", "0.0044 (1.8x)"]]
+    [prefill] = _table_rows(text, "### Prefill, ms")
+    assert prefill[0] == "16" and len(prefill) == 6 and "x the parallel's)" in prefill[2]
+
+    targets = _table_rows(text, "### Targets (issue 26)")
+    assert len(targets) == 8 and all(row[2] in ("**met**", "**not met**") for row in targets)
+    assert [
+        "hedgehog, recurrent: state >= 50x smaller than the KV cache at C=32",
+        "KV cache 0.0081 MiB / state 0.0044 MiB = 1.8x",
+        "**not met**",
+    ] in targets
+    flat = next(row for row in targets if row[0].startswith("hedgehog, recurrent: step latency flat within 15%"))
+    change = results.step_ms("hedgehog", 32) / results.step_ms("hedgehog", 16) - 1
+    assert flat[1].endswith(f"({change:+.0%})") and flat[2] == ("**met**" if abs(change) <= 0.15 else "**not met**")
+
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["schema"] == "attnrewrite.decode-bench/1" and data["settings"]["contexts"] == [16, 32]
+    assert [(d["variant"], d["n"], d["carried_bytes"]) for d in data["decode"]] == [
+        (key, c, results.carried[key][c]) for key, c in decoding
+    ]
+    assert [t["reached"] for t in data["targets"]] == [row[2] == "**met**" for row in targets]
+    assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
+
+    decode.write_section(report, "<!-- DECODING -->\nagain\n<!-- /DECODING -->")  # a rerun replaces it
+    assert (
+        report.read_text()
+        == "# Benchmark results\n\nthe other sections\n\n<!-- DECODING -->\nagain\n<!-- /DECODING -->\n"
+    )
+
+
+def _table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the first Markdown table after ``heading``, its header and rule left out."""
+    after = text.split(heading + "\n", 1)[1].splitlines()
+    table = itertools.takewhile(
+        lambda line: line.startswith("|"), itertools.dropwhile(lambda line: not line.startswith("|"), after)
+    )
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in list(table)[2:]]
