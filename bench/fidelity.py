@@ -45,6 +45,7 @@ from attnrewrite.onnx.validate import make_session
 WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
+DECODERS_MARKERS = ("<!-- DECODERS -->", "<!-- /DECODERS -->")  # bench/decoder_fidelity.py's section
 MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected")
 SELECTED = ("selected", "calibrated+selected")
 CALIBRATION_BATCH = 8
@@ -378,7 +379,7 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
     if results.get("calibration"):
         lines += ["", f"Calibrated rows: {results['calibration']}."]
-    lines += ["", _kept_analysis(path)]
+    lines += ["", _kept_analysis(path), *_kept_decoders(path)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -403,6 +404,15 @@ def _kept_analysis(path: Path) -> str:
     if ANALYSIS_START in text and ANALYSIS_END in text:
         return text[text.index(ANALYSIS_START) : text.index(ANALYSIS_END) + len(ANALYSIS_END)]
     return f"{ANALYSIS_START}\n{ANALYSIS_END}"
+
+
+def _kept_decoders(path: Path) -> list[str]:
+    """bench/decoder_fidelity.py's section, kept when this script rewrites the file."""
+    text = path.read_text() if path.is_file() else ""
+    start, end = DECODERS_MARKERS
+    if start not in text or end not in text:
+        return []
+    return ["", text[text.index(start) : text.index(end) + len(end)]]
 
 
 def _order(name: str) -> int:
