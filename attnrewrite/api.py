@@ -33,6 +33,7 @@ def rewrite(
     calibrate_end_to_end: int = 0,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = calibration.DEFAULT_MAX_LENGTH,
+    calibrate_pack: bool = True,
     min_cosine: float | None = None,
     min_agreement: float | None = None,
     inputs: str | os.PathLike | dict | None = None,
@@ -84,10 +85,15 @@ def rewrite(
     hedgehog). ``calibrate_end_to_end``: then fit all replacements together for that many steps
     (one batch each) so that the model's outputs match the original's; the record's
     ``end_to_end`` says how it went. For ONNX: an ``.npz`` path (arrays by input name), a text
-    file path (one text per line, made into inputs by ``tokenizer``, a tokenizer.json, truncated
-    to ``max_length`` tokens), a dict of arrays (batch axis stacked) or a list of such dicts. For
-    torch: a list of example inputs, each a tuple of positional arguments or a dict of keyword
-    arguments.
+    file path (one text per line, made into inputs by ``tokenizer``, a tokenizer.json: with
+    ``calibrate_pack`` consecutive texts joined into passages of at most ``max_length`` tokens,
+    framed as the tokenizer frames a pair; without, one text per example; a longer text is cut
+    and counted in the record), a dict of arrays (batch axis stacked) or a list of such dicts. A
+    part of ONNX data (the last batch or 10%, from 20 examples up) is held out and never fitted
+    on: where the fitted values leave the whole model further from the original there than the
+    zero-shot ones, the zero-shot ones are kept (each site's ``calibration.held_out`` says both
+    figures). For torch: a list of example inputs, each a tuple of positional arguments or a
+    dict of keyword arguments.
     """
     settings = pipeline.Settings(
         method=to,
@@ -108,6 +114,7 @@ def rewrite(
         calibrate_end_to_end=calibrate_end_to_end,
         tokenizer=tokenizer,
         max_length=max_length,
+        calibrate_pack=calibrate_pack,
     )
     if not _is_onnx(model):
         return _rewrite_torch(model, settings)

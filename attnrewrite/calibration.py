@@ -4,13 +4,19 @@
 does the fitting; the ONNX and FX frontends only collect each site's q, k, v and key_keep).
 DATA is model inputs: an ``.npz`` keyed by input name (batch axis stacked), a text file (one
 text per line) made into token ids by a ``tokenizers`` tokenizer.json, or arrays / tensors given
-to the API. The record keeps, per site, the loss before and after, the steps, how much data was
-used and a sha256 of it, never the data.
+to the API. Text is packed by default: consecutive texts joined into passages of the length
+asked for (TextData says what was done). The record keeps, per site, the loss before and after,
+the steps, how much data was used and a sha256 of it, never the data; what the kernel part of a
+window saw (passes.fit.far_key_coverage); and the guard's figures: from GUARD_MIN_EXAMPLES
+examples up, a part of the data is held out (held_out_split, HeldOut), never fitted on, and the
+fitted values are kept only where the whole model is no further from the original there than
+with the zero-shot ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -24,7 +30,7 @@ import onnx_ir as ir
 from attnrewrite import passes
 from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.onnx.inputs import prefill_filled, with_prefill_inputs
+from attnrewrite.onnx.inputs import model_around, prefill_filled, with_prefill_inputs
 from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
 
 DEFAULT_MAX_LENGTH = 256
@@ -32,6 +38,12 @@ BATCH_SIZE = 8  # examples per onnxruntime run while collecting
 # inputs a tokenizer's encoding gives, by the names models use for them
 TEXT_INPUTS = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
 NPZ_MAGIC = b"PK\x03\x04"
+LOW_COVERAGE = 0.25  # below this share of queries seeing far keys, the kernel part was barely fitted: said
+# The guard (HeldOut) holds out the last batch or this share of the examples, whichever is larger,
+# where the data has at least GUARD_MIN_EXAMPLES: a figure on one or two examples judges noise,
+# and a small data set needs every example to fit on.
+HELD_OUT_SHARE = 0.1
+GUARD_MIN_EXAMPLES = 20
 
 
 @dataclasses.dataclass
@@ -49,6 +61,11 @@ class Calibration:
     ce_weight: float = 0.0
     end_to_end: int = 0  # steps fitting all sites together on the model's outputs (passes.fit.fit_end_to_end)
     progress: Callable[[str], None] | None = None
+    text: TextData | None = None  # for text data: how the lines became examples
+    held_out: HeldOut | None = None  # what the guard compares on (never fitted on); None: no guard
+
+    def say(self, line: str) -> None:
+        (self.progress or _to_stderr)(line)
 
     def report(self, index: int, total: int, layer, result) -> dict[str, Any]:
         """Say how site ``index`` went (stderr by default); the record's entry for it."""
@@ -56,7 +73,10 @@ class Calibration:
             f"calibrating site {index + 1}/{total} (layer {layer}): loss {result.loss_before:.4g} -> "
             f"{_after(result)} {_how(result)}"
         )
-        (self.progress or _to_stderr)(line)
+        self.say(line)
+        coverage = result.coverage
+        if coverage is not None and coverage["queries"] < LOW_COVERAGE:
+            self.say(self._low_coverage(index, coverage["queries"]))
         return {
             "loss_before": result.loss_before,
             "loss_after": result.loss_after,
@@ -72,11 +92,36 @@ class Calibration:
             "measured_batches": result.measured_batches,
             "batches": result.batches,
             "data_sha256": self.fingerprint,
+            **({"coverage": coverage} if coverage is not None else {}),
+            **({"text": self.text.as_dict()} if self.text is not None else {}),
         }
+
+    def judge(self, zero_shot: float, calibrated: float) -> dict[str, Any]:
+        """The guard's verdict on the held-out figures (the whole model's cosine with the
+        original, zero-shot and calibrated), said in one line: the record's entry for it, whose
+        ``kept`` is "zero-shot" where fitting made the model worse there."""
+        kept = "zero-shot" if calibrated < zero_shot else "calibrated"
+        self.say(
+            f"kept {kept}: held-out cosine {zero_shot:.4f} zero-shot, {calibrated:.4f} calibrated "
+            f"(on {self.held_out.examples} examples not fitted on)"
+        )
+        return {
+            "examples": self.held_out.examples,
+            "cosine_zero_shot": zero_shot,
+            "cosine_calibrated": calibrated,
+            "kept": kept,
+        }
+
+    def _low_coverage(self, index: int, queries: float) -> str:
+        packing_off = " (packing is off)" if self.text is not None and not self.text.packed else ""
+        return (
+            f"site {index + 1}: the kernel part saw far keys for {queries:.1%} of queries: "
+            f"calibrate on longer inputs{packing_off} or a smaller window"
+        )
 
     def report_end_to_end(self, sites: int, result) -> dict[str, Any]:
         """Say how the end-to-end stage went; the record's entry for it."""
-        (self.progress or _to_stderr)(
+        self.say(
             f"calibrating all {sites} sites end to end: output error {result.loss_before:.4g} -> "
             f"{_after(result)} {_how(result)}"
         )
@@ -125,17 +170,22 @@ def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) 
 
 def torch_calibration(examples, **settings) -> Calibration:
     """Calibration on torch example inputs: each a tuple of positional arguments (or one
-    tensor) or a dict of keyword arguments; ``examples`` in the record counts them."""
+    tensor) or a dict of keyword arguments; ``examples`` in the record counts them. The guard's
+    part (held_out_split, each example a batch of one) is held out."""
     batches = [example if isinstance(example, (tuple, dict)) else (example,) for example in examples]
     if not batches:
         raise AttnRewriteError("the calibration inputs hold no example")
+    batches, held = held_out_split(batches, rows=lambda example: 1)
     arguments = [list(e.values()) if isinstance(e, dict) else list(e) for e in batches]
     arrays = [x.detach().cpu().numpy() for args in arguments for x in args if hasattr(x, "detach")]
     masks = [e.get("attention_mask") for e in batches if isinstance(e, dict)]
     tokens = None
     if len(masks) == len(batches) and all(hasattr(m, "detach") for m in masks):
         tokens = int(sum(int((m != 0).sum()) for m in masks))
-    return Calibration(batches, fingerprint(arrays), len(batches), tokens, **settings)
+    calibration = Calibration(batches, fingerprint(arrays), len(batches), tokens, **settings)
+    if held:
+        calibration.held_out = HeldOut(held, [], len(held))  # the original's outputs: the frontend's (fx.calibrate)
+    return calibration
 
 
 # --- ONNX model inputs -----------------------------------------------------------------------
@@ -148,45 +198,135 @@ def onnx_calibration(
     tokenizer: str | os.PathLike | None = None,
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_size: int = BATCH_SIZE,
+    pack: bool = True,
+    guard: bool = True,
+    original: ir.Model | None = None,
     **settings,
 ) -> Calibration:
     """Calibration on ``data`` for the model whose signature ``graph`` has: an ``.npz`` path,
-    a text file path (with ``tokenizer``), a dict of arrays (batch axis stacked) or a list of
-    such dicts (one per batch). For a decoder the data is its tokens (and their mask): each batch
-    is a prefill from nothing (onnx.inputs.with_prefill_inputs)."""
+    a text file path (with ``tokenizer``; its texts packed into passages of ``max_length``
+    tokens unless ``pack`` is False), a dict of arrays (batch axis stacked) or a list of such
+    dicts (one per batch). For a decoder the data is its tokens (and their mask): each batch
+    is a prefill from nothing (onnx.inputs.with_prefill_inputs). With ``guard``, a part of the
+    data is held out (held_out_split) with the outputs of ``original`` (default: a model around
+    ``graph``, which must not be rewritten yet) on it: the guard's reference (HeldOut)."""
     where = "the calibration inputs"
     filled = prefill_filled(graph)
+    text = None
     if isinstance(data, dict):
         batches = split_batch(conform(data, graph, where, filled), batch_size)
     elif isinstance(data, (list, tuple)):
         batches = [conform(feeds, graph, where, filled) for feeds in data]
     else:
         where = str(data)
-        path = Path(data)
-        if not path.is_file():
-            raise AttnRewriteError(f"{path}: no such file")
-        with open(path, "rb") as file:
-            is_npz = file.read(4) == NPZ_MAGIC
-        if is_npz:
-            batches = split_batch(load_inputs(path, graph, filled), batch_size)
-        else:
-            texts = _read_texts(path)
-            if tokenizer is None:
-                raise AttnRewriteError(
-                    f"{path}: a text file needs --tokenizer tokenizer.json to make the model's inputs"
-                )
-            batches = _tokenize(texts, path, tokenizer, graph, max_length, batch_size)
+        batches, text = _from_file(Path(data), graph, tokenizer, max_length, batch_size, pack)
     if not any(_rows(feeds) for feeds in batches):
         raise AttnRewriteError(f"{where}: no examples")
+    if text is not None:
+        (settings.get("progress") or _to_stderr)(text.summary())
     batches = [with_prefill_inputs(graph, feeds) for feeds in batches]
+    held = []
+    if guard:
+        batches, held = held_out_split(batches)
+    calibration = fitted_calibration(batches, graph, text=text, **settings)
+    if held:
+        calibration.held_out = HeldOut.of(original or model_around(graph), held)
+    return calibration
+
+
+def fitted_calibration(batches: list[dict[str, np.ndarray]], graph: ir.Graph, **settings) -> Calibration:
+    """Calibration on ``batches`` (model inputs), whose record entries describe those batches."""
     names = [v.name for v in graph.inputs if not v.is_initializer()]
     return Calibration(
         batches,
-        fingerprint(feeds[name] for feeds in batches for name in names),
+        fingerprint(feeds[name] for feeds in batches for name in names if name in feeds),
         sum(_rows(feeds) for feeds in batches),
         _tokens(batches),
         **settings,
     )
+
+
+def _from_file(path: Path, graph: ir.Graph, tokenizer, max_length: int, batch_size: int, pack: bool):
+    """(batches, TextData or None) of an .npz archive or a text file. An archive is never repacked."""
+    if not path.is_file():
+        raise AttnRewriteError(f"{path}: no such file")
+    with open(path, "rb") as file:
+        is_npz = file.read(4) == NPZ_MAGIC
+    if is_npz:
+        return split_batch(load_inputs(path, graph, prefill_filled(graph)), batch_size), None
+    texts = _read_texts(path)
+    if tokenizer is None:
+        raise AttnRewriteError(f"{path}: a text file needs --tokenizer tokenizer.json to make the model's inputs")
+    return _tokenize(texts, path, tokenizer, graph, max_length, batch_size, pack)
+
+
+# --- the guard's held-out part -------------------------------------------------------------------
+
+
+def held_out_split(batches: list, rows: Callable[[Any], int] | None = None) -> tuple[list, list]:
+    """(the batches to fit on, those held out): the last batches, at least HELD_OUT_SHARE of the
+    examples, one batch at least; a single batch is cut. Nothing is held out of fewer than
+    GUARD_MIN_EXAMPLES examples. ``rows``: a batch's examples (default: its leading axis)."""
+    rows = rows or _rows
+    total = sum(rows(feeds) for feeds in batches)
+    if total < GUARD_MIN_EXAMPLES:
+        return batches, []
+    wanted = math.ceil(HELD_OUT_SHARE * total)
+    if len(batches) == 1:
+        parts = split_batch(batches[0], total - wanted)
+        return (parts[:1], parts[1:]) if len(parts) == 2 else (batches, [])
+    kept = len(batches) - 1
+    while kept > 1 and sum(rows(feeds) for feeds in batches[kept:]) < wanted:
+        kept -= 1
+    return batches[:kept], batches[kept:]
+
+
+@dataclasses.dataclass
+class HeldOut:
+    """The guard's data: model inputs never fitted on, and the original model's outputs there.
+    ``cosine`` scores a rewrite's outputs as ``check`` does: per example (batch row) and output."""
+
+    batches: list
+    expected: list[dict[str, np.ndarray]]
+    examples: int
+
+    @classmethod
+    def of(cls, original: ir.Model, batches: list[dict[str, np.ndarray]]) -> HeldOut:
+        return cls(batches, run_model(original, batches, "the original model"), sum(map(_rows, batches)))
+
+    def cosine(self, outputs: list[dict[str, np.ndarray]]) -> float:
+        """The mean per-example cosine of the worst output, over the outputs the rewrite gives
+        as the original does (a recurrent rewrite's states are not its caches)."""
+        from attnrewrite.check import per_example_cosine
+
+        names = [
+            name
+            for name, value in self.expected[0].items()
+            if np.issubdtype(value.dtype, np.floating) and outputs[0].get(name, np.empty(0)).shape == value.shape
+        ]
+        per_output = [
+            np.concatenate([per_example_cosine(want[name], got[name]) for want, got in zip(self.expected, outputs)])
+            for name in names
+        ]
+        return min((float(np.mean(cosines)) for cosines in per_output), default=math.nan)
+
+
+def run_model(model: ir.Model, batches: list[dict[str, np.ndarray]], label: str) -> list[dict[str, np.ndarray]]:
+    """``model``'s outputs by name on each batch (inputs it does not take left out)."""
+    from attnrewrite.onnx.io import saved_copy
+    from attnrewrite.onnx.validate import make_session
+
+    with saved_copy(model) as path:
+        session = make_session(str(path))
+    known = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    try:
+        return [
+            dict(zip(names, session.run(None, {k: v for k, v in feeds.items() if k in known}))) for feeds in batches
+        ]
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise AttnRewriteError(f"{label} fails to run on the held-out calibration data: {first}") from error
 
 
 def _rows(feeds: dict[str, np.ndarray]) -> int:
@@ -234,20 +374,133 @@ def similar_length_groups(lengths: list[int], size: int) -> list[list[int]]:
     return sorted(groups, key=lambda group: group[0])
 
 
-def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: int, batch_size: int):
-    """Batches of encodings, truncated to ``max_length`` tokens, padded per batch as the
-    tokenizer's own padding settings say (to the batch's longest text). Texts of similar length
-    share a batch (sorted by token count), so little of the fitting's work goes to padding; the
-    batches keep the file's order of their first texts."""
+def _load_tokenizer(tokenizer_path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise AttnRewriteError("calibrating on text needs the tokenizers library: pip install tokenizers") from None
     try:
-        tokenizer = Tokenizer.from_file(os.fspath(tokenizer_path))
+        return Tokenizer.from_file(os.fspath(tokenizer_path))
     except Exception as error:  # the library's errors are plain exceptions with its message
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise AttnRewriteError(f"{tokenizer_path}: not a tokenizer.json ({first})") from error
+
+
+@dataclasses.dataclass
+class TextData:
+    """What became of a text file's lines: ``texts`` read, ``examples`` made of them (passages
+    when ``packed``), ``cut``: texts longer than ``max_length`` tokens, cut to it."""
+
+    texts: int
+    examples: int
+    packed: bool
+    max_length: int
+    cut: int
+
+    def summary(self) -> str:
+        cut = f"; {self.cut} text{'s' * (self.cut != 1)} longer than {self.max_length} tokens cut" if self.cut else ""
+        if self.packed:
+            return f"packed {self.texts} texts into {self.examples} passages of <= {self.max_length} tokens{cut}"
+        return f"{self.texts} texts, one per example, of <= {self.max_length} tokens (packing off){cut}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "summary": self.summary()}
+
+
+@dataclasses.dataclass
+class _Framing:
+    """Special tokens a tokenizer's post-processor puts around one text (``prefix``, ``suffix``)
+    and between two (``separator``), each as (id, type id) pairs: for BERT's [CLS] a [SEP] b
+    [SEP], [CLS] / [SEP] / [SEP]; nothing for a tokenizer without a post-processor."""
+
+    prefix: list[tuple[int, int]]
+    separator: list[tuple[int, int]]
+    suffix: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, tokenizer) -> _Framing:
+        pair = tokenizer.encode("a", "b")  # the texts are irrelevant: only which tokens are special
+        parts: list[list[tuple[int, int]]] = [[], [], []]  # before text 0, between, after text 1
+        part = 0
+        for token, type_id, sequence in zip(pair.ids, pair.type_ids, pair.sequence_ids):
+            if sequence is None:
+                parts[part].append((token, type_id))
+            else:
+                part = max(part, sequence + 1)
+        return cls(*parts)
+
+    def passage(self, texts: list[list[int]]) -> list[int]:
+        """Token ids of ``texts`` framed as one sequence: prefix, texts joined by separators, suffix."""
+        ids = [token for token, _ in self.prefix]
+        for number, text in enumerate(texts):
+            ids += ([token for token, _ in self.separator] if number else []) + text
+        return ids + [token for token, _ in self.suffix]
+
+    def overhead(self, texts: int) -> int:
+        return len(self.prefix) + len(self.suffix) + max(texts - 1, 0) * len(self.separator)
+
+
+def _packed(contents: list[list[int]], framing: _Framing, max_length: int) -> tuple[list[list[int]], int]:
+    """(passages, texts cut): consecutive texts joined greedily, in file order, into passages of
+    at most ``max_length`` tokens framed by ``framing``; a text is never split across passages,
+    and one that alone exceeds the length is cut to fit."""
+    room = max_length - framing.overhead(1)
+    if room < 1:
+        raise AttnRewriteError(f"--max-length {max_length} leaves no room for text beside the special tokens")
+    passages, current, cut = [], [], 0
+    for text in contents:
+        if len(text) > room:
+            text, cut = text[:room], cut + 1
+        joined = sum(map(len, current)) + len(text) + framing.overhead(len(current) + 1)
+        if current and joined > max_length:
+            passages.append(framing.passage(current))
+            current = []
+        current.append(text)
+    return [*passages, framing.passage(current)], cut
+
+
+def _examples(tokenizer, texts: list[str], max_length: int, pack: bool) -> tuple[list[list[int]], TextData]:
+    """Each example's token ids, and what was done to make them."""
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    if pack:
+        contents = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        examples, cut = _packed(contents, _Framing.of(tokenizer), max_length)
+    else:
+        examples = [e.ids for e in tokenizer.encode_batch(texts)]
+        cut = sum(len(ids) > max_length for ids in examples)
+        if cut:  # the tokenizer's own truncation keeps the special tokens
+            tokenizer.enable_truncation(max_length)
+            examples = [e.ids for e in tokenizer.encode_batch(texts)]
+    return examples, TextData(len(texts), len(examples), pack, max_length, cut)
+
+
+def _padded(examples: list[list[int]], padding: dict) -> dict[str, np.ndarray]:
+    """One batch: the examples padded to the longest (rounded up to the tokenizer's
+    pad_to_multiple_of), on the side its padding settings say, with their attention mask and
+    token type ids (the single-sequence type, 0, as the post-processor gives a lone text;
+    the pad type id on padding)."""
+    multiple = padding.get("pad_to_multiple_of") or 1
+    length = -(-max(map(len, examples)) // multiple) * multiple
+    left = padding.get("direction", "right") == "left"
+    pad_id, pad_type_id = padding.get("pad_id", 0), padding.get("pad_type_id", 0)
+    ids = [_pad(example, length, pad_id, left) for example in examples]
+    mask = [_pad([1] * len(example), length, 0, left) for example in examples]
+    types = [_pad([0] * len(example), length, pad_type_id, left) for example in examples]
+    return {"ids": np.array(ids), "attention_mask": np.array(mask), "type_ids": np.array(types)}
+
+
+def _pad(values: list[int], length: int, fill: int, left: bool) -> list[int]:
+    padding = [fill] * (length - len(values))
+    return padding + values if left else values + padding
+
+
+def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: int, batch_size: int, pack: bool):
+    """(batches, TextData): the texts as the model's inputs, packed into passages (``pack``) or
+    one per example, padded per batch as the tokenizer's own padding settings say. Examples of
+    similar length share a batch, so little of the fitting's work goes to padding; the batches
+    keep the file's order of their first examples."""
+    tokenizer = _load_tokenizer(tokenizer_path)
     filled = prefill_filled(graph)  # a decoder's caches and positions: not made from text
     wanted = {v.name: v for v in graph.inputs if not v.is_initializer() and v.name not in filled}
     unknown = [name for name in wanted if name not in TEXT_INPUTS]
@@ -255,27 +508,15 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
         raise AttnRewriteError(
             f"{path}: the model's input {unknown[0]!r} cannot be made from text (text gives {', '.join(TEXT_INPUTS)})"
         )
-    tokenizer.enable_truncation(max_length)
     padding = tokenizer.padding or {}
-    tokenizer.no_padding()
-    lengths = [len(e.ids) for e in tokenizer.encode_batch(texts)]
-    tokenizer.enable_padding(
-        direction=padding.get("direction", "right"),
-        pad_id=padding.get("pad_id", 0),
-        pad_type_id=padding.get("pad_type_id", 0),
-        pad_token=padding.get("pad_token", "[PAD]"),
-        pad_to_multiple_of=padding.get("pad_to_multiple_of"),
-        length=None,  # each batch to its longest text
-    )
+    examples, text_data = _examples(tokenizer, texts, max_length, pack)
     batches = []
-    for group in similar_length_groups(lengths, batch_size):
-        encodings = tokenizer.encode_batch([texts[i] for i in group])
+    for group in similar_length_groups([len(ids) for ids in examples], batch_size):
+        arrays = _padded([examples[i] for i in group], padding)
         batches.append(
             {
-                name: np.array([getattr(e, TEXT_INPUTS[name]) for e in encodings]).astype(
-                    value.dtype.numpy() if value.dtype is not None else np.int64
-                )
+                name: arrays[TEXT_INPUTS[name]].astype(value.dtype.numpy() if value.dtype is not None else np.int64)
                 for name, value in wanted.items()
             }
         )
-    return batches
+    return batches, text_data

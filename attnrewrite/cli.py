@@ -181,7 +181,14 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_positive,
         default=calibration.DEFAULT_MAX_LENGTH,
         metavar="N",
-        help="with --tokenizer: truncate texts to N tokens (default: %(default)s)",
+        help="with --tokenizer: the length of a calibration example in tokens; a longer text is cut (and counted "
+        "in the record) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--calibrate-pack",
+        choices=("on", "off"),
+        help="with --tokenizer: join consecutive texts into passages of --max-length tokens, framed as the "
+        "tokenizer frames a pair ([CLS] a [SEP] b [SEP]); off: one text per example (default: on)",
     )
 
 
@@ -587,6 +594,7 @@ def _settings(args) -> pipeline.Settings:
         calibrate_end_to_end=args.calibrate_end_to_end,
         tokenizer=args.tokenizer,
         max_length=args.max_length,
+        calibrate_pack=args.calibrate_pack != "off",
     )
 
 
@@ -596,6 +604,8 @@ def _check_calibration_arguments(args) -> None:
         return
     if args.tokenizer:
         raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
+    if args.calibrate_pack:
+        raise AttnRewriteError("--calibrate-pack is for a text --calibrate file; give --calibrate too")
     if args.calibrate_end_to_end:
         raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
 

@@ -208,12 +208,14 @@ def select_onnx(
     return model, record, selection
 
 
-def hold_out_for_selection(calibration, graph: ir.Graph, decoding: bool = False) -> tuple[Any, CheckInputs]:
+def hold_out_for_selection(calibration, model: ir.Model, decoding: bool = False) -> tuple[Any, CheckInputs]:
     """Layer selection with calibration data and no inputs of its own: the last batch of the
     data measures the costs and is never fitted on; the batches before it are fitted on (a
-    decoder, ``decoding``, is measured as it generates: check.decoder_inputs).
-    Returns (the calibration to fit with, the inputs to measure on)."""
-    from attnrewrite.calibration import onnx_calibration
+    decoder, ``decoding``, is measured as it generates: check.decoder_inputs). The calibration's
+    guard (attnrewrite.calibration.HeldOut) compares on that same batch: nothing else is held out.
+    ``model``: the original, not rewritten yet. Returns (the calibration to fit with, the inputs
+    to measure on)."""
+    from attnrewrite.calibration import HeldOut, fitted_calibration
 
     if len(calibration.batches) < 2:
         raise AttnRewriteError(
@@ -221,10 +223,10 @@ def hold_out_for_selection(calibration, graph: ir.Graph, decoding: bool = False)
             "examples make one batch; give more, or inputs to measure on (--inputs)"
         )
     fitted, held = calibration.batches[:-1], calibration.batches[-1]
-    settings = {name: getattr(calibration, name) for name in ("steps", "lr", "seed", "ce_weight", "progress")}
+    settings = {name: getattr(calibration, name) for name in ("steps", "lr", "seed", "ce_weight", "progress", "text")}
     rows = next(iter(held.values())).shape[0]
     # rebuilt from the fitted batches, so the record's examples and sha256 describe what was fitted
-    fit = dataclasses.replace(onnx_calibration(list(fitted), graph), **settings)
+    fit = fitted_calibration(list(fitted), model.graph, held_out=HeldOut.of(model, [held]), **settings)
     source = f"the last {rows} calibration examples (not fitted on)"
     return fit, (decoder_inputs(held, source) if decoding else CheckInputs(held, source))
 

@@ -78,6 +78,7 @@ class Settings:
     calibrate_end_to_end: int = 0
     tokenizer: str | os.PathLike | None = None  # with a text file to calibrate on
     max_length: int = calibration.DEFAULT_MAX_LENGTH
+    calibrate_pack: bool = True  # text data: consecutive texts packed into passages of max_length tokens
 
     @property
     def compares(self) -> bool:
@@ -177,7 +178,7 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
             inputs = prepare(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
             original = source.original()
     given = inputs.feeds if settings.inputs is not None and not settings.recurrent else None  # Result.given_inputs
-    fitting, inputs = _calibration(settings, model.graph, inputs)
+    fitting, inputs = _calibration(settings, model, inputs)
     options = {
         **settings.options,
         "include_single_query": settings.include_single_query,
@@ -210,24 +211,30 @@ def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | Non
     return seq or (sequence_length(graph, given) if given is not None else None)
 
 
-def _calibration(settings: Settings, graph: ir.Graph, inputs: CheckInputs | None):
-    """The data to fit on, checked and loaded before any rewriting (None without it), and the
-    inputs to compare on: layer selection without inputs of its own holds the last batch out."""
+def _calibration(settings: Settings, model: ir.Model, inputs: CheckInputs | None):
+    """The data to fit on, checked and loaded before any rewriting (None without it), with the
+    guard's held-out part and the original's outputs there; and the inputs to compare on: layer
+    selection without inputs of its own holds the last batch out, and the guard measures on that
+    same batch (one part held out, never two)."""
     if settings.calibrate is None:
         return None, inputs
     with stage("calibrate"):
         method = passes.get_pass(settings.method)
         options = passes.make_options(method, **settings.options)
         calibration.require_fittable(method, options, settings.calibrate_ce_weight)
+        selecting = settings.layers == "auto" and settings.inputs is None
         fitting = calibration.onnx_calibration(
             settings.calibrate,
-            graph,
+            model.graph,
             tokenizer=settings.tokenizer,
             max_length=settings.max_length,
+            pack=settings.calibrate_pack,
+            guard=not selecting,
+            original=model,
             **settings.calibration_settings(),
         )
-        if settings.layers == "auto" and settings.inputs is None:
-            return hold_out_for_selection(fitting, graph, decoding=settings.recurrent)
+        if selecting:
+            return hold_out_for_selection(fitting, model, decoding=settings.recurrent)
         return fitting, inputs
 
 

@@ -3,6 +3,7 @@ softmax attention they replace, the learnable lowerings' ONNX-vs-torch parity, a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
@@ -578,8 +579,13 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n\n")
     graph = attnrewrite.onnx.io.load_model(SAMPLE_BERT).graph
     data = calibration.onnx_calibration(
-        str(tmp_path / "texts.txt"), graph, tokenizer=tmp_path / "tokenizer.json", max_length=16
+        str(tmp_path / "texts.txt"), graph, tokenizer=tmp_path / "tokenizer.json", max_length=16, pack=False
     )
+    assert (
+        capsys.readouterr().err
+        == "11 texts, one per example, of <= 16 tokens (packing off); 1 text longer than 16 tokens cut\n"
+    )
+    assert (data.text.texts, data.text.examples, data.text.cut) == (11, 11, 1)
     # texts of 2, 2, 3, 3, 4, 4, 5, 5 words share the first batch, 6, 6 and 16 (truncated) the
     # second, each padded to its longest (in file order: 6 and 16 tokens, 96 in all, not 88)
     assert [b["input_ids"].shape for b in data.batches] == [(8, 5), (3, 16)]
@@ -599,13 +605,17 @@ def test_text_calibration_tokenizes_by_input_name_pads_per_batch_and_truncates(t
         str(tmp_path / "tokenizer.json"),
         "--max-length",
         "16",
+        "--calibrate-pack",
+        "off",
         "--calibrate-steps",
         "10",
         "-o",
         str(out),
     ]
     assert main(argv) == 0
-    assert [s["calibration"]["tokens"] for s in read_record(onnx.load(out))["sites"]] == [data.tokens] * 2
+    sites = read_record(onnx.load(out))["sites"]
+    assert [s["calibration"]["tokens"] for s in sites] == [data.tokens] * 2
+    assert sites[0]["calibration"]["text"] == {**dataclasses.asdict(data.text), "summary": data.text.summary()}
 
 
 @pytest.mark.parametrize(

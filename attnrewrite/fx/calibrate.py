@@ -10,11 +10,17 @@ With ``end_to_end`` steps, all modules are then fitted together against the mode
 (passes.fit.fit_end_to_end); the targets are the outputs with every module's output replaced,
 by a forward hook, with the exact attention on its inputs. Forward hooks also zero padded
 queries' outputs in both runs, and the model's own parameters are frozen meanwhile.
+
+From 20 examples up, the last tenth is held out (attnrewrite.calibration.held_out_split) for the
+guard: the model's outputs there with the zero-shot and with the fitted values, against those
+with every module standing in for the exact attention; the zero-shot values are put back where
+fitting made them worse.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.fx import GraphModule
@@ -32,6 +38,7 @@ def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | Non
     the record's entry for the end-to-end stage (None without one)."""
     was_training = gm.training
     gm.eval()
+    zero_shot = [{name: p.detach().clone() for name, p in module.named_parameters()} for _, module in fitting]
     try:
         for index, (outcome, module) in enumerate(fitting):
             samples = _collect(gm, module, calibration.batches)
@@ -46,18 +53,56 @@ def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | Non
                 ce_weight=calibration.ce_weight,
             )
             outcome.calibration = calibration.report(index, len(fitting), outcome.site.layer, result)
-        if calibration.end_to_end:
-            return _fit_end_to_end(gm, fitting, calibration)
-        return None
+        end_to_end = _fit_end_to_end(gm, fitting, calibration) if calibration.end_to_end else None
+        if calibration.held_out is not None:
+            _guard(gm, fitting, zero_shot, calibration)
+        return end_to_end
     finally:
         gm.train(was_training)
 
 
-def _fit_end_to_end(gm: GraphModule, fitting: list, calibration) -> dict:
-    def run(example):
-        outputs = gm(**example) if isinstance(example, dict) else gm(*example)
-        return [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+def _floating_outputs(gm: GraphModule, example) -> list:
+    outputs = gm(**example) if isinstance(example, dict) else gm(*example)
+    return [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
+
+def _guard(gm: GraphModule, fitting: list, zero_shot: list[dict], calibration) -> None:
+    """As the ONNX frontend's (onnx.calibrate._guard): the model's outputs on the held-out
+    examples, zero-shot and fitted, against the original's (every module standing in for the
+    exact attention); padded queries zeroed in all three, as end to end. Where fitting made the
+    model worse there, the zero-shot values are put back."""
+    held = calibration.held_out
+
+    def outputs() -> list[dict]:
+        with torch.no_grad():
+            return [
+                {str(i): t.detach().cpu().numpy() for i, t in enumerate(_floating_outputs(gm, example))}
+                for example in held.batches
+            ]
+
+    with _outputs_replaced(fitting, exact=True):
+        held.expected = outputs()
+    fitted = [{name: p.detach().clone() for name, p in module.named_parameters()} for _, module in fitting]
+    figures = []
+    with _outputs_replaced(fitting, exact=False):
+        for values in (zero_shot, fitted):
+            _load(fitting, values)
+            figures.append(held.cosine(outputs()))
+    entry = calibration.judge(*figures)
+    _load(fitting, zero_shot if entry["kept"] == "zero-shot" else fitted)
+    for outcome, _ in fitting:
+        outcome.calibration["held_out"] = entry
+
+
+def _load(fitting: list, values: list[dict]) -> None:
+    with torch.no_grad():
+        for (_, module), named in zip(fitting, values):
+            for name, p in module.named_parameters():
+                p.copy_(named[name])
+
+
+def _fit_end_to_end(gm: GraphModule, fitting: list, calibration) -> dict:
+    run = functools.partial(_floating_outputs, gm)
     with _outputs_replaced(fitting, exact=True), torch.no_grad():
         targets = [run(example) for example in calibration.batches]
     fitted = [p for _, module in fitting for p in module.parameters() if p.requires_grad]

@@ -13,6 +13,10 @@ With ``end_to_end`` steps, all sites are then fitted together against the model'
 (passes.fit.fit_end_to_end), on the graph evaluated in torch (attnrewrite.onnx.torch_graph):
 the targets are the same graph with every replacement computing exact attention. That stage
 runs on the CPU, as the evaluator keeps every tensor there.
+
+Last, the guard (where the calibration holds a part out, attnrewrite.calibration.HeldOut): the
+whole rewritten model runs on the held-out data with the zero-shot values and with the fitted
+ones, and the zero-shot ones are written back where fitting left it further from the original.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from attnrewrite.calibration import run_model
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.io import saved_copy
@@ -41,6 +46,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     from attnrewrite.passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
+    zero_shot = [site.fitted() for site in sites]  # the initial values, the guard's fallback
     whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
     device = _fitting_device()
     batches = [with_prefill_inputs(model.graph, feeds) for feeds in calibration.batches]  # a recurrent model's states
@@ -70,7 +76,35 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
             site.module.cpu()  # where the end-to-end stage evaluates it
             site.write_fitted()
             site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
-    return None if whole is None else _fit_end_to_end(whole, sites, calibration)
+    end_to_end = None if whole is None else _fit_end_to_end(whole, sites, calibration)
+    if calibration.held_out is not None:
+        _guard(model, sites, zero_shot, calibration)
+    return end_to_end
+
+
+def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibration) -> None:
+    """The whole rewritten model compared with the original on the held-out data, with the
+    zero-shot values and with the fitted ones: where fitting made it worse there, the zero-shot
+    values are written back. Per-site losses cannot see this: they are measured on the data
+    fitted on, site by site. Every site's record entry says both figures and which were kept."""
+    held = calibration.held_out
+    feeds = [with_prefill_inputs(model.graph, batch) for batch in held.batches]
+    fitted = [site.fitted() for site in sites]
+    figures = []
+    for label, values in (("zero-shot", zero_shot), ("calibrated", fitted)):
+        _write(values)
+        figures.append(held.cosine(run_model(model, feeds, f"the {label} rewrite")))
+    entry = calibration.judge(*figures)
+    if entry["kept"] == "zero-shot":
+        _write(zero_shot)
+    for site in sites:
+        site.outcome.calibration["held_out"] = entry
+
+
+def _write(values: list[dict[ir.Value, np.ndarray]]) -> None:
+    for site_values in values:
+        for value, array in site_values.items():
+            value.const_value = ir.tensor(array, name=value.name)
 
 
 def _fitting_device():

@@ -104,6 +104,7 @@ class FitResult:
     measured_batches: int  # of the samples' batches, those the losses are measured on
     batches: int
     rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
+    coverage: dict | None = None  # what the kernel part was fitted on (far_key_coverage)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,6 +189,7 @@ def fit_site(
     module.eval()
     loss_after = _mean_loss(module, samples, targets, measured, device)[0]
     loss_after, rejected = _kept_if_lower(params, start, loss_before, loss_after)
+    coverage = far_key_coverage(module, samples, measured, scale, causal, device)
     return FitResult(
         loss_before,
         loss_after,
@@ -199,7 +201,55 @@ def fit_site(
         len(measured),
         len(samples),
         rejected,
+        coverage,
     )
+
+
+def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: float, causal: bool, device) -> dict:
+    """What a window hybrid's kernel part is fitted on, over the batches ``measured``:
+    ``queries``, the fraction of real (non-padded) queries with at least one key outside the
+    exact part, and ``attention_mass``, the share of the exact softmax weights on those far keys
+    (mean over real queries). A short text inside the window fits the kernel part on nothing.
+    Without a window every key is far: both 1."""
+    if not getattr(module, "window", 0):
+        return {"queries": 1.0, "attention_mass": 1.0}
+    seen = real = mass = 0.0
+    with torch.no_grad():
+        for index in measured:
+            size = samples.q[index].shape[0]
+            for start in range(0, size, EXAMPLES_PER_STEP):
+                rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))
+                q, k, _, keep = _to(samples.batch(index, rows), device)
+                k = k.float().expand(*q.shape[:-2], *k.shape[-2:])  # one head shared (multi-query): broadcast
+                logits = scale * q.float() @ k.transpose(-2, -1)
+                hidden = _hidden_keys(logits, keep, causal, torch.arange(q.shape[-2], device=q.device))
+                far = _far_keys(module, q, keep, causal) & ~hidden
+                weights = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
+                counted = _query_weight(q, keep)[..., 0].expand(q.shape[:-1]) > 0
+                seen += float((far.any(-1) & counted).sum())
+                mass += float(((weights * far).sum(-1) * counted).sum())
+                real += float(counted.sum())
+    return {"queries": seen / max(real, 1.0), "attention_mass": mass / max(real, 1.0)}
+
+
+def _far_keys(module, q, key_keep, causal: bool):
+    """[..., Nq, Nk] True where a key lies outside the window hybrid's exact part: the exact part
+    as kernels.windowed_attention_weights defines it, read off its weights on zero inputs (equal
+    logits, no kernel), which are nonzero exactly on the visible exact keys."""
+    zero = q.new_zeros(*q.shape[:-1], 1, dtype=torch.float32)
+    exact = kernels.windowed_attention_weights(
+        zero,
+        zero,
+        zero,
+        zero,
+        scale=1.0,
+        window=module.window,
+        causal=causal,
+        window_next=module.window_next,
+        sinks=module.sinks,
+        key_keep=key_keep,
+    )
+    return exact == 0
 
 
 @dataclasses.dataclass
