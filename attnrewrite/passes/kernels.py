@@ -1517,7 +1517,6 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
     phi_k, v, kv_state, key_sum) -> (out, kv_state, key_sum), after the functions it calls."""
     op = standard_opset(opset_version)
     prefix_sum = exclusive_prefix_sum_function(opset_version)
-    absorb = absorb_keys_functions(opset_version)[0]
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalKernelAttentionFromState(phi_q, phi_k, v, kv_state, key_sum):
@@ -1549,7 +1548,9 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
             numerator / (denominator + op.Constant(value_float=eps)),
             op.Concat(minus_one, chunks * c, dv, axis=0),
         )
-        new_kv, new_sum = absorb(phi_k, v, kv_state, key_sum)
+        # the state after every key: the chunks' sums added to it (no second pass over the keys)
+        new_kv = kv_state + op.ReduceSum(kv, one, keepdims=0)
+        new_sum = key_sum + op.ReduceSum(sums, one, keepdims=0)
         return op.Slice(out, zero, n, one), new_kv, new_sum
 
     return with_callees(CausalKernelAttentionFromState)
