@@ -215,20 +215,16 @@ def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: f
         return {"queries": 1.0, "attention_mass": 1.0}
     seen = real = mass = 0.0
     with torch.no_grad():
-        for index in measured:
-            size = samples.q[index].shape[0]
-            for start in range(0, size, EXAMPLES_PER_STEP):
-                rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))
-                q, k, _, keep = _to(samples.batch(index, rows), device)
-                k = k.float().expand(*q.shape[:-2], *k.shape[-2:])  # one head shared (multi-query): broadcast
-                logits = scale * q.float() @ k.transpose(-2, -1)
-                hidden = _hidden_keys(logits, keep, causal, torch.arange(q.shape[-2], device=q.device))
-                far = _far_keys(module, q, keep, causal) & ~hidden
-                weights = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
-                counted = _query_weight(q, keep)[..., 0].expand(q.shape[:-1]) > 0
-                seen += float((far.any(-1) & counted).sum())
-                mass += float(((weights * far).sum(-1) * counted).sum())
-                real += float(counted.sum())
+        for _, _, (q, k, _, keep) in _minibatches(samples, measured, device):
+            k = k.float().expand(*q.shape[:-2], *k.shape[-2:])  # one head shared (multi-query): broadcast
+            logits = scale * q.float() @ k.transpose(-2, -1)
+            hidden = _hidden_keys(logits, keep, causal, torch.arange(q.shape[-2], device=q.device))
+            far = _far_keys(module, q, keep, causal) & ~hidden
+            weights = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
+            counted = _query_weight(q, keep)[..., 0].expand(q.shape[:-1]) > 0
+            seen += float((far.any(-1) & counted).sum())
+            mass += float(((weights * far).sum(-1) * counted).sum())
+            real += float(counted.sum())
     return {"queries": seen / max(real, 1.0), "attention_mass": mass / max(real, 1.0)}
 
 
@@ -394,20 +390,26 @@ def _output_loss(module, q, k, v, keep, target):
     return loss, counted
 
 
+def _minibatches(samples: SiteSamples, measured: list[int], device):
+    """(batch index, example rows, (q, k, v, key_keep) on ``device``) of the batches ``measured``,
+    EXAMPLES_PER_STEP examples at a time."""
+    for index in measured:
+        size = samples.q[index].shape[0]
+        for start in range(0, size, EXAMPLES_PER_STEP):
+            rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))
+            yield index, rows, _to(samples.batch(index, rows), device)
+
+
 def _mean_loss(module, samples: SiteSamples, targets, measured: list[int], device) -> tuple[float, int]:
     """(the output MSE over the batches ``measured``, query rows counted)."""
     total, counted = 0.0, 0.0
     module.eval()
     with torch.no_grad():
-        for index in measured:
-            size = samples.q[index].shape[0]
-            for start in range(0, size, EXAMPLES_PER_STEP):
-                rows = torch.arange(start, min(start + EXAMPLES_PER_STEP, size))
-                q, k, v, keep = _to(samples.batch(index, rows), device)
-                loss, n = _output_loss(module, q, k, v, keep, targets[index][rows].to(device))
-                dims = v.shape[-1]
-                total += float(loss) * float(n.clamp_min(1.0)) * dims
-                counted += float(n) * dims
+        for index, rows, (q, k, v, keep) in _minibatches(samples, measured, device):
+            loss, n = _output_loss(module, q, k, v, keep, targets[index][rows].to(device))
+            dims = v.shape[-1]
+            total += float(loss) * float(n.clamp_min(1.0)) * dims
+            counted += float(n) * dims
     return total / max(counted, 1.0), int(counted / max(samples.v[0].shape[-1], 1))
 
 
