@@ -10,7 +10,7 @@ context C, one decoding step (one new token after C) of each model: the median s
 and the bytes of cache or state the step returns to be fed back. Per prompt length N, the
 prefill (N tokens from an empty cache or a zero state) of each model, the recurrent ones beside
 the parallel rewrite of the no-cache export. onnxruntime CPU, fp32, batch 1, everything in
-this process, the decoding models interleaved per C, the prefills one model after another. Writes the "Decoding" section of
+this process, each model's decoding steps and prefills one model after another. Writes the "Decoding" section of
 bench/RESULTS.md (between DECODING markers; the rest of the file is kept), bench/decode.png and
 bench/decode.json.
 """
@@ -262,15 +262,17 @@ def timed(model: Model, feeds: dict, n: int, warmup: int, runs: int) -> tuple[be
 
 
 def measure_decoding(paths: dict[str, Path], settings: Settings) -> tuple[list[bench.Measurement], dict]:
-    """Per context, one step of each model that decodes: (measurements, {key: {context: carried bytes}})."""
+    """Per model that decodes, one step at each context, the recurrent models first:
+    (measurements, {key: {context: carried bytes}}). Not interleaved: a step just after the
+    original's at 64k (gigabytes of KV cache through memory) ran up to 20% slower."""
     rng = np.random.default_rng(0)
     models = [Model(v, paths[v.key], settings.threads) for v in VARIANTS if v.decodes]
     prompt = rng.integers(0, settings.shape.vocab, (1, min(settings.prompt, min(settings.contexts))))
     states = {m.variant.key: m.state_after(prompt) for m in models}
     measurements, carried = [], {m.variant.key: {} for m in models}
-    for context in settings.contexts:
-        token = rng.integers(0, settings.shape.vocab, (1, 1))
-        for model in models:
+    tokens = {context: rng.integers(0, settings.shape.vocab, (1, 1)) for context in settings.contexts}
+    for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
+        for context, token in tokens.items():
             print(f"== decoding step: {model.variant.label} at context {context}", file=sys.stderr)
             feeds = model.step_feeds(token, context, states[model.variant.key], rng)
             measurement, outputs = timed(model, feeds, context, settings.warmup, settings.steps)
@@ -464,8 +466,8 @@ def method_lines(results: Results) -> list[str]:
             if others < 0.05
             else "the machine was NOT idle (shared with other work): the timings are noisy."
         ),
-        f"- onnxruntime CPU, fp32, batch 1, {s.threads} intra-op thread{'s' if s.threads > 1 else ''}, one process; the decoding models "
-        "interleaved per context, the prefills one model after another. A step: one new token after C tokens (attention mask of C + 1, position C), "
+        f"- onnxruntime CPU, fp32, batch 1, {s.threads} intra-op thread{'s' if s.threads > 1 else ''}, one process; one model "
+        "after another (each decoding at every context, the KV-cache original last), the prefills too. A step: one new token after C tokens (attention mask of C + 1, position C), "
         f"median of {s.steps} steps on the same inputs after {s.warmup} warm-up. A prefill: N tokens from an empty "
         f"cache or a zero state, median of {s.prefill_runs} runs after 1 warm-up.",
         "- The KV cache the original is fed holds random values (a step's time does not depend on them); each "
