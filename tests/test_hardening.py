@@ -652,14 +652,29 @@ def build_big_model(folder: Path) -> Path:
     return path
 
 
+# The peak of anonymous memory (RssAnon, sampled every 5 ms): a copy of the weights would be
+# there. Not the peak RSS, which counts the memory-mapped weights' file pages as the page cache
+# holds them (under load, the whole file: seen at 2.37 GB inside the full suite, 0.35 GB alone).
 MEASURE = """
-import json, resource, sys, time
+import json, sys, threading, time
 from attnrewrite.cli import main
+
+def anonymous():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+peak = [anonymous()]
+def sample():
+    while True:
+        peak[0] = max(peak[0], anonymous())
+        time.sleep(0.005)
+
+threading.Thread(target=sample, daemon=True).start()
 start = time.perf_counter()
 code = main(sys.argv[1:])
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"code": code, "seconds": seconds, "peak_rss": peak}))
+peak[0] = max(peak[0], anonymous())
+print(json.dumps({"code": code, "seconds": seconds, "peak_anonymous": peak[0]}))
 """
 
 
@@ -682,12 +697,10 @@ def test_model_over_2_gib_is_rewritten_without_copying_its_weights_into_memory(t
     )
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    print(f"\n2.25 GiB model: rewrite {measured['seconds']:.1f} s, peak RSS {measured['peak_rss'] / 2**20:.0f} MiB")
+    peak = measured["peak_anonymous"]
+    print(f"\n2.25 GiB model: rewrite {measured['seconds']:.1f} s, peak anonymous memory {peak / 2**20:.0f} MiB")
     assert measured["code"] == 0
-    # Peak memory stays below one copy of the weights (let alone two). Alone the rewrite peaks at
-    # ~0.35 GB; inside the full suite on a 2-core CI machine it was seen at 1.35 GB (file-backed
-    # pages of the memory-mapped weights count in the peak), so the bound is the copy itself.
-    assert measured["peak_rss"] < weights, measured
+    assert peak < weights / 2, measured  # no copy of the weights was made (let alone two)
     assert sorted(p.name for p in out.parent.iterdir()) == ["big.linear.onnx", "big.linear.onnx.data"]
     assert out.stat().st_size < 1 << 20  # the protobuf holds no weights
 
