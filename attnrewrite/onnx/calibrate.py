@@ -29,7 +29,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from attnrewrite.calibration import run_model
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.io import saved_copy
@@ -89,16 +88,34 @@ def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibrati
     fitted on, site by site. Every site's record entry says both figures and which were kept."""
     held = calibration.held_out
     feeds = [with_prefill_inputs(model.graph, batch) for batch in held.batches]
-    fitted = [site.fitted() for site in sites]
+    fitted = [site.fitted() for site in sites]  # in the model now
+    names = [value.name for value in model.graph.outputs]
     figures = []
-    for label, values in (("zero-shot", zero_shot), ("calibrated", fitted)):
-        _write(values)
-        figures.append(held.cosine(run_model(model, feeds, f"the {label} rewrite")))
+    with _constants_as_inputs(model, sites) as path:  # one session runs both sets of values
+        session = make_session(str(path))
+        for values in (zero_shot, fitted):
+            given = {value.name: array for site_values in values for value, array in site_values.items()}
+            outputs = [dict(zip(names, _run(session, names, {**batch, **given}))) for batch in feeds]
+            figures.append(held.cosine(outputs))
     entry = calibration.judge(*figures)
     if entry["kept"] == "zero-shot":
         _write(zero_shot)
     for site in sites:
         site.outcome.calibration["held_out"] = entry
+
+
+@contextlib.contextmanager
+def _constants_as_inputs(model: ir.Model, sites: list[_Site]) -> Iterator:
+    """The model saved with the sites' fittable initializers also graph inputs, so that a run
+    can be fed other values for them (an initializer that is also an input can be fed)."""
+    inputs = [value for site in sites for value in site.constants.values()]
+    model.graph.inputs.extend(inputs)
+    try:
+        with saved_copy(model) as path:
+            yield path
+    finally:
+        for value in inputs:
+            model.graph.inputs.remove(value)
 
 
 def _write(values: list[dict[ir.Value, np.ndarray]]) -> None:
