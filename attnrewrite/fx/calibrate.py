@@ -26,6 +26,8 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree
 
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.fx.capture import call, first_line
 from attnrewrite.passes.fit import SiteSamples, exact_stand_in, fit_end_to_end, fit_site, zero_padded_queries
 
 
@@ -35,34 +37,52 @@ class _Collected(Exception):
 
 def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | None:
     """``fitting``: (outcome, learnable pass module) per rewritten site, in graph order. Returns
-    the record's entry for the end-to-end stage (None without one)."""
-    was_training = gm.training
-    gm.eval()
+    the record's entry for the end-to-end stage (None without one). A calibration example the
+    model does not run on, or a site that cannot be fitted, is one AttnRewriteError line."""
     zero_shot = [{name: p.detach().clone() for name, p in module.named_parameters()} for _, module in fitting]
-    try:
+    with _submodules_in_eval_mode(gm):
         for index, (outcome, module) in enumerate(fitting):
-            samples = _collect(gm, module, calibration.batches)
-            result = fit_site(
-                module,
-                samples,
-                scale=outcome.site.scale,
-                causal=outcome.site.mask.causal,
-                steps=calibration.steps,
-                lr=calibration.lr,
-                seed=calibration.seed,
-                ce_weight=calibration.ce_weight,
-            )
+            result = _fit(outcome.site, module, _collect(gm, module, calibration.batches), calibration)
             outcome.calibration = calibration.report(index, len(fitting), outcome.site.layer, result)
         end_to_end = _fit_end_to_end(gm, fitting, calibration) if calibration.end_to_end else None
         if calibration.held_out is not None:
             _guard(gm, fitting, zero_shot, calibration)
         return end_to_end
+
+
+def _fit(site, module, samples: SiteSamples, calibration):
+    try:
+        return fit_site(
+            module,
+            samples,
+            scale=site.scale,
+            causal=site.mask.causal,
+            steps=calibration.steps,
+            lr=calibration.lr,
+            seed=calibration.seed,
+            ce_weight=calibration.ce_weight,
+        )
+    except (ValueError, RuntimeError) as error:  # no samples, shapes the module cannot take, ...
+        raise AttnRewriteError(f"cannot calibrate site {site.name}: {first_line(error)}") from None
+
+
+@contextlib.contextmanager
+def _submodules_in_eval_mode(gm: GraphModule):
+    """Dropout off while collecting and measuring (a traced model's nn.Dropout modules), every
+    mode put back after. The root's own mode is left alone: the module torch.export returns
+    refuses eval() and train(), its graph being in inference form already."""
+    modes = [(module, module.training) for module in gm.modules() if module is not gm]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
     finally:
-        gm.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 def _floating_outputs(gm: GraphModule, example) -> list:
-    outputs = gm(**example) if isinstance(example, dict) else gm(*example)
+    outputs = _run(gm, example)
     return [t for t in _pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
@@ -160,9 +180,25 @@ def _collect(gm: GraphModule, module, examples) -> SiteSamples:
         with torch.no_grad():
             for example in examples:
                 try:
-                    gm(**example) if isinstance(example, dict) else gm(*example)
+                    _run(gm, example)
                 except _Collected:
                     pass
     finally:
         handle.remove()
     return samples
+
+
+def _run(gm: GraphModule, example):
+    try:
+        return call(gm, example)
+    except _Collected:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the model raises on an input it cannot take
+        raise AttnRewriteError(
+            f"a calibration example ({_shapes(example)}) does not run on the model: {first_line(error)}"
+        ) from None
+
+
+def _shapes(example) -> str:
+    named = example.items() if isinstance(example, dict) else enumerate(example)
+    return ", ".join(f"{name} {list(x.shape) if hasattr(x, 'shape') else type(x).__name__}" for name, x in named)

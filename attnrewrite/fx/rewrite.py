@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import operator
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
 from attnrewrite import calibration, decision, passes
-from attnrewrite.fx import ops
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.fx import capture, ops
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes
 from attnrewrite.fx.masks import key_keep_from_mask
@@ -32,20 +34,27 @@ from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
 from attnrewrite.site import AttentionSite
 
 
-def to_graph_module(model: Any, example_inputs: tuple | None = None) -> GraphModule:
-    """A GraphModule copy of an nn.Module (symbolic_trace), a GraphModule or an ExportedProgram."""
+def to_graph_module(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) -> GraphModule:
+    """A GraphModule copy of an nn.Module, a GraphModule or an ExportedProgram (capture.py says how
+    an nn.Module is captured and how ``example_inputs`` may be given)."""
+    return _capture(model, example_inputs, dynamic_shapes)[0]
+
+
+def _capture(model: Any, example_inputs: Any, dynamic_shapes: Any) -> tuple[GraphModule, dict | None]:
+    """(the GraphModule, the record's ``capture`` entry where this captured it with torch.export)."""
+    example = None if example_inputs is None else capture.as_example(example_inputs)
+    entry = None
     if isinstance(model, torch.export.ExportedProgram):
         gm = _copy(model.module())
     elif isinstance(model, GraphModule):
         gm = _copy(model)
     elif isinstance(model, nn.Module):
-        gm = _trace(model, example_inputs)
+        gm, entry = _trace(model, example, dynamic_shapes)
     else:
         raise TypeError(f"expected an nn.Module, GraphModule or ExportedProgram, not {type(model).__name__}")
-    if example_inputs is not None and not _has_shapes(gm):
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
-    return gm
+    if example is not None and not _has_shapes(gm):
+        _propagate_shapes(gm, example)
+    return gm, entry
 
 
 def _copy(gm: GraphModule) -> GraphModule:
@@ -54,18 +63,30 @@ def _copy(gm: GraphModule) -> GraphModule:
         return copy.deepcopy(gm)
 
 
-def _trace(model: nn.Module, example_inputs: tuple | None) -> GraphModule:
+def _trace(model: nn.Module, example: capture.Example | None, dynamic_shapes: Any) -> tuple[GraphModule, dict | None]:
     if torch.fx.Tracer().is_leaf_module(model, ""):
-        return _call_of_leaf(model)
-    try:
-        return torch.fx.symbolic_trace(copy.deepcopy(model))
-    except Exception as error:  # noqa: BLE001 - symbolic_trace fails in many ways on dynamic code
-        if example_inputs is None:
-            raise TypeError(
-                f"torch.fx.symbolic_trace cannot trace {type(model).__name__} ({type(error).__name__}: {error}); "
-                "pass example_inputs=(...) to trace it with torch.export, or pass an ExportedProgram"
-            ) from error
-    return torch.export.export(copy.deepcopy(model), tuple(example_inputs)).module()
+        return _call_of_leaf(model), None
+    if dynamic_shapes is None:
+        try:
+            return torch.fx.symbolic_trace(copy.deepcopy(model)), None
+        except Exception as error:  # noqa: BLE001 - symbolic_trace fails in many ways on dynamic code
+            if example is None:
+                raise AttnRewriteError(
+                    f"torch.fx.symbolic_trace cannot trace {type(model).__name__} ({capture.first_line(error)}); "
+                    "pass example_inputs=(...) to capture it with torch.export, or pass an ExportedProgram"
+                ) from None
+    elif example is None:
+        raise AttnRewriteError("dynamic_shapes= is for torch.export, which needs example_inputs=(...)")
+    return capture.export(model, example, dynamic_shapes)
+
+
+def _propagate_shapes(gm: GraphModule, example: capture.Example) -> None:
+    """Shapes on a symbolic trace's nodes (ShapeProp takes positional arguments only)."""
+    if isinstance(example, dict):
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        example = tuple(example.get(name) for name in names)
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*example)
 
 
 def _call_of_leaf(model: nn.Module) -> GraphModule:
@@ -89,9 +110,9 @@ def _has_shapes(gm: GraphModule) -> bool:
     return any("val" in n.meta or "tensor_meta" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
 
 
-def find_fx_sites(model: Any, example_inputs: tuple | None = None) -> list[AttentionSite]:
+def find_fx_sites(model: Any, example_inputs: Any = None, dynamic_shapes: Any = None) -> list[AttentionSite]:
     """Every attention site of the model; skipped ones carry ``skip_reason``."""
-    gm = to_graph_module(model, example_inputs)
+    gm = to_graph_module(model, example_inputs, dynamic_shapes)
     return [match.site for match in find_matches(GraphFacts(gm))]
 
 
@@ -100,7 +121,8 @@ def rewrite_graph_module(
     to: str,
     layers: list[int] | None = None,
     *,
-    example_inputs: tuple | None = None,
+    example_inputs: Any = None,
+    dynamic_shapes: Any = None,
     include_single_query: bool = False,
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
@@ -112,14 +134,18 @@ def rewrite_graph_module(
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
 
-    ``model``: an nn.Module (traced with symbolic_trace), a GraphModule, or an ExportedProgram.
-    ``layers``: rewrite only sites of these layer indices (sites in graph order, numbered as the
-    ONNX frontend numbers them). ``example_inputs``: optional inputs, used for shapes when the
-    graph has none (and to export models symbolic_trace cannot trace).
+    ``model``: an nn.Module (traced with symbolic_trace where it can be), a GraphModule, or an
+    ExportedProgram. ``layers``: rewrite only sites of these layer indices (sites in graph order,
+    numbered as the ONNX frontend numbers them). ``example_inputs``: a tuple of positional
+    arguments, a dict of keyword arguments (or a tokenizer's BatchEncoding) or one tensor; used
+    for shapes when the graph has none, and to capture with torch.export a model symbolic_trace
+    cannot trace, with dynamic batch and sequence axes unless ``dynamic_shapes`` (torch.export's
+    argument) says otherwise (capture.py; the record's ``capture`` says which dims are dynamic).
     ``include_single_query``: also rewrite sites with one query (left exact by default).
-    ``calibrate``: example inputs (tuples of positional arguments or dicts of keyword
-    arguments) to fit every replacement on, site by site (attnrewrite.fx.calibrate); the
-    fitted values are the pass modules' nn.Parameters. ``calibrate_*``: as for ``rewrite``.
+    ``calibrate``: example inputs, each given as ``example_inputs`` may be (a single dict or
+    BatchEncoding is one example), to fit every replacement on, site by site
+    (attnrewrite.fx.calibrate); the fitted values are the pass modules' nn.Parameters.
+    ``calibrate_*``: as for ``rewrite``.
     ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
     """
     method = passes.get_pass(to)
@@ -128,7 +154,7 @@ def rewrite_graph_module(
     if calibrate is not None:
         calibration.require_fittable(method, method_options, calibrate_ce_weight)
         fitting_data = calibration.torch_calibration(
-            calibrate,
+            [capture.as_example(example) for example in _examples(calibrate)],
             steps=calibrate_steps,
             lr=calibrate_lr,
             ce_weight=calibrate_ce_weight,
@@ -136,7 +162,7 @@ def rewrite_graph_module(
             end_to_end=calibrate_end_to_end,
         )
     fitting = []
-    gm = to_graph_module(model, example_inputs)
+    gm, captured = _capture(model, example_inputs, dynamic_shapes)
     facts = GraphFacts(gm)
     record = RewriteRecord(method.NAME, dataclasses.asdict(method_options))
     splicer = _Splicer(gm, method.NAME)
@@ -174,8 +200,13 @@ def rewrite_graph_module(
         from attnrewrite.fx.calibrate import calibrate_modules
 
         record.end_to_end = calibrate_modules(gm, fitting, fitting_data)
-    gm.meta[METADATA_KEY] = record.as_dict()
+    gm.meta[METADATA_KEY] = record.as_dict() | ({"capture": captured} if captured is not None else {})
     return gm
+
+
+def _examples(calibrate: Any) -> list:
+    """The calibration examples: a mapping (a dict, a BatchEncoding) alone is one."""
+    return [calibrate] if isinstance(calibrate, Mapping) else list(calibrate)
 
 
 def _device(gm: GraphModule) -> torch.device:
