@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from attnrewrite import passes
 from attnrewrite.data import conform, load_inputs
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import forced_logits
@@ -38,19 +39,62 @@ from attnrewrite.onnx.inputs import (
     left_padding_pattern,
     model_around,
     prefill_parts,
+    sequence_length,
 )
+from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.onnx.validate import make_session
 from attnrewrite.record import METADATA_KEY, format_table, json_float, stage
 
-DEFAULT_SEQ = 64
+DEFAULT_SEQ = 64  # generated inputs' length where no replaced site is exact on short inputs
 DEFAULT_BATCH = 2
+# Where replaced sites are exact on short inputs (a window, Linformer's k, one LSH chunk), the
+# default length is this many times the longest exact reach (rounded up to LENGTH_STEP), so most
+# of every query's keys are approximated.
+PAST_REACH = 3
+LENGTH_STEP = 64
 TOP_K = 5
 DECODE_STEPS = 8  # a decoder's check feeds its last tokens one at a time, as generation does
 
 
 class FidelityBelowThreshold(AttnRewriteError):
     """--min-cosine or --min-agreement was given and some output falls below it."""
+
+
+class ExactSitesUnmeasured(FidelityBelowThreshold):
+    """A gate was given, but some replaced sites are exact at the length compared: it measured
+    nothing there (--allow-exact accepts that)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactSites:
+    """Replaced sites of one method that are softmax attention itself at the length compared
+    (passes.exact_part), so the check does not measure them."""
+
+    method: str
+    said: str  # what makes them exact: "window=32"
+    sites: int
+    exact_up_to: int
+    seq: int  # the length compared
+    positions: int | None = None  # the model's position limit, where it is within exact_up_to
+
+    @property
+    def everywhere(self) -> bool:
+        """Exact on every input the model accepts: nothing left to measure, which is a pass."""
+        return self.positions is not None
+
+    def note(self) -> str:
+        sites = f"{self.sites} {self.method} {self.said} site{'s' if self.sites != 1 else ''}"
+        are = "are" if self.sites != 1 else "is"
+        if self.everywhere:
+            return (
+                f"the {sites} {are} exact up to {self.exact_up_to} positions and the model takes at most "
+                f"{self.positions}: the rewrite is exact on every input the model accepts"
+            )
+        return f"at seq {self.seq} the {sites} {are} exact: this check does not measure them"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "everywhere": self.everywhere, "note": self.note()}
 
 
 @dataclasses.dataclass
@@ -79,6 +123,12 @@ class CheckReport:
     outputs: list[OutputFidelity]
     inputs: dict[str, list[int]]  # name -> shape of what both models were run on
     input_source: str  # "generated (batch 2, seq 64, seed 0)" or the .npz path
+    exact: list[ExactSites] = dataclasses.field(default_factory=list)  # replaced sites it cannot measure
+
+    @property
+    def unmeasured(self) -> list[ExactSites]:
+        """Exact sites the model also runs past: a gate proved nothing about them."""
+        return [e for e in self.exact if not e.everywhere]
 
     @property
     def min_cosine(self) -> float:
@@ -93,16 +143,24 @@ class CheckReport:
     def worst(self) -> OutputFidelity:
         return min(self.outputs, key=lambda o: _worst_first(o.cosine_min))
 
-    def gate(self, min_cosine: float | None = None, min_agreement: float | None = None) -> None:
-        """Raise FidelityBelowThreshold (one line) for the first output below a threshold."""
+    def gate(
+        self, min_cosine: float | None = None, min_agreement: float | None = None, allow_exact: bool = False
+    ) -> None:
+        """Raise FidelityBelowThreshold (one line) for the first output below a threshold; with a
+        threshold, ExactSitesUnmeasured where replaced sites are exact at the length compared,
+        unless ``allow_exact``."""
         if min_cosine is not None and self.outputs and self.min_cosine < min_cosine:
             worst = self.worst()
             raise FidelityBelowThreshold(
                 f"fidelity gate failed: output {worst.name!r} has per-example cosine min "
                 f"{worst.cosine_min:.6f} < --min-cosine {min_cosine:g}"
             )
-        if min_agreement is None:
-            return
+        if min_agreement is not None:
+            self._gate_agreement(min_agreement)
+        if min_cosine is not None or min_agreement is not None:
+            self._gate_exact(allow_exact)
+
+    def _gate_agreement(self, min_agreement: float) -> None:
         logits = self._logits()
         if not logits:
             # a gate that cannot look at anything must not pass silently
@@ -115,6 +173,13 @@ class CheckReport:
             raise FidelityBelowThreshold(
                 f"fidelity gate failed: output {worst.name!r} has argmax agreement "
                 f"{worst.argmax_agreement:.4f} < --min-agreement {min_agreement:g}"
+            )
+
+    def _gate_exact(self, allow_exact: bool) -> None:
+        if self.unmeasured and not allow_exact:
+            raise ExactSitesUnmeasured(
+                f"fidelity gate failed: {self.unmeasured[0].note()}; check longer inputs (--seq), "
+                "or accept it with --allow-exact"
             )
 
     def _logits(self) -> list[OutputFidelity]:
@@ -149,6 +214,7 @@ class CheckReport:
                 )
             rows.append(tuple(row))
         lines = [format_table(tuple(header), rows), f"inputs: {self.input_source}"]
+        lines += [f"note: {e.note()}" for e in self.exact]
         lines += [
             f"warning: {o.name}: {o.nonfinite} non-finite values in the rewritten output"
             for o in self.outputs
@@ -156,12 +222,15 @@ class CheckReport:
         ]
         return "\n".join(lines)
 
-    def as_dict(self, min_cosine: float | None = None, min_agreement: float | None = None) -> dict[str, Any]:
+    def as_dict(
+        self, min_cosine: float | None = None, min_agreement: float | None = None, allow_exact: bool = False
+    ) -> dict[str, Any]:
         """The report as JSON: the gate's thresholds (None: not gated) apart from what was observed."""
         return {
             "inputs": self.inputs,
             "input_source": self.input_source,
-            "thresholds": {"min_cosine": min_cosine, "min_agreement": min_agreement},
+            "exact_sites": [e.as_dict() for e in self.exact],
+            "thresholds": {"min_cosine": min_cosine, "min_agreement": min_agreement, "allow_exact": allow_exact},
             "observed": {
                 "cosine_min": None if not self.outputs else json_float(self.min_cosine),
                 "argmax_agreement_min": json_float(self.min_agreement),
@@ -414,33 +483,155 @@ def check(
     rewritten,
     inputs: CheckInputs | str | os.PathLike | dict[str, np.ndarray] | None = None,
     *,
-    seq: int = DEFAULT_SEQ,
+    seq: int | None = None,
     batch: int = DEFAULT_BATCH,
     seed: int = 0,
     threads: int | None = None,
 ) -> CheckReport:
     """Run ``original`` and ``rewritten`` (paths or ``onnx_ir.Model``) on the same inputs and
-    compare every output the original has, by name. ``inputs``: see ``prepare_inputs``. Timed
-    as the run's stage "check" (record.stage), layer selection's trials too."""
+    compare every output the original has, by name. ``inputs``: see ``prepare_inputs``; generated
+    ones are ``seq`` long, by default past every replaced site's exact part (default_length).
+    Replaced sites exact at the length compared are listed in the report (``CheckReport.exact``).
+    Timed as the run's stage "check" (record.stage), layer selection's trials too."""
     with stage("check"):
+        record = model_record(rewritten)
+        decoding = is_recurrent(record)
         if not isinstance(inputs, CheckInputs):
-            prepare = prepare_decoder_inputs if is_recurrent(rewritten) else prepare_inputs
-            inputs = prepare(_as_ir(original), inputs, seq=seq, batch=batch, seed=seed)
-        return _run_both(original, rewritten, inputs, threads)
+            model, why = _as_ir(original), None
+            if seq is None and inputs is None:
+                parts = [part for part, _, _ in _replaced_exact_parts(record)]
+                seq, why = default_length(model.graph, parts, from_empty_cache=decoding)
+            prepare = prepare_decoder_inputs if decoding else prepare_inputs
+            inputs = with_reason(prepare(model, inputs, seq=seq or DEFAULT_SEQ, batch=batch, seed=seed), why)
+        report = _run_both(original, rewritten, inputs, threads)
+        report.exact = exact_sites(record, inputs, original, decoding)
+        return report
 
 
-def is_recurrent(model) -> bool:
-    """Whether ``model`` (a path or a model) is a recurrent rewrite (--recurrent), by its record:
-    it takes states where its original takes KV caches."""
+def model_record(model) -> dict | None:
+    """The attnrewrite record a model (a path, ``onnx.ModelProto`` or ``onnx_ir.Model``) carries:
+    how it was rewritten (record.RewriteRecord.as_dict); None when it has none."""
     if isinstance(model, (str, os.PathLike)):
         if not Path(model).is_file():
-            return False  # said by what opens it
+            return None  # said by what opens it
         model = onnx.load(os.fspath(model), load_external_data=False)
     if isinstance(model, onnx.ModelProto):
         text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
     else:
         text = model.metadata_props.get(METADATA_KEY)
-    return bool(text) and bool(json.loads(text).get("options", {}).get("recurrent"))
+    try:
+        record = json.loads(text) if text else None
+    except ValueError:
+        return None  # someone else's "attnrewrite" entry
+    return record if isinstance(record, dict) else None
+
+
+def is_recurrent(model) -> bool:
+    """Whether ``model`` (a path, a model or its record) is a recurrent rewrite (--recurrent), by
+    its record: it takes states where its original takes KV caches."""
+    record = model if isinstance(model, dict) or model is None else model_record(model)
+    return bool(record) and bool(record.get("options", {}).get("recurrent"))
+
+
+# --- where replaced sites are exact ---------------------------------------------------------------
+
+
+def default_length(graph: ir.Graph, parts: list[passes.ExactPart], from_empty_cache: bool = False):
+    """(seq, why) for generated inputs: PAST_REACH times the longest reach of the replaced sites'
+    exact parts (``parts``, passes.exact_part), so every query of every site is approximated,
+    capped by the model's own position limit (onnx.limits; a decoder checked against its
+    recurrent rewrite starts ``from_empty_cache``); ``why`` says so in words (None: DEFAULT_SEQ,
+    with nothing exact to look past)."""
+    widest = max(parts, key=lambda part: part.reach, default=None)
+    seq = DEFAULT_SEQ
+    if widest is not None:
+        seq = max(seq, -(-PAST_REACH * widest.reach // LENGTH_STEP) * LENGTH_STEP)
+    limit = position_limit(graph, from_empty_cache)
+    if limit is None or limit.positions >= seq:
+        return seq, None if widest is None else f"seq {seq}: past {widest.said}'s reach ({widest.reach}) for every site"
+    seq = limit.positions
+    why = f"seq {seq}: as long as the model takes"
+    if widest is None:
+        return seq, why
+    if seq > widest.reach:
+        return seq, f"{why}, past {widest.said}'s reach ({widest.reach}) for every site"
+    if seq > widest.exact_up_to:
+        return seq, f"{why}, past {widest.said}'s exact length ({widest.exact_up_to}), not its reach ({widest.reach})"
+    return seq, f"{why}, within {widest.said}'s exact length ({widest.exact_up_to})"
+
+
+def with_reason(inputs: CheckInputs, why: str | None) -> CheckInputs:
+    """Generated inputs whose source also says why they are that long."""
+    return inputs if why is None else dataclasses.replace(inputs, source=f"{inputs.source}; {why}")
+
+
+def method_exact_parts(method: str, options: dict[str, Any]) -> list[passes.ExactPart]:
+    """The exact part ``method`` with ``options`` (as given: strings or values) would give a
+    bidirectional site, which reaches at least as far as a causal one's; [] when never exact
+    or when the options are wrong (the rewrite says how)."""
+    try:
+        module = passes.get_pass(method)
+        part = passes.exact_part(module, passes.make_options(module, **options))
+    except passes.OptionError:
+        return []
+    return [part] if part is not None else []
+
+
+def exact_sites(record: dict | None, inputs: CheckInputs, original, decoding: bool = False) -> list[ExactSites]:
+    """The sites ``record`` (a rewritten model's, model_record) says were replaced that are exact
+    at the length of ``inputs``, one entry per method and kind of site; each says whether the
+    original takes longer inputs at all (its position limit)."""
+    parts = _replaced_exact_parts(record, by_site=True)
+    if not parts:
+        return []
+    graph = _as_ir(original).graph
+    seq = _compared_length(inputs, graph)
+    exact = [(part, method, sites) for part, method, sites in parts if seq is not None and seq <= part.exact_up_to]
+    if not exact:
+        return []
+    limit = position_limit(graph, from_empty_cache=decoding)
+    return [
+        ExactSites(
+            method,
+            part.said,
+            sites,
+            part.exact_up_to,
+            seq,
+            positions=limit.positions if limit is not None and limit.positions <= part.exact_up_to else None,
+        )
+        for part, method, sites in exact
+    ]
+
+
+def _replaced_exact_parts(record: dict | None, by_site: bool = False) -> list[tuple[passes.ExactPart, str, int]]:
+    """(exact part, method, sites) of the replaced sites ``record`` and the records before it
+    list, grouped alike: as each replaced site is (causal or not, ``by_site``), else as a
+    bidirectional site of its method (the longest reach: default_length)."""
+    groups: dict[tuple[passes.ExactPart, str], int] = {}
+    while isinstance(record, dict):
+        module = passes.PASSES.get(record.get("method"))
+        if module is not None:
+            fields = {f.name for f in dataclasses.fields(module.Options)}
+            try:
+                options = module.Options(**{k: v for k, v in record.get("options", {}).items() if k in fields})
+            except passes.OptionError:
+                options = None  # a record this version does not read
+            for site in record.get("sites", []) if options is not None else []:
+                causal = by_site and "causal" in str(site.get("mask"))
+                part = passes.exact_part(module, options, causal)
+                if site.get("status") == "rewritten" and part is not None:
+                    groups[part, module.NAME] = groups.get((part, module.NAME), 0) + 1
+        record = record.get("previous")
+    return [(part, method, sites) for (part, method), sites in groups.items()]
+
+
+def _compared_length(inputs: CheckInputs, graph: ir.Graph) -> int | None:
+    """The sequence length both models ran on: generated, a decoder's tokens, or given arrays'."""
+    if inputs.seq is not None:
+        return inputs.seq
+    if inputs.decode_steps is not None:
+        return int(inputs.feeds["input_ids"].shape[-1])
+    return sequence_length(graph, inputs.feeds)
 
 
 def _run_both(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:

@@ -153,10 +153,11 @@ def gate_measurement(
     report: check_mod.CheckReport, min_cosine: float, min_agreement: float | None = None
 ) -> Measurement:
     """The gates' own verdict on a check report (--min-cosine, and --min-agreement when given),
-    and the cosine they compare."""
+    and the cosine they compare. Sites exact at the length measured cost nothing here; the final
+    gate says whether that proves anything (check.CheckReport.gate)."""
     agreement = report.min_agreement if min_agreement is not None else None
     try:
-        report.gate(min_cosine, min_agreement)
+        report.gate(min_cosine, min_agreement, allow_exact=True)
     except FidelityBelowThreshold:
         return Measurement(report.min_cosine, passes=False, agreement=agreement)
     return Measurement(report.min_cosine, passes=True, agreement=agreement)

@@ -145,7 +145,7 @@ def test_check_command_writes_json_and_gates(tmp_path, capsys, hydra_sample):
     assert output["logits_like"] is False and output["argmax_agreement"] is None
     assert report["inputs"] == {"input_ids": [2, 64], "attention_mask": [2, 64]}
     # the thresholds asked for, apart from the figures observed
-    assert report["thresholds"] == {"min_cosine": 0.5, "min_agreement": None}
+    assert report["thresholds"] == {"min_cosine": 0.5, "min_agreement": None, "allow_exact": False}
     assert report["observed"] == {"cosine_min": output["cosine_min"], "argmax_agreement_min": None}
     assert "argmax_agree" not in out  # hidden states alone: no logits columns
 
@@ -271,7 +271,7 @@ def test_argmax_gate_refuses_what_the_cosine_gate_passes(tmp_path, capsys):
     code, out, err = run(capsys, "check", original, original, "--min-agreement", "1", "--json", tmp_path / "r.json")
     assert code == 0, err
     written = json.loads((tmp_path / "r.json").read_text())
-    assert written["thresholds"] == {"min_cosine": None, "min_agreement": 1.0}
+    assert written["thresholds"] == {"min_cosine": None, "min_agreement": 1.0, "allow_exact": False}
     assert written["observed"] == {"cosine_min": pytest.approx(1.0), "argmax_agreement_min": 1.0}
     assert written["outputs"][0]["logits_like"] is True and written["outputs"][0]["kl_max"] == pytest.approx(
         0, abs=1e-9

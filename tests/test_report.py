@@ -222,7 +222,7 @@ def test_a_failed_fidelity_gate_reports_its_figures_and_thresholds(tmp_path, cap
     argv = [SAMPLE, "--to", "hydra", "-o", folder / "out.onnx", "--check", "--min-cosine", "0.99999"]
     report = assert_truthful(run(capsys, folder, *argv, "--report", folder / "r.json"))
     check = report["check"]
-    assert check["thresholds"] == {"min_cosine": 0.99999, "min_agreement": None}
+    assert check["thresholds"] == {"min_cosine": 0.99999, "min_agreement": None, "allow_exact": False}
     [output] = check["outputs"]
     assert output["name"] == "last_hidden_state" and check["observed"]["cosine_min"] == output["cosine_min"]
     assert output["cosine_min"] < 0.99999 and f"cosine min {output['cosine_min']:.6f} <" in report["reason"]
@@ -329,7 +329,11 @@ def test_check_reports_in_the_same_schema(tmp_path, capsys, hydra_sample, thresh
     report = assert_truthful(result)
     assert (report["command"], report["outcome"], result.code) == ("check", outcome, code)
     assert (report["input"], report["compared"]) == (str(SAMPLE), str(hydra_sample))
-    assert report["check"]["thresholds"] == {"min_cosine": float(threshold), "min_agreement": None}
+    assert report["check"]["thresholds"] == {
+        "min_cosine": float(threshold),
+        "min_agreement": None,
+        "allow_exact": False,
+    }
     assert report["check"]["observed"]["cosine_min"] < 1 and report["sites"] == []
 
 

@@ -14,7 +14,10 @@
   functions in domain ``attnrewrite`` with the same inputs, plus the constants (random
   features, projections) they read;
 - ``nothing_to_fit(options) -> None | reason`` (only where it can happen): why calibration cannot
-  fit this method; ``passes.nothing_to_fit`` answers None for methods without one.
+  fit this method; ``passes.nothing_to_fit`` answers None for methods without one;
+- ``exact_part(options, causal) -> None | kernels.ExactPart`` (only where it can happen): up to
+  which length the replacement is softmax attention itself (a window, N <= k, one chunk), so a
+  fidelity check can look past it; ``passes.exact_part`` answers None for methods without one.
 
 Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
 - ``torch_module(..., learnable=True)``: every fittable value is an ``nn.Parameter``, initialised
@@ -55,6 +58,7 @@ import typing
 
 from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh
 from attnrewrite.passes._options import OptionError
+from attnrewrite.passes.kernels import ExactPart
 
 _METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
@@ -73,6 +77,13 @@ def nothing_to_fit(method: types.ModuleType, options) -> str | None:
     """Why calibration cannot fit ``method`` with ``options``; None when it can."""
     reason = getattr(method, "nothing_to_fit", None)
     return reason(options) if reason is not None else None
+
+
+def exact_part(method: types.ModuleType, options, causal: bool = False) -> ExactPart | None:
+    """Where ``method`` with ``options`` is softmax attention itself (kernels.ExactPart): up to
+    which length, and how many keys a query attends to exactly; None for a method never exact."""
+    exact = getattr(method, "exact_part", None)
+    return exact(options, causal) if exact is not None else None
 
 
 def attention_weights_unavailable(method: types.ModuleType, options) -> str | None:

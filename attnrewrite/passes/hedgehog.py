@@ -79,6 +79,11 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
+def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+    """Softmax attention itself on short sequences only with a window (kernels.window_exact_part)."""
+    return kernels.window_exact_part(options.window, options.window_next, options.sinks, causal)
+
+
 def initial_values(site: AttentionSite, options: Options) -> dict[str, np.ndarray]:
     """The fittable values before fitting, by their state_dict names (W = I, b = 0)."""
     heads, d = kernels.fitted_heads(site), site.head_dim

@@ -15,6 +15,7 @@ as an N x N matrix, for fitting losses and tests.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import numpy as np
@@ -706,6 +707,36 @@ def fitted_heads(site) -> int:
     """Heads a per-head fitted value has: site.num_heads when q is known to be [batch, heads,
     seq, head_dim] (so [heads, ...] broadcasts against it), else 1 (shared by every head)."""
     return site.num_heads if site.rank == 4 and site.num_heads is not None else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactPart:
+    """Where a replacement is softmax attention itself, so that a fidelity check can look past it.
+
+    ``exact_up_to``: on sequences this long or shorter, every query attends exactly to every key
+    (the replacement is the original). ``reach``: the most keys one query attends to exactly;
+    on longer sequences every query's output is approximated. ``said``: what sets them
+    (``window=32``)."""
+
+    exact_up_to: int
+    reach: int
+    said: str
+
+
+def window_exact_part(window: int, window_next: bool, sinks: int, causal: bool) -> ExactPart | None:
+    """A windowed method's exact part (windowed_kernel_attention), None without a window.
+    Bidirectional blocks are aligned to the end: with ``window_next`` a query sees every key
+    while there are at most 2 blocks (its own, the previous, the next: 3W keys, plus the sinks);
+    without, only while there is one (or every key is a sink). Causal blocks are aligned to the
+    start: the last query's kernel part is the keys before its previous block, exact while they
+    are all sinks."""
+    if not window:
+        return None
+    said = f"window={window}"
+    if causal:
+        return ExactPart(window * (2 + sinks // window), 2 * window + sinks, said)
+    blocks = 2 if window_next else 1
+    return ExactPart(max(blocks * window, sinks), (blocks + 1) * window + sinks, said)
 
 
 def window_next_option():

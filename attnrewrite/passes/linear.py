@@ -46,6 +46,11 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
+def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+    """Softmax attention itself on short sequences only with a window (kernels.window_exact_part)."""
+    return kernels.window_exact_part(options.window, options.window_next, options.sinks, causal)
+
+
 def elu_plus_one(x):
     return torch.nn.functional.elu(x.float()) + 1
 

@@ -78,6 +78,14 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
+def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+    """With N <= k the projection is the identity (pool, identity, or exact_if_short): softmax
+    attention itself; past k every query sees k projected keys. None: never exact."""
+    if options.projection in ("gaussian", "learned") and not options.exact_if_short:
+        return None
+    return kernels.ExactPart(options.proj_dim, options.proj_dim, f"proj_dim={options.proj_dim}")
+
+
 def projection_matrices(options: Options) -> tuple[np.ndarray, np.ndarray]:
     """(E, F), each [max_len, k] float32, fixed by the seed; F is E when ``share_kv``."""
     shape = (options.max_len, options.proj_dim)

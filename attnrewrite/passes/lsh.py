@@ -81,6 +81,12 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
+def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+    """Up to ``chunk`` positions every round's sorted items fit in one chunk: softmax attention
+    itself. A query sees its chunk and the previous one, about 2 * chunk keys per round."""
+    return kernels.ExactPart(options.chunk, 2 * options.chunk, f"chunk={options.chunk}")
+
+
 def rotations(options: Options, head_dim: int) -> np.ndarray:
     """Random rotations [n_hashes, head_dim, max(n_buckets // 2, 1)] float32, fixed by the seed."""
     rng = np.random.default_rng(options.seed)
