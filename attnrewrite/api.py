@@ -24,6 +24,7 @@ def rewrite(
     include_single_query: bool = False,
     *,
     recurrent: bool = False,
+    heads: dict[int, list[int]] | str | None = None,
     seq: int | None = None,
     calibrate: Any = None,
     calibrate_steps: int = calibration.DEFAULT_STEPS,
@@ -36,7 +37,10 @@ def rewrite(
     calibrate_pack: bool = True,
     min_cosine: float | None = None,
     min_agreement: float | None = None,
+    allow_exact: bool = False,
     inputs: str | os.PathLike | dict | None = None,
+    example_inputs: Any = None,
+    dynamic_shapes: Any = None,
     **options,
 ):
     """Replace every attention site it can prove it understands with method ``to``.
@@ -50,19 +54,21 @@ def rewrite(
     warning says so. A site with a single query (a decoder step) is left exact unless
     ``include_single_query``: linearizing it saves nothing. A rewritten ONNX model has passed the
     validation gates (unless ``validate=False``): the ONNX checker, an onnxruntime session and a
-    run. ``seq``: the length of generated inputs: those the fidelity gates compare on (default
-    64), and those the mask probe and the run gate start from (both double it until the original
-    model runs, e.g. past an audio model's convolutional front end).
+    run. ``seq``: the length of generated inputs: those the fidelity gates compare on (default:
+    long enough that every replaced site approximates, docs/checking.md), and those the mask
+    probe and the run gate start from (both double it until the original model runs, e.g. past
+    an audio model's convolutional front end).
 
     ``recurrent`` (ONNX decoders exported with a KV cache; linear, hedgehog, favor and their
     windows): each KV-cache site becomes a recurrence and its cache a fixed-size state, inputs
-    ``past_key_values.{i}.<part>`` and outputs ``present.{i}.<part>`` (README, "--recurrent").
+    ``past_key_values.{i}.<part>`` and outputs ``present.{i}.<part>`` (docs/cli.md, "Decoders").
 
     Fidelity gates (ONNX models), as the CLI's ``--min-cosine`` and ``--min-agreement``: with
     ``min_cosine`` (the per-example cosine of every output) or ``min_agreement`` (the argmax
     agreement of every logits-like output) the rewritten model is compared with the original
     (``attnrewrite.check``) and ``FidelityBelowThreshold`` raised when it falls below; an
-    ``AttnRewriteError`` when ``min_agreement`` finds no logits-like output. They compare on
+    ``AttnRewriteError`` when ``min_agreement`` finds no logits-like output; where a replaced
+    site is still exact at the length compared they fail unless ``allow_exact``. They compare on
     ``inputs`` (a ``.npz`` path or arrays by input name, which the run gate and the mask probe
     then use too; default: generated from the signature).
 
@@ -77,6 +83,16 @@ def rewrite(
     which is then not fitted on), as ``attnrewrite.layer_selection`` describes; the record's
     ``selection`` says what each site cost.
 
+    ``heads`` (ONNX models): heads kept exact softmax inside their site's replacement, by layer
+    (``{3: [0, 7]}``; the method runs on the other heads, with its values for them; a site with
+    every head exact is left as it was), or ``"auto"`` with ``min_cosine`` and/or
+    ``min_agreement``: measure each head's share of its site's output error and keep the fewest,
+    costliest heads exact with which the model keeps the gates, on ``inputs`` or held-out
+    calibration data as for ``layers="auto"`` (which it composes with), as
+    ``attnrewrite.head_selection`` describes; the record's ``selection`` says each head's cost
+    and each site's ``exact_heads`` which are exact. With ``calibrate`` every head is fitted,
+    then the exact heads' values are left out. Not with ``recurrent``.
+
     ``calibrate``: fit every replacement to the attention it replaces on this data, site by
     site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``, by default the
     method's: 0.03, linformer 0.003; minibatches drawn by ``calibrate_seed``; with
@@ -90,21 +106,32 @@ def rewrite(
     framed as the tokenizer frames a pair; without, one text per example; a longer text is cut
     and counted in the record), a dict of arrays (batch axis stacked) or a list of such dicts. A
     part of ONNX data (the last batch or 10%, from 20 examples up) is held out and never fitted
-    on: where the fitted values leave the whole model further from the original there than the
+    on: unless the fitted values bring the whole model closer to the original there than the
     zero-shot ones, the zero-shot ones are kept (each site's ``calibration.held_out`` says both
-    figures). For torch: a list of example inputs, each a tuple of positional arguments or a
-    dict of keyword arguments.
+    figures). For torch: a list of example inputs, each as ``example_inputs`` may be given.
+
+    ``example_inputs`` (torch models): inputs as the model is called with them, a tuple of
+    positional arguments, a dict of keyword arguments or a tokenizer's ``BatchEncoding``. A model
+    ``torch.fx.symbolic_trace`` cannot trace (every transformers model) is captured with
+    ``torch.export`` on them, batch and sequence axes dynamic (``Dim.AUTO``; ``dynamic_shapes``,
+    torch.export's argument, to choose otherwise): the module runs at any batch and any length up
+    to the model's position limit, takes its inputs as the example gave them and returns what the
+    model returns (``gm(**batch).last_hidden_state``). Dims torch.export keeps static (a size of
+    1 in the example, or fixed by the model's code) are said in a ``StaticShapes`` warning; the
+    record's ``capture`` lists which are dynamic and which static.
     """
     settings = pipeline.Settings(
         method=to,
         options=options,
         layers=layers,
+        heads=heads,
         include_single_query=include_single_query,
         recurrent=recurrent,
         seq=seq,
         validate=validate,
         min_cosine=min_cosine,
         min_agreement=min_agreement,
+        allow_exact=allow_exact,
         inputs=inputs,
         calibrate=calibrate,
         calibrate_steps=calibrate_steps,
@@ -117,7 +144,9 @@ def rewrite(
         calibrate_pack=calibrate_pack,
     )
     if not _is_onnx(model):
-        return _rewrite_torch(model, settings)
+        return _rewrite_torch(model, settings, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
+    if example_inputs is not None or dynamic_shapes is not None:
+        raise AttnRewriteError("example_inputs and dynamic_shapes capture torch models; an ONNX model's are inputs=")
     result = pipeline.run(model, settings)
     if not result.record.rewritten:
         _warn_nothing_rewritten(result)
@@ -128,11 +157,13 @@ def rewrite(
     return result.model if isinstance(model, ir.Model) else ir.serde.serialize_model(result.model)
 
 
-def _rewrite_torch(model, settings: pipeline.Settings):
+def _rewrite_torch(model, settings: pipeline.Settings, **capture):
     from attnrewrite.fx import rewrite_graph_module
 
     if settings.layers == "auto":
         raise AttnRewriteError("layers='auto' measures fidelity with onnxruntime: it takes an ONNX model")
+    if settings.heads is not None:
+        raise AttnRewriteError("heads keeps heads exact inside ONNX replacements: it takes an ONNX model")
     if settings.recurrent:
         raise AttnRewriteError("recurrent=True rewrites an ONNX decoder's KV caches: it takes an ONNX model")
     if settings.compares:
@@ -144,7 +175,12 @@ def _rewrite_torch(model, settings: pipeline.Settings):
         fit = {f"calibrate_{name}": value for name, value in settings.calibration_settings().items()}
         options.update(calibrate=settings.calibrate, **fit)
     gm = rewrite_graph_module(
-        model, settings.method, layers=settings.layers, include_single_query=settings.include_single_query, **options
+        model,
+        settings.method,
+        layers=settings.layers,
+        include_single_query=settings.include_single_query,
+        **capture,
+        **options,
     )
     record = gm.meta[METADATA_KEY]
     if not record["sites_rewritten"]:
@@ -152,19 +188,28 @@ def _rewrite_torch(model, settings: pipeline.Settings):
     return gm
 
 
-def find_sites(model: Any, seq: int | None = None) -> list[AttentionSite]:
+def find_sites(
+    model: Any, seq: int | None = None, example_inputs: Any = None, dynamic_shapes: Any = None
+) -> list[AttentionSite]:
     """Every attention site in the model, rewritable or not (``skip_reason`` says why not).
-    ``seq``: the input length the ONNX mask probe starts from."""
+    ``seq``: the input length the ONNX mask probe starts from; ``example_inputs`` and
+    ``dynamic_shapes``: how a torch model is captured, as for ``rewrite``."""
     if _is_onnx(model):
         return find_onnx_sites(pipeline.Source(model).load(), seq)
     from attnrewrite.fx import find_fx_sites
 
-    return find_fx_sites(model)
+    return find_fx_sites(model, example_inputs, dynamic_shapes)
 
 
 def _warn_nothing_rewritten(result: pipeline.Result) -> None:
     """The CLI fails when nothing is rewritten; the API returns the model, so it says so."""
-    if result.selection is not None and result.selection.choices:
+    if isinstance(result.selection, pipeline.HeadSelection):
+        _warn(
+            f"head selection: the model keeps {result.selection.budget} only with every head exact; the model "
+            "is returned unchanged (the record's selection says what each head cost)",
+            result.report,
+        )
+    elif result.selection is not None and result.selection.choices:
         _warn(
             f"layer selection: no site keeps the {result.selection.budget}; the model is returned "
             "unchanged (the record's selection says what each site cost)",

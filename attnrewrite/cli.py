@@ -36,6 +36,7 @@ from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.passes import fit
+from attnrewrite.passes.heads import RECURRENT as EXACT_HEADS_RECURRENT
 from attnrewrite.pipeline import EXIT_BAD_INPUT
 from attnrewrite.record import (
     CHECKED,
@@ -87,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_layers,
         help="sites to rewrite, by index: 0,2,5-7 (default: all); 'auto' with --min-cosine X: measure what each "
         "site costs alone and replace the least harmful while the model's cosine stays >= X",
+    )
+    parser.add_argument(
+        "--heads",
+        type=parse_heads,
+        action="append",
+        metavar="auto|LAYER:H,H",
+        help="heads kept exact softmax inside the replacement: LAYER:H,H (repeatable, e.g. --heads 3:0,7 "
+        "--heads 5:2); 'auto' with --min-cosine and/or --min-agreement: measure what each head costs and keep "
+        "the fewest costliest exact that meet them (with --layers auto too: a site with every head exact is kept)",
     )
     parser.add_argument(
         "--include-single-query",
@@ -208,6 +218,12 @@ def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
         "(logits, log-probabilities, probabilities)",
     )
     parser.add_argument(
+        "--allow-exact",
+        action="store_true",
+        help="let the gates pass although some replaced sites are exact at the length compared (a window, "
+        "linformer's k, one lsh chunk), which the comparison then does not measure",
+    )
+    parser.add_argument(
         "--inputs",
         metavar="FILE.npz",
         help="inputs to compare on, by input name (default: generated from the signature)",
@@ -216,8 +232,9 @@ def _add_fidelity_arguments(parser: argparse.ArgumentParser, gate: str) -> None:
         "--seq",
         type=parse_positive,
         default=None,
-        help=f"sequence length of generated inputs (default: {check_mod.DEFAULT_SEQ} for the comparison; "
-        f"the rewrite's mask probe and run gate start short and double it until the model runs)",
+        help=f"sequence length of generated inputs (default for the comparison: {check_mod.PAST_REACH} times the "
+        f"longest reach of a replaced site's exact part, else {check_mod.DEFAULT_SEQ}, at most the model's positions; "
+        "the rewrite's mask probe and run gate start short and double it until the model runs)",
     )
 
 
@@ -253,6 +270,13 @@ def build_bench_parser() -> argparse.ArgumentParser:
         "--to", required=True, type=method_name, choices=list(passes.PASSES), help="the replacement method"
     )
     parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
+    parser.add_argument(
+        "--heads",
+        type=parse_heads,
+        action="append",
+        metavar="LAYER:H,H",
+        help="heads the rewritten model keeps exact softmax (repeatable), as the rewrite's --heads: their cost",
+    )
     parser.add_argument(
         "--lengths",
         type=parse_lengths,
@@ -368,6 +392,37 @@ def parse_layers(text: str) -> list[int] | str:
             raise argparse.ArgumentTypeError(f"reversed range {part.strip()!r} (write {end}-{start})")
         layers.update(range(start, end + 1))
     return sorted(layers)
+
+
+def parse_heads(text: str) -> dict[int, list[int]] | str:
+    """3:0,7 -> {3: [0, 7]}; "auto" is head selection (attnrewrite.head_selection)."""
+    if text == "auto":
+        return text
+    layer, colon, heads = text.partition(":")
+    try:
+        chosen = sorted({int(h) for h in heads.split(",")}) if colon else None
+        return {int(layer): chosen} if chosen and min(chosen) >= 0 else _bad_heads(text)
+    except ValueError:
+        return _bad_heads(text)
+
+
+def _bad_heads(text: str):
+    raise argparse.ArgumentTypeError(f"invalid heads {text!r} (expected auto, or LAYER:HEAD,HEAD such as 3:0,7)")
+
+
+def merged_heads(given: list | None) -> dict[int, list[int]] | str | None:
+    """The --heads flags as one setting: "auto" alone, or every LAYER:H,H together."""
+    if not given:
+        return None
+    if "auto" in given:
+        if len(given) > 1:
+            raise AttnRewriteError("--heads auto chooses every site's heads: give it alone")
+        return "auto"
+    merged: dict[int, list[int]] = {}
+    for entry in given:
+        for layer, heads in entry.items():
+            merged[layer] = sorted({*merged.get(layer, []), *heads})
+    return merged
 
 
 def check_layers_exist(requested: list[int] | None, record: RewriteRecord) -> None:
@@ -579,12 +634,14 @@ def _settings(args) -> pipeline.Settings:
         method=args.to,
         options=parse_options(args.option),
         layers=args.layers,
+        heads=merged_heads(args.heads),
         include_single_query=args.include_single_query,
         recurrent=args.recurrent,
         seq=args.seq,
         check=args.check,
         min_cosine=args.min_cosine,
         min_agreement=args.min_agreement,
+        allow_exact=args.allow_exact,
         inputs=args.inputs,
         calibrate=args.calibrate or None,
         calibrate_steps=args.calibrate_steps,
@@ -626,14 +683,14 @@ def _write_proved(result: pipeline.Result, output: str) -> None:
             raise type(error)(f"{error}; nothing written") from None
 
 
-def _check_seq(args) -> int:
-    return args.seq or check_mod.DEFAULT_SEQ
-
-
 def _check_command(args, run: _Run) -> int:
     report = run.report
     report.input, report.compared = args.original, args.rewritten
-    report.thresholds = {"min_cosine": args.min_cosine, "min_agreement": args.min_agreement}
+    report.thresholds = {
+        "min_cosine": args.min_cosine,
+        "min_agreement": args.min_agreement,
+        "allow_exact": args.allow_exact,
+    }
     run.report_to(args.report, keep=[args.original, args.rewritten])
     if args.json:
         onnx_io.check_output_path(args.json, args.original, what="report")
@@ -643,12 +700,12 @@ def _check_command(args, run: _Run) -> int:
     with stage("load"):
         original = onnx_io.load_model(args.original)
     check_length_fits(original.graph, args, from_empty_cache=check_mod.is_recurrent(args.rewritten))
-    fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=_check_seq(args))
+    fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(fidelity.table())
     if args.json:
         Path(args.json).write_text(json.dumps(fidelity.as_dict(**report.thresholds), indent=2) + "\n")
     with stage("check"):
-        fidelity.gate(args.min_cosine, args.min_agreement)
+        fidelity.gate(args.min_cosine, args.min_agreement, args.allow_exact)
     report.end(CHECKED, 0)
     return 0
 
@@ -662,7 +719,7 @@ def _bench_command(args) -> int:
     config = bench.BenchConfig(
         model=args.model,
         method=args.to,
-        options=parse_options(args.option),
+        options={**parse_options(args.option), **_bench_heads(args.heads)},
         lengths=args.lengths or bench.DEFAULT_LENGTHS,
         batch=args.batch,
         budget_seconds=args.budget_seconds,
@@ -687,17 +744,24 @@ def _bench_command(args) -> int:
     return 0
 
 
+def _bench_heads(given: list | None) -> dict:
+    """The rewrite's exact heads (rewrite_model's ``exact_heads``), where --heads gives some."""
+    heads = merged_heads(given)
+    if heads == "auto":
+        raise AttnRewriteError("bench --heads takes LAYER:H,H: 'auto' measures fidelity, not speed")
+    return {"exact_heads": heads} if heads else {}
+
+
 def check_length_fits(graph, args, from_empty_cache: bool = False) -> None:
     """Generated inputs of --seq tokens must fit the model's positions: said here in one line,
-    instead of onnxruntime's message from deep inside the embeddings. A decoder checked against
-    its recurrent rewrite starts ``from_empty_cache`` (check.prepare_decoder_inputs)."""
-    if args.inputs is not None:
+    instead of onnxruntime's message from deep inside the embeddings (the default length is
+    capped there: check.default_length). A decoder checked against its recurrent rewrite starts
+    ``from_empty_cache`` (check.prepare_decoder_inputs)."""
+    if args.inputs is not None or args.seq is None:
         return  # the user's own arrays: their length is theirs
     limit = position_limit(graph, from_empty_cache)
-    if limit is not None and _check_seq(args) > limit.positions:
-        raise AttnRewriteError(
-            f"--seq {_check_seq(args)} is too long: {limit.describe()}; use --seq {limit.positions} or less"
-        )
+    if limit is not None and args.seq > limit.positions:
+        raise AttnRewriteError(f"--seq {args.seq} is too long: {limit.describe()}; use --seq {limit.positions} or less")
 
 
 def _check_rewrite_arguments(args, model) -> None:
@@ -705,9 +769,21 @@ def _check_rewrite_arguments(args, model) -> None:
         raise AttnRewriteError("choose a method with --to (or --list to only report)")
     if not args.output:
         raise AttnRewriteError("give the output path with -o")
-    if args.layers == "auto" and args.min_cosine is None:
+    _check_heads_arguments(args)
+    if args.layers == "auto" and args.min_cosine is None and args.heads != ["auto"]:
         raise AttnRewriteError("--layers auto needs --min-cosine X: the cosine the rewritten model must keep")
     onnx_io.check_output_path(args.output, args.model, reads=onnx_io.files_read_by(model))
+
+
+def _check_heads_arguments(args) -> None:
+    if args.heads and args.recurrent:
+        raise AttnRewriteError(f"--heads with --recurrent: {EXACT_HEADS_RECURRENT}")
+    if args.heads == ["auto"] and args.min_cosine is None and args.min_agreement is None:
+        raise AttnRewriteError(
+            "--heads auto needs --min-cosine X and/or --min-agreement Y: the fidelity the rewritten model must keep"
+        )
+    if args.heads and args.heads != ["auto"] and args.layers == "auto":
+        raise AttnRewriteError("--layers auto chooses whole sites: give --heads auto to choose heads with it")
 
 
 def _check_report_argument(args, model) -> None:

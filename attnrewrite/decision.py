@@ -24,15 +24,23 @@ def refusal(
     layers: list[int] | None = None,
     include_single_query: bool = False,
     recurrent: bool = False,
+    exact_heads: list[int] | None = None,
 ) -> str | None:
     """None when ``method`` is to replace the site, else why it is left alone. The first reason
     that applies: what detection found (probabilities used elsewhere, a mask that is a bias),
-    the layer selection, a KV cache (``recurrent``: its absence, or the method having no
-    recurrence), a single query, the method's own limits."""
+    the layer selection, the heads to keep exact (all of them, or a site whose heads are not
+    known), a KV cache (``recurrent``: its absence, or the method having no recurrence), a
+    single query, the method's own limits."""
     if site.skip_reason is not None:
         return site.skip_reason
     if layers is not None and site.layer not in layers:
         return f"layer {site.layer} is not among the selected layers"
+    if exact_heads:
+        from attnrewrite.passes import heads
+
+        reason = heads.refusal(site, exact_heads)
+        if reason is not None:
+            return reason
     if recurrent:
         return _recurrent_refusal(site, method, options)
     if site.kv_cache is not None:

@@ -29,12 +29,14 @@ from attnrewrite import calibration, passes
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, CheckReport, FidelityBelowThreshold
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
+from attnrewrite.head_selection import HeadSelection, select_heads_onnx
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import sequence_length
 from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
+from attnrewrite.passes import heads
 from attnrewrite.record import (
     ERROR,
     GATE_FAILED,
@@ -60,15 +62,20 @@ class Settings:
     method: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's (passes.<method>.Options)
     layers: list[int] | str | None = None  # site indices (None: all), or "auto": layer selection
+    # heads kept exact (softmax) inside the replacements: layer -> head indices, or "auto": head
+    # selection (attnrewrite.head_selection), which "auto" layers compose with
+    heads: dict[int, list[int]] | str | None = None
     include_single_query: bool = False
     recurrent: bool = False  # KV caches become recurrent states (attnrewrite.onnx.recurrent)
-    # generated inputs' length: the fidelity check's (default check.DEFAULT_SEQ); the mask probe
-    # and the run gate start there and double it until the original runs
+    # generated inputs' length: the fidelity check's (default check.default_length: past every
+    # replaced site's exact part); the mask probe and the run gate start there and double it
+    # until the original runs
     seq: int | None = None
     validate: bool = True
     check: bool = False  # compare the rewritten model's outputs with the original's
     min_cosine: float | None = None  # fidelity gates; with layers="auto" also the selection's budget
     min_agreement: float | None = None
+    allow_exact: bool = False  # the gates pass although replaced sites are exact at the length compared
     inputs: str | os.PathLike | dict | None = None  # a .npz or arrays to compare, gate and select on
     calibrate: Any = None  # the data to fit on (calibration.onnx_calibration)
     calibrate_steps: int = calibration.DEFAULT_STEPS
@@ -85,6 +92,11 @@ class Settings:
         """Whether the rewritten model is compared with the original: asked for, or implied by a
         threshold or by inputs to compare on (layer selection always has its budget)."""
         return self.check or self.min_cosine is not None or self.min_agreement is not None or self.inputs is not None
+
+    @property
+    def selects(self) -> bool:
+        """Whether a search chooses what to replace (layer or head selection)."""
+        return self.layers == "auto" or self.heads == "auto"
 
     def calibration_settings(self) -> dict[str, Any]:
         """How calibration fits (calibration.Calibration's fields)."""
@@ -147,7 +159,7 @@ class Result:
     settings: Settings
     source: Source
     report: Report  # the run's, as far as it has got (its outcome once ``run`` returns)
-    selection: Selection | None = None  # with layers="auto": what each site cost
+    selection: Selection | HeadSelection | None = None  # with layers or heads "auto": what each site or head cost
     inputs: CheckInputs | None = None  # what the fidelity check compares on (None: no check)
     original: Any = None  # the original as the fidelity check runs it
     note: str | None = None  # the run gate's, when it had to adapt (longer inputs than asked for)
@@ -165,17 +177,18 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     nothing proved yet."""
     report = report or Report("rewrite")
     report.method = settings.method
-    report.thresholds = {"min_cosine": settings.min_cosine, "min_agreement": settings.min_agreement}
-    if settings.layers == "auto" and settings.min_cosine is None:
-        raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
+    report.thresholds = {
+        "min_cosine": settings.min_cosine,
+        "min_agreement": settings.min_agreement,
+        "allow_exact": settings.allow_exact,
+    }
+    _check_selection(settings)
     with stage("load"):
         model = source.load()
     inputs = original = None
     if settings.compares:
         with stage("check"):  # from the original's signature, before the rewrite changes the model in place
-            # a recurrent model takes states where the original takes caches: both are run as they generate
-            prepare = check_mod.prepare_decoder_inputs if settings.recurrent else check_mod.prepare_inputs
-            inputs = prepare(model, settings.inputs, seq=settings.seq or check_mod.DEFAULT_SEQ)
+            inputs = _check_inputs(model, settings)
             original = source.original()
     given = inputs.feeds if settings.inputs is not None and not settings.recurrent else None  # Result.given_inputs
     fitting, inputs = _calibration(settings, model, inputs)
@@ -191,10 +204,53 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     return Result(model, record, settings, source, report, selection, inputs, original)
 
 
+def _check_inputs(model: ir.Model, settings: Settings) -> CheckInputs:
+    """What the fidelity check and layer selection compare on: the given inputs, or generated
+    ones ``settings.seq`` long, by default past the method's exact part (check.default_length).
+    A recurrent model takes states where the original takes caches: both run as they generate."""
+    seq, why = settings.seq, None
+    if seq is None and settings.inputs is None:
+        parts = check_mod.method_exact_parts(settings.method, settings.options)
+        seq, why = check_mod.default_length(model.graph, parts, from_empty_cache=settings.recurrent)
+    prepare = check_mod.prepare_decoder_inputs if settings.recurrent else check_mod.prepare_inputs
+    return check_mod.with_reason(prepare(model, settings.inputs, seq=seq or check_mod.DEFAULT_SEQ), why)
+
+
+def _check_selection(settings: Settings) -> None:
+    """What layer and head selection need, and what they cannot be given with."""
+    if settings.heads is not None and settings.recurrent:
+        raise AttnRewriteError(f"heads with recurrent: {heads.RECURRENT}")
+    if settings.heads == "auto":
+        if settings.min_cosine is None and settings.min_agreement is None:
+            raise AttnRewriteError(
+                "heads='auto' needs min_cosine and/or min_agreement: the fidelity the model must keep"
+            )
+        return
+    if settings.layers == "auto" and settings.heads is not None:
+        raise AttnRewriteError("layers='auto' chooses whole sites: give heads='auto' to choose heads with it")
+    if settings.layers == "auto" and settings.min_cosine is None:
+        raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
+
+
 def _rewrite(source: Source, model: ir.Model, settings: Settings, options: dict, fitting, inputs):
-    """The sites asked for replaced, or those layer selection chooses: (model, record, selection)."""
+    """The sites asked for replaced, or those layer or head selection chooses: (model, record, selection)."""
+    if settings.heads == "auto":  # "auto" layers compose: heads are the unit
+        layers = None if settings.layers == "auto" else settings.layers
+        return select_heads_onnx(
+            source.fresh,
+            settings.method,
+            options,
+            inputs,
+            settings.min_cosine,
+            settings.min_agreement,
+            calibration=fitting,
+            layers=layers,
+        )
     if settings.layers != "auto":
-        return *rewrite_model(model, settings.method, layers=settings.layers, calibration=fitting, **options), None
+        model, record = rewrite_model(
+            model, settings.method, layers=settings.layers, calibration=fitting, exact_heads=settings.heads, **options
+        )
+        return model, record, None
     return select_onnx(
         source.fresh,
         settings.method,
@@ -222,7 +278,7 @@ def _calibration(settings: Settings, model: ir.Model, inputs: CheckInputs | None
         method = passes.get_pass(settings.method)
         options = passes.make_options(method, **settings.options)
         calibration.require_fittable(method, options, settings.calibrate_ce_weight)
-        selecting = settings.layers == "auto" and settings.inputs is None
+        selecting = settings.selects and settings.inputs is None
         fitting = calibration.onnx_calibration(
             settings.calibrate,
             model.graph,
@@ -267,12 +323,17 @@ def gate(result: Result) -> None:
     """Stage 3: FidelityBelowThreshold when the check's report falls below a threshold."""
     if result.fidelity is not None:
         with stage("check"):
-            result.fidelity.gate(result.settings.min_cosine, result.settings.min_agreement)
+            settings = result.settings
+            result.fidelity.gate(settings.min_cosine, settings.min_agreement, settings.allow_exact)
 
 
 def refusal(result: Result) -> NothingToRewrite:
     """Why nothing was rewritten, as the CLI fails with it."""
     record, selection = result.record, result.selection
+    if isinstance(selection, HeadSelection):
+        return NothingToRewrite(
+            f"head selection: the model keeps {selection.budget} only with every head exact; nothing written", record
+        )
     if selection is not None and selection.choices:
         best = selection.choices[0]
         return NothingToRewrite(

@@ -28,6 +28,16 @@ class SiteOutcome:
     reason: str | None = None
     replacement: str | None = None  # e.g. "attnrewrite.Hydra"
     calibration: dict[str, Any] | None = None  # how the replacement was fitted, if it was
+    exact_heads: list[int] | None = None  # heads the replacement computes by softmax (attnrewrite.passes.heads)
+
+    @property
+    def result(self) -> str:
+        """What became of the site, in the table's words."""
+        if not self.rewritten:
+            return f"skipped: {self.reason}"
+        if self.exact_heads:
+            return f"{self.replacement} (heads {','.join(map(str, self.exact_heads))} exact)"
+        return self.replacement
 
     def as_dict(self) -> dict[str, Any]:
         entry = {
@@ -39,6 +49,8 @@ class SiteOutcome:
         }
         if self.calibration is not None:  # uncalibrated records stay as they always were
             entry["calibration"] = self.calibration
+        if self.exact_heads:
+            entry["exact_heads"] = self.exact_heads
         return entry
 
 
@@ -52,6 +64,9 @@ class RewriteRecord:
     notes: list[str] = dataclasses.field(default_factory=list)
     selection: dict[str, Any] | None = None  # --layers auto: what each site cost and why it was chosen
     end_to_end: dict[str, Any] | None = None  # calibration's stage that fitted all sites together
+    # per layer, the values calibration left in each replacement (what exact heads are sliced
+    # from: attnrewrite.passes.heads); not part of the record as written
+    fitted: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def rewritten(self) -> list[SiteOutcome]:
@@ -90,7 +105,7 @@ class RewriteRecord:
                 "-" if o.site.layer is None else str(o.site.layer),
                 "-" if o.site.num_heads is None else str(o.site.num_heads),
                 o.site.mask.value,
-                o.replacement if o.rewritten else f"skipped: {o.reason}",
+                o.result,
             )
             for o in self.outcomes
         ]

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any, NamedTuple
 
+import numpy as np
 import onnx_ir as ir
 
 from attnrewrite import decision, passes
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
+from attnrewrite.passes import heads
 from attnrewrite.passes._onnx import DOMAIN
 from attnrewrite.passes.recurrent import recurrent_lowering
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome, record_json, stage
@@ -47,6 +51,8 @@ def rewrite_model(
     calibration=None,
     seq: int | None = None,
     recurrent: bool = False,
+    exact_heads: dict[int, list[int]] | None = None,
+    fitted: dict[int, dict[str, np.ndarray]] | None = None,
     **options,
 ) -> tuple[ir.Model, RewriteRecord]:
     """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
@@ -54,7 +60,16 @@ def rewrite_model(
     (attnrewrite.calibration.Calibration): fit every replacement, in order, to the attention it
     replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
     (default: attnrewrite.site.MASK_PROBE_LENGTHS). ``recurrent``: the KV-cache sites become
-    recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay."""
+    recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay.
+    ``exact_heads`` (layer -> head indices): those heads stay softmax inside the site's
+    replacement (attnrewrite.passes.heads); with ``calibration`` every head is fitted first and
+    the exact heads' values are sliced out (_fitted_on_every_head). ``fitted`` (layer -> values,
+    a record's ``fitted``): the replacements hold these instead of their initial values."""
+    if exact_heads and recurrent:
+        raise AttnRewriteError(f"--heads with --recurrent: {heads.RECURRENT}")
+    if exact_heads and calibration is not None:
+        return _fitted_on_every_head(model, to, layers, include_single_query, calibration, seq, exact_heads, **options)
+    exact_heads, fitted = exact_heads or {}, fitted or {}
     method = passes.get_pass(to)
     opts = passes.make_options(method, **options)
     if calibration is not None:
@@ -63,11 +78,17 @@ def rewrite_model(
         require_fittable(method, opts, calibration.ce_weight)
     model = infer_shapes(model)
     sites = analyze(model, seq)
-    decisions = [decision.refusal(s.site, method, opts, layers, include_single_query, recurrent) for s in sites]
+
+    def decide(s: OnnxSite) -> str | None:
+        exact = exact_heads.get(s.site.layer)
+        return decision.refusal(s.site, method, opts, layers, include_single_query, recurrent, exact)
+
+    _check_exact_heads(exact_heads, sites)
+    decisions = [decide(s) for s in sites]
     if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
         model = infer_shapes(upgrade_opset(model))
         sites = analyze(model, seq)
-        decisions = [decision.refusal(s.site, method, opts, layers, include_single_query, recurrent) for s in sites]
+        decisions = [decide(s) for s in sites]
     decisions, splicer = _splicer(model, sites, decisions, recurrent)
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
     note = probe_note([s.site for s in sites])
@@ -75,24 +96,18 @@ def rewrite_model(
         record.notes.append(note)
     fitting = []  # (outcome, learnable module, names of its constants) per rewritten site
     for s, reason in zip(sites, decisions):
-        if reason is None and not recurrent:
-            try:
-                splicer.check(s)
-            except Unsupported as why:
-                reason = str(why)
-        module = weights = None
-        if reason is None and calibration is not None:
-            module, reason = decision.learnable_module(s.site, method, opts)
-            if module is not None:
-                weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
+        exact = exact_heads.get(s.site.layer)
+        if reason is None:
+            plan = _plan(splicer, s, method, opts, default_opset(model), calibration, fitted.get(s.site.layer), exact)
+            reason = plan if isinstance(plan, str) else None
         if reason is not None:
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
             continue
-        lowering, replacement = _replace(splicer, s, method, opts, default_opset(model), weights)
-        outcome = SiteOutcome(s.site, rewritten=True, replacement=replacement)
+        replacement = _splice(splicer, s, plan.lowering, opts, own=frozenset(plan.weights or ()))
+        outcome = SiteOutcome(s.site, True, replacement=replacement, exact_heads=sorted(set(exact)) if exact else None)
         record.outcomes.append(outcome)
-        if module is not None:
-            fitting.append((outcome, module, list(lowering.constants)))
+        if plan.module is not None:
+            fitting.append((outcome, plan.module, list(plan.lowering.constants)))
     record.bytes_added = splicer.bytes_added if splicer is not None else 0
     if recurrent and record.rewritten:
         splicer.finish()
@@ -103,20 +118,96 @@ def rewrite_model(
 
         with stage("calibrate"):
             record.end_to_end = calibrate_replacements(model, splicer.calls, fitting, calibration)
+        record.fitted = {
+            outcome.site.layer: _values(splicer.calls[outcome.site.name], names) for outcome, _, names in fitting
+        }
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
 
 
-def _replace(splicer: Splicer, s: OnnxSite, method, opts, opset: int, weights: dict | None):
-    """(the lowering, the replacement's op) of the site spliced: its recurrent form for a
-    RecurrentSplicer."""
-    own = frozenset(weights or ())  # fitted per site: never shared, though they start equal
+class _Plan(NamedTuple):
+    lowering: Any
+    module: Any  # the learnable module calibration fits, or None
+    weights: dict | None  # the values the lowering holds instead of its initial ones
+
+
+def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact) -> _Plan | str:
+    """How a site decided for is replaced (weights: values given for it, fitted earlier), or
+    why it cannot be after all."""
+    recurrent = isinstance(splicer, RecurrentSplicer)
+    if not recurrent:
+        try:
+            splicer.check(s)
+        except Unsupported as why:
+            return str(why)
+    module = None
+    if calibration is not None:
+        module, reason = decision.learnable_module(s.site, method, opts)
+        if module is None:
+            return reason
+        weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
+    if recurrent:
+        return _Plan(recurrent_lowering(s.site, opts, opset, weights), module, weights)
+    if not exact:
+        return _Plan(method.onnx_lowering(s.site, opts, opset, weights=weights), module, weights)
+    try:
+        return _Plan(heads.onnx_lowering(method, s.site, opts, opset, exact, weights), module, weights)
+    except ValueError as why:  # a method whose values have no head axis
+        return f"cannot keep heads exact: {why}"
+
+
+def _splice(splicer: Splicer, s: OnnxSite, lowering, opts, own: frozenset[str]) -> str:
+    """The replacement's op, spliced (own: values fitted per site, never shared though they start equal)."""
     if isinstance(splicer, RecurrentSplicer):
-        lowering = recurrent_lowering(s.site, opts, opset, weights)
-        return lowering, splicer.splice_recurrent(s, lowering, opts, own)
-    lowering = method.onnx_lowering(s.site, opts, opset, weights=weights)
-    return lowering, splicer.splice(s, lowering, own)
+        return splicer.splice_recurrent(s, lowering, opts, own)
+    return splicer.splice(s, lowering, own)
+
+
+def _values(call: ir.Node, names: list[str]) -> dict[str, np.ndarray]:
+    """The values a replacement holds, by its lowering's constant names (the call's last inputs)."""
+    return {name: value.const_value.numpy() for name, value in zip(names, call.inputs[len(call.inputs) - len(names) :])}
+
+
+def _check_exact_heads(exact_heads: dict[int, list[int]], sites: list[OnnxSite]) -> None:
+    """Every layer named has a site, and every head named is one of its heads (where known)."""
+    by_layer = {s.site.layer: s.site for s in sites}
+    for layer, chosen in exact_heads.items():
+        if layer not in by_layer:
+            raise AttnRewriteError(f"--heads: no attention site in layer {layer}")
+        site = by_layer[layer]
+        wrong = heads.out_of_range(site, chosen) if site.num_heads is not None else []
+        if wrong:
+            raise AttnRewriteError(
+                f"--heads: layer {layer} has heads 0-{site.num_heads - 1}, not {','.join(map(str, wrong))}"
+            )
+
+
+def _fitted_on_every_head(
+    model: ir.Model, to: str, layers, include_single_query, calibration, seq, exact_heads, **options
+):
+    """Calibrated exact heads: every head is fitted (on a copy of the model, as it would be
+    without exact heads), then the model is rewritten with those values, the exact heads' left
+    out; what head selection measures (attnrewrite.head_selection). The record says how each
+    site was fitted."""
+    earlier = model.metadata_props.get(METADATA_KEY)
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    settings = dict(include_single_query=include_single_query, seq=seq, **options)
+    _, every_head = rewrite_model(copy, to, layers, calibration=calibration, **settings)
+    model, record = rewrite_model(model, to, layers, exact_heads=exact_heads, fitted=every_head.fitted, **settings)
+    with_fitting_of(record, every_head)
+    if record.rewritten:
+        model.metadata_props[METADATA_KEY] = record_json(record, earlier)
+    return model, record
+
+
+def with_fitting_of(record: RewriteRecord, fitted: RewriteRecord) -> None:
+    """``record`` (of a rewrite with ``fitted``'s values) says how they were fitted: each site's
+    calibration entry, the end-to-end stage's."""
+    calibration = {o.site.name: o.calibration for o in fitted.outcomes}
+    for outcome in record.rewritten:
+        outcome.calibration = calibration.get(outcome.site.name)
+    record.end_to_end, record.fitted = fitted.end_to_end, fitted.fitted
 
 
 def _splicer(model: ir.Model, sites: list[OnnxSite], decisions: list[str | None], recurrent: bool):
