@@ -233,19 +233,8 @@ def measure(config: Config, mode: str, model_path: Path, data: Data, reference: 
         on_long = data.long_figures(path, args)
     record = json.loads({p.key: p.value for p in rewritten.metadata_props}["attnrewrite"])
     return {
-        "config": config.name,
-        "mode": mode,
-        "method": config.method,
-        "options": config.options,
-        "sites_rewritten": record["sites_rewritten"],
-        "sites_found": record["sites_found"],
-        **fidelity(reference, vectors),
-        # calibration happens inside rewrite(): for a calibrated run this is the calibration time
-        "rewrite_seconds": round(rewrite_seconds, 2),
-        "heldout_seconds": round(run_seconds, 2),
-        **({"calibration": [s.get("calibration") for s in record["sites"]]} if "calibrated" in mode else {}),
+        **_row(config, mode, record, fidelity(reference, vectors), rewrite_seconds, run_seconds),
         **({"selection": record["selection"]} if mode in SELECTED else {}),
-        **({"end_to_end": record["end_to_end"]} if "end_to_end" in record else {}),
         **varied,
         **({"calibration_text": data.text.described} if data.text and "calibrate" in extra else {}),
         **on_long,
@@ -275,16 +264,21 @@ def measure_in_torch(config: Config, mode: str, data: Data, reference: np.ndarra
             hidden = gm(**_tensors(feeds)).last_hidden_state.numpy()
             rows.append(mean_pool(hidden, feeds["attention_mask"]))
     run_seconds = time.perf_counter() - start
-    record = gm.meta["attnrewrite"]
+    figures = fidelity(reference, np.concatenate(rows))
+    return {"frontend": "torch", **_row(config, mode, gm.meta["attnrewrite"], figures, rewrite_seconds, run_seconds)}
+
+
+def _row(config: Config, mode: str, record: dict, figures: dict, rewrite_seconds: float, run_seconds: float) -> dict:
+    """What every row says, whichever frontend measured it."""
     return {
         "config": config.name,
         "mode": mode,
-        "frontend": "torch",
         "method": config.method,
         "options": config.options,
         "sites_rewritten": record["sites_rewritten"],
         "sites_found": record["sites_found"],
-        **fidelity(reference, np.concatenate(rows)),
+        **figures,
+        # calibration happens inside rewrite(): for a calibrated run this is the calibration time
         "rewrite_seconds": round(rewrite_seconds, 2),
         "heldout_seconds": round(run_seconds, 2),
         **({"calibration": [s.get("calibration") for s in record["sites"]]} if "calibrated" in mode else {}),

@@ -14,19 +14,18 @@ per architecture and mode (functools.cache), which keeps this file to seconds pe
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 
 import pytest
 import torch
+from test_fx_transformers import attention_swapped
 from torch import nn
 
 import attnrewrite
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.fx.capture import StaticShapes
-from attnrewrite.passes import kernels
 from attnrewrite.passes.fit import exact_stand_in, zero_padded_queries
 
 transformers = pytest.importorskip("transformers")
@@ -128,28 +127,6 @@ def rewritten(name: str, calibrated: bool) -> torch.fx.GraphModule:
 def pass_modules(gm: torch.fx.GraphModule) -> list[nn.Module]:
     sites = gm.meta["attnrewrite"]["sites"]
     return [gm.get_submodule(site["replacement"].split(" at ")[1]) for site in sites]
-
-
-@contextlib.contextmanager
-def attention_swapped(modules: list[nn.Module], key_keep: torch.Tensor | None):
-    """transformers' attention function (eager and sdpa) replaced by modules[i] in layer i."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    calls = iter(modules)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = kernels.expand_to_query_heads(key, query), kernels.expand_to_query_heads(value, query)
-        out = next(calls)(query, key, value, key_keep)
-        return out.transpose(1, 2).contiguous(), None  # [B, N, H, D], as transformers returns it
-
-    for implementation in ("eager", "sdpa"):
-        ALL_ATTENTION_FUNCTIONS[implementation] = attention
-    try:
-        yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
-        ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved)
 
 
 def with_pass_swapped_in(model: nn.Module, gm: torch.fx.GraphModule, inputs: dict) -> torch.Tensor:

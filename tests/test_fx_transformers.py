@@ -19,6 +19,7 @@ from torch import nn
 import attnrewrite
 from attnrewrite import passes
 from attnrewrite.fx import find_fx_sites, rewrite_graph_module
+from attnrewrite.passes import kernels
 from attnrewrite.site import MaskKind
 
 HIDDEN, HEADS, LAYERS, VOCAB = 32, 4, 2, 100
@@ -109,13 +110,15 @@ def exported(name: str, attention: str, decomposed: bool = False) -> torch.expor
 
 @contextlib.contextmanager
 def attention_swapped(modules: list[nn.Module], key_keep: torch.Tensor | None):
-    """transformers' eager and sdpa attention functions replaced by modules[i] for layer i."""
+    """transformers' eager and sdpa attention functions replaced by modules[i] for layer i (grouped
+    key and value heads repeated per query head, as the pass modules take them)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     saved = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
     calls = iter(modules)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = kernels.expand_to_query_heads(key, query), kernels.expand_to_query_heads(value, query)
         out = next(calls)(query, key, value, key_keep)
         return out.transpose(1, 2).contiguous(), None  # [B, N, H, D], as transformers returns it
 
