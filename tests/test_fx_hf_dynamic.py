@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from test_fx_transformers import attention_swapped
+from test_fx_transformers import attention_swapped, transformers_model
 from torch import nn
 
 import attnrewrite
@@ -40,47 +40,7 @@ ARCHITECTURES = ("bert", "gpt2", "llama", "vit")
 
 
 def build(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    common = dict(attn_implementation="sdpa")
-    if name == "bert":
-        config = transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            intermediate_size=2 * HIDDEN,
-            max_position_embeddings=POSITIONS,
-            **common,
-        )
-        return transformers.BertModel(config, add_pooling_layer=False).eval()
-    if name == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS, **common
-        )
-        return transformers.GPT2Model(config).eval()
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=2 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS // 2,
-            max_position_embeddings=POSITIONS,
-            **common,
-        )
-        return transformers.LlamaModel(config).eval()
-    config = transformers.ViTConfig(
-        image_size=16,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN,
-        **common,
-    )
-    return transformers.ViTModel(config, add_pooling_layer=False).eval()
+    return transformers_model(name, "sdpa")
 
 
 def batch_of(name: str, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -49,21 +49,18 @@ class ImageEncoder(nn.Module):
         return self.model(pixel_values=pixel_values).last_hidden_state
 
 
-def build(name: str, attention: str) -> nn.Module:
+def transformers_model(name: str, attention: str) -> nn.Module:
+    """A small transformers model from a config (random weights, seeded): bert, gpt2, llama
+    (grouped key and value heads) or vit, with ``attention`` as its attention implementation."""
     torch.manual_seed(0)
+    common = dict(num_hidden_layers=LAYERS, num_attention_heads=HEADS, attn_implementation=attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if name == "bert":
             config = transformers.BertConfig(
-                vocab_size=VOCAB,
-                hidden_size=HIDDEN,
-                num_hidden_layers=LAYERS,
-                num_attention_heads=HEADS,
-                intermediate_size=2 * HIDDEN,
-                max_position_embeddings=64,
-                attn_implementation=attention,
+                vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, max_position_embeddings=64, **common
             )
-            return TextEncoder(transformers.BertModel(config, add_pooling_layer=False)).eval()
+            return transformers.BertModel(config, add_pooling_layer=False).eval()
         if name == "gpt2":
             config = transformers.GPT2Config(
                 vocab_size=VOCAB,
@@ -73,18 +70,26 @@ def build(name: str, attention: str) -> nn.Module:
                 n_positions=64,
                 attn_implementation=attention,
             )
-            return TextEncoder(transformers.GPT2Model(config)).eval()
+            return transformers.GPT2Model(config).eval()
+        if name == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                intermediate_size=2 * HIDDEN,
+                num_key_value_heads=HEADS // 2,
+                max_position_embeddings=64,
+                **common,
+            )
+            return transformers.LlamaModel(config).eval()
         config = transformers.ViTConfig(
-            image_size=16,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            intermediate_size=2 * HIDDEN,
-            attn_implementation=attention,
+            image_size=16, patch_size=4, num_channels=3, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, **common
         )
-        return ImageEncoder(transformers.ViTModel(config, add_pooling_layer=False)).eval()
+        return transformers.ViTModel(config, add_pooling_layer=False).eval()
+
+
+def build(name: str, attention: str) -> nn.Module:
+    wrapper = ImageEncoder if name == "vit" else TextEncoder
+    return wrapper(transformers_model(name, attention)).eval()
 
 
 def model_inputs(name: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
