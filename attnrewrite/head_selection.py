@@ -40,6 +40,7 @@ from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs
 from attnrewrite.layer_selection import Measurement, gate_measurement
 from attnrewrite.onnx import io as onnx_io
+from attnrewrite.passes.heads import attention_scale
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 COSTLIEST_SHOWN = 3  # heads per site the table names with their costs
@@ -203,7 +204,9 @@ def head_costs(model: ir.Model, record: RewriteRecord, feeds: dict[str, np.ndarr
     costs = [
         HeadCost(outcome.site.layer, head, float(share))
         for outcome, arrays in zip(measured, collected)
-        for head, share in enumerate(error_shares(*arrays, scale=_scale(outcome.site), causal=outcome.site.mask.causal))
+        for head, share in enumerate(
+            error_shares(*arrays, scale=attention_scale(outcome.site), causal=outcome.site.mask.causal)
+        )
     ]
     return sorted(costs, key=lambda c: (-_sortable(c.cost), c.layer, c.head))
 
@@ -254,10 +257,6 @@ def _collected(model: ir.Model, values: list[list[ir.Value]], feeds: dict[str, n
         known = {i.name for i in session.get_inputs()}
         arrays = iter(session.run(names, {name: array for name, array in feeds.items() if name in known}))
     return [[next(arrays) for _ in site_values] for site_values in values]
-
-
-def _scale(site) -> float:
-    return site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
 
 
 def _sortable(value: float) -> float:

@@ -71,7 +71,8 @@ def split(site: AttentionSite, exact: list[int]) -> tuple[list[int], list[int], 
     return approximate, exact, order
 
 
-def _scale(site: AttentionSite) -> float:
+def attention_scale(site: AttentionSite) -> float:
+    """The factor of q k^T: the site's, or 1/sqrt(head_dim) where it folded none."""
     return site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
 
 
@@ -147,7 +148,7 @@ class ExactHeadsAttention(Module):
         self.register_buffer("approximate_heads", torch.tensor(approximate_heads), persistent=False)
         self.register_buffer("exact_heads", torch.tensor(exact_heads), persistent=False)
         self.register_buffer("head_order", torch.tensor(order), persistent=False)
-        self.scale, self.causal = _scale(site), site.mask.causal
+        self.scale, self.causal = attention_scale(site), site.mask.causal
 
     def forward(self, q, k, v, key_keep=None):
         from attnrewrite.passes.fit import exact_attention
@@ -210,7 +211,7 @@ def onnx_lowering(
     inner = method.onnx_lowering(approximate_site(site, exact), options, opset_version, weights=sliced or None)
     op = standard_opset(opset_version)
     hidden_keys = _hidden_keys_function(op, site.mask.causal)
-    softmax = _exact_softmax_function(op, _scale(site), hidden_keys).to_function_proto()
+    softmax = _exact_softmax_function(op, attention_scale(site), hidden_keys).to_function_proto()
     softmax.name = f"{'Causal' if site.mask.causal else ''}ExactHeadsSoftmax"  # distinct bodies, distinct names
     helpers = [f.to_function_proto() for f in with_callees(_heads_of_keep_function(op), hidden_keys)]
     entry = _entry_function(inner, softmax.name, opset_version)
