@@ -5,6 +5,8 @@ the same attention shapes, and a long-sequence memory check. Writes bench/RESULT
     python bench/run_benchmarks.py --quick             # 128..1024, 2 repeats: to try the script
     python bench/run_benchmarks.py --lengths 4096 --attention-rows softmax,hedgehog,hedgehog:window=32
                                                        # a few attention-only rows, printed
+    python bench/run_benchmarks.py --lengths 4096 --attention-rows causal:softmax,causal:hedgehog:window=32
+                                                       # causal rows: "causal:" before any row
     python bench/run_benchmarks.py --decode            # decoding: KV cache vs recurrent (bench/decode.py)
 
 Everything runs on CPU, fp32, batch 1, ``--threads`` intra-op threads (2), each configuration
@@ -16,6 +18,8 @@ in a fresh process (see attnrewrite/bench.py for why and how memory is measured)
    ATTENTION_VARIANTS: linear and hedgehog with window=32) beside
    performer-pytorch FastAttention (FAVOR+), fast-transformers LinearAttention (elu + 1) and
    torch's scaled_dot_product_attention;
+   causal attention only (decoder prefill), the same shapes: a causally masked softmax export and
+   the CAUSAL_ROWS rewrites of it (keys and labels "causal:<row>");
 3. a 6-layer, 384-wide encoder rewritten with hydra at N = 32768 (and its softmax original),
    peak memory against an 8 GB budget.
 
@@ -38,6 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # models.py, peers.py
@@ -58,6 +63,9 @@ STACK_BUDGET_GB = 8.0
 FEATURES = 256  # favor's m, performer's nb_features, linformer's k
 # Attention-only rows beyond one per method: "method:option=value,...", labelled as such.
 ATTENTION_VARIANTS = ("linear:window=32", "hedgehog:window=32")
+# The causal attention-only rows, rewrites of a causally masked softmax export ("softmax": the export).
+CAUSAL = "causal:"
+CAUSAL_ROWS = ("softmax", "linear", "hydra", "hedgehog", "hedgehog:window=32", "favor", "favor:window=32")
 
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"
 DECODING_MARKERS = ("<!-- DECODING -->", "<!-- /DECODING -->")  # bench/decode.py's section
@@ -120,8 +128,34 @@ def rewritten_variants(
 
 
 def variant_label(key: str) -> str:
-    method, options = parse_variant(key)
-    return " ".join([method, *(f"{name}={value}" for name, value in options.items())])
+    causal = key.startswith(CAUSAL)
+    method, options = parse_variant(key.removeprefix(CAUSAL))
+    if method == "softmax":
+        return "causal softmax (ORT)" if causal else "softmax (ORT)"
+    return " ".join(["causal"] * causal + [method, *(f"{name}={value}" for name, value in options.items())])
+
+
+class CausalSoftmaxAttention(models.SoftmaxAttention):
+    """softmax(q k^T / sqrt(d) + causal mask) v: what a decoder's prefill computes."""
+
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        later = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
+        return torch.matmul(torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1), v)
+
+
+def causal_variants(folder: Path, lengths: list[int], rows) -> tuple[Path, dict[str, Path], dict[str, str]]:
+    """The causal export and its rewrites for ``rows`` (CAUSAL_ROWS' form), keyed "causal:<row>"."""
+    path = folder / "causal_attention.onnx"
+    example = tuple(torch.randn(1, ATTENTION["heads"], 16, ATTENTION["head_dim"]) for _ in range(3))
+    models._export(  # the same inputs and dynamic axes as models.export_attention
+        CausalSoftmaxAttention(ATTENTION["head_dim"]), example, list("qkv"), {x: {2: "sequence"} for x in "qkv"}, path
+    )
+    methods = [row for row in rows if row in passes.PASSES]
+    extra = tuple(row for row in rows if row != "softmax" and row not in passes.PASSES)
+    paths, refused = rewritten_variants(path, folder, lengths, with_bound=False, extra=extra, methods=methods)
+    prefixed = lambda d: {CAUSAL + k: v for k, v in d.items() if k in rows}  # noqa: E731
+    return path, prefixed(paths), prefixed(refused)
 
 
 def inputs_writer(model: Path, folder: Path, batch: int = 1):
@@ -303,16 +337,24 @@ def main(argv: list[str] | None = None) -> int:
             p: PEER_LABELS[p] for p in peers if peers[p] is None
         }
         attention_section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
+        causal, causal_paths, causal_refused = causal_variants(folder, lengths, CAUSAL_ROWS)
+        runners = {k: bench.onnx_runner(p, config) for k, p in causal_paths.items()}
+        labels = {k: variant_label(k) for k in causal_paths}
+        causal_section = run_section("causal attention only", runners, labels, config, inputs_writer(causal, folder))
 
         stack = None if (args.quick or args.skip_stack) else run_stack(folder, config)
-        targets = evaluate_targets(layer_section, attention_section, stack)
+        targets = evaluate_targets(layer_section, attention_section, stack) + causal_targets(causal_section)
         profiles = {}
         for target in targets:
             if target.reached is not True and target.profile:
                 model_key, n, section_name = target.profile
-                paths = layer_paths if section_name == "layer" else attention_paths
+                model, paths = {
+                    "layer": (layer, layer_paths),
+                    "attention": (attention, attention_paths),
+                    "causal": (causal, causal_paths),
+                }[section_name]
                 if model_key in paths:
-                    writer = inputs_writer(layer if section_name == "layer" else attention, folder)
+                    writer = inputs_writer(model, folder)
                     print(f"== profiling {model_key} at N = {n} ({section_name})", file=sys.stderr)
                     profiles[(model_key, n, section_name)] = profile(paths[model_key], writer(n), args.threads, folder)
         ended = machine_state()
@@ -320,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         plots = {
             "layer.png": (layer_section, "one BERT-base encoder layer (d=768, 12 heads), CPU, 2 threads"),
             "attention.png": (attention_section, "attention only, [1, 12, N, 64], CPU, 2 threads"),
+            "causal.png": (causal_section, "causal attention only, [1, 12, N, 64], CPU, 2 threads"),
         }
         for name, (section, title) in plots.items():
             series = {section.labels[k]: [m for m in section.measurements if m.variant == k] for k in section.labels}
@@ -334,16 +377,21 @@ def main(argv: list[str] | None = None) -> int:
             targets,
             profiles,
             peers,
-            {**layer_refused, **{f"{k} (attention only)": v for k, v in attention_refused.items()}},
+            {
+                **layer_refused,
+                **{f"{k} (attention only)": v for k, v in {**attention_refused, **causal_refused}.items()},
+            },
             previous_analysis(args.output),
             list(plots),
+            causal=causal_section,
         )
         args.output.write_text(report + previous_block(args.output, *DECODING_MARKERS))
+        sections = (layer_section, attention_section, causal_section)
         raw = {
             "machine": {"start": started, "end": ended},
             "config": dataclasses.asdict(config),
-            "sections": {s.title: [m.as_dict() for m in s.measurements] for s in (layer_section, attention_section)},
-            "stopped": {s.title: s.stopped for s in (layer_section, attention_section)},
+            "sections": {s.title: [m.as_dict() for m in s.measurements] for s in sections},
+            "stopped": {s.title: s.stopped for s in sections},
             "stack": stack,
             "targets": [dataclasses.asdict(t) for t in targets],
         }
@@ -359,13 +407,19 @@ def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="attnrewrite-rows-") as tmp:
         folder = Path(tmp)
         attention = models.export_attention(folder / "attention.onnx", **ATTENTION)
-        extra = tuple(v for v in variants if v != "softmax" and v not in passes.PASSES)
+        plain = [v for v in variants if not v.startswith(CAUSAL)]
+        extra = tuple(v for v in plain if v != "softmax" and v not in passes.PASSES)
         paths, refused = rewritten_variants(attention, folder, config.lengths, with_bound=False, extra=extra)
+        causal_rows = [v.removeprefix(CAUSAL) for v in variants if v.startswith(CAUSAL)]
+        if causal_rows:
+            _, causal_paths, causal_refused = causal_variants(folder, config.lengths, causal_rows)
+            paths, refused = {**paths, **causal_paths}, {**refused, **causal_refused}
         for variant in variants:
             if variant not in paths:
                 raise SystemExit(f"{variant}: {refused.get(variant, 'not a method or variant')}")
         runners = {v: bench.onnx_runner(paths[v], config) for v in variants}
-        labels = {v: ("softmax (ORT)" if v == "softmax" else variant_label(v)) for v in variants}
+        labels = {v: variant_label(v) for v in variants}
+        # q, k, v alike in both exports: one inputs file per N serves every row
         section = run_section("attention only", runners, labels, config, inputs_writer(attention, folder))
     state = machine_state()
     print(
@@ -373,7 +427,7 @@ def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
         f"other processes' cores during the run {others_cores(cpu_start, cpu_seconds()):.2f}; "
         f"{config.threads} threads, {config.trials} trials x {config.repeats} runs\n"
     )
-    print(section_tables(section, "softmax" if "softmax" in variants else None))
+    print(section_tables(section, next((v for v in ("softmax", CAUSAL + "softmax") if v in variants), None)))
     return 0
 
 
@@ -478,6 +532,26 @@ def evaluate_targets(layer: Section, attention: Section, stack: dict | None) -> 
             )
         )
     return targets
+
+
+def causal_targets(causal: Section) -> list[Target]:
+    """Issue 28's causal window: hedgehog window=32 within 1.6x of causal hedgehog at N = 4096, 16384."""
+    window, plain = CAUSAL + "hedgehog:window=32", CAUSAL + "hedgehog"
+    ratios = [
+        (n, causal.median_ms(window, n), causal.median_ms(plain, n))
+        for n in (4096, 16384)
+        if causal.median_ms(window, n) is not None and causal.median_ms(plain, n) is not None
+    ]
+    measured = "; ".join(f"N={n}: {w:.0f} / {p:.0f} ms = {w / p:.2f}x" for n, w, p in ratios) or "not measured"
+    worst = max(ratios, key=lambda r: r[1] / r[2]) if ratios else None
+    return [
+        Target(
+            "causal hedgehog window=32 <= 1.6x causal hedgehog at N = 4096 and 16384 (attention only)",
+            measured,
+            None if len(ratios) < 2 else all(w / p <= 1.6 for _, w, p in ratios),
+            (window, worst[0], "causal") if worst else None,
+        )
+    ]
 
 
 def speedup_target(
@@ -618,7 +692,9 @@ def section_tables(section: Section, ratio_to: str | None) -> str:
     )
 
 
-def render(started, ended, config, layer, attention, stack, targets, profiles, peers, refused, analysis, plots) -> str:
+def render(
+    started, ended, config, layer, attention, stack, targets, profiles, peers, refused, analysis, plots, causal=None
+) -> str:
     others = ended["others_cores"]
     idle = others < 0.05  # (of all cores) the load average before the run may hold our own earlier work
     versions = started["versions"]
@@ -684,6 +760,16 @@ def render(started, ended, config, layer, attention, stack, targets, profiles, p
         "",
         section_tables(attention, "softmax"),
     ]
+    if causal is not None:
+        out += [
+            "## Causal attention only, q, k, v of [1, 12, N, 64]",
+            "",
+            "Decoder prefill: a causally masked softmax export and the causal rewrites of it. No causal",
+            "lowering takes a CumSum along an axis that grows with N (onnxruntime's CUDA CumSum is",
+            "quadratic in its axis; tests/test_causal_prefix.py).",
+            "",
+            section_tables(causal, CAUSAL + "softmax"),
+        ]
     if stack:
         rows = []
         for key in ("hydra", "softmax"):

@@ -3,7 +3,9 @@
 q and k are L2-normalized over all features (every head of a token together when the layout
 [batch, heads, seq, head_dim] is known, else per head), the keys and values are folded into one
 global feature vector kv = sum_t k_t * v_t, and out_t = q_t * kv: O(N * D) time and memory.
-Causal sites use a cumulative sum over positions instead of the global sum. The logits' scale
+Causal sites use a cumulative sum over positions instead of the global sum; the ONNX body takes
+it with no CumSum along N (onnxruntime's CUDA CumSum is quadratic in its axis): a CumSum inside
+chunks of CAUSAL_CHUNK positions, kernels.ExclusivePrefixSum over the chunks. The logits' scale
 drops out of a cosine kernel.
 
 The ONNX body computes in float32, except for float16 sites (the GPU case) with a known
@@ -20,12 +22,15 @@ import math
 from onnxscript import script
 
 from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
 from attnrewrite.passes._options import UNUSED_SEED, Above, AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module
 from attnrewrite.site import AttentionSite
 
 NAME = "hydra"
+# Positions per CumSum in the causal ONNX body: a bounded axis (a running sum on CPU; on CUDA
+# each output reads at most this many inputs), the chunks' totals summed by MatMuls.
+CAUSAL_CHUNK = 64
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
 NO_WINDOW = (
     "its cosine kernel folds all keys into one feature vector, with no per-key weights "
@@ -129,11 +134,11 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     def HydraNormalize(x):
         return x / (op.Sqrt(squared_norm(x)) + op.Constant(value_float=eps))
 
-    @script(ATTNREWRITE, default_opset=op)
-    def PrefixFeatureSum(x):
-        return op.CumSum(x, op.Constant(value_int=-2))
-
-    fold = PrefixFeatureSum if site.mask.causal else kernels.sequence_sum_function(opset_version)
+    fold = (
+        _prefix_feature_sum_function(op, opset_version)
+        if site.mask.causal
+        else kernels.sequence_sum_function(opset_version)
+    )
 
     @script(ATTNREWRITE, default_opset=op)
     def Hydra(q, k, v, key_keep):
@@ -163,8 +168,31 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
         normalize, entry = HalfHydraNormalize, HalfHydra
     proto = entry.to_function_proto()
     proto.name = "CausalHydra" if site.mask.causal else "Hydra"
-    callees = [keys, row_square_sum, squared_norm, normalize, fold]
+    callees = [keys, row_square_sum, squared_norm, normalize, *with_callees(fold)]
     return OnnxLowering([*(f.to_function_proto() for f in callees), proto])
+
+
+def _prefix_feature_sum_function(op, opset_version: int):
+    """PrefixFeatureSum(x): the causal fold, with every CumSum axis bounded by CAUSAL_CHUNK."""
+    prefix_sum = kernels.exclusive_prefix_sum_function(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PrefixFeatureSum(x):
+        """The sums over positions <= each one (axis -2): within chunks a CumSum, across them
+        ExclusivePrefixSum of the chunks' totals."""
+        zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+        n, features = op.Shape(x, start=-2, end=-1), op.Shape(x, start=-1)
+        c = op.Constant(value_ints=[CAUSAL_CHUNK])
+        chunks = op.Div(n + c - one, c)
+        rows = op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), n, features, axis=0))  # [G, N, D]
+        padded = op.Pad(rows, op.Concat(zero, chunks * c - n, axis=0), op.Constant(value_float=0.0), one)
+        within = op.CumSum(op.Reshape(padded, op.Concat(zero, chunks, c, features, axis=0)), op.Constant(value_int=2))
+        totals = op.Gather(within, op.Constant(value_int=CAUSAL_CHUNK - 1), axis=2)  # [G, chunks, D]
+        sums = within + op.Unsqueeze(prefix_sum(totals), op.Constant(value_ints=[2]))
+        flat = op.Reshape(sums, op.Concat(zero, op.Constant(value_ints=[-1]), features, axis=0))
+        return op.Reshape(op.Slice(flat, zero, n, one), op.Shape(x))
+
+    return PrefixFeatureSum
 
 
 def _half_precision_unit(site: AttentionSite) -> float | None:

@@ -2,8 +2,13 @@
 
 Feature maps are computed by each pass; these pieces only contract them. The causal form is a
 chunked prefix sum: within a chunk a masked (chunk x chunk) product, across chunks an exclusive
-cumulative sum of per-chunk key-value states, so memory stays O(N*F + N/chunk * F*Dv) instead
-of the O(N*F*Dv) of a per-position prefix sum.
+prefix sum of per-chunk key-value states, so memory stays O(N*F + N/chunk * F*Dv) instead of
+the O(N*F*Dv) of a per-position prefix sum. The ONNX bodies take no CumSum along an axis that
+grows with N (onnxruntime's CUDA CumSum sums each output's whole prefix: O(L^2) along an axis
+of length L): prefix sums and the rescaled carry go through bounded-depth hierarchies of
+triangular products (ExclusivePrefixSum, rescaled_prefix_functions). The torch forms keep
+torch.cumsum and the one-level (chunks x chunks) carry: they are the reference, and calibration
+runs them at a few hundred positions.
 
 The window hybrid (``window=W`` of linear, favor, hedgehog) is here too, once per lowering:
 exact softmax over each query's block of W positions, the previous block, the next one
@@ -11,6 +16,21 @@ exact softmax over each query's block of W positions, the previous block, the ne
 keys, one shared normaliser (windowed_kernel_attention). Its blocks decide which keys are
 exact, so both lowerings lay them out alike; windowed_attention_weights writes the same thing
 as an N x N matrix, for fitting losses and tests.
+
+A bidirectional window's far sums keep no state per block: one state for the whole sequence,
+S = sum_j phi_k_j v_j^T and z = sum_j phi_k_j (sinks have zero features), and each query block's
+local kernel terms taken back out with a [W, 2W or 3W] kernel-score block beside the exact
+logits: far_i = phi_q_i.S - sum_{j local} (phi_q_i.phi_k_j) v_j (_bidirectional_far_sums). What
+is left keeps the rounding of the whole sum, so row i's output moves by up to about
+    eps32 * sum_{j local} K_ij |v_j| / D_i
+beyond the per-block form's (K_ij the kernel weight in the output's units, D_i the row's
+normaliser): small where a kernel is in the exact part's units (fitted hedgehog, favor: on
+MiniLM's q, k, v at N = 256..4096 both forms are within 1.5e-6 of the float64 definition,
+bench/window_rounding.md), large only where unit-free local kernel terms outweigh the exact part
+and a row has almost no far key (N near 3W). A block without any far block gives exactly 0.
+Superblock states (exact, no cancellation) cost a [W, 3P] masked kernel-score block per query
+block for superblocks of P positions: several times the work, for no rounding gain measurable
+on MiniLM.
 """
 
 from __future__ import annotations
@@ -81,7 +101,8 @@ def causal_rescaled_linear_attention(phi_q, phi_k, key_log_scale, v, chunk: int,
     denominator, so it cancels exactly, and r[i] reads no key after i. Across chunks the carried
     state is re-referenced from one chunk's running max to the next with a (chunks x chunks)
     lower-triangular matrix of factors <= 1 (no CumSum can rescale), so compute grows as
-    (N/chunk)^2 * F * Dv for that part; memory stays that of causal_linear_attention.
+    (N/chunk)^2 * F * Dv for that part (the ONNX form nests it two levels deep instead:
+    RescaledPrefixSum); memory stays that of causal_linear_attention.
     Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE (they must not raise r).
     """
     lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
@@ -159,7 +180,8 @@ def windowed_kernel_attention(
     overflows.
 
     ``key_keep`` masks the exact part; phi_k must already be zero on padded keys. Memory is
-    O(N * (3 * window + sinks) + N * F + N / window * F * Dv); nothing is N x N. All in float32.
+    O(N * (3 * window + sinks) + N * F) and the far states: one [F, Dv] bidirectional (see the
+    module docstring for its rounding), one per block causal; nothing is N x N. All in float32.
     """
     lead, n = q.shape[:-2], q.shape[-2]
     q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
@@ -175,17 +197,21 @@ def windowed_kernel_attention(
     # scale, so that no sink raises a running max.
     pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
     pk4 = layout.blocks(_without_sinks(phi_k, sinks, 0.0))
-    if key_log_scale is not None and causal:
+    if not causal:
+        far_num, far_den = _bidirectional_far_sums(pq4, pk4, v4, following)
+        far_log_scale = None if key_log_scale is None else flatten_heads(key_log_scale.float())[..., None]
+    elif key_log_scale is not None:
         far_key_log_scale = _without_sinks(key_log_scale.float(), sinks, LOWEST_LOG_SCALE)
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
             pk4, layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
         )
     else:
-        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, causal, following)
-        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), causal, following)
-        far_log_scale = None if key_log_scale is None else flatten_heads(key_log_scale.float())[..., None]
-    far_num = pq4 @ far_kv
-    far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
+        far_kv = _earlier_blocks_sum(pk4.transpose(-2, -1) @ v4)
+        far_key_sum = _earlier_blocks_sum(pk4.sum(dim=2))
+        far_log_scale = None
+    if causal:
+        far_num = pq4 @ far_kv
+        far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
     if far_log_scale is not None:
         # log of (kernel part's unit / exact part's unit), per query row
         if local_max_weight is not None:  # [heads, 1, 1] -> one per query row, blocked
@@ -389,14 +415,29 @@ def _sink_mask(layout, sinks: int, causal: bool, following: bool, device):
     return outside & (at <= query_at)
 
 
-def _far_blocks_sum(x, causal: bool, following: bool):
-    """Per block c (dim 1), the sum of x over blocks <= c-2 and, unless causal, >= c+2
-    (``following``) or >= c+1."""
-    before = _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
-    if causal:
-        return before
-    from_here = torch.flip(torch.cumsum(torch.flip(x, [1]), dim=1), [1])  # blocks >= c
-    return before + _shift_left(from_here, 0.0, steps=2 if following else 1)
+def _earlier_blocks_sum(x):
+    """Per block c (dim 1), the sum of x over blocks <= c-2 (a causal window's far blocks)."""
+    return _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
+
+
+def _bidirectional_far_sums(pq4, pk4, v4, following: bool):
+    """Per query block c, the kernel's numerator [G, chunks, window, Dv] and denominator
+    [..., 1] over its far keys: the whole sequence's sums, one state sum_j phi_k_j v_j^T and
+    sum_j phi_k_j, less the terms of the block's local keys (blocks c-1, c and, ``following``,
+    c+1), taken from a [window, 2 or 3 * window] kernel-score block like the exact logits. No
+    state per block; what cancels is the local terms (the module docstring bounds it)."""
+    g, chunks, window, _ = pq4.shape
+    pq, pk, v = (x.reshape(g, chunks * window, x.shape[-1]) for x in (pq4, pk4, v4))
+    total_num = (pq @ (pk.transpose(-2, -1) @ v)).reshape(g, chunks, window, -1)
+    total_den = (pq @ pk.sum(dim=1).unsqueeze(-1)).reshape(g, chunks, window, 1)
+    local_scores = pq4 @ torch.cat(_local_blocks(pk4, following), dim=2).transpose(-2, -1)
+    local_num = local_scores @ torch.cat(_local_blocks(v4, following), dim=2)
+    # Where no far block exists (window >= N) nothing is left but rounding: exactly 0 instead.
+    # Block 0 is padding (_ChunkLayout), so block c has far keys from c >= 3 or c + gap < chunks.
+    block = torch.arange(chunks, device=pq4.device)
+    has_far = ((block >= 3) | (block + (2 if following else 1) < chunks)).reshape(chunks, 1, 1)
+    far_den = total_den - local_scores.sum(-1, keepdim=True)
+    return torch.where(has_far, total_num - local_num, 0.0), torch.where(has_far, far_den, 0.0)
 
 
 def _rescaled_earlier_states(pk4, s, v4):
@@ -611,8 +652,8 @@ def windowed_kernel_attention_from_state(
     )
     pq4, v4, pk4 = query_blocks(phi_q), layout.blocks(v), layout.blocks(far_phi_k)
     if far_key_log_scale is None:
-        far_kv = _far_blocks_sum(pk4.transpose(-2, -1) @ v4, True, False) + flatten_heads(far.kv).unsqueeze(1)
-        far_key_sum = _far_blocks_sum(pk4.sum(dim=2), True, False) + far.key_sum.reshape(-1, 1, pk4.shape[-1])
+        far_kv = _earlier_blocks_sum(pk4.transpose(-2, -1) @ v4) + flatten_heads(far.kv).unsqueeze(1)
+        far_key_sum = _earlier_blocks_sum(pk4.sum(dim=2)) + far.key_sum.reshape(-1, 1, pk4.shape[-1])
     else:
         s = layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0]
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states_after(pk4, s, v4, far)
@@ -903,9 +944,11 @@ def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS)
 
 
 def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_linear_attention: the function it calls, then itself last."""
+    """ONNX form of causal_linear_attention: the functions it calls, then itself last. The
+    chunks' states are summed by ExclusivePrefixSum (no CumSum along the chunks)."""
     op = standard_opset(opset_version)
     sequence_sum = sequence_sum_function(opset_version)
+    prefix_sum = exclusive_prefix_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalKernelAttention(phi_q, phi_k, v):
@@ -923,11 +966,12 @@ def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float
         k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
         v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
         k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
-        state = op.CumSum(op.MatMul(k4t, v4), op.Constant(value_int=1), exclusive=1)
-        key_sum = op.CumSum(sequence_sum(k4), op.Constant(value_int=1), exclusive=1)
+        kv = op.MatMul(k4t, v4)
+        state = op.Reshape(prefix_sum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
+        key_sum = prefix_sum(op.Reshape(sequence_sum(k4), op.Concat(zero, chunks, f, axis=0)))  # [G, chunks, F]
         scores = op.Trilu(op.MatMul(q4, k4t), upper=0)
         numerator = op.MatMul(q4, state) + op.MatMul(scores, v4)
-        earlier = op.MatMul(q4, op.Transpose(key_sum, perm=[0, 1, 3, 2]))
+        earlier = op.MatMul(q4, op.Unsqueeze(key_sum, op.Constant(value_ints=[3])))
         denominator = earlier + op.ReduceSum(scores, op.Constant(value_ints=[3]), keepdims=1)
         out = op.Reshape(
             numerator / (denominator + op.Constant(value_float=eps)),
@@ -935,7 +979,7 @@ def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float
         )
         return op.Slice(out, zero, n, op.Constant(value_ints=[1]))
 
-    return [sequence_sum, CausalKernelAttention]
+    return with_callees(CausalKernelAttention)
 
 
 def running_max_functions(opset_version: int):
@@ -958,9 +1002,12 @@ def running_max_functions(opset_version: int):
 
 
 def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last."""
+    """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last.
+    The carry across chunks is RescaledPrefixSum's, two levels deep instead of one (chunks x
+    chunks) matrix, so compute stays near linear in N."""
     op = standard_opset(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
+    ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalRescaledKernelAttention(phi_q, phi_k, key_log_scale, v):
@@ -982,7 +1029,7 @@ def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, e
         v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
         s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
         seen = RunningMax(s, LowerTriangle(c))
-        upto = RunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2), LowerTriangle(chunks))
+        upto = ChunkRunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2))
         before = op.Pad(op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest)
         ref = op.Max(seen, op.Unsqueeze(before, minus_one))
         pairs = op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one)
@@ -991,11 +1038,9 @@ def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, e
         scores = op.Trilu(op.MatMul(q4, k4t) * decay, upper=0)
         k_rel = k4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(upto, minus_one)), minus_one)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
-        moves = op.Unsqueeze(upto, one) - op.Unsqueeze(before, op.Constant(value_ints=[2]))
-        carry = op.Trilu(op.Exp(op.Min(moves, no_more)), op.Constant(value_int=-1), upper=0)
         flat_kv = op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))
-        state = op.Reshape(op.MatMul(carry, flat_kv), op.Shape(kv))
-        key_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        state = op.Reshape(RescaledPrefixSum(flat_kv, upto, before), op.Shape(kv))
+        key_sum = RescaledPrefixSum(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), upto, before)
         into = op.Unsqueeze(op.Exp(op.Unsqueeze(before, minus_one) - ref), minus_one)
         last_axis = op.Constant(value_ints=[3])
         numerator = into * op.MatMul(q4, state) + op.MatMul(scores, v4)
@@ -1008,7 +1053,7 @@ def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, e
         )
         return op.Slice(out, zero, n, one)
 
-    return [RunningMax, LowerTriangle, CausalRescaledKernelAttention]
+    return with_callees(CausalRescaledKernelAttention)
 
 
 def windowed_kernel_attention_functions(
@@ -1040,17 +1085,17 @@ def windowed_kernel_attention_functions(
     exact_keys = _exact_keys_function(op, blocks, window, causal, following, sinks)
     local_part = _local_part_function(op, blocks, flatten, key_keep_function(opset_version), exact_keys, scale)
     far_key_features = _far_key_features_function(op, blocks, flatten, without_sinks)
-    far_states, kernel_sums = _far_kernel_functions(op, blocks, causal, following)
-    if not rescaled:
-        entry = _windowed_kernel_entry(op, blocks, flatten, local_part, far_key_features, far_states, kernel_sums, eps)
-        return with_callees(entry)
     if causal:
+        far_states, kernel_sums = _far_kernel_functions(op)
         rescaled_far_states = _causal_rescaled_far_states_function(opset_version, blocks, flatten, without_sinks)
+        far_sums, rescaled_far_sums = _blocked_far_sums_functions(op, far_states, rescaled_far_states, kernel_sums)
     else:
-        rescaled_far_states = _head_rescaled_far_states_function(op, flatten, far_states)
-    parts = _rescaled_parts_function(
-        op, blocks, flatten, local_part, far_key_features, rescaled_far_states, kernel_sums
-    )
+        local_blocks = _local_key_pieces(op, blocks, window, causal, following)[2]
+        far_sums = _total_less_local_function(op, local_blocks, following)
+        rescaled_far_sums = _head_rescaled_far_sums_function(op, flatten, far_sums)
+    if not rescaled:
+        return with_callees(_windowed_kernel_entry(op, blocks, flatten, local_part, far_key_features, far_sums, eps))
+    parts = _rescaled_parts_function(op, blocks, flatten, local_part, far_key_features, rescaled_far_sums)
     combine = _combine_rescaled_function(op, blocks, eps)
     return with_callees(_windowed_rescaled_entry(op, blocks, flatten, parts, combine, max_weighted))
 
@@ -1312,33 +1357,21 @@ def _far_key_features_function(op, blocks: _WindowBlocks, flatten, without_sinks
     return FarKeyFeatures
 
 
-def _far_kernel_functions(op, blocks: _WindowBlocks, causal: bool, following: bool):
-    """(FarStates, KernelSums): the kernel's key-value state and key sum over each block's far
-    keys (blocks <= c-2 and, unless causal, >= c + far_gap), and a query block's numerator and
-    denominator from them."""
-    ShiftBlocks, ShiftBlocksEarlier = blocks.ShiftBlocks, blocks.ShiftBlocksEarlier
-    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
+def _far_kernel_functions(op):
+    """(FarStates, KernelSums), causal: the kernel's key-value state and key sum over each
+    block's far keys (blocks <= c-2), and a query block's numerator and denominator from them."""
+    before_previous = exclusive_prefix_sum_function(op.version, skip=1)
 
     @script(ATTNREWRITE, default_opset=op)
     def EarlierBlocksSum(x):
-        """Per block c (axis 1), the sum of x over blocks <= c-2."""
-        zero = op.Constant(value_float=0.0)
-        return ShiftBlocks(op.CumSum(x, op.Constant(value_int=1)), zero, op.Constant(value_ints=[2]))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FarBlocksSum(x):
-        """Per block c (axis 1), the sum of x over blocks <= c-2 and >= c + far_gap."""
-        from_here = op.CumSum(x, op.Constant(value_int=1), reverse=1)
-        later = ShiftBlocksEarlier(from_here, op.Constant(value_float=0.0), op.Constant(value_ints=[far_gap]))
-        return EarlierBlocksSum(x) + later
-
-    far_sum = EarlierBlocksSum if causal else FarBlocksSum
+        """Per block c (axis 1), the sum of x over blocks <= c-2 (no CumSum: PrefixSumBeforePrevious)."""
+        return op.Reshape(before_previous(op.Reshape(x, op.Constant(value_ints=[0, 0, -1]))), op.Shape(x))
 
     @script(ATTNREWRITE, default_opset=op)
     def FarStates(pk4, v4):
         """The kernel's key-value state and key sum over each block's far keys."""
         kv = op.MatMul(op.Transpose(pk4, perm=[0, 1, 3, 2]), v4)
-        return far_sum(kv), far_sum(op.ReduceSum(pk4, op.Constant(value_ints=[2]), keepdims=0))
+        return EarlierBlocksSum(kv), EarlierBlocksSum(op.ReduceSum(pk4, op.Constant(value_ints=[2]), keepdims=0))
 
     @script(ATTNREWRITE, default_opset=op)
     def KernelSums(pq4, far_kv, far_key_sum):
@@ -1349,9 +1382,66 @@ def _far_kernel_functions(op, blocks: _WindowBlocks, causal: bool, following: bo
     return FarStates, KernelSums
 
 
-def _windowed_kernel_entry(
-    op, blocks: _WindowBlocks, flatten, local_part, far_key_features, far_states, kernel_sums, eps: float
-):
+def _total_less_local_function(op, local_blocks, following: bool):
+    """TotalLessLocalSums(pq4, pk4, v4), bidirectional: the kernel's numerator and denominator
+    over each query block's far keys, the whole sequence's sums less the block's local kernel
+    terms (kernels._bidirectional_far_sums); ``local_blocks`` lays out a block's local keys."""
+    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
+    SequenceSum = sequence_sum_function(op.version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HasFarBlocks(chunks):
+        """[chunks, 1, 1]: whether block c has far blocks with keys (block 0 is padding)."""
+        block = op.Range(op.Constant(value_int=0), op.Squeeze(chunks), op.Constant(value_int=1))
+        earlier = op.GreaterOrEqual(block, op.Constant(value_int=3))
+        later = op.Less(block + op.Constant(value_int=far_gap), op.Squeeze(chunks))
+        return op.Unsqueeze(op.Or(earlier, later), op.Constant(value_ints=[1, 2]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def TotalLessLocalSums(pq4, pk4, v4):
+        """phi(q).S - (phi(q) phi(k_local)^T) v_local, and the same with the key sum for S."""
+        rows = op.Constant(value_ints=[0, -1])  # [G, chunks, window, *] -> [G, chunks * window, *]
+        pq = op.Reshape(pq4, op.Concat(rows, op.Shape(pq4, start=3), axis=0))
+        pk = op.Reshape(pk4, op.Concat(rows, op.Shape(pk4, start=3), axis=0))
+        v = op.Reshape(v4, op.Concat(rows, op.Shape(v4, start=3), axis=0))
+        state = op.MatMul(op.Transpose(pk, perm=[0, 2, 1]), v)  # [G, F, Dv]
+        key_sum = SequenceSum(pk)  # [G, 1, F]
+        blocked = op.Shape(pq4, end=3)
+        total_num = op.Reshape(op.MatMul(pq, state), op.Concat(blocked, op.Shape(v4, start=3), axis=0))
+        total_den = op.Reshape(
+            op.MatMul(pq, op.Transpose(key_sum, perm=[0, 2, 1])),
+            op.Concat(blocked, op.Constant(value_ints=[1]), axis=0),
+        )
+        local_scores = op.MatMul(pq4, op.Transpose(local_blocks(pk4), perm=[0, 1, 3, 2]))
+        local_den = op.ReduceSum(local_scores, op.Constant(value_ints=[-1]), keepdims=1)
+        far_num = total_num - op.MatMul(local_scores, local_blocks(v4))
+        has_far = HasFarBlocks(op.Shape(pq4, start=1, end=2))
+        zero = op.Constant(value_float=0.0)
+        return op.Where(has_far, far_num, zero), op.Where(has_far, total_den - local_den, zero)
+
+    return TotalLessLocalSums
+
+
+def _blocked_far_sums_functions(op, far_states, rescaled_far_states, kernel_sums):
+    """(FarSums, RescaledFarSums), causal: the kernel's numerator and denominator over each
+    query block's far keys from per-block states (``far_states``, ``rescaled_far_states``)."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarSums(pq4, pk4, v4):
+        far_kv, far_key_sum = far_states(pk4, v4)
+        far_num, far_den = kernel_sums(pq4, far_kv, far_key_sum)
+        return far_num, far_den
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RescaledFarSums(pq4, pk4, v4, key_log_scale):
+        far_kv, far_key_sum, far_log_scale = rescaled_far_states(pk4, v4, key_log_scale)
+        far_num, far_den = kernel_sums(pq4, far_kv, far_key_sum)
+        return far_num, far_den, far_log_scale
+
+    return FarSums, RescaledFarSums
+
+
+def _windowed_kernel_entry(op, blocks: _WindowBlocks, flatten, local_part, far_key_features, far_sums, eps: float):
     """WindowedKernelAttention: both parts' sums added, one normaliser (kernel features in the
     exact part's units already)."""
     WindowBlocks, UnblockLike = blocks.WindowBlocks, blocks.UnblockLike
@@ -1361,8 +1451,7 @@ def _windowed_kernel_entry(
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        far_kv, far_key_sum = far_states(far_key_features(phi_k), v4)
-        far_num, far_den = kernel_sums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        far_num, far_den = far_sums(WindowBlocks(flatten(weighted_q), zero), far_key_features(phi_k), v4)
         out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
         return UnblockLike(out, q, v)
 
@@ -1373,7 +1462,7 @@ def _causal_rescaled_far_states_function(opset_version: int, blocks: _WindowBloc
     """CausalRescaledFarStates(pk4, v4, key_log_scale): far states when each key carries its
     own log scale (kernels._rescaled_earlier_states)."""
     op = standard_opset(opset_version)
-    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    ChunkRunningMax, RescaledSumBeforePrevious = rescaled_prefix_functions(opset_version, skip=1)
     WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1385,35 +1474,31 @@ def _causal_rescaled_far_states_function(opset_version: int, blocks: _WindowBloc
         last = op.Constant(value_ints=[-1])
         s = op.Squeeze(WindowBlocks(without_sinks(flatten(key_log_scale), lowest), lowest), last)
         block_max = op.ReduceMax(s, last, keepdims=0)
-        running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
+        running = ChunkRunningMax(block_max)
         reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
         k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
-        moves = op.Unsqueeze(block_max, op.Constant(value_ints=[1])) - op.Unsqueeze(reach, op.Constant(value_ints=[2]))
-        carry = op.Trilu(op.Exp(op.Min(moves, op.Constant(value_float=0.0))), op.Constant(value_int=-2), upper=0)
-        state = op.Reshape(op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
-        key_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
-        return state, key_sum, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
+        flat_kv = RescaledSumBeforePrevious(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), block_max, reach)
+        sums = RescaledSumBeforePrevious(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), block_max, reach)
+        return op.Reshape(flat_kv, op.Shape(kv)), sums, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
 
     return CausalRescaledFarStates
 
 
-def _head_rescaled_far_states_function(op, flatten, far_states):
-    """HeadRescaledFarStates(pk4, v4, key_log_scale): far states when the keys share one log
-    scale per head."""
+def _head_rescaled_far_sums_function(op, flatten, far_sums):
+    """HeadRescaledFarSums(pq4, pk4, v4, key_log_scale): the kernel's far sums when the keys
+    share one log scale per head, and that log scale."""
 
     @script(ATTNREWRITE, default_opset=op)
-    def HeadRescaledFarStates(pk4, v4, key_log_scale):
+    def HeadRescaledFarSums(pq4, pk4, v4, key_log_scale):
         """Bidirectional: one key log scale per head ([..., 1, 1]), so plain far sums."""
-        far_kv, far_key_sum = far_states(pk4, v4)
-        return far_kv, far_key_sum, op.Unsqueeze(flatten(key_log_scale), op.Constant(value_ints=[-1]))
+        far_num, far_den = far_sums(pq4, pk4, v4)
+        return far_num, far_den, op.Unsqueeze(flatten(key_log_scale), op.Constant(value_ints=[-1]))
 
-    return HeadRescaledFarStates
+    return HeadRescaledFarSums
 
 
-def _rescaled_parts_function(
-    op, blocks: _WindowBlocks, flatten, local_part, far_key_features, rescaled_far_states, kernel_sums
-):
+def _rescaled_parts_function(op, blocks: _WindowBlocks, flatten, local_part, far_key_features, rescaled_far_sums):
     """RescaledParts: both parts' sums, each in its own unit, before they are combined."""
     WindowBlocks = blocks.WindowBlocks
 
@@ -1424,8 +1509,8 @@ def _rescaled_parts_function(
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        far_kv, far_key_sum, far_log_scale = rescaled_far_states(far_key_features(phi_k), v4, key_log_scale)
-        far_num, far_den = kernel_sums(WindowBlocks(flatten(weighted_q), zero), far_kv, far_key_sum)
+        pq4 = WindowBlocks(flatten(weighted_q), zero)
+        far_num, far_den, far_log_scale = rescaled_far_sums(pq4, far_key_features(phi_k), v4, key_log_scale)
         return local_num, local_den, local_max, far_num, far_den, far_log_scale
 
     return RescaledParts
@@ -1486,38 +1571,151 @@ def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts,
 # Every tensor is flattened to [G, ...] by the caller: the state to [G, F, Dv], [G, F] and
 # [G, 1] (its log scale).
 
-PREFIX_GROUP = 16  # rows per group of the first level of ExclusivePrefixSum
+PREFIX_GROUP = 16  # rows per group at each level of the hierarchical prefix sums and maxima
 
 
-def exclusive_prefix_sum_function(opset_version: int):
+def exclusive_prefix_sum_function(opset_version: int, skip: int = 0):
     """ExclusivePrefixSum(x): [G, L, X] -> the sums over rows before each row (axis 1), with no
-    CumSum (DESIGN.md "Numerics": onnxruntime's CUDA CumSum is quadratic in its axis): inside
-    groups of PREFIX_GROUP rows a product with a strictly lower-triangular matrix, across groups
-    another. Both axes stay <= PREFIX_GROUP up to PREFIX_GROUP^2 rows (of chunks: 256 * chunk
-    positions); past that the second grows, exact still."""
+    CumSum (DESIGN.md "Numerics": onnxruntime's CUDA CumSum is quadratic in its axis); ``skip``
+    = 1: PrefixSumBeforePrevious, over rows <= c-2 (the row before is left out too: one row of
+    zeros in front, in the padding the grouping does anyway, instead of a shift afterwards).
+
+    Depth 3 whatever L: inside groups of PREFIX_GROUP rows a product with a strictly
+    lower-triangular [PREFIX_GROUP]^2 matrix; the same over the groups' totals; over the totals
+    of those (L / PREFIX_GROUP^2 rows) one product with a strictly lower-triangular matrix of
+    their count. Of per-chunk states (chunk 64) that top matrix is [N / 16384]^2, 64^2 at
+    N = 1M: the cost stays the first level's, a 16-row product per row."""
     op = standard_opset(opset_version)
+    grouped, ungrouped, strictly_lower = row_group_functions(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PrefixOfGroupTotals(x):
+        """The second level and the top."""
+        x4 = grouped(x, op.Constant(value_float=0.0), op.Constant(value_ints=[0]))
+        within = op.MatMul(strictly_lower(op.Constant(value_ints=[PREFIX_GROUP])), x4)
+        totals = op.ReduceSum(x4, op.Constant(value_ints=[2]), keepdims=0)
+        across = op.MatMul(strictly_lower(op.Shape(totals, start=1, end=2)), totals)
+        return ungrouped(within + op.Unsqueeze(across, op.Constant(value_ints=[2])), x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PrefixSumAfter(x, front):
+        """The first level, ``front`` rows of zeros before x."""
+        x4 = grouped(x, op.Constant(value_float=0.0), front)
+        within = op.MatMul(strictly_lower(op.Constant(value_ints=[PREFIX_GROUP])), x4)
+        across = PrefixOfGroupTotals(op.ReduceSum(x4, op.Constant(value_ints=[2]), keepdims=0))
+        return ungrouped(within + op.Unsqueeze(across, op.Constant(value_ints=[2])), x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ExclusivePrefixSum(x):
+        return PrefixSumAfter(x, op.Constant(value_ints=[0]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PrefixSumBeforePrevious(x):
+        return PrefixSumAfter(x, op.Constant(value_ints=[1]))
+
+    return [ExclusivePrefixSum, PrefixSumBeforePrevious][skip]
+
+
+def row_group_functions(opset_version: int):
+    """(GroupedRows, UngroupedRows, StrictlyLower): x [G, L, *] -> [G, groups, PREFIX_GROUP, *]
+    with ``front`` ([1] int64) rows of fill before x and the rest after it; UngroupedRows(x4, x)
+    keeps the first L rows (x's count); and the strictly lower-triangular ones of a size."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def GroupedRows(x, fill, front):
+        rows = op.Shape(x, start=1, end=2) + front
+        g = op.Constant(value_ints=[PREFIX_GROUP])
+        groups = op.Div(rows + g - op.Constant(value_ints=[1]), g)
+        pads = op.Concat(front, groups * g - rows, axis=0)
+        shape = op.Concat(op.Constant(value_ints=[0]), groups, g, op.Shape(x, start=2), axis=0)
+        return op.Reshape(op.Pad(x, pads, fill, op.Constant(value_ints=[1])), shape)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def UngroupedRows(x4, x):
+        rows = op.Reshape(x4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(x4, start=3), axis=0))
+        return op.Slice(rows, op.Constant(value_ints=[0]), op.Shape(x, start=1, end=2), op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
     def StrictlyLower(size):
         ones = op.Expand(op.Constant(value_float=1.0), op.Concat(size, size, axis=0))
         return op.Trilu(ones, op.Constant(value_int=-1), upper=0)
 
-    @script(ATTNREWRITE, default_opset=op)
-    def ExclusivePrefixSum(x):
-        rows = op.Shape(x, start=1, end=2)
-        g = op.Constant(value_ints=[PREFIX_GROUP])
-        zero, rest = op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])
-        groups = op.Div(rows + g - op.Constant(value_ints=[1]), g)
-        pads = op.Concat(zero, zero, zero, zero, groups * g - rows, zero, axis=0)
-        x4 = op.Reshape(op.Pad(x, pads), op.Concat(zero, groups, g, rest, axis=0))
-        within = op.MatMul(StrictlyLower(g), x4)
-        across = op.MatMul(StrictlyLower(groups), op.ReduceSum(x4, op.Constant(value_ints=[2]), keepdims=0))
-        prefix = op.Reshape(
-            within + op.Unsqueeze(across, op.Constant(value_ints=[2])), op.Concat(zero, groups * g, rest, axis=0)
-        )
-        return op.Slice(prefix, zero, rows, op.Constant(value_ints=[1]))
+    return GroupedRows, UngroupedRows, StrictlyLower
 
-    return ExclusivePrefixSum
+
+def rescaled_prefix_functions(opset_version: int, skip: int = 0):
+    """(ChunkRunningMax, RescaledPrefixSum): running maxima and rescaled prefix sums along a
+    chunk axis that grows with N, two levels deep (PREFIX_GROUP rows, then their groups), so
+    that neither a (chunks x chunks) matrix nor a CumSum appears. Their top matrices are
+    [L / PREFIX_GROUP]^2, 1024^2 for chunk states at N = 1M; past N = 2^18 (where the top's
+    products cost what the first level's do) compute grows faster than N again.
+
+    ChunkRunningMax(x): [G, L] -> the max of x over rows <= each row.
+    RescaledPrefixSum(x, m, r): [G, L, X] with its log scales m [G, L] (row c' stands for
+    x[c'] * exp(m[c'])), to references r [G, L] -> per row c, sum over c' < c of
+    x[c'] exp(m[c'] - r[c]); ``skip`` = 1: RescaledSumBeforePrevious, over c' <= c-2 (as
+    PrefixSumBeforePrevious). Every r[c] must be >= every m[c'] summed into row c, so that no
+    factor exceeds 1: inside a group the pairs' factors, across groups each group's total moved
+    to its own max U, carried to the max B of the groups before (exp(U' - B) <= 1), then to
+    r[c] >= B."""
+    op = standard_opset(opset_version)
+    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    grouped, ungrouped, _ = row_group_functions(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def GroupedScales(x, fill, front):
+        """[G, L] -> [G, groups, PREFIX_GROUP], as GroupedRows."""
+        last = op.Constant(value_ints=[-1])
+        return op.Squeeze(grouped(op.Unsqueeze(x, last), fill, front), last)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def MaxOfEarlierGroups(group_max):
+        """[G, groups] -> the max over the groups before each (the lowest log scale for the first)."""
+        through = RunningMax(group_max, LowerTriangle(op.Shape(group_max, start=1, end=2)))
+        one = op.Constant(value_ints=[1])
+        earlier = op.Slice(through, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), one)
+        return op.Pad(earlier, op.Constant(value_ints=[1, 0]), op.Constant(value_float=LOWEST_LOG_SCALE), one)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunkRunningMax(x):
+        lowest, group = op.Constant(value_float=LOWEST_LOG_SCALE), op.Constant(value_ints=[PREFIX_GROUP])
+        within = RunningMax(GroupedScales(x, lowest, op.Constant(value_ints=[0])), LowerTriangle(group))
+        group_max = op.Gather(within, op.Constant(value_int=PREFIX_GROUP - 1), axis=2)
+        running = op.Max(within, op.Unsqueeze(MaxOfEarlierGroups(group_max), op.Constant(value_ints=[2])))
+        last = op.Constant(value_ints=[-1])
+        return op.Squeeze(ungrouped(op.Unsqueeze(running, last), op.Unsqueeze(x, last)), last)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RescaledSumAfter(x, m, r, front):
+        """RescaledPrefixSum with ``front`` rows of zeros (log scale: the lowest) before x and m."""
+        zero = op.Constant(value_float=0.0)
+        two, three = op.Constant(value_ints=[2]), op.Constant(value_ints=[3])
+        x4 = grouped(x, zero, front)  # [G, groups, g, X]
+        m3 = GroupedScales(m, op.Constant(value_float=LOWEST_LOG_SCALE), front)
+        # the references stay on their rows, padded at the end to x's groups
+        r_rows = op.Pad(r, op.Concat(op.Constant(value_ints=[0]), front, axis=0), zero, op.Constant(value_ints=[1]))
+        r3 = GroupedScales(r_rows, zero, op.Constant(value_ints=[0]))
+        pairs = op.Unsqueeze(m3, two) - op.Unsqueeze(r3, three)  # [G, groups, row c, row c']
+        within = op.MatMul(op.Trilu(op.Exp(op.Min(pairs, zero)), op.Constant(value_int=-1), upper=0), x4)
+        group_max = op.ReduceMax(m3, two, keepdims=0)  # U [G, groups]
+        to_group_max = op.Unsqueeze(op.Exp(m3 - op.Unsqueeze(group_max, two)), two)  # [G, groups, 1, g]
+        totals = op.Squeeze(op.MatMul(to_group_max, x4), two)  # [G, groups, X]
+        before = MaxOfEarlierGroups(group_max)  # B
+        moves = op.Unsqueeze(group_max, op.Constant(value_ints=[1])) - op.Unsqueeze(before, two)
+        across = op.MatMul(op.Trilu(op.Exp(op.Min(moves, zero)), op.Constant(value_int=-1), upper=0), totals)
+        into = op.Unsqueeze(op.Exp(op.Min(op.Unsqueeze(before, two) - r3, zero)), three)  # from B to r[c], <= 1
+        return ungrouped(within + into * op.Unsqueeze(across, two), x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RescaledPrefixSum(x, m, r):
+        return RescaledSumAfter(x, m, r, op.Constant(value_ints=[0]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RescaledSumBeforePrevious(x, m, r):
+        return RescaledSumAfter(x, m, r, op.Constant(value_ints=[1]))
+
+    return ChunkRunningMax, [RescaledPrefixSum, RescaledSumBeforePrevious][skip]
 
 
 def absorb_keys_functions(opset_version: int):
@@ -1593,6 +1791,7 @@ def causal_rescaled_linear_attention_from_state_functions(opset_version: int, ch
     log_scale) -> (out, kv_state, key_sum, log_scale), after the functions it calls."""
     op = standard_opset(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
+    ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
     absorb = absorb_keys_functions(opset_version)[1]
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1613,7 +1812,7 @@ def causal_rescaled_linear_attention_from_state_functions(opset_version: int, ch
         v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
         s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
         seen = RunningMax(s, LowerTriangle(c))
-        upto = op.Max(RunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2), LowerTriangle(chunks)), log_scale)
+        upto = op.Max(ChunkRunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2)), log_scale)
         shifted = op.Pad(op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest)
         before = op.Max(shifted, log_scale)
         ref = op.Max(seen, op.Unsqueeze(before, minus_one))
@@ -1622,13 +1821,11 @@ def causal_rescaled_linear_attention_from_state_functions(opset_version: int, ch
         scores = op.Trilu(op.MatMul(q4, k4t) * decay, upper=0)
         k_rel = k4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(upto, minus_one)), minus_one)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
-        moves = op.Unsqueeze(upto, one) - op.Unsqueeze(before, op.Constant(value_ints=[2]))
-        carry = op.Trilu(op.Exp(op.Min(moves, no_more)), op.Constant(value_int=-1), upper=0)
         held = op.Unsqueeze(op.Exp(log_scale - before), minus_one)  # the state at each chunk's start
-        flat_kv = op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])))
+        flat_kv = RescaledPrefixSum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), upto, before)
         flat_state = op.Reshape(kv_state, op.Constant(value_ints=[0, -1]))
         state = op.Reshape(flat_kv + held * op.Unsqueeze(flat_state, one), op.Shape(kv))
-        earlier_sum = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        earlier_sum = RescaledPrefixSum(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), upto, before)
         earlier_sum = earlier_sum + held * op.Unsqueeze(key_sum, one)
         into = op.Unsqueeze(op.Exp(op.Unsqueeze(before, minus_one) - ref), minus_one)
         last_axis = op.Constant(value_ints=[3])
@@ -1748,8 +1945,8 @@ def _recurrent_window_functions(
     if rescaled:
         far_states = _recurrent_rescaled_far_states_function(opset_version, blocks, positioned_blocks)
     else:
-        far_states = _recurrent_far_states_function(opset_version, blocks, positioned_blocks)
-    kernel_sums = _far_kernel_functions(op, blocks, True, False)[1]
+        far_states = _recurrent_far_states_function(opset_version, positioned_blocks)
+    kernel_sums = _far_kernel_functions(op)[1]
     mix = _window_mix_function(op, rescaled, eps)
     local_sums = _local_softmax_sums_function(op, scale)
     return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
@@ -1849,17 +2046,11 @@ def _recurrent_exact_keys_function(op, blocks: _WindowBlocks, positioned_blocks,
     return RecurrentLocalAndSinkKeys
 
 
-def _recurrent_far_states_function(opset_version: int, blocks: _WindowBlocks, positioned_blocks):
+def _recurrent_far_states_function(opset_version: int, positioned_blocks):
     """RecurrentFarStates: the kernel's state and key sum over each query block's far keys:
-    the absorbed ones and the blocks <= c-2 (no CumSum: ExclusivePrefixSum)."""
+    the absorbed ones and the blocks <= c-2 (no CumSum: PrefixSumBeforePrevious)."""
     op = standard_opset(opset_version)
-    prefix_sum = exclusive_prefix_sum_function(opset_version)
-    ShiftBlocks = blocks.ShiftBlocks
-
-    @script(ATTNREWRITE, default_opset=op)
-    def EarlierBlocksPrefix(x):
-        """Per block c (axis 1), the sum of x over blocks <= c-2."""
-        return ShiftBlocks(prefix_sum(x), op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
+    EarlierBlocksPrefix = exclusive_prefix_sum_function(opset_version, skip=1)  # blocks <= c-2
 
     @script(ATTNREWRITE, default_opset=op)
     def RecurrentFarStates(far_phi_k, v, front, chunks, first, kv_state, key_sum):
@@ -1879,7 +2070,7 @@ def _recurrent_rescaled_far_states_function(opset_version: int, blocks: _WindowB
     """RecurrentRescaledFarStates: _rescaled_earlier_states_after, with the block carry of
     CausalRescaledFarStates."""
     op = standard_opset(opset_version)
-    RunningMax, LowerTriangle = running_max_functions(opset_version)
+    ChunkRunningMax, RescaledSumBeforePrevious = rescaled_prefix_functions(opset_version, skip=1)
     ShiftBlocks = blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1890,16 +2081,14 @@ def _recurrent_rescaled_far_states_function(opset_version: int, blocks: _WindowB
         pk4 = positioned_blocks(far_phi_k, zero, front, chunks)
         s = op.Squeeze(positioned_blocks(far_key_log_scale, lowest, front, chunks), last)
         block_max = op.ReduceMax(s, last, keepdims=0)
-        running = RunningMax(block_max, LowerTriangle(op.Shape(s, start=1, end=2)))
+        running = ChunkRunningMax(block_max)
         reach = op.Max(ShiftBlocks(running, lowest, op.Constant(value_ints=[2])), log_scale)
         k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), positioned_blocks(v, zero, front, chunks))
-        moves = op.Unsqueeze(block_max, one) - op.Unsqueeze(reach, op.Constant(value_ints=[2]))
-        carry = op.Trilu(op.Exp(op.Min(moves, zero)), op.Constant(value_int=-2), upper=0)
+        flat_kv = RescaledSumBeforePrevious(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), block_max, reach)
         held = op.Unsqueeze(op.Exp(log_scale - reach), last)  # the absorbed keys moved to R_c, <= 1
-        flat_state = op.Unsqueeze(op.Reshape(kv_state, op.Constant(value_ints=[0, -1])), one)
-        state = op.MatMul(carry, op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))) + held * flat_state
-        sums = op.MatMul(carry, op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0))
+        state = flat_kv + held * op.Unsqueeze(op.Reshape(kv_state, op.Constant(value_ints=[0, -1])), one)
+        sums = RescaledSumBeforePrevious(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), block_max, reach)
         sums = sums + held * op.Unsqueeze(key_sum, one)
         shape = op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(kv, start=2), axis=0)
         far_log_scale = op.Unsqueeze(op.Slice(reach, first, end, one), op.Constant(value_ints=[2, 3]))

