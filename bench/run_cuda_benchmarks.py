@@ -10,13 +10,20 @@ For fp16 and fp32, on onnxruntime's CUDA provider (IOBinding, see attnrewrite/be
    (opset-23 Attention), every method's ONNX graph; beside them, in torch on the same GPU, every
    method's torch module (attnrewrite/passes/*.torch_module, what the FX frontend swaps in) and
    F.scaled_dot_product_attention;
-2. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072): the exported softmax model, the
+2. causal attention only (decoder prefill), the same shapes: the exported causal softmax graph,
+   fused exact causal attention (opset-23 Attention, is_causal) and every causal method;
+3. one BERT-base encoder layer (d = 768, 12 heads, FFN 3072): the exported softmax model, the
    model fused by onnxruntime.transformers.optimizer (com.microsoft.Attention), the
    identity-attention bound and every method;
-3. node placement: for every ONNX model, which nodes ran off the CUDA provider (float-producing
+   in 1-3 also the window configurations (WINDOWS: exact softmax nearby, the kernel beyond);
+4. decoding (bench/decode.py's Llama-shaped decoder, fp32): per-token latency and the bytes of the
+   carried KV cache or recurrent state at contexts 1k-64k, batch 1 and 16, for the KV-cache
+   export and attnrewrite's recurrent hedgehog rewrites (window=64 included);
+5. node placement: for every ONNX model, which nodes ran off the CUDA provider (float-producing
    nodes on CPU, and the Memcpy nodes onnxruntime inserted), from onnxruntime's profiler.
 
-Every cell is a fresh process (bench.sweep); a series stops at its first run over
+Every ONNX series (one model, every length) runs in one process, bench/cuda_series_worker.py, a torch
+cell in its own (bench.sweep); a series stops at its first run over
 ``--budget-seconds``, a GPU out-of-memory (recorded as such) or a failure (a crashed provider is
 a failed cell, not a dead run). Each finished cell is written to results_cuda.json at once;
 ``--resume`` takes the cells already there, and ``--deadline-minutes`` stops starting cells in
@@ -44,7 +51,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # models.py, peers.py, run_benchmarks.py; this tree's attnrewrite
 
 import models
+import numpy as np
 import run_benchmarks as standard  # the CPU sweep: its model building and tables
+import torch
 
 from attnrewrite import bench, passes
 from attnrewrite.errors import AttnRewriteError
@@ -57,9 +66,17 @@ SMOKE_LENGTHS = [256]  # >= linformer's k (256), its projection's shortest max_l
 DTYPES = ("fp16", "fp32")
 SECTIONS = {
     "attention": "attention only, q, k, v of [1, 12, N, 64]",
+    "causal": "causal attention only (decoder prefill), q, k, v of [1, 12, N, 64]",
     "layer": "one BERT-base encoder layer (d = 768, 12 heads, FFN 3072)",
 }
+# The window hybrid: exact softmax over the nearest keys, the method's kernel beyond.
+WINDOWS = ("hedgehog:window=32", "hedgehog:window=64", "favor:window=32")
+DECODE_CONTEXTS = [1024, 4096, 16384, 65536]
+DECODE_BATCHES = (1, 16)
+SMOKE_DECODE_CONTEXTS = [64, 128]
+SMOKE_DECODE_BATCHES = (1, 2)
 JSON_NAME, REPORT_NAME = "results_cuda.json", "RESULTS_CUDA.md"
+SERIES_WORKER = HERE / "cuda_series_worker.py"
 SCHEMA = "attnrewrite.cuda-bench/1"
 NOT_REACHED = "not_reached"  # a cell the deadline left out
 OUT_OF_MEMORY = re.compile(
@@ -90,14 +107,16 @@ def build_models(
     would for a user's fp16 model (hydra's float16 body, for one)."""
     originals = {
         "attention": models.export_attention(folder / "attention.onnx", **standard.ATTENTION),
+        "causal": export_causal_attention(folder / "causal.onnx", **standard.ATTENTION),
         "layer": models.export_encoder(folder / "layer.onnx", **standard.LAYER),
     }
+    windows = tuple(w for w in WINDOWS if standard.parse_variant(w)[0] in methods)
     paths, notes = {}, {}
     for section, original in originals.items():
         for dtype in dtypes:
             source = as_fp16(original) if dtype == "fp16" else original
             variants, refused = standard.rewritten_variants(
-                source, folder, lengths, with_bound=section == "layer", methods=methods
+                source, folder, lengths, with_bound=section == "layer", extra=windows, methods=methods
             )
             notes[section, dtype] = [f"{method} not measured: {why}" for method, why in refused.items()]
             paths[section, dtype] = variants
@@ -117,6 +136,22 @@ def fused_model(original: Path, fp16: bool, folder: Path) -> tuple[Path | None, 
     return path, f"fused exact: {fused.how}"
 
 
+class CausalSoftmaxAttention(models.SoftmaxAttention):
+    """softmax(q k^T / sqrt(d) with later keys hidden) v: the decoder-prefill attention."""
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        later = torch.ones(n, n, dtype=torch.bool).triu(1)
+        return torch.matmul(torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1), v)
+
+
+def export_causal_attention(path: Path, heads: int = 12, head_dim: int = 64) -> Path:
+    example = tuple(torch.randn(1, heads, 16, head_dim) for _ in range(3))
+    models._export(CausalSoftmaxAttention(head_dim), example, list("qkv"), {x: {2: "sequence"} for x in "qkv"}, path)
+    return path
+
+
 def as_fp16(path: Path) -> Path:
     target = path.with_name(f"{path.stem}.fp16.onnx")
     onnx_io.save_model(bench.to_fp16(onnx_io.load_model(path)), target)
@@ -127,7 +162,8 @@ def column_title(key: str) -> str:
     if key.startswith("torch:"):
         name = key.split(":", 1)[1]
         return "torch SDPA" if name == "sdpa" else f"torch {name}"
-    return {"softmax": "softmax (ORT)", "fused": "fused exact (ORT)", "identity": "identity bound"}.get(key, key)
+    fixed = {"softmax": "softmax (ORT)", "fused": "fused exact (ORT)", "identity": "identity bound"}
+    return fixed.get(key) or standard.variant_label(key)
 
 
 def plan_sweep(args, folder: Path) -> tuple[Plan, dict[str, Path]]:
@@ -199,7 +235,7 @@ def stored(runner, store: Store, section: str, dtype: str, column: str, deadline
         if previous is not None:
             return previous
         if time.monotonic() > deadline:
-            m = bench.Measurement(column, n, NOT_REACHED, detail="the deadline passed before this cell")
+            m = late_cell(column, n)
             store.put(key, m)
             return m
         m = runner(n, inputs)
@@ -248,6 +284,8 @@ def torch_runner(method: str, config: bench.BenchConfig, device: str, dtype: str
 
 
 def sweep_all(plan: Plan, originals: dict[str, Path], args, store: Store, folder: Path, deadline: float) -> None:
+    """Each ONNX model's series in one process (cuda_series_worker.py); the torch columns
+    through bench.sweep, a process per cell (bench/peers.py measures one configuration)."""
     device = "cuda" if plan.provider == "cuda" else "cpu"
     for (section, dtype), columns in plan.columns.items():
         config = bench.BenchConfig(
@@ -261,16 +299,91 @@ def sweep_all(plan: Plan, originals: dict[str, Path], args, store: Store, folder
             repeats=args.repeats,
             warmup=args.warmup,
         )
-        runners = {}
-        for column in columns:
-            if column.startswith("torch:"):
-                runner = torch_runner(column.split(":", 1)[1], config, device, dtype)
-            else:
-                runner = bench.onnx_runner(plan.onnx[(section, dtype)][column], config)
-            runners[column] = stored(runner, store, section, dtype, column, deadline)
         print(f"== {SECTIONS[section]}, {dtype}", file=sys.stderr)
         write = standard.inputs_writer(originals[section], folder)
-        bench.sweep(runners, config, needed_inputs(write, folder, store, section, dtype, list(columns), deadline))
+        onnx_columns = [c for c in columns if not c.startswith("torch:")]
+        inputs = series_inputs(write, store, section, dtype, onnx_columns, plan.lengths, deadline)
+        for column in onnx_columns:
+            run_series(plan.onnx[(section, dtype)][column], config, store, (section, dtype, column), inputs, deadline)
+        for path in inputs.values():
+            path.unlink(missing_ok=True)
+        runners = {
+            c: stored(torch_runner(c.split(":", 1)[1], config, device, dtype), store, section, dtype, c, deadline)
+            for c in columns
+            if c.startswith("torch:")
+        }
+        if runners:
+            bench.sweep(runners, config, needed_inputs(write, folder, store, section, dtype, list(runners), deadline))
+
+
+def series_inputs(write, store: Store, section: str, dtype: str, columns: list[str], lengths: list[int], deadline):
+    """{N: inputs file} for the lengths some column still has to measure (a resumed run skips
+    the others: 65536's inputs take seconds to write)."""
+    if time.monotonic() > deadline:
+        return {}
+    return {n: write(n) for n in lengths if any(store.cell(cell_key(section, dtype, c, n)) is None for c in columns)}
+
+
+def run_series(model: Path, config: bench.BenchConfig, store: Store, where: tuple, inputs: dict, deadline: float):
+    """One model's lengths not yet in the store, in one worker; each finished length is stored.
+    The length the worker died at (killed over memory or time, or crashed) takes its verdict and
+    ends the series, as bench.sweep ends one; the lengths the deadline left out are marked."""
+    section, dtype, column = where
+    todo = [n for n in config.lengths if store.cell(cell_key(section, dtype, column, n)) is None]
+    if not todo:
+        return
+    if time.monotonic() > deadline:
+        for n in todo:
+            store.put(cell_key(section, dtype, column, n), late_cell(column, n))
+        return
+    results = Path(tempfile.mkstemp(suffix=".jsonl")[1])
+    spec = {
+        "model": str(model),
+        "provider": config.provider,
+        "threads": config.threads,
+        "warmup": config.warmup,
+        "repeats": config.repeats,
+        "budget_seconds": config.budget_seconds,
+        "inputs": [[n, str(inputs[n])] for n in todo if n in inputs],
+        "results": str(results),
+        "deadline": time.time() + max(0.0, deadline - time.monotonic()),
+    }
+    print(f"   {column}: N = {', '.join(map(str, todo))}", file=sys.stderr)
+    argv = [sys.executable, str(SERIES_WORKER), json.dumps(spec)]
+    outcome = bench.run_worker(argv, config.budget_bytes, config.budget_seconds)
+    done = {r.pop("n"): r for r in map(json.loads, results.read_text().splitlines())}
+    results.unlink()
+    for n in todo:
+        if n in done:
+            m = measurement(column, n, done[n])
+        elif outcome.get("status") != "ok":
+            m = measurement(column, n, outcome)  # the length it died at
+        else:
+            m = late_cell(column, n)
+        store.put(cell_key(section, dtype, column, n), m)
+        if m.status not in ("ok", NOT_REACHED) or bench.stop_reason(m, config):
+            break
+
+
+def late_cell(column: str, n: int) -> bench.Measurement:
+    return bench.Measurement(column, n, NOT_REACHED, detail="the deadline passed before this cell")
+
+
+def measurement(column: str, n: int, result: dict) -> bench.Measurement:
+    """A worker's result as the store's Measurement; a GPU out-of-memory counts as over memory."""
+    m = bench.Measurement(
+        column,
+        n,
+        result.get("status", "failed"),
+        result.get("times_s", []),
+        result.get("peak_rss_bytes"),
+        result.get("loaded_rss_bytes"),
+        result.get("gpu_memory_bytes"),
+        result.get("error") or result.get("detail"),
+    )
+    if m.status == "failed" and OUT_OF_MEMORY.search(m.detail or ""):
+        m.status = "over_memory"
+    return m
 
 
 def place_all(plan: Plan, originals: dict[str, Path], store: Store, folder: Path, deadline: float) -> None:
@@ -288,6 +401,122 @@ def place_all(plan: Plan, originals: dict[str, Path], store: Store, folder: Path
                 "error": outcome.get("error") or outcome.get("detail")
             }
             store.save()
+
+
+# --- decoding -----------------------------------------------------------------------------------
+
+
+def decode_key(batch: int, variant: str, context: int) -> str:
+    return f"decode/b{batch}/{variant}/{context}"
+
+
+def decode_all(args, store: Store, folder: Path, deadline: float) -> None:
+    """bench/decode.py's decoders, one token per step after ``context`` tokens, on the provider:
+    a cache of that length or a state of fixed size (zeros: a step's time does not depend on
+    them), bound to the device once. A series (variant, batch) stops at its first failure."""
+    try:
+        import decode  # bench/decode.py: exports with transformers, tests/decoders.py
+
+        shape = decode.Shape(**SMOKE_DECODER) if args.smoke else decode.Shape()
+        paths = decode.model_files(shape, decode.CACHE, folder)  # exports kept between runs, not in the output
+    except Exception as error:  # transformers missing on the GPU machine: the other sections stand
+        store.data["decode_note"] = f"decoding not measured: {type(error).__name__}: {str(error)[:300]}"
+        return
+    store.data["decode_shape"] = shape.describe()
+    store.data["decode_labels"] = {v.key: v.label for v in decode.VARIANTS if v.decodes}
+    for variant in (v for v in decode.VARIANTS if v.decodes):
+        for batch in args.decode_batches:
+            for context in args.decode_contexts:
+                key = decode_key(batch, variant.key, context)
+                if store.cell(key) is None and time.monotonic() < deadline:
+                    print(f"== decoding: {variant.label}, batch {batch}, context {context}", file=sys.stderr)
+                    m, carried = decode_step(paths[variant.key], variant.label, batch, context, args)
+                    store.data.setdefault("decode_bytes", {})[key] = carried
+                    store.put(key, m)
+                if store.cell(key) is not None and store.cell(key).status != "ok":
+                    break
+
+
+SMOKE_DECODER = dict(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=100, max_positions=512)
+
+
+def decode_step(path: Path, label: str, batch: int, context: int, args) -> tuple[bench.Measurement, int | None]:
+    """(the step's times, the bytes it carries to the next step)."""
+    import onnxruntime as ort
+
+    from attnrewrite.generate import Decoder
+
+    try:
+        provider = {"cuda": ("CUDAExecutionProvider", {"use_tf32": "0"})}.get(args.provider, "CPUExecutionProvider")
+        session = ort.InferenceSession(str(path), providers=[provider])
+        decoder = Decoder.of(session, label)
+        feeds = decoder.feeds(np.zeros((batch, 1), np.int64), np.ones((batch, context + 1), np.int64), step=1)
+        for carried in decoder.carried:
+            if carried.input.endswith(".position"):  # a windowed state's position counter
+                feeds[carried.input] = np.array(context, carried.dtype)
+                continue
+            dims = [
+                batch if axis == 0 else d if isinstance(d, int) else context for axis, d in enumerate(carried.shape)
+            ]
+            feeds[carried.input] = np.zeros(dims, carried.dtype)
+        device = "cuda" if args.provider == "cuda" else "cpu"
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, device, 0))
+        del feeds
+        for output in session.get_outputs():
+            binding.bind_output(output.name, device)
+        times = []
+        for run in range(args.warmup + args.repeats):
+            start = time.perf_counter()
+            session.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            if run >= args.warmup:
+                times.append(time.perf_counter() - start)
+        outputs = dict(zip((o.name for o in session.get_outputs()), binding.get_outputs()))
+        carried_bytes = sum(
+            int(np.prod(outputs[c.output].shape())) * np.dtype(c.dtype).itemsize for c in decoder.carried
+        )
+    except Exception as error:  # out of memory at 64k, batch 16: the series stops, the run goes on
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        status = "over_memory" if OUT_OF_MEMORY.search(detail) else "failed"
+        return bench.Measurement(label, context, status, detail=detail), None
+    return bench.Measurement(label, context, "ok", times), carried_bytes
+
+
+def decode_report(store: Store, args) -> list[str]:
+    note = store.data.get("decode_note")
+    if note:
+        return ["### decoding, one token per step", "", f"- {note}", ""]
+    labels = store.data.get("decode_labels", {})
+    keys = [k for k in labels if any(c.startswith("decode/") and c.split("/")[2] == k for c in store.data["cells"])]
+    if not keys:
+        return []
+    sizes = store.data.get("decode_bytes", {})
+    out = []
+    for batch in args.decode_batches:
+        rows = []
+        for context in args.decode_contexts:
+            row = [str(context)]
+            for variant in keys:
+                m = store.cell(decode_key(batch, variant, context))
+                carried = sizes.get(decode_key(batch, variant, context))
+                size = f" ({bytes_text(carried)})" if carried is not None else ""
+                row.append(cell_text(m, None) + (size if m is not None and m.status == "ok" else ""))
+            rows.append(row)
+        out += [
+            f"### decoding, one token per step, batch {batch} (fp32)",
+            "",
+            f"- {store.data.get('decode_shape', '')}; ms per step (in parentheses: the cache or state it carries)",
+            "",
+            standard._table(["context", *(labels[k] for k in keys)], rows, numeric=False),
+            "",
+        ]
+    return out
+
+
+def bytes_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 # --- the machine --------------------------------------------------------------------------------
@@ -505,7 +734,8 @@ def render(store: Store, plan: Plan, args, plots: list[str], analysis: str | Non
         f"- CPU: {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GB; Python {env['python']}",
         f"- onnxruntime {env['onnxruntime']} ({', '.join(env['onnxruntime_providers'])}), onnx {env['onnx']}, "
         f"torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN {env['cudnn']}), numpy {env['numpy']}",
-        f"- provider {plan.provider}; batch 1; median of {args.repeats} runs after {args.warmup} warm-up, each cell in a "
+        f"- provider {plan.provider}; batch 1; median of {args.repeats} runs after {args.warmup} warm-up; each ONNX "
+        f"model's lengths in one process, ascending (its memory: the process's peak so far), each torch cell in a "
         f"fresh process; onnxruntime with IOBinding on CUDA (inputs on the device, no copies timed); torch runs "
         f"synchronized; a series stops at its first run over {args.budget_seconds:g} s, GPU out-of-memory or failure.",
         "- options: "
@@ -524,6 +754,7 @@ def render(store: Store, plan: Plan, args, plots: list[str], analysis: str | Non
     out += ["## Results", ""]
     for section, dtype in plan.columns:
         out += section_report(store, plan, section, dtype)
+    out += decode_report(store, args)
     out += placement_report(store, plan)
     out += [
         "## Analysis",
@@ -583,6 +814,7 @@ def parse_args(argv: list[str] | None):
     )
     parser.add_argument("--resume", action="store_true", help="keep the cells already in OUTPUT_DIR/results_cuda.json")
     parser.add_argument("--no-placement", action="store_true", help="leave out the node placement check")
+    parser.add_argument("--no-decode", action="store_true", help="leave out the decoding section")
     parser.add_argument(
         "--methods", type=methods_list, default=list(passes.PASSES), help="a subset, e.g. hydra,lsh (default: all)"
     )
@@ -595,6 +827,8 @@ def parse_args(argv: list[str] | None):
     args.lengths = args.lengths or (SMOKE_LENGTHS if args.smoke else LENGTHS)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 5)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 2)
+    args.decode_contexts = SMOKE_DECODE_CONTEXTS if args.smoke else DECODE_CONTEXTS
+    args.decode_batches = SMOKE_DECODE_BATCHES if args.smoke else DECODE_BATCHES
     return args
 
 
@@ -627,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
             print("== node placement", file=sys.stderr)
             place_all(plan, originals, store, folder, deadline)
         sweep_all(plan, originals, args, store, folder, deadline)
+        if not args.no_decode:
+            decode_all(args, store, folder, deadline)
     plots = draw(store, plan, args.output_dir)
     report = args.output_dir / REPORT_NAME
     report.write_text(render(store, plan, args, plots, standard.previous_analysis(report)))

@@ -3,6 +3,7 @@ and a sequence whose N x N attention matrix would not fit in memory."""
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -247,9 +248,55 @@ def lowered_model(s: AttentionSite, options: lsh.Options, shape) -> onnx.ModelPr
     model = onnx.inliner.inline_local_functions(
         helper.make_model(graph, functions=lowering.functions, ir_version=10, opset_imports=opsets)
     )
+    unroll_loops(model.graph)
     produced = [x for node in model.graph.node for x in node.output if x and x != "out"]
     model.graph.output.extend(helper.make_empty_tensor_value_info(x) for x in produced)
     return model
+
+
+def unroll_loops(graph: onnx.GraphProto) -> None:
+    """Each Loop (of a Constant trip count, with scan outputs only) written out iteration by
+    iteration, in place: what a round holds becomes a value of the graph, to be sized."""
+    constants = {
+        n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant" and n.attribute[0].t.dims == []
+    }
+    nodes = []
+    for node in graph.node:
+        if node.op_type != "Loop":
+            nodes.append(node)
+            continue
+        body = node.attribute[0].g
+        local = {x.name for x in body.input} | {x for n in body.node for x in n.output}
+        scans = [x.name for x in body.output[1:]]
+        for r in range(int(onnx.numpy_helper.to_array(constants[node.input[0]]))):
+            name = {x: f"{x}__round{r}" for x in local}
+            nodes.append(onnx.helper.make_node("Constant", [], [name[body.input[0].name]], value_int=r))
+            nodes.append(onnx.helper.make_node("Constant", [], [name[body.input[1].name]], value_ints=[1]))
+            for n in body.node:
+                copy = onnx.NodeProto()
+                copy.CopyFrom(n)
+                copy.input[:] = [name.get(x, x) for x in n.input]
+                copy.output[:] = [name.get(x, x) for x in n.output]
+                copy.name = f"{n.name}__round{r}" if n.name else ""
+                for attribute in copy.attribute:  # a nested Loop reads the round's values too
+                    if attribute.type == onnx.AttributeProto.GRAPH:
+                        _rename_inputs(attribute.g, name)
+                nodes.append(copy)
+            for x in scans:
+                nodes.append(onnx.helper.make_node("Unsqueeze", [name[x], "loop_axis0"], [f"{x}__stacked{r}"]))
+        nodes.insert(0, onnx.helper.make_node("Constant", [], ["loop_axis0"], value_ints=[0]))
+        for x, out in zip(scans, node.output):
+            nodes.append(onnx.helper.make_node("Concat", [f"{x}__stacked{r}" for r in range(r + 1)], [out], axis=0))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _rename_inputs(graph: onnx.GraphProto, name: dict[str, str]) -> None:
+    for node in graph.node:
+        node.input[:] = [name.get(x, x) for x in node.input]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_inputs(attribute.g, name)
 
 
 def intermediate_sizes(model: onnx.ModelProto, n: int, shape) -> dict[str, int]:
@@ -407,3 +454,55 @@ def test_fx_rewrite_of_gpt2_with_one_bucket_keeps_outputs(exports):
         assert (exact(*args) - expected).abs().max() < 1e-5
         bucketed = attnrewrite.rewrite(program, to="lsh", n_buckets=4, n_hashes=2, chunk=4)
         assert (bucketed(*args) - expected).abs().max() > 1e-4
+
+
+def _op_counts(lowering, function: str) -> collections.Counter:
+    """Standard ops a function of the lowering runs, its callees' counted in (Constants not)."""
+    functions = {f.name: f for f in lowering.functions}
+    counts = collections.Counter()
+    for node in functions[function].node:
+        if node.domain == "attnrewrite":
+            counts += _op_counts(lowering, node.op_type)
+        elif node.op_type != "Constant":
+            counts[node.op_type] += 1
+    return counts
+
+
+def test_the_causal_round_adds_only_the_mask_and_one_sorted_table():
+    """Issue 33: the causal graph computed another answer on CUDA than on CPU; the non-causal one
+    did not. The causal round now differs from the other only by the mask (Less, Where) and its
+    own-key logit, an item table gathered and chunked like the rows (plus the rounds-seen bias):
+    no gather by a position clamped with Max, no separate own-key tables of k, v and keep."""
+    causal = lsh.onnx_lowering(site(MaskKind.CAUSAL), lsh.Options(), 20)
+    plain = lsh.onnx_lowering(site(MaskKind.NONE), lsh.Options(), 20)
+    extra = _op_counts(causal, "CausalRound") - _op_counts(plain, "Round")
+    expected = _op_counts(causal, "GatherItems") + _op_counts(causal, "InChunks")
+    expected += collections.Counter(Less=1, Where=1, Add=1)
+    assert extra == expected and not _op_counts(plain, "Round") - _op_counts(causal, "CausalRound")
+
+
+GATHERS = {"Gather": "axis", "GatherElements": "axis", "GatherND": "batch_dims", "ScatterElements": "axis"}
+
+
+@pytest.mark.parametrize("mask", [MaskKind.CAUSAL_KEY_PADDING, MaskKind.KEY_PADDING], ids=lambda m: m.value)
+@pytest.mark.parametrize("dedup", [False, True], ids=["", "dedup"])
+def test_every_gather_index_is_in_range(mask, dedup):
+    """Every index the body gathers or scatters with lies in [0, dim): ONNX lets a negative one
+    count from the end, and a provider that does not (or reads past the end) computes another
+    answer. Padded keys, a length that is no multiple of the chunk, every round (the Loop
+    written out)."""
+    options = lsh.Options(n_buckets=4, chunk=8, n_hashes=2, dedup=dedup)
+    model = lowered_model(site(mask), options, (2, 3, "n", D))
+    produced = [o.name for o in model.graph.output]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    q, k, _, keep = inputs(37, pad=True, seed=5)
+    values = dict(zip(produced, session.run(None, dict(q=q, k=k, v=k[..., ::-1].copy(), key_keep=keep))))
+    checked = 0
+    for node in model.graph.node:
+        if node.op_type in GATHERS and node.input[1] in values:
+            axis = next((a.i for a in node.attribute if a.name == GATHERS[node.op_type]), 0)
+            table, index = values.get(node.input[0]), values[node.input[1]]
+            dim = table.shape[axis] if table is not None else None
+            assert index.min() >= 0 and (dim is None or index.max() < dim), (node.op_type, node.output[0])
+            checked += 1
+    assert checked >= 10

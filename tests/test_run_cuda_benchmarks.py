@@ -17,18 +17,21 @@ script = load_bench_module("run_cuda_benchmarks")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # about a minute on a shared 2-core machine: the script's every step, in processes
+@pytest.mark.slow  # about 90 s on a shared 2-core machine: the script's every step, in processes
 def test_smoke_run_end_to_end(tmp_path):
-    """One method and one dtype keep it short; every other path is the full run's."""
+    """Two methods (hedgehog brings the window configurations) and one dtype keep it short;
+    every other path is the full run's."""
     done = subprocess.run(
         [
             sys.executable,
             str(BENCH / "run_cuda_benchmarks.py"),
             "--smoke",
             "--methods",
-            "hydra",
+            "hydra,hedgehog",
             "--dtypes",
             "fp16",
+            "--budget-seconds",  # a loaded CI machine must not stop a series: every cell is asserted
+            "60",
             "--output-dir",
             str(tmp_path),
         ],
@@ -40,12 +43,23 @@ def test_smoke_run_end_to_end(tmp_path):
     data = json.loads((tmp_path / "results_cuda.json").read_text())
     assert data["schema"] == "attnrewrite.cuda-bench/1"
     assert set(data["environment"]) >= {"gpu", "onnxruntime", "torch", "torch_cuda", "cudnn", "python"}
-    expected = [f"attention/fp16/{c}/256" for c in ("softmax", "fused", "hydra", "torch:hydra", "torch:sdpa")]
-    expected += [f"layer/fp16/{c}/256" for c in ("softmax", "fused", "identity", "hydra")]
+    methods = ("hydra", "hedgehog", "hedgehog:window=32", "hedgehog:window=64")  # favor's window: favor not asked
+    expected = [f"attention/fp16/{c}/256" for c in ("softmax", "fused", *methods, "torch:hydra", "torch:hedgehog")]
+    expected += ["attention/fp16/torch:sdpa/256"]
+    expected += [f"causal/fp16/{c}/256" for c in ("softmax", "fused", *methods)]
+    expected += [f"layer/fp16/{c}/256" for c in ("softmax", "fused", "identity", *methods)]
+    placed = sorted(k.rsplit("/", 1)[0] for k in expected if "torch:" not in k)
+    decoders = ("hedgehog", "hedgehog-w", "original")
+    expected += [f"decode/b{b}/{v}/{n}" for b in (1, 2) for v in decoders for n in (64, 128)]
     assert sorted(data["cells"]) == sorted(expected)
     for key, cell in data["cells"].items():
         assert cell["status"] == "ok" and cell["median_s"] > 0, (key, cell)
-    assert sorted(data["placement"]) == sorted(k.rsplit("/", 1)[0] for k in expected if "torch:" not in k)
+    assert sorted(data["placement"]) == placed
+    # a KV cache grows with the context and the batch; a recurrent state with the batch only
+    size = data["decode_bytes"]
+    assert size["decode/b1/original/128"] > size["decode/b1/original/64"] > 0
+    assert size["decode/b1/hedgehog/128"] == size["decode/b1/hedgehog/64"] > 0
+    assert size["decode/b2/hedgehog/64"] == 2 * size["decode/b1/hedgehog/64"]
     for placement in data["placement"].values():
         assert placement["by_provider"] == {"CPUExecutionProvider": placement["nodes"]}
         assert placement["data_elsewhere"] == [] and placement["memcpy"] == []
@@ -53,14 +67,21 @@ def test_smoke_run_end_to_end(tmp_path):
     assert report.startswith("# CUDA benchmark results (SMOKE RUN: CPU provider, tiny N; not a measurement)")
     assert "### attention only, q, k, v of [1, 12, N, 64], fp16" in report
     assert "- fused exact: opset-23 Attention x1" in report
+    assert "### causal attention only (decoder prefill), q, k, v of [1, 12, N, 64], fp16" in report
+    assert (
+        "| N | softmax (ORT) | fused exact (ORT) | hydra | hedgehog | hedgehog window=32 | hedgehog window=64 |"
+        in report
+    )
     assert "### one BERT-base encoder layer (d = 768, 12 heads, FFN 3072), fp16" in report
+    assert "### decoding, one token per step, batch 2 (fp32)" in report
+    assert "| context | original (KV cache) | hedgehog, recurrent | hedgehog window=64, recurrent |" in report
     assert (
         "- fused exact: onnxruntime.transformers.optimizer: com.microsoft.Attention x1, float16 by onnxruntime's converter"
         in report
     )
     assert "| hydra | N = 256 |" in report or "| hydra | never |" in report
     assert "## Node placement" in report and "not reached" not in report
-    for name in ("smoke_attention_fp16.png", "smoke_layer_fp16.png"):
+    for name in ("smoke_attention_fp16.png", "smoke_causal_fp16.png", "smoke_layer_fp16.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
 
 
@@ -138,3 +159,33 @@ def test_inputs_are_written_only_for_lengths_with_cells_to_measure(tmp_path):
     assert inputs_for(128) == tmp_path / "inputs-128.npz" and written == [128]
     late = script.needed_inputs(write, tmp_path, store, "layer", "fp32", ["softmax"], deadline=0.0)
     assert late(256) == tmp_path / "inputs-not-written-256.npz" and written == [128]
+
+
+def _config(lengths):
+    return bench.BenchConfig(model="", method="", lengths=lengths, provider="cpu", repeats=1, warmup=0)
+
+
+def test_a_series_runs_every_length_in_one_process(tmp_path):
+    """cuda_series_worker.py: one session for both lengths, each stored as it finishes."""
+    model = script.models.export_attention(tmp_path / "attention.onnx", heads=2, head_dim=8)
+    write = script.standard.inputs_writer(model, tmp_path)
+    store = script.Store(tmp_path / "results_cuda.json", resume=False, header={"runs": []})
+    inputs = {n: write(n) for n in (16, 32)}
+    script.run_series(model, _config([16, 32]), store, ("attention", "fp32", "softmax"), inputs, float("inf"))
+    cells = store.data["cells"]
+    assert sorted(cells) == ["attention/fp32/softmax/16", "attention/fp32/softmax/32"]
+    assert all(c["status"] == "ok" and c["median_s"] > 0 and c["peak_rss_bytes"] > 0 for c in cells.values())
+
+
+def test_a_series_ends_at_its_first_failure_and_the_deadline_marks_the_rest(tmp_path):
+    store = script.Store(tmp_path / "results_cuda.json", resume=False, header={"runs": []})
+    inputs = {n: tmp_path / f"inputs-{n}.npz" for n in (16, 32)}
+    where = ("layer", "fp16", "hydra")
+    script.run_series(tmp_path / "missing.onnx", _config([16, 32]), store, where, inputs, float("inf"))
+    [(key, cell)] = store.data["cells"].items()  # the series stopped at its first length
+    assert key == "layer/fp16/hydra/16" and cell["status"] == "failed"
+    assert cell["detail"].startswith("NoSuchFile: [ONNXRuntimeError] : 3 : NO_SUCHFILE : Load model from ")
+
+    late = script.Store(tmp_path / "late.json", resume=False, header={"runs": []})
+    script.run_series(tmp_path / "missing.onnx", _config([16, 32]), late, where, inputs, deadline=0.0)
+    assert {c["status"] for c in late.data["cells"].values()} == {script.NOT_REACHED} and len(late.data["cells"]) == 2

@@ -24,7 +24,8 @@ a key is visible only at a position <= the query's, by original positions; every
 sees the key at its own position (a separate slot, taken out of the chunk window so it is
 counted once), so no causal row is empty and the first position is exact. A query that sees
 no kept key in any round outputs 0. Memory is O(n_hashes * N * chunk) per head in torch; the
-ONNX body runs the rounds one after another, O(N * chunk) per head (see the ONNX section).
+ONNX body runs the rounds one after another in a Loop, O(N * chunk) per head (see the ONNX
+section).
 """
 
 from __future__ import annotations
@@ -304,9 +305,14 @@ def nothing_to_fit(options: Options) -> str | None:
 #   positions' maximum for the same reason; and the
 #   chunk length arrives as the initializer ``items`` (2 * chunk), not computed from ``chunk``,
 #   so the chunk counts stay CPU shape arithmetic instead of a device tensor copied back;
-# - rounds are unrolled at rewrite time (n_hashes is a Python number), so no intermediate holds
-#   more than one round's window logits [G, 1, C, 2 * chunk, 4 * chunk]: at [1, 12, 131072, 64]
-#   that is 8e8 elements where all 4 rounds together were 3.2e9, past cuDNN's int32 sizes;
+# - the rounds run one at a time in a Loop, so no intermediate holds more than one round's
+#   window logits [G, 1, C, 2 * chunk, 4 * chunk]: at [1, 12, 131072, 64] that is 8e8 elements
+#   where all 4 rounds together were 3.2e9, past cuDNN's int32 sizes (and unrolled calls ran
+#   side by side: see _entry);
+# - every index a round gathers with is a rank of the sort, in range by construction: the causal
+#   round's own-position key comes as item tables sorted like the rows (CausalItems), not as a
+#   gather of k, v and keep by each row's position clamped from -1 (issue 33: the causal graph
+#   computed another answer on CUDA than on CPU, the non-causal one did not);
 # - hidden keys are masked by an additive bias built at the window's size (see
 #   AttendInChunks), not a Where over the full logits and a mask product over the weights.
 
@@ -406,25 +412,17 @@ def _chunk_functions(op):
     return InChunks, WithPreviousChunk
 
 
-def _items_function(opset_version: int, n_buckets: int):
-    """Items(q, k, v, key_keep, scale, rotations, items): the hashes and sorts of every round,
-    and the per-item tables a round gathers from."""
-    op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    key_keep_3d = kernels.key_keep_function(opset_version)
+def _item_order_functions(op, n_buckets: int):
+    """(ItemOrder, ItemPositions): every round's sort of the items, and their positions."""
     hash_buckets = _hash_function(op, n_buckets)
     positions, sort_items = _sort_functions(op, n_buckets)
 
     @script(ATTNREWRITE, default_opset=op)
-    def Items(q, k, v, key_keep, scale, rotations, items):
-        """Every round's sort of the items, and the per-item tables a round gathers from:
-        vectors (q for queries, k for keys), values (0 for queries), query and key positions
-        [G, M, 1] (-1: not a query / not a visible key); and what the own-position slot reads."""
-        q3, k3, v3, keep = flatten(q) * scale, flatten(k), flatten(v), key_keep_3d(key_keep, k)
-        nq = op.Shape(q3, start=1, end=2)
-        axis1, one = op.Constant(value_ints=[1]), op.Constant(value_int=1)
-        none = op.Constant(value_int=-1)
-        first = op.Slice(q3, op.Constant(value_ints=[0]), axis1, op.Constant(value_ints=[2]))
+    def ItemOrder(q3, k3, keep, rotations, items):
+        """Every round's sort of the items, each item's rank in it and its chunk, and the
+        queries' and keys' positions [G, N, 1]."""
+        one = op.Constant(value_int=1)
+        first = op.Slice(q3, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
         q_pos = positions(first, one)  # [G, Nq, 1]
         k_pos = positions(keep, one)  # [G, Nk, 1]
         order = sort_items(
@@ -438,16 +436,61 @@ def _items_function(opset_version: int, n_buckets: int):
         ranks = positions(order, op.Constant(value_int=2))
         inverse = op.ScatterElements(order, order, ranks, axis=2)
         chunk_of = op.Transpose(inverse / items, perm=[0, 2, 1])
+        return order, inverse, chunk_of, q_pos, k_pos
 
-        vectors = op.Concat(q3, k3, axis=1)
-        no_values = op.Concat(op.Shape(q3, end=2), op.Shape(v3, start=2), axis=0)
-        values = op.Concat(op.Expand(op.Constant(value_float=0.0), no_values), v3, axis=1)
+    @script(ATTNREWRITE, default_opset=op)
+    def ItemPositions(q_pos, k_pos, keep):
+        """query_pos and key_pos [G, M, 1]: the query's position for query items and the kept
+        key's for key items, -1 elsewhere."""
+        none = op.Constant(value_int=-1)
         kept_pos = op.Where(keep > op.Constant(value_float=0.0), k_pos, none)
         query_pos = op.Concat(q_pos, op.Expand(none, op.Shape(k_pos)), axis=1)
         key_pos = op.Concat(op.Expand(none, op.Shape(q_pos)), kept_pos, axis=1)
-        return order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, k3, v3, keep
+        return query_pos, key_pos
 
-    return Items
+    return ItemOrder, ItemPositions
+
+
+def _items_function(opset_version: int, n_buckets: int, causal: bool):
+    """Items(q, k, v, key_keep, scale, rotations, items), or CausalItems: the hashes and sorts
+    of every round, and the per-item tables a round gathers from."""
+    op = standard_opset(opset_version)
+    flatten = kernels.flatten_heads_function(opset_version)
+    key_keep_3d = kernels.key_keep_function(opset_version)
+    item_order, item_positions = _item_order_functions(op, n_buckets)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Items(q, k, v, key_keep, scale, rotations, items):
+        """The sorts and the tables: vectors (q for queries, k for keys), values (0 for
+        queries), query and key positions."""
+        q3, k3, v3, keep = flatten(q) * scale, flatten(k), flatten(v), key_keep_3d(key_keep, k)
+        nq = op.Shape(q3, start=1, end=2)
+        order, inverse, chunk_of, q_pos, k_pos = item_order(q3, k3, keep, rotations, items)
+        query_pos, key_pos = item_positions(q_pos, k_pos, keep)
+        no_values = op.Concat(op.Shape(q3, end=2), op.Shape(v3, start=2), axis=0)
+        values = op.Concat(op.Expand(op.Constant(value_float=0.0), no_values), v3, axis=1)
+        return order, inverse, chunk_of, op.Concat(q3, k3, axis=1), values, query_pos, key_pos, nq
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalItems(q, k, v, key_keep, scale, rotations, items):
+        """Items for a causal site, whose query items also carry the key at their own position
+        (which every round shows): its value in ``values`` and its logit in ``own_logit``
+        [G, M, 1] (MASKED_LOGIT for key items and padded own keys). Computed once here rather than
+        gathered by position in every round: a round reads them with the sort's own gather."""
+        q3, k3, v3, keep = flatten(q) * scale, flatten(k), flatten(v), key_keep_3d(key_keep, k)
+        nq = op.Shape(q3, start=1, end=2)
+        order, inverse, chunk_of, q_pos, k_pos = item_order(q3, k3, keep, rotations, items)
+        query_pos, key_pos = item_positions(q_pos, k_pos, keep)
+        zero, axis1 = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+        own_k, own_v = op.Slice(k3, zero, nq, axis1), op.Slice(v3, zero, nq, axis1)
+        own_kept = op.Slice(keep, zero, nq, axis1) > op.Constant(value_float=0.0)
+        masked = op.Constant(value_float=MASKED_LOGIT)
+        own_logit = op.Where(own_kept, op.ReduceSum(q3 * own_k, op.Constant(value_ints=[-1]), keepdims=1), masked)
+        own_logit = op.Concat(own_logit, op.Expand(masked, op.Shape(keep)), axis=1)  # key items: masked
+        values = op.Concat(own_v, v3, axis=1)
+        return order, inverse, chunk_of, op.Concat(q3, k3, axis=1), values, query_pos, key_pos, nq, own_logit
+
+    return CausalItems if causal else Items
 
 
 def _rounds_seen_function(op, dedup: bool):
@@ -494,19 +537,20 @@ def _sorted_chunks_function(op, gather_items, count_rounds):
     @script(ATTNREWRITE, default_opset=op)
     def SortedChunks(order, chunk_of, vectors, values, query_pos, key_pos, nq, items):
         """One round's items (order [G, 1, M]) sorted, chunked and windowed; see the module
-        docstring."""
+        docstring. rows_v is each row item's own entry of ``values``."""
         axis1 = op.Constant(value_ints=[1])
         query_chunk = op.Slice(chunk_of, op.Constant(value_ints=[0]), nq, axis1)
         key_chunk = op.Slice(chunk_of, nq, op.Shape(chunk_of, start=1, end=2), axis1)
         no_float, no_pos = op.Constant(value_float=0.0), op.Constant(value_int=-1)
         rows_x = in_chunks(gather_items(vectors, order), items, no_float)
         rows_pos = in_chunks(gather_items(query_pos, order), items, no_pos)
+        rows_v = in_chunks(gather_items(values, order), items, no_float)
         cols_x = with_previous(rows_x, no_float)  # keys are read from the same item vectors
-        cols_v = with_previous(in_chunks(gather_items(values, order), items, no_float), no_float)
+        cols_v = with_previous(rows_v, no_float)
         cols_pos = with_previous(in_chunks(gather_items(key_pos, order), items, no_pos), no_pos)
         cols_pos = op.Transpose(cols_pos, perm=[0, 1, 2, 4, 3])  # [G, 1, C, 1, 2L]
         seen_bias, own_seen_bias = count_rounds(query_chunk, key_chunk, rows_pos, cols_pos)
-        return rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias
+        return rows_x, rows_pos, rows_v, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias
 
     return SortedChunks
 
@@ -555,7 +599,7 @@ def _round_function(op, sorted_chunks, attend, in_query_order):
         """One hash round, no own-position slot -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
         order = op.Gather(order, round_index, axis=1)
         inverse = op.Gather(inverse, round_index, axis=1)
-        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
+        rows_x, rows_pos, rows_v, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
             order, chunk_of, vectors, values, query_pos, key_pos, nq, items
         )
         masked = op.Constant(value_float=MASKED_LOGIT)
@@ -570,48 +614,26 @@ def _round_function(op, sorted_chunks, attend, in_query_order):
 
 def _causal_round_function(op, gather_items, sorted_chunks, attend, in_query_order):
     """CausalRound: one hash round of a causal site, with the own-position slot."""
+    in_chunks, _ = _chunk_functions(op)
 
     @script(ATTNREWRITE, default_opset=op)
-    def CausalRound(
-        round_index,
-        order,
-        inverse,
-        chunk_of,
-        vectors,
-        values,
-        query_pos,
-        key_pos,
-        nq,
-        items,
-        k3,
-        v3,
-        keep,
-    ):
+    def CausalRound(round_index, order, inverse, chunk_of, vectors, values, query_pos, key_pos, nq, items, own_logit):
         """One hash round: keys at earlier positions in the window, plus the key at the row's
-        own position, which every round shows -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]."""
+        own position, which every round shows -> (out, log-sum-exp) [G, 1, Nq, Dv or 1]. The
+        own key's logit and value are item tables (CausalItems) sorted like the rows, so every
+        index this round gathers with is a rank of the sort, never a position."""
         order = op.Gather(order, round_index, axis=1)
         inverse = op.Gather(inverse, round_index, axis=1)
-        rows_x, rows_pos, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
+        rows_x, rows_pos, rows_v, cols_x, cols_v, cols_pos, seen_bias, own_seen_bias = sorted_chunks(
             order, chunk_of, vectors, values, query_pos, key_pos, nq, items
         )
-        zero = op.Constant(value_int=0)
         masked = op.Constant(value_float=MASKED_LOGIT)
         # Causal visibility is per (row, column) pair, so this bias has one round's logits' size;
         # the kept-key part is selected at the window's size first (as Round's bias).
-        key_bias = op.Where(cols_pos >= zero, seen_bias, masked)
+        key_bias = op.Where(cols_pos >= op.Constant(value_int=0), seen_bias, masked)
         bias = op.Where(cols_pos < rows_pos, key_bias, masked)
-
-        last = op.Constant(value_ints=[-1])
-        per_batch = op.Concat(op.Shape(rows_pos, start=0, end=1), op.Constant(value_ints=[1]), last, axis=0)
-        own = op.Reshape(op.Max(rows_pos, zero), per_batch)
-        row_shape = op.Concat(op.Shape(rows_pos, start=0, end=4), last, axis=0)
-        own_k = op.Reshape(gather_items(k3, own), row_shape)
-        own_v = op.Reshape(gather_items(v3, own), row_shape)
-        own_keep = op.Reshape(gather_items(keep, own), row_shape)
-        own_visible = op.And(rows_pos >= zero, own_keep > op.Constant(value_float=0.0))
-        own_logit = op.ReduceSum(rows_x * own_k, last, keepdims=1) + own_seen_bias
-        own_logit = op.Where(own_visible, own_logit, masked)
-        out, lse = attend(rows_x, cols_x, cols_v, bias, own_logit, own_v)
+        own_logit = in_chunks(gather_items(own_logit, order), items, masked) + own_seen_bias
+        out, lse = attend(rows_x, cols_x, cols_v, bias, own_logit, rows_v)
         return in_query_order(out, inverse, nq), in_query_order(lse, inverse, nq)
 
     return CausalRound
@@ -620,10 +642,10 @@ def _causal_round_function(op, gather_items, sorted_chunks, attend, in_query_ord
 def _combine_rounds_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def CombineRounds(out, lse, q, v):
-        """Every round's out [G, H, Nq, Dv] weighted by the softmax of its log-sum-exp
-        [G, H, Nq, 1] over rounds -> q's layout."""
-        rounds = op.Constant(value_ints=[1])
-        combined = op.ReduceSum(op.Softmax(lse, axis=1) * out, rounds, keepdims=0)
+        """Every round's out [H, G, 1, Nq, Dv] weighted by the softmax of its log-sum-exp
+        [H, G, 1, Nq, 1] over rounds -> q's layout."""
+        rounds = op.Constant(value_ints=[0])
+        combined = op.ReduceSum(op.Softmax(lse, axis=0) * out, rounds, keepdims=0)
         shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
         return op.CastLike(op.Reshape(combined, shape), v)
 
@@ -642,7 +664,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
     """Items, one round function and CombineRounds, called by an entry unrolled over the rounds."""
     op = standard_opset(opset_version)
     gather_items = _gather_function(op)
-    items = _items_function(opset_version, options.n_buckets)
+    items = _items_function(opset_version, options.n_buckets, site.mask.causal)
     sorted_chunks = _sorted_chunks_function(op, gather_items, _rounds_seen_function(op, options.dedup))
     round_parts = (sorted_chunks, _attend_in_chunks_function(op), _in_query_order_function(op, gather_items))
     if site.mask.causal:
@@ -650,7 +672,7 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
     else:
         one_round = _round_function(op, *round_parts)
     combine = _combine_rounds_function(op)
-    entry = _unrolled_entry(
+    entry = _entry(
         "CausalLSHAttention" if site.mask.causal else "LSHAttention",
         (items.name, one_round.name, combine.name),
         options.n_hashes,
@@ -666,26 +688,47 @@ def _lowering(site: AttentionSite, options: Options, opset_version: int) -> Onnx
     return OnnxLowering([*functions, entry], constants)
 
 
-def _unrolled_entry(name: str, calls, n_hashes: int, causal: bool, opset_version: int):
+def _entry(name: str, calls, n_hashes: int, causal: bool, opset_version: int):
     """Entry(q, k, v, key_keep, scale, rotations, items), calling (items, one round, combine):
-    the items sorted for every round at once (small: [G, hashes, 2N] int64), then one call per
-    round, each holding only its own window logits, and the rounds combined by their
-    log-sum-exp. Written out here because a script function cannot unroll a Python loop."""
+    the items sorted for every round at once (small: [G, hashes, 2N] int64), then a Loop over
+    the rounds, and the rounds combined by their log-sum-exp. A Loop, not one call per round:
+    onnxruntime may interleave independent calls, and did: with unrolled rounds the peak grew
+    by a round's window tensors per round (CPU, [1, 12, 16384, 64]: 2.9 / 4.0 / 5.9 GB for
+    1 / 2 / 4 rounds); a Loop's iterations run one after another."""
     items_fn, round_fn, combine_fn = calls
     call = functools.partial(helper.make_node, domain=DOMAIN)
     inputs = ["q", "k", "v", "key_keep", "scale", "rotations", "items"]
     tables = ["order", "inverse", "chunk_of", "vectors", "values", "query_pos", "key_pos", "nq"]
-    own_slot = ["k3", "v3", "keep"]
-    nodes = [call(items_fn, inputs, [*tables, *own_slot])]
-    for r in range(n_hashes):
-        round_inputs = [f"round{r}", *tables, "items", *(own_slot if causal else [])]
-        nodes += [
-            helper.make_node("Constant", [], [f"round{r}"], value_ints=[r]),
-            call(round_fn, round_inputs, [f"out{r}", f"lse{r}"]),
-        ]
-    nodes += [
-        helper.make_node("Concat", [f"out{r}" for r in range(n_hashes)], ["out"], axis=1),
-        helper.make_node("Concat", [f"lse{r}" for r in range(n_hashes)], ["lse"], axis=1),
+    own_slot = ["own_logit"] if causal else []
+    rounds = helper.make_tensor("rounds", onnx.TensorProto.INT64, [], [n_hashes])
+    body = _round_body(round_fn, [*tables, "items", *own_slot])
+    nodes = [
+        call(items_fn, inputs, [*tables, *own_slot]),
+        helper.make_node("Constant", [], ["rounds"], value=rounds),
+        helper.make_node("Loop", ["rounds", ""], ["out", "lse"], body=body),
         call(combine_fn, ["out", "lse", "q", "v"], ["result"]),
     ]
     return make_function(name, inputs, ["result"], nodes, opset_version)
+
+
+def _round_body(round_fn: str, outer: list[str]) -> onnx.GraphProto:
+    """The Loop body: round ``i`` of the sorts, reading the tables from the entry's scope ->
+    its (out, log-sum-exp) as scan outputs, stacked on a new leading rounds axis."""
+    call = functools.partial(helper.make_node, domain=DOMAIN)
+    nodes = [
+        helper.make_node("Constant", [], ["axis0"], value_ints=[0]),
+        helper.make_node("Unsqueeze", ["i", "axis0"], ["round_index"]),
+        call(round_fn, ["round_index", *outer], ["round_out", "round_lse"]),
+        helper.make_node("Identity", ["cond"], ["cond_out"]),
+    ]
+    scalar = functools.partial(helper.make_tensor_value_info, shape=[])
+    return helper.make_graph(
+        nodes,
+        "round",
+        [scalar("i", onnx.TensorProto.INT64), scalar("cond", onnx.TensorProto.BOOL)],
+        [
+            scalar("cond_out", onnx.TensorProto.BOOL),
+            helper.make_tensor_value_info("round_out", FLOAT, None),
+            helper.make_tensor_value_info("round_lse", FLOAT, None),
+        ],
+    )
