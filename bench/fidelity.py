@@ -107,6 +107,11 @@ def configurations() -> list[Config]:
         Config("linformer-k64", "linformer", {"proj_dim": 64}),
         Config("lsh", "lsh", {}),
         Config("hedgehog", "hedgehog", {}),
+        Config("nystrom-m64", "nystrom", {"landmarks": 64}),
+        Config("nystrom-m32", "nystrom", {"landmarks": 32}),
+        Config("aft", "aft", {}),
+        Config("aft-local16", "aft", {"variant": "local", "span": 16}),
+        Config("efficient", "efficient", {}),
     ]
     windowed = [
         Config(f"{c.name}+window{WINDOW}", c.method, {**c.options, "window": WINDOW})

@@ -340,6 +340,10 @@ def expected_refusal(method: str, mask: str, head_dim: int, value_dim: int) -> s
     here rather than asked of the pass (whose ``supports`` is what the tests check)."""
     if method == "linformer" and mask.startswith("causal"):
         return "Linformer mixes every position into each projected key, so a causal mask cannot be expressed"
+    if method == "nystrom" and mask.startswith("causal"):
+        return "Nystromformer's landmarks mix every position of a segment, so a causal mask cannot be expressed"
     if method == "hydra" and head_dim != value_dim:
         return f"Hydra multiplies keys and values feature-wise: key dim {head_dim} != value dim {value_dim}"
+    if method == "aft" and head_dim != value_dim:
+        return f"AFT weighs each value feature by its key feature: key dim {head_dim} != value dim {value_dim}"
     return None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import exported, read_record
 from models import (
     APPROXIMATING_OPTIONS,
+    CAUSAL_REFUSED,
     EXPORTERS,
     GROUPED_HEAD_MODELS,
     attention_operator_model,
@@ -44,7 +45,7 @@ def test_every_method_rewrites_shared_key_value_heads_and_matches_torch(exports,
     model = attnrewrite.rewrite(export.load(), to=method, **METHODS[method])
     record = read_record(model)
 
-    if method == "linformer":  # causal: refused up front, with the method's own reason
+    if method in CAUSAL_REFUSED:  # causal: refused up front, with the method's own reason
         reason = method_pass.supports(attnrewrite.find_sites(export.load())[0], options)
         assert "causal" in reason
         assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", reason)] * spec.layers

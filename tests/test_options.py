@@ -49,6 +49,14 @@ RANGES = {
     ("hedgehog", "window"): ">= 0",
     ("hedgehog", "sinks"): ">= 0",
     ("hedgehog", "seed"): ">= 0",
+    ("nystrom", "landmarks"): ">= 1",
+    ("nystrom", "pinv_iterations"): ">= 1",
+    ("nystrom", "seed"): ">= 0",
+    ("aft", "span"): ">= 1",
+    ("aft", "chunk"): ">= 1",
+    ("aft", "seed"): ">= 0",
+    ("efficient", "chunk"): ">= 1",
+    ("efficient", "seed"): ">= 0",
 }
 
 

@@ -27,7 +27,9 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
   linear map of q and k before the feature map ([heads, d, d] when heads are known, else
   [1, d, d]; identity at first; present only when learnable; with ``window`` the window's exact
   part sees the mapped q and k too); hedgehog W and b (with a window also its log scales and
-  local max weight, hedgehog.py); lsh nothing. A window's ``linear_log_weight`` (and hedgehog's
+  local max weight, hedgehog.py); aft its gate and key scales and, variant=local, its
+  position bias; efficient its query and key temperatures (aft.py, efficient.py); nystrom a
+  per-head log scale of each of its three softmaxes' logits; lsh nothing. A window's ``linear_log_weight`` (and hedgehog's
   other window values) is a parameter either way.
 - The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
   same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
@@ -40,7 +42,7 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
   None | reason`` (``passes.attention_weights_unavailable`` answers for the others).
 
 Decoders that generate (passes/recurrent.py): a causal linear, hedgehog or favor site, window
-included, also has a recurrent form carrying a fixed-size state instead of a KV cache
+included, or an AFT-simple one, also has a recurrent form carrying a fixed-size state instead of a KV cache
 (``recurrent_module``, ``recurrent_lowering``, ``state_description``); the other methods say why
 not (``recurrent_refusal``).
 
@@ -56,11 +58,11 @@ import dataclasses
 import types
 import typing
 
-from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh
+from attnrewrite.passes import aft, efficient, favor, hedgehog, hydra, linear, linformer, lsh, nystrom
 from attnrewrite.passes._options import OptionError
 from attnrewrite.passes.kernels import ExactPart
 
-_METHODS = (linear, hydra, favor, linformer, lsh, hedgehog)
+_METHODS = (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 # Methods with the ``window`` option (kernels.windowed_kernel_attention); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})

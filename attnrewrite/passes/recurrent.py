@@ -21,6 +21,10 @@ Per layer the state is (state_description):
   consumed so far, padding included (blocks and sinks are positions of the padded sequence).
 Sizes are fixed in the context length. Padded keys (key_keep 0) never enter a state.
 
+Causal AFT-simple (aft.py) is a recurrence too, per feature: ``numerator`` sum exp(K - m) V,
+``denominator`` sum exp(K - m) and ``key_max`` m, their per-feature reference (the max of the
+absorbed keys' logits), [B, H, D] each (RecurrentAft, _aft_recurrent_lowering).
+
 Methods whose attention is no causal kernel sum say why (recurrent_refusal).
 """
 
@@ -33,7 +37,7 @@ import typing
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes import favor, hedgehog, kernels, linear
+from attnrewrite.passes import aft, favor, feature_sums, hedgehog, kernels, linear
 from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, make_function, standard_opset, with_callees
 from attnrewrite.passes._torch import Module, torch
 from attnrewrite.site import AttentionSite
@@ -48,20 +52,30 @@ REFUSALS = {
         "Linformer projects the keys along the sequence axis, mixing every position into each "
         "projected key, so it has no causal form to carry as a state"
     ),
+    "efficient": (
+        "Efficient Attention's causal form is a recurrence too (sum exp(k - m) v^T [d, Dv] and the "
+        "per-feature normalisers and maxima), but it has no recurrent lowering yet"
+    ),
     "lsh": (
         "LSH attends exactly among the keys that share a query's hash bucket, and any past key "
         "may share a future query's: it must keep every key, a cache that grows with the context"
     ),
 }
 LOWEST = kernels.LOWEST_LOG_SCALE
+AFT_LOCAL_REFUSAL = (
+    "AFT-local's position bias reaches span - 1 keys back, which a recurrent form would have to keep "
+    "as well; only variant=simple is a recurrence here"
+)
 
 
 def recurrent_refusal(method: types.ModuleType, options) -> str | None:
     """Why ``method`` (a pass module) with ``options`` cannot run as a recurrence; None when it can."""
-    return _method_refusal(method.NAME)
+    return _method_refusal(method.NAME, options)
 
 
-def _method_refusal(name: str) -> str | None:
+def _method_refusal(name: str, options=None) -> str | None:
+    if name == aft.NAME:
+        return AFT_LOCAL_REFUSAL if options.local else None
     if name in RECURRENT_METHODS:
         return None
     return REFUSALS.get(name, f"{name} has no recurrent form")
@@ -95,6 +109,12 @@ def state_description(site: AttentionSite, options) -> list[StateTensor]:
     """The per-layer state of ``site`` under ``options`` (linear, hedgehog or favor), in the
     order the recurrent module and lowering take and return it."""
     lead = ("B", "H") if site.rank == 4 else ("G",)
+    if options.method_name == aft.NAME:
+        return [
+            StateTensor("numerator", (*lead, "D"), "float32", 0.0, "sum of exp(K - key_max) V over absorbed keys"),
+            StateTensor("denominator", (*lead, "D"), "float32", 0.0, "sum of exp(K - key_max) over absorbed keys"),
+            StateTensor("key_max", (*lead, "D"), "float32", LOWEST, "per-feature max of absorbed K: their reference"),
+        ]
     f = feature_count(site, options)
     state = [
         StateTensor("kernel_state", (*lead, f, "Dv"), "float32", 0.0, "sum of phi(k) v^T over absorbed keys"),
@@ -305,13 +325,46 @@ def recurrent_module(site: AttentionSite, options, parallel_module) -> Recurrent
     """The recurrent form of ``parallel_module`` (the pass's torch_module for ``site``, fitted or
     not), sharing its parameters and buffers."""
     _check(site, options)
+    if options.method_name == aft.NAME:
+        return RecurrentAft(parallel_module, state_description(site, options))
     return RecurrentKernelAttention(parallel_module, options.method_name, state_description(site, options))
 
 
 def _check(site: AttentionSite, options) -> None:
-    reason = _method_refusal(options.method_name) or site_refusal(site)
+    reason = _method_refusal(options.method_name, options) or site_refusal(site)
     if reason:
         raise ValueError(f"no recurrent form for {options.method_name} at {site.name}: {reason}")
+
+
+class RecurrentAft(Module):
+    """forward(q, k, v, key_keep, numerator, denominator, key_max) -> (out, numerator,
+    denominator, key_max): causal AFT-simple continued from the state. The reference is the max
+    over the state's and the new keys' logits (an all-zero state is the empty one: nothing
+    absorbed where the denominator is 0), so from the empty state it is the parallel form's."""
+
+    def __init__(self, parallel, description: list[StateTensor]):
+        super().__init__()
+        self.parallel = parallel  # aft.AftAttention: its values, fitted or not
+        self.description = description
+
+    def forward(self, q, k, v, key_keep, numerator, denominator, key_max):
+        masked = self.parallel.masked_logits(k, key_keep)
+        past = torch.where(denominator > 0, key_max, LOWEST).unsqueeze(-2)
+        reference = feature_sums.reference(masked, past)
+        held, w = torch.exp(past - reference), torch.exp(masked - reference)
+        chunk = self.parallel.chunk
+        numerator = feature_sums.causal_feature_sums(w * v.float(), chunk) + held * numerator.unsqueeze(-2)
+        denominator = feature_sums.causal_feature_sums(w, chunk) + held * denominator.unsqueeze(-2)
+        out = self.parallel.gate(q) * numerator / denominator.clamp_min(feature_sums.TINY)
+        return out.to(v.dtype), numerator[..., -1, :], denominator[..., -1, :], reference.squeeze(-2)
+
+    def initial_state(self, q, v) -> tuple:
+        """The empty state for queries shaped like q."""
+        shape = (*q.shape[:-2], q.shape[-1])
+        return tuple(torch.full(shape, t.initial, dtype=torch.float32, device=q.device) for t in self.description)
+
+    def extra_repr(self) -> str:
+        return f"method=aft, state={[t.name for t in self.description]}"
 
 
 # --- ONNX --------------------------------------------------------------------------------------
@@ -326,6 +379,8 @@ def recurrent_lowering(site: AttentionSite, options, opset_version: int, weights
     constants are the parallel lowering's (the pass's onnx_lowering with ``weights``): named as
     the torch module's state_dict entries, so fitted values carry over."""
     _check(site, options)
+    if options.method_name == aft.NAME:
+        return _aft_recurrent_lowering(site, options, opset_version, weights)
     parallel = _PASSES[options.method_name].onnx_lowering(site, options, opset_version, weights)
     constants = dict(parallel.constants)
     description = state_description(site, options)
@@ -341,6 +396,39 @@ def recurrent_lowering(site: AttentionSite, options, opset_version: int, weights
         opset_version,
     )
     return OnnxLowering([*_unique(glue.functions), entry], constants)
+
+
+def _aft_recurrent_lowering(site: AttentionSite, options, opset_version: int, weights: dict | None) -> OnnxLowering:
+    """RecurrentAft as ONNX: (q, k, v, key_keep, numerator, denominator, key_max, key_scale,
+    gate_scale, gate_bias) -> (out, *state after), the constants the parallel lowering's."""
+    op = standard_opset(opset_version)
+    constants = aft.onnx_lowering(site, options, opset_version, weights).constants
+    masked_logits = feature_sums.masked_logits_function(opset_version, key_padding=True)
+    prefix_sums = feature_sums.causal_feature_sums_function(opset_version, options.chunk)
+    gate = aft.gate_function(opset_version)
+    reference_of = feature_sums.reference_function(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentAft(q, k, v, key_keep, numerator, denominator, key_max, key_scale, gate_scale, gate_bias):
+        rows = op.Constant(value_ints=[-2])
+        masked = masked_logits(op.Cast(k, to=FLOAT) * key_scale, key_keep)
+        absorbed = op.Where(denominator > op.Constant(value_float=0.0), key_max, op.Constant(value_float=LOWEST))
+        past = op.Unsqueeze(absorbed, rows)
+        reference = op.Max(past, reference_of(masked))
+        held = op.Exp(past - reference)
+        w = op.Exp(masked - reference)
+        numerator_out = prefix_sums(w * op.Cast(v, to=FLOAT)) + held * op.Unsqueeze(numerator, rows)
+        denominator_out = prefix_sums(w) + held * op.Unsqueeze(denominator, rows)
+        ratio = numerator_out / op.Max(denominator_out, op.Constant(value_float=feature_sums.TINY))
+        last = op.Constant(value_int=-1)
+        return (
+            op.CastLike(gate(q, gate_scale, gate_bias) * ratio, v),
+            op.Gather(numerator_out, last, axis=-2),
+            op.Gather(denominator_out, last, axis=-2),
+            op.Squeeze(reference, rows),
+        )
+
+    return OnnxLowering([f.to_function_proto() for f in with_callees(RecurrentAft)], constants)
 
 
 class _Glue:
