@@ -340,3 +340,18 @@ def test_api_refusals():
         AttnRewriteError, match=r"^heads keeps heads exact inside ONNX replacements: it takes an ONNX model$"
     ):
         attnrewrite.rewrite(torch.nn.Linear(2, 2), "linear", heads={0: [0]})
+
+
+def test_calibrated_exact_heads_of_a_method_with_unfitted_constants(sharpened):
+    """nystrom's lowering holds the site's scale beside its fitted log scales: only the fitted
+    values are carried from the every-head fit to the sliced rewrite."""
+    model = attnrewrite.rewrite(
+        str(sharpened),
+        "nystrom",
+        landmarks=4,
+        heads={1: [1]},
+        validate=False,
+        calibrate=text_feed(8, 100),
+        calibrate_steps=2,
+    )
+    assert [s.get("exact_heads") for s in read_record(onnx_io.from_proto(model))["sites"]] == [None, [1]]

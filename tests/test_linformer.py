@@ -320,3 +320,19 @@ def test_fx_rewrite_of_bert(exports):
         assert (learned(*args) - expected).abs().max() > 1e-4
     projections = [name for name, _ in learned.named_parameters() if name.endswith((".E", ".F"))]
     assert len(projections) == 4  # E and F of both layers, trainable
+
+
+def test_calibrating_on_inputs_it_is_exact_on_fits_nothing_and_keeps_the_draw():
+    """Every calibration sequence (8 tokens) is within proj_dim = 8: the replacement is softmax
+    attention itself there, no fitted value reaches the loss, and the drawn projections stay."""
+    plain = attnrewrite.rewrite(str(SAMPLE_BERT), "linformer", proj_dim=8, validate=False)
+    fitted = attnrewrite.rewrite(
+        str(SAMPLE_BERT), "linformer", proj_dim=8, validate=False, calibrate=text_feed(8, 100), calibrate_steps=2
+    )
+    drawn = {t.name: onnx.numpy_helper.to_array(t) for t in plain.graph.initializer}
+    kept = {t.name: onnx.numpy_helper.to_array(t) for t in fitted.graph.initializer}
+    assert [s["calibration"]["loss_after"] for s in read_record(fitted)["sites"]] == [
+        s["calibration"]["loss_before"] for s in read_record(fitted)["sites"]
+    ]
+    for name, array in drawn.items():
+        np.testing.assert_array_equal(kept[name], array)

@@ -119,7 +119,8 @@ def rewrite_model(
         with stage("calibrate"):
             record.end_to_end = calibrate_replacements(model, splicer.calls, fitting, calibration)
         record.fitted = {
-            outcome.site.layer: _values(splicer.calls[outcome.site.name], names) for outcome, _, names in fitting
+            outcome.site.layer: _fitted_values(splicer.calls[outcome.site.name], names, module)
+            for outcome, module, names in fitting
         }
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
@@ -162,6 +163,13 @@ def _splice(splicer: Splicer, s: OnnxSite, lowering, opts, own: frozenset[str]) 
     if isinstance(splicer, RecurrentSplicer):
         return splicer.splice_recurrent(s, lowering, opts, own)
     return splicer.splice(s, lowering, own)
+
+
+def _fitted_values(call: ir.Node, names: list[str], module) -> dict[str, np.ndarray]:
+    """The fitted module's values as the replacement holds them (its lowering's other constants,
+    such as the site's scale, are not fitted and are rebuilt with the lowering)."""
+    state = module.state_dict()
+    return {name: value for name, value in _values(call, names).items() if name in state}
 
 
 def _values(call: ir.Node, names: list[str]) -> dict[str, np.ndarray]:

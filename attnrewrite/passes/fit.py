@@ -183,6 +183,8 @@ def fit_site(
         loss = _output_loss(module, q, k, v, keep, targets[index][rows].to(device))[0]
         if ce_weight:
             loss = loss + ce_weight * _weight_loss(module, q, k, keep, scale, causal, generator)
+        if not loss.requires_grad:  # a batch inside the exact part (linformer's N <= k): nothing to learn
+            continue
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -306,6 +308,8 @@ def fit_end_to_end(
     for _ in range(steps):
         index = int(torch.randint(len(batches), (1,), generator=generator))
         loss = _relative_error(run(batches[index]), targets[index])
+        if not loss.requires_grad:  # a batch inside the exact part (linformer's N <= k): nothing to learn
+            continue
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
