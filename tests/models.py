@@ -272,6 +272,21 @@ def _padded_sequence_inputs(batch: int, seq: int) -> dict[str, torch.Tensor]:
     return {**_sequence_inputs(batch, seq), "attention_mask": padded_attention_mask(batch, seq)}
 
 
+def moved_off_initial(module, seed: int = 0, spread: float = 0.3):
+    """A learnable pass module with every parameter moved off its initial value, as calibration
+    would move it: normal noise of ``spread``, seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * spread)
+    return module
+
+
+def module_state(module) -> dict[str, np.ndarray]:
+    """A module's state as the ``weights`` its ONNX lowering takes."""
+    return {name: value.detach().numpy() for name, value in module.state_dict().items()}
+
+
 def text_feed(n: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """onnxruntime feeds for a text model, batch 2 and n tokens; the second row's last two are padding."""
     rng = np.random.default_rng(seed)

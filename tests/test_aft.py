@@ -12,7 +12,15 @@ import pytest
 import torch
 from attention_graphs import lowering_model, lowering_session
 from conftest import decoder_exported, exported, read_record
-from models import relative_error, run_onnx, run_pass_module, text_args, torch_reference
+from models import (
+    module_state,
+    moved_off_initial,
+    relative_error,
+    run_onnx,
+    run_pass_module,
+    text_args,
+    torch_reference,
+)
 from test_recurrent_models import assert_steps_equal_the_parallel_rewrite
 
 import attnrewrite
@@ -33,17 +41,7 @@ def make_site(mask=MaskKind.KEY_PADDING, rank=4, scale=0.5, value_dim=D) -> Atte
 
 
 def fitted(site, options, seed=0) -> aft.AftAttention:
-    """The module with every value moved off its initial one, as calibration would."""
-    module = aft.torch_module(site, options, learnable=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for value in module.parameters():
-            value.add_(torch.randn(value.shape, generator=generator) * 0.3)
-    return module.eval()
-
-
-def weights_of(module) -> dict[str, np.ndarray]:
-    return {name: value.detach().numpy() for name, value in module.state_dict().items()}
+    return moved_off_initial(aft.torch_module(site, options, learnable=True), seed).eval()
 
 
 def inputs(n, lead=(B, H), padding=True, seed=0):
@@ -90,7 +88,7 @@ def test_onnx_equals_torch_equals_the_formula(mask, variant, rank):
     # lengths below, at and past the span's blocks and the causal chunk; fitted-looking values
     site, options = make_site(mask, rank), aft.Options(variant=variant, span=SPAN, chunk=CHUNK)
     module = fitted(site, options)
-    session = lowering_session(aft.onnx_lowering(site, options, OPSET, weights_of(module)), rank)
+    session = lowering_session(aft.onnx_lowering(site, options, OPSET, module_state(module)), rank)
     lead = (B, H) if rank == 4 else (B * H,)
     for n in (1, 3, 5, 11, 12):
         q, k, v, keep = inputs(n, lead, padding=mask.key_padding)
@@ -118,7 +116,7 @@ def test_padded_keys_do_not_contribute_and_all_padded_rows_are_zero_not_nan():
     site = make_site(MaskKind.CAUSAL_KEY_PADDING)
     options = aft.Options(variant="local", span=SPAN, chunk=CHUNK)
     module = fitted(site, options)
-    session = lowering_session(aft.onnx_lowering(site, options, OPSET, weights_of(module)), 4)
+    session = lowering_session(aft.onnx_lowering(site, options, OPSET, module_state(module)), 4)
     q, k, v, keep = inputs(10)
     changed_k, changed_v = k.copy(), v.copy()
     changed_k[keep[:, :, :, 0].repeat(H, 1) == 0] = 1e4  # exp(1e4) overflows, were it read
@@ -182,7 +180,7 @@ def test_local_equals_aft_pytorchs_aftlocal_with_our_bias_as_its_matrix():
     module = aft.torch_module(site, options)
     with torch.no_grad():
         module.position_bias.copy_(torch.randn(1, 2 * span - 1, generator=torch.Generator().manual_seed(3)))
-    session = lowering_session(aft.onnx_lowering(site, options, OPSET, weights_of(module)), 3)
+    session = lowering_session(aft.onnx_lowering(site, options, OPSET, module_state(module)), 3)
     reference = aft_pytorch.AFTLocal(max_seqlen=n, dim=D, hidden_dim=D, s=span)
     offset = torch.arange(n)[:, None] - torch.arange(n)[None, :]
     with torch.no_grad():  # w[t, t'] = position_bias[t - t'] (the package zeroes |t - t'| >= s itself)
@@ -217,7 +215,7 @@ def test_recurrent_steps_equal_the_parallel_form_in_torch_and_onnx(schedule):
     q, k, v, keep = left_padded()
     expected = run_pass_module(parallel, q, k, v, keep)
     module = recurrent.recurrent_module(site, options, parallel)
-    lowering = recurrent.recurrent_lowering(site, options, OPSET, weights_of(parallel))
+    lowering = recurrent.recurrent_lowering(site, options, OPSET, module_state(parallel))
     session = _recurrent_session(lowering)
     names = [t.name for t in recurrent.state_description(site, options)]
     assert names == ["numerator", "denominator", "key_max"]
@@ -329,7 +327,7 @@ def test_calibration_lowers_the_error_to_softmax_attention(variant):
     module = aft.torch_module(site, options, learnable=True)
     result = fit.fit_site(module, samples, scale=site.scale, causal=False, steps=60)
     assert result.loss_after < 0.95 * result.loss_before  # random inputs: softmax is far from any AFT
-    lowering = aft.onnx_lowering(site, options, OPSET, weights_of(module))
+    lowering = aft.onnx_lowering(site, options, OPSET, module_state(module))
     q, k, v, keep = inputs(12, seed=9)
     out = lowering_session(lowering, 4).run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     assert relative_error(out, run_pass_module(module, q, k, v, keep)) < 1e-5

@@ -10,7 +10,15 @@ import pytest
 import torch
 from attention_graphs import lowering_model, lowering_session
 from conftest import exported, read_record
-from models import relative_error, run_onnx, run_pass_module, text_args, torch_reference
+from models import (
+    module_state,
+    moved_off_initial,
+    relative_error,
+    run_onnx,
+    run_pass_module,
+    text_args,
+    torch_reference,
+)
 
 import attnrewrite
 from attnrewrite import passes
@@ -29,16 +37,7 @@ def make_site(mask=MaskKind.KEY_PADDING, rank=4, scale=0.5) -> AttentionSite:
 
 
 def fitted(site, options, seed=0) -> efficient.EfficientAttention:
-    module = efficient.torch_module(site, options, learnable=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for value in module.parameters():
-            value.add_(torch.randn(value.shape, generator=generator) * 0.3)
-    return module.eval()
-
-
-def weights_of(module) -> dict[str, np.ndarray]:
-    return {name: value.detach().numpy() for name, value in module.state_dict().items()}
+    return moved_off_initial(efficient.torch_module(site, options, learnable=True), seed).eval()
 
 
 def inputs(n, lead=(B, H), padding=True, seed=0):
@@ -74,7 +73,7 @@ def paper_formula(module, q, k, v, keep, causal: bool) -> np.ndarray:
 def test_onnx_equals_torch_equals_the_formula(mask, rank):
     site, options = make_site(mask, rank), efficient.Options(chunk=CHUNK)
     module = fitted(site, options)
-    session = lowering_session(efficient.onnx_lowering(site, options, OPSET, weights_of(module)), rank)
+    session = lowering_session(efficient.onnx_lowering(site, options, OPSET, module_state(module)), rank)
     lead = (B, H) if rank == 4 else (B * H,)
     for n in (1, 3, 5, 11, 12):
         q, k, v, keep = inputs(n, lead, padding=mask.key_padding)
@@ -142,7 +141,7 @@ def test_calibration_lowers_the_error_to_softmax_attention():
     result = fit.fit_site(module, samples, scale=site.scale, causal=False, steps=60)
     assert result.loss_after < 0.95 * result.loss_before  # random inputs: softmax is far from it
     q, k, v, keep = inputs(12, seed=9)
-    lowering = efficient.onnx_lowering(site, options, OPSET, weights_of(module))
+    lowering = efficient.onnx_lowering(site, options, OPSET, module_state(module))
     out = lowering_session(lowering, 4).run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     assert relative_error(out, run_pass_module(module, q, k, v, keep)) < 1e-5
 

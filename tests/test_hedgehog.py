@@ -8,7 +8,15 @@ import pytest
 import torch
 from attention_graphs import lowering_session
 from conftest import exported, read_record
-from models import relative_error, run_onnx, run_pass_module, text_args, torch_reference
+from models import (
+    module_state,
+    moved_off_initial,
+    relative_error,
+    run_onnx,
+    run_pass_module,
+    text_args,
+    torch_reference,
+)
 
 import attnrewrite
 from attnrewrite.passes import get_pass, hedgehog, kernels, make_options
@@ -43,16 +51,7 @@ def inputs(n: int, lead=(2, H), seed: int = 0):
 
 def fitted(site, options, seed: int = 0) -> hedgehog.HedgehogAttention:
     """A learnable module whose W, b (and linear_log_weight) are moved off their initial values."""
-    module = hedgehog.torch_module(site, options, learnable=True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return module
-
-
-def state(module) -> dict[str, np.ndarray]:
-    return {name: value.detach().numpy() for name, value in module.state_dict().items()}
+    return moved_off_initial(hedgehog.torch_module(site, options, learnable=True), seed, spread=0.5)
 
 
 # --- what is fitted -----------------------------------------------------------------------------
@@ -91,9 +90,9 @@ def test_fitted_weights_reach_the_onnx_constants_and_wrong_shapes_are_refused():
     site = make_site(MaskKind.CAUSAL)
     options = hedgehog.Options(window=4)
     module = fitted(site, options)
-    lowering = hedgehog.onnx_lowering(site, options, 18, state(module))
+    lowering = hedgehog.onnx_lowering(site, options, 18, module_state(module))
     assert set(lowering.constants) == {"weight", "bias", *hedgehog.WINDOW_VALUES}
-    for name, value in state(module).items():
+    for name, value in module_state(module).items():
         np.testing.assert_array_equal(lowering.constants[name], value)
     with pytest.raises(ValueError, match=r"^weight 'weight' has shape \[1, 8, 8\], the lowering's \[3, 8, 8\]$"):
         hedgehog.onnx_lowering(site, options, 18, {"weight": np.eye(D, dtype=np.float32)[None]})
@@ -149,7 +148,7 @@ def test_onnx_equals_torch_with_fitted_values(mask, window):
     site = make_site(mask)
     options = hedgehog.Options(chunk=16, window=window)
     module = fitted(site, options)
-    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, state(module)), 4)
+    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, module_state(module)), 4)
     q, k, v, keep = inputs(45, seed=1)
     feed_keep = keep if mask.key_padding else np.ones((1, 1, 1, 1), np.float32)
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=feed_keep))[0]
@@ -181,7 +180,7 @@ def test_window_log_scales_far_beyond_exp_range_stay_exact(mask):
     assert float(real_keys.max() - real_keys.min()) > 1.9 * hedgehog.KEY_LOG_SCALE_BOUND
     assert np.isfinite(out).all()
     assert relative_error(out, (weights @ tv).numpy()) < 1e-5
-    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, state(module)), 4)
+    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, module_state(module)), 4)
     feed_keep = keep if keep is not None else np.ones((1, 1, 1, 1), np.float32)
     assert relative_error(session.run(None, dict(q=q, k=k, v=v, key_keep=feed_keep))[0], out) < 1e-5
 
@@ -190,7 +189,7 @@ def test_onnx_equals_torch_with_heads_folded_into_the_batch():
     site = make_site(MaskKind.KEY_PADDING, rank=3)
     options = hedgehog.Options()
     module = fitted(site, options)
-    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, state(module)), 3)
+    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, module_state(module)), 3)
     q, k, v, keep = inputs(21, lead=(2 * H,))
     out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
     assert relative_error(out, run_pass_module(module, q, k, v, keep)) < 1e-5

@@ -200,50 +200,45 @@ def _band_functions(op, span: int, causal: bool):
         return op.Unsqueeze(band, op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
-    def BandSums(x, band):
-        n = op.Shape(x, start=-2, end=-1)
-        f = op.Shape(x, start=-1)
+    def SpanBlocks(x, band):
+        """[..., N, F] -> [..., N/span, span, F], zero-padded at the end."""
+        n, f = op.Shape(x, start=-2, end=-1), op.Shape(x, start=-1)
         s = op.Shape(band, start=-2, end=-1)
         zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-        rows, blocks_axis = op.Constant(value_ints=[-2]), op.Constant(value_ints=[-3])
         chunks = op.Div(n + s - one, s)
-        padded = op.Pad(x, op.Concat(zero, chunks * s - n, axis=0), op.Constant(value_float=0.0), rows)
-        x4 = op.Reshape(padded, op.Concat(op.Shape(x, end=-2), chunks, s, f, axis=0))
-        before = op.Slice(
-            op.Pad(x4, op.Constant(value_ints=[1, 0]), op.Constant(value_float=0.0), blocks_axis),
-            zero,
-            chunks,
-            blocks_axis,
+        padded = op.Pad(
+            x, op.Concat(zero, chunks * s - n, axis=0), op.Constant(value_float=0.0), op.Constant(value_ints=[-2])
         )
-        after = op.Slice(
-            op.Pad(x4, op.Constant(value_ints=[0, 1]), op.Constant(value_float=0.0), blocks_axis),
-            one,
-            chunks + one,
-            blocks_axis,
-        )
-        neighbours = op.Concat(before, x4, after, axis=-2)
-        out = op.Reshape(op.MatMul(band, neighbours), op.Concat(op.Shape(x, end=-2), chunks * s, f, axis=0))
-        return op.Slice(out, zero, n, rows)
+        return op.Reshape(padded, op.Concat(op.Shape(x, end=-2), chunks, s, f, axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def MovedBlocks(x4, pads, start):
+        """Each block's neighbour along the blocks axis (pads [1, 0], start 0: the one before;
+        [0, 1], 1: the one after), zeros where there is none."""
+        blocks_axis = op.Constant(value_ints=[-3])
+        chunks = op.Shape(x4, start=-3, end=-2)
+        return op.Slice(op.Pad(x4, pads, op.Constant(value_float=0.0), blocks_axis), start, chunks + start, blocks_axis)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def BandProduct(band, neighbours, x):
+        """band [.., span, k * span] times each block's neighbours, back to x's [..., N, F]."""
+        flat = op.Concat(op.Shape(x, end=-2), op.Constant(value_ints=[-1]), op.Shape(x, start=-1), axis=0)
+        out = op.Reshape(op.MatMul(band, neighbours), flat)
+        return op.Slice(out, op.Constant(value_ints=[0]), op.Shape(x, start=-2, end=-1), op.Constant(value_ints=[-2]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def BandSums(x, band):
+        x4 = SpanBlocks(x, band)
+        zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+        before = MovedBlocks(x4, op.Constant(value_ints=[1, 0]), zero)
+        after = MovedBlocks(x4, op.Constant(value_ints=[0, 1]), one)
+        return BandProduct(band, op.Concat(before, x4, after, axis=-2), x)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalBandSums(x, band):
-        n = op.Shape(x, start=-2, end=-1)
-        f = op.Shape(x, start=-1)
-        s = op.Shape(band, start=-2, end=-1)
-        zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-        rows, blocks_axis = op.Constant(value_ints=[-2]), op.Constant(value_ints=[-3])
-        chunks = op.Div(n + s - one, s)
-        padded = op.Pad(x, op.Concat(zero, chunks * s - n, axis=0), op.Constant(value_float=0.0), rows)
-        x4 = op.Reshape(padded, op.Concat(op.Shape(x, end=-2), chunks, s, f, axis=0))
-        before = op.Slice(
-            op.Pad(x4, op.Constant(value_ints=[1, 0]), op.Constant(value_float=0.0), blocks_axis),
-            zero,
-            chunks,
-            blocks_axis,
-        )
-        neighbours = op.Concat(before, x4, axis=-2)
-        out = op.Reshape(op.MatMul(band, neighbours), op.Concat(op.Shape(x, end=-2), chunks * s, f, axis=0))
-        return op.Slice(out, zero, n, rows)
+        x4 = SpanBlocks(x, band)
+        before = MovedBlocks(x4, op.Constant(value_ints=[1, 0]), op.Constant(value_ints=[0]))
+        return BandProduct(band, op.Concat(before, x4, axis=-2), x)
 
     return BandMatrix, CausalBandSums if causal else BandSums
 
