@@ -128,6 +128,20 @@ class Measurement:
     gpu_memory_bytes: int | None = None
     detail: str | None = None
 
+    @classmethod
+    def from_worker(cls, variant: str, n: int, result: dict) -> Measurement:
+        """A worker process's result (bench_worker's protocol) as a Measurement."""
+        return cls(
+            variant,
+            n,
+            result.get("status", "failed"),
+            result.get("times_s", []),
+            result.get("peak_rss_bytes"),
+            result.get("loaded_rss_bytes"),
+            result.get("gpu_memory_bytes"),
+            result.get("error") or result.get("detail"),
+        )
+
     @property
     def median_s(self) -> float | None:
         return statistics.median(self.times_s) if self.times_s else None
@@ -594,16 +608,7 @@ def _node_to_fp16(node: ir.Node) -> None:
 def measure_worker(argv: list[str], config: BenchConfig, n: int, env: dict | None = None) -> Measurement:
     """One configuration: a worker process speaking bench_worker's protocol."""
     outcome = run_worker(argv, config.budget_bytes, config.budget_seconds, env)
-    return Measurement(
-        "",
-        n,
-        outcome.get("status", "failed"),
-        outcome.get("times_s", []),
-        outcome.get("peak_rss_bytes"),
-        outcome.get("loaded_rss_bytes"),
-        outcome.get("gpu_memory_bytes"),
-        outcome.get("error") or outcome.get("detail"),
-    )
+    return Measurement.from_worker("", n, outcome)
 
 
 def run_worker(argv: list[str], budget_bytes: int, budget_seconds: float, env: dict | None = None) -> dict:

@@ -371,16 +371,7 @@ def late_cell(column: str, n: int) -> bench.Measurement:
 
 def measurement(column: str, n: int, result: dict) -> bench.Measurement:
     """A worker's result as the store's Measurement; a GPU out-of-memory counts as over memory."""
-    m = bench.Measurement(
-        column,
-        n,
-        result.get("status", "failed"),
-        result.get("times_s", []),
-        result.get("peak_rss_bytes"),
-        result.get("loaded_rss_bytes"),
-        result.get("gpu_memory_bytes"),
-        result.get("error") or result.get("detail"),
-    )
+    m = bench.Measurement.from_worker(column, n, result)
     if m.status == "failed" and OUT_OF_MEMORY.search(m.detail or ""):
         m.status = "over_memory"
     return m

@@ -282,6 +282,16 @@ def moved_off_initial(module, seed: int = 0, spread: float = 0.3):
     return module
 
 
+def padded_at_both_ends(lead: tuple, n: int) -> np.ndarray:
+    """key_keep [B, 1.., n, 1]: every row kept but the second and later ones, whose last keys
+    (and, for n > 4, their first) are padding."""
+    keep = np.ones((lead[0], *[1] * (len(lead) - 1), n, 1), np.float32)
+    keep[1:, ..., max(n - 3, 1) :, :] = 0.0
+    if n > 4:
+        keep[1:, ..., 0, :] = 0.0
+    return keep
+
+
 def module_state(module) -> dict[str, np.ndarray]:
     """A module's state as the ``weights`` its ONNX lowering takes."""
     return {name: value.detach().numpy() for name, value in module.state_dict().items()}

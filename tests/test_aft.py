@@ -15,6 +15,7 @@ from conftest import decoder_exported, exported, read_record
 from models import (
     module_state,
     moved_off_initial,
+    padded_at_both_ends,
     relative_error,
     run_onnx,
     run_pass_module,
@@ -49,11 +50,7 @@ def inputs(n, lead=(B, H), padding=True, seed=0):
     keys padded (and, for n > 4, its first)."""
     rng = np.random.default_rng(seed)
     q, k, v = (2 * rng.standard_normal((*lead, n, D)).astype(np.float32) for _ in range(3))
-    keep = np.ones((lead[0], *[1] * (len(lead) - 1), n, 1), np.float32)
-    if padding:
-        keep[1:, ..., max(n - 3, 1) :, :] = 0.0
-        if n > 4:
-            keep[1:, ..., 0, :] = 0.0
+    keep = padded_at_both_ends(lead, n) if padding else np.ones((lead[0], *[1] * (len(lead) - 1), n, 1), np.float32)
     return q, k, v, keep
 
 

@@ -14,6 +14,7 @@ from conftest import read_record
 from einops import rearrange
 from models import SAMPLE_BERT, VOCAB, exact_attention, run_pass_module, text_args, text_feed
 from models import relative_error as rel_err
+from test_linformer import inputs  # the same q, k, v and right padding
 
 import attnrewrite
 from attnrewrite.cli import main
@@ -22,19 +23,6 @@ from attnrewrite.site import AttentionSite, MaskKind
 
 SCALE = 0.3
 D, DV, HEADS = 8, 6, 3
-
-
-def inputs(n: int, lead=(2, HEADS), nq=None, pad=True, seed=0):
-    rng = np.random.default_rng(seed)
-    nq = n if nq is None else nq
-    q = rng.standard_normal((*lead, nq, D)).astype(np.float32)
-    k = rng.standard_normal((*lead, n, D)).astype(np.float32)
-    v = rng.standard_normal((*lead, n, DV)).astype(np.float32)
-    keep = np.ones((lead[0], *[1] * (len(lead) - 1), n, 1), np.float32)
-    if pad:  # right padding of a different length per batch row
-        for b in range(lead[0]):
-            keep[b, ..., n - 1 - 3 * b :, :] = 0.0
-    return q, k, v, keep
 
 
 def site(rank=4, mask=MaskKind.KEY_PADDING, scale=SCALE, heads=HEADS):
