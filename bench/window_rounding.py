@@ -4,15 +4,18 @@ trained, peaked data: all-MiniLM-L6-v2's q, k, v against the N x N float64 defin
 
     python bench/window_rounding.py [--lengths 256,1024,4096] [--layer 5] [--fit-steps 200]
 
-The forms (kernels.windowed_kernel_attention, bidirectional; only the far sums differ):
+The forms (kernels.windowed_kernel_attention, bidirectional; the same definition, summed differently):
 
 - block states: one key-value state per block of W queries, prefix and reversed prefix sums
   over blocks (the form before issue 28): exact, nothing cancels;
 - superblocks of 4: states per 4 blocks over superblocks <= s-2 and >= s+2, a masked kernel-score
   product over the neighbouring superblocks' keys that drops the local blocks: exact too;
-- total less local (kernels._bidirectional_far_sums): one state for the whole sequence, each query
-  block's local kernel terms removed with a [W, 3W] kernel-score block: phi(q).S - (phi(q)
-  phi(k_local)^T) v_local, where S's rounding stays in what is left after the subtraction.
+- total less local: one state for the whole sequence, each query block's local kernel terms
+  removed with a [W, 3W] kernel-score block: phi(q).S - (phi(q) phi(k_local)^T) v_local, where
+  S's rounding stays in what is left after the subtraction;
+- pairs, folded (kernels._windowed_bidirectional, what the module and the ONNX lowering run):
+  the same subtraction folded into the exact part's weights, (e^(s_ij - shift_i) - b_i
+  phi_q_i.phi_k_j) [v_j, 1] over pairs of blocks, plus b_i phi_q_i.[S, z].
 
 q, k, v are the model's own (eager torch, one held-out passage of bench/corpus.py at a time, no
 padding), passages concatenated along the sequence until N positions (MiniLM stops at 512);
@@ -88,21 +91,57 @@ def _beyond_neighbours(x):
     return before + kernels._shift_left(after, 0.0, steps=2)
 
 
+def total_less_local(pq4, pk4, v4, following: bool):
+    """The far sums as one state for the whole sequence less each query block's local kernel
+    terms, in a product of their own (the form between the block states and the pairs)."""
+    g, chunks, window, _ = pq4.shape
+    pq, pk, v = (x.reshape(g, chunks * window, x.shape[-1]) for x in (pq4, pk4, v4))
+    total_num = (pq @ (pk.transpose(-2, -1) @ v)).reshape(g, chunks, window, -1)
+    total_den = (pq @ pk.sum(dim=1).unsqueeze(-1)).reshape(g, chunks, window, 1)
+    local_scores = pq4 @ torch.cat(kernels._local_blocks(pk4, following), dim=2).transpose(-2, -1)
+    local_num = local_scores @ torch.cat(kernels._local_blocks(v4, following), dim=2)
+    return total_num - local_num, total_den - local_scores.sum(-1, keepdim=True)
+
+
+def blocked_form(far_sums):
+    """kernels._windowed_bidirectional as it was before the pairs: the exact part over each
+    block's concatenated local keys, ``far_sums`` apart, the two combined by their log ratio."""
+
+    def bidirectional(phi_q, phi_k, q, k, v, keep, scale, window, following, sinks, q_log, k_log, max_weight, eps):
+        lead, n = q.shape[:-2], q.shape[-2]
+        layout = kernels._ChunkLayout(n, window)
+        exact_keys = kernels._exact_keys(layout, k, v, keep, False, following, sinks)
+        local_num, local_den, local_max = kernels._local_softmax_sums(layout.blocks(q), *exact_keys, scale)
+        pk4 = layout.blocks(kernels._without_sinks(phi_k, sinks, 0.0))
+        far_num, far_den = far_sums(layout.blocks(phi_q), pk4, layout.blocks(v), following)
+        if k_log is not None:
+            if max_weight is not None:
+                local_max = local_max * layout.blocks(max_weight.float().expand(*lead, n, 1))
+            ratio = layout.blocks(q_log) + kernels.flatten_heads(k_log.float())[..., None] - local_max
+            local_factor, far_factor = torch.exp(-ratio.clamp_min(0.0)), torch.exp(ratio.clamp_max(0.0))
+            local_num, local_den = local_num * local_factor, local_den * local_factor
+            far_num, far_den = far_num * far_factor, far_den * far_factor
+        return layout.unblock((local_num + far_num) / (local_den + far_den + eps))
+
+    return bidirectional
+
+
 FORMS = {
-    "block states": superblock_far_sums(1),
-    f"superblocks of {SUPERBLOCK}": superblock_far_sums(SUPERBLOCK),
-    "total less local": kernels._bidirectional_far_sums,
+    "block states": blocked_form(superblock_far_sums(1)),
+    f"superblocks of {SUPERBLOCK}": blocked_form(superblock_far_sums(SUPERBLOCK)),
+    "total less local": blocked_form(total_less_local),
+    "pairs, folded": kernels._windowed_bidirectional,
 }
 
 
 @contextlib.contextmanager
-def far_sums_form(far_sums):
-    original = kernels._bidirectional_far_sums
-    kernels._bidirectional_far_sums = far_sums
+def bidirectional_form(form):
+    original = kernels._windowed_bidirectional
+    kernels._windowed_bidirectional = form
     try:
         yield
     finally:
-        kernels._bidirectional_far_sums = original
+        kernels._windowed_bidirectional = original
 
 
 def hedgehog_definition_terms(module, q, k):
@@ -225,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     phi_q, phi_k, terms = definition_terms(module, q, k)
                     expected = definition(phi_q, phi_k, q, k, v, terms, heads)
                     errors, times = [], []
-                    for far_sums in FORMS.values():
-                        with far_sums_form(far_sums):
+                    for form in FORMS.values():
+                        with bidirectional_form(form):
                             errors.append(relative_error(module(q, k, v).float(), expected))
                             times.append(forward_ms(module, q, k, v))
                     row = f"| {name} | {str(dtype)[6:]} | {n} | " + " | ".join(f"{e:.2e}" for e in errors) + " |"

@@ -329,6 +329,53 @@ def test_onnx_equals_torch(method, mask, exact_keys):
     assert relative_error(expected, exact(q, k, v, all_kept if keep is None else keep, mask.causal)) > 1e-2
 
 
+@pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
+def test_bidirectional_pairs_at_every_length(exact_keys):
+    """The bidirectional window in pairs of blocks (kernels._Pairs, the ONNX PairedWindow): at
+    every N from 1 to 5 windows of 3 (odd and even block counts, the last pair's padding blocks,
+    the neighbours wrapped onto padding at both ends), the torch form equals the N x N
+    definition and the ONNX form the torch one, with key padding and fitted hedgehog (both
+    parts' units, beta_h)."""
+    window_next, sinks = exact_keys
+    site = make_site(MaskKind.KEY_PADDING)
+    options = hedgehog.Options(window=3, window_next=window_next, sinks=sinks)
+    module = fitted_module(hedgehog, site, options)
+    weights = {name: value.numpy() for name, value in module.state_dict().items()}
+    session = lowering_session(hedgehog.onnx_lowering(site, options, 20, weights), 4)
+    for n in range(1, 16):
+        q, k, v = qkv(n, seed=n)
+        keep = padded_keep(n, left=min(2, n - 1), right=0)
+        out = run_pass_module(module, q, k, v, keep)
+        with torch.no_grad():
+            attention = module.attention_weights(*map(torch.from_numpy, (q, k, keep)))
+        # 5e-5: N near 3W, rows with few far keys keep the local kernel terms' cancellation
+        # (kernels' module docstring; the form before the pairs measured 1e-5 at N = 12 too)
+        assert relative_error(out, (attention @ torch.from_numpy(v)).numpy()) < 5e-5, n
+        onnx_out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+        assert relative_error(onnx_out, out) < 1e-5, n
+
+
+@pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
+@pytest.mark.parametrize("far_chunk", [2, 4, 6, 8], ids=lambda c: f"blocks={c // 2}")
+def test_causal_far_part_in_chunks_at_every_length(method, far_chunk, monkeypatch):
+    """The ONNX causal window's far part by chunks of P blocks (kernels._chunked_far_sums_functions:
+    P = 1, the pair form P = 2, the masked [PW, PW] form P >= 3) equals the torch form (one state
+    per block) at every N up to 4 chunks and more, with key padding at both ends and sinks=3: in
+    hedgehog and favor the sinks' features are not zero, only their log scale keeps them out,
+    also where a whole key chunk holds sinks and padding only."""
+    monkeypatch.setitem(kernels.windowed_kernel_attention_functions.__kwdefaults__, "far_chunk", far_chunk)
+    site = make_site(MaskKind.CAUSAL_KEY_PADDING)
+    options = method.Options(window=2, sinks=3)
+    module = fitted_module(method, site, options)
+    weights = {name: value.numpy() for name, value in module.state_dict().items()}
+    session = lowering_session(method.onnx_lowering(site, options, 20, weights), 4)
+    for n in range(1, 4 * far_chunk + 6):
+        q, k, v = qkv(n, seed=n)
+        keep = padded_keep(n, left=min(2, n - 1), right=min(2, n - 1))
+        out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
+        assert relative_error(out, run_pass_module(module, q, k, v, keep)) < 1e-5, n
+
+
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 @pytest.mark.parametrize("mask", [MaskKind.KEY_PADDING, MaskKind.CAUSAL_KEY_PADDING], ids=lambda m: m.value)
 def test_fewer_positions_than_sinks(method, mask):

@@ -17,20 +17,34 @@ keys, one shared normaliser (windowed_kernel_attention). Its blocks decide which
 exact, so both lowerings lay them out alike; windowed_attention_weights writes the same thing
 as an N x N matrix, for fitting losses and tests.
 
-A bidirectional window's far sums keep no state per block: one state for the whole sequence,
-S = sum_j phi_k_j v_j^T and z = sum_j phi_k_j (sinks have zero features), and each query block's
-local kernel terms taken back out with a [W, 2W or 3W] kernel-score block beside the exact
-logits: far_i = phi_q_i.S - sum_{j local} (phi_q_i.phi_k_j) v_j (_bidirectional_far_sums). What
-is left keeps the rounding of the whole sum, so row i's output moves by up to about
+A bidirectional window keeps no state per block and copies no block: one state for the whole
+sequence, [S, z] = sum_j phi_k_j [v_j, 1]^T (sinks have zero features), and each query's local
+kernel terms taken back out inside the exact part's weights, one product with the local values:
+    sums_i = sum_local (e^(s_ij - shift_i) - b_i phi_q_i.phi_k_j) [v_j, 1]
+             + sum_sinks e^(s_ij - shift_i) [v_j, 1] + b_i phi_q_i.[S, z]
+(shift_i the row's max exact logit plus the part of the two units' log ratio that scales the
+exact part, b_i the kernel part's share; the last column is the denominator). The local keys are
+laid out in pairs of blocks, a reshape of one padded copy, and each block's neighbour outside its
+pair, one gather of whole blocks (see the comment above _pair_structure). What is left after the
+subtraction keeps the rounding of the whole sum, so row i's output moves by up to about
     eps32 * sum_{j local} K_ij |v_j| / D_i
-beyond the per-block form's (K_ij the kernel weight in the output's units, D_i the row's
+beyond a per-block state's (K_ij the kernel weight in the output's units, D_i the row's
 normaliser): small where a kernel is in the exact part's units (fitted hedgehog, favor: on
-MiniLM's q, k, v at N = 256..4096 both forms are within 1.5e-6 of the float64 definition,
+MiniLM's q, k, v at N = 256..4096 every form is within 2e-6 of the float64 definition,
 bench/window_rounding.md), large only where unit-free local kernel terms outweigh the exact part
-and a row has almost no far key (N near 3W). A block without any far block gives exactly 0.
-Superblock states (exact, no cancellation) cost a [W, 3P] masked kernel-score block per query
-block for superblocks of P positions: several times the work, for no rounding gain measurable
-on MiniLM.
+and a row has almost no far key (N near 3W). A block without any far block gives exactly 0 far
+part (b_i = 0). Superblock states (exact, no cancellation) cost a [W, 3P] masked kernel-score
+block per query block for superblocks of P positions: several times the work, for no rounding
+gain measurable on MiniLM.
+
+A causal window concatenates each block's exact keys ([W, 2W + sinks] logits). Its far part
+(blocks <= c-2) keeps no state per block in the ONNX form: it is a chunked causal kernel over
+chunks of P blocks (P W ~ WINDOW_FAR_CHUNK positions, whatever W), with the keys one block behind
+the queries, so that every earlier key chunk is wholly far (one exclusive prefix of per-chunk
+states) and inside a chunk a block-strictly-lower mask on the kernel scores takes exactly the
+far keys (the comment above _chunked_far_sums_functions). No local key enters the far sums, so
+nothing cancels: they round as sums of far terms, as the per-block states of the torch form
+(the reference, and calibration's forward) do.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ import typing
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes._onnx import (
@@ -60,10 +74,18 @@ DENOMINATOR_EPS = 1e-6  # keeps rows whose keys are all masked finite (0 instead
 # can be legitimately tiny, so DENOMINATOR_EPS would bias them; 1e-30 is still a normal float32,
 # and a denominator near it has underflowed anyway.
 RESCALED_EPS = 1e-30
+# Positions per chunk of a causal window's far part (_chunked_far_sums_functions), rounded to whole
+# blocks of the window: at window=32 pairs of blocks, measured faster on CPU than chunks of 4
+# (bench/ab_attention.py, hedgehog: the prefix of fewer states saves less than the [4W, 4W]
+# masked scores cost).
+WINDOW_FAR_CHUNK = 64
 # "No key yet" in running maxima of log scales: finite, so differences of two stay NaN-free
 # (-inf - -inf is NaN) while exp of any difference with a real scale is still 0.
 LOWEST_LOG_SCALE = -3.0e38
 EXP_FLOOR = 80.0  # e^-80 is a normal float32; see _local_softmax_sums
+# The least exponent shift of a window row (ONNX): where no exact key is kept, e^(lowest log
+# scale - shift) is still 0 instead of e^0.
+NO_EXACT_KEY_SHIFT = -1.0e30
 
 BOOL = onnx.TensorProto.BOOL
 
@@ -180,39 +202,92 @@ def windowed_kernel_attention(
     overflows.
 
     ``key_keep`` masks the exact part; phi_k must already be zero on padded keys. Memory is
-    O(N * (3 * window + sinks) + N * F) and the far states: one [F, Dv] bidirectional (see the
-    module docstring for its rounding), one per block causal; nothing is N x N. All in float32.
+    O(N * (3 * window + sinks) + N * F) and the far states: one [F, Dv + 1] bidirectional (in
+    pairs of blocks, see the module docstring for its rounding), one per block causal (the
+    ONNX form: one per chunk of blocks); nothing is N x N. All in float32.
     """
     lead, n = q.shape[:-2], q.shape[-2]
     q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
     if linear_log_weight is not None:
         phi_q = phi_q * torch.exp(linear_log_weight.float())  # w_h scales the kernel part only
     keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
-    layout = _ChunkLayout(n, window, aligned_to_start=causal)
-    following = window_next and not causal
+    parts = _windowed_causal if causal else _windowed_bidirectional
+    out = parts(
+        phi_q,
+        phi_k,
+        q,
+        k,
+        v,
+        keep,
+        scale,
+        window,
+        window_next,
+        sinks,
+        query_log_scale,
+        key_log_scale,
+        local_max_weight,
+        eps,
+    )
+    return out.reshape(*lead, n, v.shape[-1])
+
+
+def _windowed_bidirectional(
+    phi_q, phi_k, q, k, v, keep, scale, window, following, sinks, query_log_scale, key_log_scale, local_max_weight, eps
+):
+    """windowed_kernel_attention, bidirectional: in pairs of blocks (_bidirectional_window)."""
+    lead, n = q.shape[:-2], q.shape[-2]
+    pairs = _Pairs(n, window)
+    if key_log_scale is None:
+        ratio_of = torch.zeros_like  # both parts in one unit already
+    else:
+        offset = pairs.rows(flatten_heads(query_log_scale.float())) + flatten_heads(key_log_scale.float())
+        weight = 1.0
+        if local_max_weight is not None:  # [heads, 1, 1] -> one per query row
+            weight = pairs.rows(flatten_heads(local_max_weight.float().expand(*lead, n, 1)))
+        ratio_of = lambda row_max: offset - weight * row_max  # noqa: E731
+    flat = (flatten_heads(x) for x in (q * scale, k, v, keep, phi_q, _without_sinks(phi_k, sinks, 0.0)))
+    sums = pairs.real_rows(_bidirectional_window(pairs, *flat, ratio_of, following=following, sinks=sinks))
+    return sums[..., :-1] / (sums[..., -1:] + eps)
+
+
+def _windowed_causal(
+    phi_q,
+    phi_k,
+    q,
+    k,
+    v,
+    keep,
+    scale,
+    window,
+    window_next,
+    sinks,
+    query_log_scale,
+    key_log_scale,
+    local_max_weight,
+    eps,
+):
+    """windowed_kernel_attention, causal: the exact part over concatenated local blocks, the
+    far part from one state per block (blocks <= c-2); window_next changes nothing."""
+    lead, n = q.shape[:-2], q.shape[-2]
+    layout = _ChunkLayout(n, window, aligned_to_start=True)
     local_num, local_den, local_max = _local_softmax_sums(
-        layout.blocks(q), *_exact_keys(layout, k, v, keep, causal, following, sinks), scale
+        layout.blocks(q), *_exact_keys(layout, k, v, keep, True, False, sinks), scale
     )
     # The kernel never sees a sink: zero features, and (per-key log scales) the lowest log
     # scale, so that no sink raises a running max.
     pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
     pk4 = layout.blocks(_without_sinks(phi_k, sinks, 0.0))
-    if not causal:
-        far_num, far_den = _bidirectional_far_sums(pq4, pk4, v4, following)
-        far_log_scale = None if key_log_scale is None else flatten_heads(key_log_scale.float())[..., None]
-    elif key_log_scale is not None:
+    if key_log_scale is None:
+        far_kv = _earlier_blocks_sum(pk4.transpose(-2, -1) @ v4)
+        far_key_sum = _earlier_blocks_sum(pk4.sum(dim=2))
+    else:
         far_key_log_scale = _without_sinks(key_log_scale.float(), sinks, LOWEST_LOG_SCALE)
         far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
             pk4, layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
         )
-    else:
-        far_kv = _earlier_blocks_sum(pk4.transpose(-2, -1) @ v4)
-        far_key_sum = _earlier_blocks_sum(pk4.sum(dim=2))
-        far_log_scale = None
-    if causal:
-        far_num = pq4 @ far_kv
-        far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
-    if far_log_scale is not None:
+    far_num = pq4 @ far_kv
+    far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
+    if key_log_scale is not None:
         # log of (kernel part's unit / exact part's unit), per query row
         if local_max_weight is not None:  # [heads, 1, 1] -> one per query row, blocked
             local_max = local_max * layout.blocks(local_max_weight.float().expand(*lead, n, 1))
@@ -222,7 +297,7 @@ def windowed_kernel_attention(
         local_num, local_den = local_num * local_factor, local_den * local_factor
         far_num, far_den = far_num * far_factor, far_den * far_factor
     out = (local_num + far_num) / (local_den + far_den + eps)
-    return layout.unblock(out).reshape(*lead, n, v.shape[-1])
+    return layout.unblock(out)
 
 
 def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
@@ -420,26 +495,6 @@ def _earlier_blocks_sum(x):
     return _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
 
 
-def _bidirectional_far_sums(pq4, pk4, v4, following: bool):
-    """Per query block c, the kernel's numerator [G, chunks, window, Dv] and denominator
-    [..., 1] over its far keys: the whole sequence's sums, one state sum_j phi_k_j v_j^T and
-    sum_j phi_k_j, less the terms of the block's local keys (blocks c-1, c and, ``following``,
-    c+1), taken from a [window, 2 or 3 * window] kernel-score block like the exact logits. No
-    state per block; what cancels is the local terms (the module docstring bounds it)."""
-    g, chunks, window, _ = pq4.shape
-    pq, pk, v = (x.reshape(g, chunks * window, x.shape[-1]) for x in (pq4, pk4, v4))
-    total_num = (pq @ (pk.transpose(-2, -1) @ v)).reshape(g, chunks, window, -1)
-    total_den = (pq @ pk.sum(dim=1).unsqueeze(-1)).reshape(g, chunks, window, 1)
-    local_scores = pq4 @ torch.cat(_local_blocks(pk4, following), dim=2).transpose(-2, -1)
-    local_num = local_scores @ torch.cat(_local_blocks(v4, following), dim=2)
-    # Where no far block exists (window >= N) nothing is left but rounding: exactly 0 instead.
-    # Block 0 is padding (_ChunkLayout), so block c has far keys from c >= 3 or c + gap < chunks.
-    block = torch.arange(chunks, device=pq4.device)
-    has_far = ((block >= 3) | (block + (2 if following else 1) < chunks)).reshape(chunks, 1, 1)
-    far_den = total_den - local_scores.sum(-1, keepdim=True)
-    return torch.where(has_far, total_num - local_num, 0.0), torch.where(has_far, far_den, 0.0)
-
-
 def _rescaled_earlier_states(pk4, s, v4):
     """Causal kernel states over blocks <= c-2 when key j's features are pk_j * exp(s_j):
     referenced to R_c, the max of s over those blocks (lowest log scale if none), with the
@@ -453,6 +508,99 @@ def _rescaled_earlier_states(pk4, s, v4):
     carry = torch.tril(torch.exp(torch.clamp_max(moves, 0.0)), diagonal=-2)
     state = (carry @ kv.flatten(2)).reshape(kv.shape)
     return state, carry @ k_rel.sum(dim=2), reach[..., None, None]
+
+
+class _Pairs:
+    """_ChunkLayout's blocks in pairs, as the ONNX bidirectional window lays them out (see the
+    comment above _pair_structure): rows [G, pairs * 2W, F], seen as [G, pairs, 2W, F] pairs,
+    [G, pairs, 2, W, F] blocks, or each block's neighbour outside its pair."""
+
+    def __init__(self, n, window: int):
+        self.layout = _ChunkLayout(n, window)
+        self.n, self.window = n, window
+        # BlockCount // 2 + 1 (the last block is padding) as one floor division, so that
+        # torch.export sees the rows divisible by it (as _ChunkLayout)
+        self.count = (n + 4 * window - 1) // (2 * window)
+        self.size = 2 * window * self.count
+
+    def rows(self, x, fill: float = 0.0):
+        # x's own length: the keys' may be another symbol of the same size
+        return torch.nn.functional.pad(
+            x, (0, 0, self.layout.pad, self.size - self.layout.pad - x.shape[-2]), value=fill
+        )
+
+    def pairs(self, rows):
+        return rows.reshape(rows.shape[0], -1, 2 * self.window, rows.shape[-1])
+
+    def blocks(self, rows):
+        return rows.reshape(rows.shape[0], -1, 2, self.window, rows.shape[-1])
+
+    def neighbours(self, rows):
+        """[G, pairs, 2, W, F]: for pair p, blocks 2p-1 and 2p+2 (wrapped: padding blocks)."""
+        block_rows = rows.reshape(rows.shape[0], -1, self.window, rows.shape[-1])
+        first = torch.arange(0, 2 * self.count, 2, device=rows.device).unsqueeze(-1)
+        index = (first + torch.tensor([-1, 2], device=rows.device)) % (2 * self.count)
+        return block_rows.index_select(1, index.flatten()).reshape(rows.shape[0], -1, 2, self.window, rows.shape[-1])
+
+    def unpaired(self, x):
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+    def row_blocks(self, device):
+        """[rows, 1]: the layout block of each row."""
+        return (torch.arange(self.size, device=device) // self.window).unsqueeze(-1)
+
+    def real_rows(self, rows):
+        return rows.index_select(1, torch.arange(self.n, device=rows.device) + self.layout.pad)
+
+
+def _bidirectional_window(pairs: _Pairs, q, k, v, keep, phi_q, phi_k, ratio_of, *, following: bool, sinks: int):
+    """[G, rows, Dv + 1]: the bidirectional window's numerator and denominator (the ONNX
+    PairedWindow's sums: see the comment above _pair_structure), from [G, N, *] inputs (q scaled,
+    phi_q weighted, phi_k zero on the sinks) and ``ratio_of``, the log ratio of the kernel part's
+    unit to the exact part's as a function of the rows' max exact logit."""
+    in_pair, across = (torch.from_numpy(x).to(q.device) for x in _pair_structure(pairs.window, following))
+    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if sinks:
+        sink_keys, sink_values, sink_keep = (_sink_rows(x, sinks, 1)[:, 0] for x in (k, v, keep))
+    q, k, v, keep, phi_q, phi_k = (pairs.rows(x) for x in (q, k, v, keep, phi_q, phi_k))
+    # (structure, the queries' view, the keys' view): each pair against itself, each block against
+    # its neighbour outside the pair
+    local_parts = (in_pair, pairs.pairs, pairs.pairs), (across, pairs.blocks, pairs.neighbours)
+    logits = []
+    for structure, own, other in local_parts:
+        taken = (other(keep).transpose(-2, -1) > 0) & structure
+        logits.append(torch.where(taken, own(q) @ other(k).transpose(-2, -1), LOWEST_LOG_SCALE))
+    row_max = torch.maximum(*(pairs.unpaired(x.amax(-1, keepdim=True)) for x in logits))
+    if sinks:
+        sink_taken = (sink_keep.transpose(-2, -1) > 0) & _paired_sink_mask(pairs, sinks, following, q.device)
+        sink_logits = torch.where(sink_taken, q @ sink_keys.transpose(-2, -1), LOWEST_LOG_SCALE)
+        row_max = torch.maximum(row_max, sink_logits.amax(-1, keepdim=True))
+    ratio = ratio_of(row_max)
+    block = pairs.row_blocks(q.device)
+    has_far = (block >= 3) | (block + (2 if following else 1) < pairs.layout.chunks)
+    far_weight = torch.exp(torch.clamp_max(ratio, 0.0)) * has_far
+    shift = torch.clamp_min(ratio, 0.0)  # e^-max(ratio, 0) on the exact part, in its exponent
+    sums = far_weight * (phi_q @ (phi_k.transpose(-2, -1) @ v))
+    for (structure, own, other), scores in zip(local_parts, logits):
+        exact = _exact_weights(scores, own(row_max), own(shift))
+        kernel = torch.where(structure, own(phi_q) @ other(phi_k).transpose(-2, -1), 0.0)
+        sums = sums + pairs.unpaired((exact - own(far_weight) * kernel) @ other(v))
+    if sinks:
+        sums = sums + _exact_weights(sink_logits, row_max, shift) @ sink_values
+    return sums
+
+
+def _exact_weights(scores, row_max, shift):
+    """e^(scores - row_max - shift), 0 where scores are masked (the lowest log scale). As in
+    _local_softmax_sums, no weight below e^-EXP_FLOOR of the max's unless masked: a subnormal
+    exp takes several times longer."""
+    return torch.exp(torch.clamp_min(scores - row_max, -EXP_FLOOR) - shift) * (scores > LOWEST_LOG_SCALE)
+
+
+def _paired_sink_mask(pairs: _Pairs, sinks: int, following: bool, device):
+    """[rows, sinks]: True where a row's block takes sink s as an extra exact key."""
+    offset = (torch.arange(sinks, device=device) + pairs.layout.pad) // pairs.window - pairs.row_blocks(device)
+    return (offset < -1) | (offset > int(following))
 
 
 class _ChunkLayout:
@@ -1067,6 +1215,7 @@ def windowed_kernel_attention_functions(
     rescaled: bool = False,
     max_weighted: bool = False,
     eps: float = DENOMINATOR_EPS,
+    far_chunk: int = WINDOW_FAR_CHUNK,
 ):
     """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
 
@@ -1075,27 +1224,25 @@ def windowed_kernel_attention_functions(
     (query_log_scale, key_log_scale) after phi_k and, ``max_weighted``, local_max_weight last;
     it returns float32 [..., N, Dv]. Blocks are laid out as _ChunkLayout does (padded at the
     front), so both lowerings pick the same keys; ``causal``, ``window_next`` and ``sinks``
-    choose the bodies at rewrite time, each in the builder below that reads it.
+    choose the bodies at rewrite time, each in the builder below that reads it. ``far_chunk``:
+    the positions per chunk of a causal window's far part (rounded to whole blocks), a matter
+    of speed only.
     """
     op = standard_opset(opset_version)
-    following = window_next and not causal
     blocks = _window_block_functions(op, window, aligned_to_start=causal)
     flatten = flatten_heads_function(opset_version)
+    if not causal:
+        pieces = _paired_window_functions(op, blocks, flatten, window, scale, window_next, sinks, eps)
+        return with_callees(_paired_window_entry(op, flatten, *pieces, rescaled, max_weighted))
     without_sinks = _without_sinks_function(op, sinks)
-    exact_keys = _exact_keys_function(op, blocks, window, causal, following, sinks)
+    exact_keys = _exact_keys_function(op, blocks, window, sinks)
     local_part = _local_part_function(op, blocks, flatten, key_keep_function(opset_version), exact_keys, scale)
-    far_key_features = _far_key_features_function(op, blocks, flatten, without_sinks)
-    if causal:
-        far_states, kernel_sums = _far_kernel_functions(op)
-        rescaled_far_states = _causal_rescaled_far_states_function(opset_version, blocks, flatten, without_sinks)
-        far_sums, rescaled_far_sums = _blocked_far_sums_functions(op, far_states, rescaled_far_states, kernel_sums)
-    else:
-        local_blocks = _local_key_pieces(op, blocks, window, causal, following)[2]
-        far_sums = _total_less_local_function(op, local_blocks, following)
-        rescaled_far_sums = _head_rescaled_far_sums_function(op, flatten, far_sums)
+    far_sums, rescaled_far_sums = _chunked_far_sums_functions(
+        opset_version, blocks, flatten, without_sinks, window, far_chunk
+    )
     if not rescaled:
-        return with_callees(_windowed_kernel_entry(op, blocks, flatten, local_part, far_key_features, far_sums, eps))
-    parts = _rescaled_parts_function(op, blocks, flatten, local_part, far_key_features, rescaled_far_sums)
+        return with_callees(_windowed_kernel_entry(op, blocks, flatten, local_part, without_sinks, far_sums, eps))
+    parts = _rescaled_parts_function(op, flatten, local_part, rescaled_far_sums)
     combine = _combine_rescaled_function(op, blocks, eps)
     return with_callees(_windowed_rescaled_entry(op, blocks, flatten, parts, combine, max_weighted))
 
@@ -1109,7 +1256,6 @@ class _WindowBlocks(typing.NamedTuple):
     WindowBlocks: OnnxFunction
     UnblockLike: OnnxFunction
     ShiftBlocks: OnnxFunction
-    ShiftBlocksEarlier: OnnxFunction
 
 
 def _window_block_functions(op, window: int, aligned_to_start: bool) -> _WindowBlocks:
@@ -1160,52 +1306,37 @@ def _window_block_functions(op, window: int, aligned_to_start: bool) -> _WindowB
         shifted = op.Pad(x, op.Concat(steps, op.Constant(value_ints=[0]), axis=0), fill, one)
         return op.Slice(shifted, op.Constant(value_ints=[0]), op.Neg(steps), one)
 
-    @script(ATTNREWRITE, default_opset=op)
-    def ShiftBlocksEarlier(x, fill, steps):
-        """x moved ``steps`` blocks earlier along axis 1, fill last."""
-        one = op.Constant(value_ints=[1])
-        shifted = op.Pad(x, op.Concat(op.Constant(value_ints=[0]), steps, axis=0), fill, one)
-        return op.Slice(shifted, steps, op.Constant(value_ints=[2147483647]), one)
-
-    return _WindowBlocks(BlockCount, FrontPad, WindowBlocks, UnblockLike, ShiftBlocks, ShiftBlocksEarlier)
+    return _WindowBlocks(BlockCount, FrontPad, WindowBlocks, UnblockLike, ShiftBlocks)
 
 
-def _exact_keys_function(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool, sinks: int):
-    """LocalKeys(k, v, keep), or with sinks LocalAndSinkKeys: every query block's exact keys,
-    their values and which each query takes (kernels._exact_keys), and v in blocks."""
-    kept_local_keys, local_keys = _local_keys_functions(op, blocks, window, causal, following)
+def _exact_keys_function(op, blocks: _WindowBlocks, window: int, sinks: int):
+    """LocalKeys(k, v, keep), or with sinks LocalAndSinkKeys: every causal query block's exact
+    keys, their values and which each query takes (kernels._exact_keys), and v in blocks."""
+    kept_local_keys, local_keys = _local_keys_functions(op, blocks, window)
     if not sinks:
         return local_keys
-    sink_mask = _sink_mask_function(op, blocks, window, causal, following, sinks)
+    sink_mask = _sink_mask_function(op, blocks, window, sinks)
     return _local_and_sink_keys_function(op, sinks, kept_local_keys, local_keys, sink_mask)
 
 
-def _local_keys_functions(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool):
-    """(KeptLocalKeys, LocalKeys): the kept keys among a block's local ones, and the local keys
-    (blocks c-1, c and, ``following``, c+1) with which of them each query takes."""
-    kept_local_keys, local_keys, _, _ = _local_key_pieces(op, blocks, window, causal, following)
+def _local_keys_functions(op, blocks: _WindowBlocks, window: int):
+    """(KeptLocalKeys, LocalKeys): the kept keys among a causal block's local ones, and the
+    local keys (blocks c-1 and c) with which of them each query takes."""
+    kept_local_keys, local_keys, _, _ = _local_key_pieces(op, blocks, window)
     return kept_local_keys, local_keys
 
 
-def _local_key_pieces(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool):
-    """_local_keys_functions' two, then the pieces LocalKeys is made of: the local blocks of
-    [G, chunks, window, F] (WithPreviousBlock or WithNeighbourBlocks) and which of them a query
-    takes, from their keep flags (KeptLocalKeys or CausalKeptLocalKeys)."""
-    WindowBlocks, ShiftBlocks, ShiftBlocksEarlier = blocks.WindowBlocks, blocks.ShiftBlocks, blocks.ShiftBlocksEarlier
+def _local_key_pieces(op, blocks: _WindowBlocks, window: int):
+    """_local_keys_functions' two, then the pieces LocalKeys is made of: a causal block's local
+    blocks of [G, chunks, window, F] (WithPreviousBlock) and which of them a query takes, from
+    their keep flags (CausalKeptLocalKeys)."""
+    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousBlock(x4):
         """[G, chunks, window, F] -> [G, chunks, 2 * window, F]: block c-1's rows, then c's."""
         previous = ShiftBlocks(x4, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
         return op.Concat(previous, x4, axis=2)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def WithNeighbourBlocks(x4):
-        """[G, chunks, window, F] -> [G, chunks, 3 * window, F]: blocks c-1, c, then c+1."""
-        following_block = ShiftBlocksEarlier(x4, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
-        return op.Concat(WithPreviousBlock(x4), following_block, axis=2)
-
-    local_blocks = WithNeighbourBlocks if following else WithPreviousBlock
 
     @script(ATTNREWRITE, default_opset=op)
     def KeptLocalKeys(keep_local):
@@ -1218,23 +1349,21 @@ def _local_key_pieces(op, blocks: _WindowBlocks, window: int, causal: bool, foll
         visible = op.Cast(op.Trilu(ones, op.Constant(value_int=window), upper=0), to=BOOL)
         return op.And(KeptLocalKeys(keep_local), visible)
 
-    allowed_local_keys = CausalKeptLocalKeys if causal else KeptLocalKeys
-
     @script(ATTNREWRITE, default_opset=op)
     def LocalKeys(k, v, keep):
         """Blocked v, and every block's local keys, their values and which each query takes
         (kernels._exact_keys without sinks)."""
         zero = op.Constant(value_float=0.0)
         v4 = WindowBlocks(v, zero)
-        allowed = allowed_local_keys(local_blocks(WindowBlocks(keep, zero)))
-        return v4, local_blocks(WindowBlocks(k, zero)), local_blocks(v4), allowed
+        allowed = CausalKeptLocalKeys(WithPreviousBlock(WindowBlocks(keep, zero)))
+        return v4, WithPreviousBlock(WindowBlocks(k, zero)), WithPreviousBlock(v4), allowed
 
-    return KeptLocalKeys, LocalKeys, local_blocks, allowed_local_keys
+    return KeptLocalKeys, LocalKeys, WithPreviousBlock, CausalKeptLocalKeys
 
 
-def _sink_mask_function(op, blocks: _WindowBlocks, window: int, causal: bool, following: bool, sinks: int):
-    """SinkMask(n), or causal CausalSinkMask: which query of block c takes sink s as an extra
-    exact key (kernels._sink_mask)."""
+def _sink_mask_function(op, blocks: _WindowBlocks, window: int, sinks: int):
+    """CausalSinkMask(n): which query of causal block c takes sink s as an extra exact key
+    (kernels._sink_mask)."""
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     sink_positions = list(range(sinks))
 
@@ -1245,16 +1374,14 @@ def _sink_mask_function(op, blocks: _WindowBlocks, window: int, causal: bool, fo
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkMask(n):
-        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys, so block c's
-        queries take it as an extra exact key (kernels._sink_mask)."""
+        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys (blocks c-1
+        and c)."""
         w = op.Constant(value_ints=[window])
         blocks = op.Range(op.Constant(value_int=0), op.Squeeze(BlockCount(n)), op.Constant(value_int=1))
         offset = op.Unsqueeze(op.Div(SinkPositions(n), w), op.Constant(value_ints=[0])) - op.Unsqueeze(
             blocks, op.Constant(value_ints=[1])
         )
-        outside = op.Or(
-            op.Less(offset, op.Constant(value_int=-1)), op.Greater(offset, op.Constant(value_int=int(following)))
-        )
+        outside = op.Or(op.Less(offset, op.Constant(value_int=-1)), op.Greater(offset, op.Constant(value_int=0)))
         return op.Unsqueeze(outside, op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1267,7 +1394,7 @@ def _sink_mask_function(op, blocks: _WindowBlocks, window: int, causal: bool, fo
         )
         return op.And(SinkMask(n), op.LessOrEqual(SinkPositions(n), query_at))
 
-    return CausalSinkMask if causal else SinkMask
+    return CausalSinkMask
 
 
 def _local_and_sink_keys_function(op, sinks: int, kept_local_keys, local_keys, sink_mask):
@@ -1328,50 +1455,24 @@ def _local_softmax_sums_function(op, scale: float):
 
 
 def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_keys, scale: float):
-    """LocalPart(q, k, v, key_keep): v in blocks, and the softmax sums and row max of every
-    query block over its ``exact_keys``."""
+    """LocalPart(q, k, v, key_keep): the softmax sums and row max of every query block over its
+    ``exact_keys``."""
     WindowBlocks = blocks.WindowBlocks
     LocalSoftmaxSums = _local_softmax_sums_function(op, scale)
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalPart(q, k, v, key_keep):
-        """v in blocks, and the exact part's softmax sums of every query block."""
         zero = op.Constant(value_float=0.0)
-        v4, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
+        _, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
         local_num, local_den, local_max = LocalSoftmaxSums(WindowBlocks(flatten(q), zero), k_x, v_x, allowed)
-        return v4, local_num, local_den, local_max
+        return local_num, local_den, local_max
 
     return LocalPart
 
 
-def _far_key_features_function(op, blocks: _WindowBlocks, flatten, without_sinks):
-    """FarKeyFeatures(phi_k): the features the kernel part reads, in blocks, zero on the sinks."""
-    WindowBlocks = blocks.WindowBlocks
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FarKeyFeatures(phi_k):
-        """phi_k in blocks, zero on the sinks."""
-        zero = op.Constant(value_float=0.0)
-        return WindowBlocks(without_sinks(flatten(phi_k), zero), zero)
-
-    return FarKeyFeatures
-
-
-def _far_kernel_functions(op):
-    """(FarStates, KernelSums), causal: the kernel's key-value state and key sum over each
-    block's far keys (blocks <= c-2), and a query block's numerator and denominator from them."""
-    before_previous = exclusive_prefix_sum_function(op.version, skip=1)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def EarlierBlocksSum(x):
-        """Per block c (axis 1), the sum of x over blocks <= c-2 (no CumSum: PrefixSumBeforePrevious)."""
-        return op.Reshape(before_previous(op.Reshape(x, op.Constant(value_ints=[0, 0, -1]))), op.Shape(x))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FarStates(pk4, v4):
-        """The kernel's key-value state and key sum over each block's far keys."""
-        kv = op.MatMul(op.Transpose(pk4, perm=[0, 1, 3, 2]), v4)
-        return EarlierBlocksSum(kv), EarlierBlocksSum(op.ReduceSum(pk4, op.Constant(value_ints=[2]), keepdims=0))
+def _kernel_sums_function(op):
+    """KernelSums(pq4, far_kv, far_key_sum): a query block's kernel numerator and denominator
+    from the state and key sum of its far keys (the recurrent window's)."""
 
     @script(ATTNREWRITE, default_opset=op)
     def KernelSums(pq4, far_kv, far_key_sum):
@@ -1379,138 +1480,215 @@ def _far_kernel_functions(op):
         weighted = pq4 * op.Unsqueeze(far_key_sum, op.Constant(value_ints=[2]))
         return numerator, op.ReduceSum(weighted, op.Constant(value_ints=[-1]), keepdims=1)
 
-    return FarStates, KernelSums
+    return KernelSums
 
 
-def _total_less_local_function(op, local_blocks, following: bool):
-    """TotalLessLocalSums(pq4, pk4, v4), bidirectional: the kernel's numerator and denominator
-    over each query block's far keys, the whole sequence's sums less the block's local kernel
-    terms (kernels._bidirectional_far_sums); ``local_blocks`` lays out a block's local keys."""
-    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
-    SequenceSum = sequence_sum_function(op.version)
+# A causal window's far part by chunks of P blocks, as a chunked causal kernel computes it, from
+# the rows themselves (no per-block state, no block copy of phi): query chunk k holds blocks
+# kP .. kP + P - 1 of the window's layout, key chunk k the same rows one block earlier (blocks
+# kP - 1 .. kP + P - 2). Every key chunk before k is far for all of query chunk k (its last block
+# is kP - 2): one exclusive prefix of per-chunk states [G, N / (P W), F, Dv + 1]. Inside key
+# chunk k, query block kP + a takes key block kP - 1 + b where b <= a - 1: a block-strictly-lower
+# mask on the [P W, P W] kernel scores; for P = 2 (the default's at W = 32) that is one [W, W]
+# product, query block 1 with key block 0 (WithinPairSums). No local key enters and leaves again,
+# so the far sums are sums of far terms only, rounded as a per-block state's.
+
+
+def _chunked_far_sums_functions(
+    opset_version: int, blocks: _WindowBlocks, flatten, without_sinks, window: int, far_chunk: int
+):
+    """(FarSums, RescaledFarSums), causal: the kernel's numerator and denominator over each query
+    block's far keys (blocks <= c-2), by chunks of P ~ far_chunk / W blocks (the comment above),
+    from rows [G, N, *] (phi_q weighted, phi_k, v; phi_k zero on the sinks unless the sinks'
+    log scales are the lowest) to the window's blocks; with per-key log scales in units of R_c, the max of s over block c's far keys (the lowest log
+    scale if none), which it returns too as [G, chunks, 1, 1]."""
+    op = standard_opset(opset_version)
+    QueryChunks, KeyChunks, BlockChunks, ChunkBlocks, WithinChunkSums, EarlierKeys = _far_chunk_pieces(
+        op, blocks, window, max(1, round(far_chunk / window))
+    )
+    ExclusivePrefixSum = exclusive_prefix_sum_function(opset_version)
+    ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
+    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
-    def HasFarBlocks(chunks):
-        """[chunks, 1, 1]: whether block c has far blocks with keys (block 0 is padding)."""
-        block = op.Range(op.Constant(value_int=0), op.Squeeze(chunks), op.Constant(value_int=1))
-        earlier = op.GreaterOrEqual(block, op.Constant(value_int=3))
-        later = op.Less(block + op.Constant(value_int=far_gap), op.Squeeze(chunks))
-        return op.Unsqueeze(op.Or(earlier, later), op.Constant(value_ints=[1, 2]))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def TotalLessLocalSums(pq4, pk4, v4):
-        """phi(q).S - (phi(q) phi(k_local)^T) v_local, and the same with the key sum for S."""
-        rows = op.Constant(value_ints=[0, -1])  # [G, chunks, window, *] -> [G, chunks * window, *]
-        pq = op.Reshape(pq4, op.Concat(rows, op.Shape(pq4, start=3), axis=0))
-        pk = op.Reshape(pk4, op.Concat(rows, op.Shape(pk4, start=3), axis=0))
-        v = op.Reshape(v4, op.Concat(rows, op.Shape(v4, start=3), axis=0))
-        state = op.MatMul(op.Transpose(pk, perm=[0, 2, 1]), v)  # [G, F, Dv]
-        key_sum = SequenceSum(pk)  # [G, 1, F]
-        blocked = op.Shape(pq4, end=3)
-        total_num = op.Reshape(op.MatMul(pq, state), op.Concat(blocked, op.Shape(v4, start=3), axis=0))
-        total_den = op.Reshape(
-            op.MatMul(pq, op.Transpose(key_sum, perm=[0, 2, 1])),
-            op.Concat(blocked, op.Constant(value_ints=[1]), axis=0),
+    def ValuesAndOnes(v):
+        """[v, 1]: the denominator as one more value column."""
+        ones = op.Expand(
+            op.Constant(value_float=1.0), op.Concat(op.Shape(v, end=2), op.Constant(value_ints=[1]), axis=0)
         )
-        local_scores = op.MatMul(pq4, op.Transpose(local_blocks(pk4), perm=[0, 1, 3, 2]))
-        local_den = op.ReduceSum(local_scores, op.Constant(value_ints=[-1]), keepdims=1)
-        far_num = total_num - op.MatMul(local_scores, local_blocks(v4))
-        has_far = HasFarBlocks(op.Shape(pq4, start=1, end=2))
-        zero = op.Constant(value_float=0.0)
-        return op.Where(has_far, far_num, zero), op.Where(has_far, total_den - local_den, zero)
-
-    return TotalLessLocalSums
-
-
-def _blocked_far_sums_functions(op, far_states, rescaled_far_states, kernel_sums):
-    """(FarSums, RescaledFarSums), causal: the kernel's numerator and denominator over each
-    query block's far keys from per-block states (``far_states``, ``rescaled_far_states``)."""
+        return op.Concat(v, ones, axis=2)
 
     @script(ATTNREWRITE, default_opset=op)
-    def FarSums(pq4, pk4, v4):
-        far_kv, far_key_sum = far_states(pk4, v4)
-        far_num, far_den = kernel_sums(pq4, far_kv, far_key_sum)
+    def PerQueryBlock(x_c, factor):
+        """[G, chunks', P W, X] times factor [G, chunks', P], one per query block."""
+        rows = op.Reshape(x_c, op.Concat(op.Shape(factor), op.Constant(value_ints=[window, -1]), axis=0))
+        return op.Reshape(rows * op.Unsqueeze(factor, op.Constant(value_ints=[3, 4])), op.Shape(x_c))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FarSums(pq, pk, v):
+        zero = op.Constant(value_float=0.0)
+        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), KeyChunks(ValuesAndOnes(v), zero)
+        kv = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), vo_c)  # [G, chunks', F, Dv + 1]
+        state = op.Reshape(ExclusivePrefixSum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
+        sums = op.MatMul(q_c, state) + WithinChunkSums(q_c, k_c, vo_c, EarlierKeys())
+        far_num, far_den = ChunkBlocks(sums, v)
         return far_num, far_den
 
     @script(ATTNREWRITE, default_opset=op)
-    def RescaledFarSums(pq4, pk4, v4, key_log_scale):
-        far_kv, far_key_sum, far_log_scale = rescaled_far_states(pk4, v4, key_log_scale)
-        far_num, far_den = kernel_sums(pq4, far_kv, far_key_sum)
-        return far_num, far_den, far_log_scale
+    def RescaledFarSums(pq, pk, v, key_log_scale):
+        """Chunk states relative to their own max U, carried to B_k (the max over the chunks
+        before, RescaledPrefixSum's reference) and then to R_c >= B_k; inside a chunk each
+        term e^(s_j - R_c) directly: every factor <= 1. The sinks' phi_k need not be zero: their
+        lowest log scale weighs them e^(LOWEST_LOG_SCALE - x) = 0 against any x >=
+        NO_EXACT_KEY_SHIFT, the least U and R_c taken here."""
+        zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
+        last, two = op.Constant(value_ints=[-1]), op.Constant(value_ints=[2])
+        s_rows = without_sinks(flatten(key_log_scale), lowest)
+        block_max = op.ReduceMax(op.Squeeze(WindowBlocks(s_rows, lowest), last), last, keepdims=0)
+        reach = ShiftBlocks(ChunkRunningMax(block_max), lowest, two)  # R_c [G, chunks]
+        least = op.Constant(value_float=NO_EXACT_KEY_SHIFT)
+        r_c = BlockChunks(op.Max(reach, least))  # [G, chunks', P]
+        s_c = op.Squeeze(KeyChunks(s_rows, lowest), last)  # [G, chunks', P W]
+        chunk_max = op.Max(op.ReduceMax(s_c, last, keepdims=0), least)
+        before = ShiftBlocks(ChunkRunningMax(chunk_max), lowest, op.Constant(value_ints=[1]))
+        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), KeyChunks(ValuesAndOnes(v), zero)
+        # the chunk's keys relative to U, the factors on the values side (Dv + 1 columns, not F)
+        vo_rel = vo_c * op.Unsqueeze(op.Exp(s_c - op.Unsqueeze(chunk_max, last)), last)
+        kv = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), vo_rel)
+        flat = RescaledPrefixSum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), chunk_max, before)
+        into = op.Exp(op.Min(op.Unsqueeze(before, last) - r_c, zero))  # B_k to R_c, per query block
+        carried = PerQueryBlock(op.MatMul(q_c, op.Reshape(flat, op.Shape(kv))), into)
+        decay = op.Exp(op.Min(op.Unsqueeze(s_c, two) - op.Unsqueeze(r_c, last), zero))  # [G, chunks', P, P W]
+        weight = op.Unsqueeze(decay, op.Constant(value_ints=[3])) * EarlierKeys()
+        far_num, far_den = ChunkBlocks(carried + WithinChunkSums(q_c, k_c, vo_c, weight), v)
+        return far_num, far_den, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
 
     return FarSums, RescaledFarSums
 
 
-def _windowed_kernel_entry(op, blocks: _WindowBlocks, flatten, local_part, far_key_features, far_sums, eps: float):
+def _far_chunk_pieces(op, blocks: _WindowBlocks, window: int, per_chunk: int):
+    """The layout pieces of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks:
+    QueryChunks and KeyChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in
+    front, the keys one block later), BlockChunks (one value per block [G, chunks] -> [G,
+    chunks', P]), ChunkBlocks (sums [..., Dv + 1] back to the window's blocks for N rows, as
+    numerator [G, chunks, W, Dv] and denominator [G, chunks, W, 1]),
+    WithinChunkSums (weighted kernel scores inside a chunk times values; WithinPairSums for P = 2;
+    nothing for P = 1, where every key of key chunk k is local to query chunk k) and EarlierKeys (which key columns a
+    query block takes inside its chunk, [P, 1, P W]). chunks' = (chunks + P) // P leaves the keys
+    room to move a block."""
+    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
+    size = per_chunk * window
+    key_block, query_block = np.arange(size) // window, np.arange(per_chunk)
+    earlier = numpy_helper.from_array((key_block[None, :] < query_block[:, None]).astype(np.float32)[:, None, :])
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunkRows(n):
+        """[1]: the rows of (BlockCount(n) + P) // P chunks."""
+        p = op.Constant(value_ints=[per_chunk])
+        return op.Div(BlockCount(n) + p, p) * op.Constant(value_ints=[size])
+
+    @script(ATTNREWRITE, default_opset=op)
+    def InChunks(x, fill, front):
+        n = op.Shape(x, start=1, end=2)
+        pads = op.Concat(front, ChunkRows(n) - front - n, axis=0)
+        padded = op.Pad(x, pads, fill, op.Constant(value_ints=[1]))
+        return op.Reshape(padded, op.Concat(op.Constant(value_ints=[0, -1, size]), op.Shape(x, start=2), axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def QueryChunks(x, fill):
+        return InChunks(x, fill, FrontPad(op.Shape(x, start=1, end=2)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeyChunks(x, fill):
+        return InChunks(x, fill, FrontPad(op.Shape(x, start=1, end=2)) + op.Constant(value_ints=[window]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def BlockChunks(x):
+        chunks, p = op.Shape(x, start=1, end=2), op.Constant(value_ints=[per_chunk])
+        pads = op.Concat(op.Constant(value_ints=[0]), op.Div(chunks + p, p) * p - chunks, axis=0)
+        padded = op.Pad(x, pads, op.Constant(value_float=0.0), op.Constant(value_ints=[1]))
+        return op.Reshape(padded, op.Constant(value_ints=[0, -1, per_chunk]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunkBlocks(sums, rows):
+        """Each one Slice of both axes: the blocks of ``rows``' N and the columns."""
+        in_blocks = op.Reshape(
+            sums, op.Concat(op.Constant(value_ints=[0, -1, window]), op.Shape(sums, start=3), axis=0)
+        )
+        chunks, axes = BlockCount(op.Shape(rows, start=1, end=2)), op.Constant(value_ints=[1, 3])
+        dv = op.Shape(sums, start=3) - op.Constant(value_ints=[1])
+        numerator = op.Slice(in_blocks, op.Constant(value_ints=[0, 0]), op.Concat(chunks, dv, axis=0), axes)
+        ends = op.Concat(chunks, op.Constant(value_ints=[TO_THE_END]), axis=0)
+        return numerator, op.Slice(in_blocks, op.Concat(op.Constant(value_ints=[0]), dv, axis=0), ends, axes)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithinChunkSums(q_c, k_c, vo_c, weight):
+        """sum over key j of key chunk k of weight[a, j] phi_q_i.phi_k_j [v_j, 1], a = i's block in
+        the chunk; weight [..., P, 1, P W]."""
+        scores = op.MatMul(q_c, op.Transpose(k_c, perm=[0, 1, 3, 2]))
+        by_block = op.Reshape(scores, op.Constant(value_ints=[0, 0, per_chunk, window, size]))
+        return op.MatMul(op.Reshape(by_block * weight, op.Shape(scores)), vo_c)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WithinPairSums(q_c, k_c, vo_c, weight):
+        """WithinChunkSums for P = 2: only query block 1 takes keys inside the chunk, those of
+        key block 0 ([W, W] products instead of [2W, 2W], three quarters of which are masked)."""
+        zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+        two = op.Constant(value_ints=[2])
+        blocked = op.Constant(value_ints=[0, 0, 2, window, -1])
+        later_q = op.Squeeze(op.Slice(op.Reshape(q_c, blocked), one, two, two), two)  # [G, chunks', W, F]
+        earlier_k = op.Squeeze(op.Slice(op.Reshape(k_c, blocked), zero, one, two), two)
+        earlier_vo = op.Squeeze(op.Slice(op.Reshape(vo_c, blocked), zero, one, two), two)
+        block_axis, last = op.Constant(value_ints=[-3]), op.Constant(value_ints=[-1])
+        later_row = op.Slice(weight, one, two, block_axis)  # [..., 1, 1, 2W]
+        taken = op.Squeeze(op.Slice(later_row, zero, op.Constant(value_ints=[window]), last), block_axis)
+        scores = op.MatMul(later_q, op.Transpose(earlier_k, perm=[0, 1, 3, 2])) * taken
+        sums = op.Unsqueeze(op.MatMul(scores, earlier_vo), two)  # [G, chunks', 1, W, Dv + 1]
+        padded = op.Pad(sums, op.Concat(one, zero, axis=0), op.Constant(value_float=0.0), two)
+        return op.Reshape(padded, op.Constant(value_ints=[0, 0, size, -1]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def NoKeysWithinChunk(q_c, k_c, vo_c, weight):
+        return op.Constant(value_float=0.0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def EarlierKeys():
+        return op.Constant(value=earlier)
+
+    within = {1: NoKeysWithinChunk, 2: WithinPairSums}.get(per_chunk, WithinChunkSums)
+    return QueryChunks, KeyChunks, BlockChunks, ChunkBlocks, within, EarlierKeys
+
+
+def _windowed_kernel_entry(op, blocks: _WindowBlocks, flatten, local_part, without_sinks, far_sums, eps: float):
     """WindowedKernelAttention: both parts' sums added, one normaliser (kernel features in the
     exact part's units already)."""
-    WindowBlocks, UnblockLike = blocks.WindowBlocks, blocks.UnblockLike
+    UnblockLike = blocks.UnblockLike
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
         zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        far_num, far_den = far_sums(WindowBlocks(flatten(weighted_q), zero), far_key_features(phi_k), v4)
+        local_num, local_den, local_max = local_part(q, k, v, key_keep)
+        far_num, far_den = far_sums(flatten(weighted_q), without_sinks(flatten(phi_k), zero), flatten(v))
         out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
         return UnblockLike(out, q, v)
 
     return WindowedKernelAttention
 
 
-def _causal_rescaled_far_states_function(opset_version: int, blocks: _WindowBlocks, flatten, without_sinks):
-    """CausalRescaledFarStates(pk4, v4, key_log_scale): far states when each key carries its
-    own log scale (kernels._rescaled_earlier_states)."""
-    op = standard_opset(opset_version)
-    ChunkRunningMax, RescaledSumBeforePrevious = rescaled_prefix_functions(opset_version, skip=1)
-    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
-
-    @script(ATTNREWRITE, default_opset=op)
-    def CausalRescaledFarStates(pk4, v4, key_log_scale):
-        """States over blocks <= c-2 when key j's features are pk_j * exp(s_j), referenced to
-        R_c, the max of s over those blocks (see _rescaled_earlier_states); sinks count as
-        missing keys."""
-        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
-        last = op.Constant(value_ints=[-1])
-        s = op.Squeeze(WindowBlocks(without_sinks(flatten(key_log_scale), lowest), lowest), last)
-        block_max = op.ReduceMax(s, last, keepdims=0)
-        running = ChunkRunningMax(block_max)
-        reach = ShiftBlocks(running, lowest, op.Constant(value_ints=[2]))
-        k_rel = pk4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(block_max, last)), last)
-        kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
-        flat_kv = RescaledSumBeforePrevious(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), block_max, reach)
-        sums = RescaledSumBeforePrevious(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), block_max, reach)
-        return op.Reshape(flat_kv, op.Shape(kv)), sums, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
-
-    return CausalRescaledFarStates
-
-
-def _head_rescaled_far_sums_function(op, flatten, far_sums):
-    """HeadRescaledFarSums(pq4, pk4, v4, key_log_scale): the kernel's far sums when the keys
-    share one log scale per head, and that log scale."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HeadRescaledFarSums(pq4, pk4, v4, key_log_scale):
-        """Bidirectional: one key log scale per head ([..., 1, 1]), so plain far sums."""
-        far_num, far_den = far_sums(pq4, pk4, v4)
-        return far_num, far_den, op.Unsqueeze(flatten(key_log_scale), op.Constant(value_ints=[-1]))
-
-    return HeadRescaledFarSums
-
-
-def _rescaled_parts_function(op, blocks: _WindowBlocks, flatten, local_part, far_key_features, rescaled_far_sums):
+def _rescaled_parts_function(op, flatten, local_part, rescaled_far_sums):
     """RescaledParts: both parts' sums, each in its own unit, before they are combined."""
-    WindowBlocks = blocks.WindowBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def RescaledParts(phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight):
         """Both parts' sums, each in its own unit, the exact part's row max and the kernel
         part's log scale per block."""
-        zero = op.Constant(value_float=0.0)
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        v4, local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        pq4 = WindowBlocks(flatten(weighted_q), zero)
-        far_num, far_den, far_log_scale = rescaled_far_sums(pq4, far_key_features(phi_k), v4, key_log_scale)
+        local_num, local_den, local_max = local_part(q, k, v, key_keep)
+        # phi_k as it is: the sinks' lowest log scale keeps them out (RescaledFarSums)
+        far_num, far_den, far_log_scale = rescaled_far_sums(
+            flatten(weighted_q), flatten(phi_k), flatten(v), key_log_scale
+        )
         return local_num, local_den, local_max, far_num, far_den, far_log_scale
 
     return RescaledParts
@@ -1564,6 +1742,374 @@ def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts,
         ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - weighted_max
         return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
 
+    return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
+
+
+# --- ONNX: bidirectional windows in pairs of blocks ----------------------------------------------
+# Block c's local keys are blocks c-1, c and c+1: rows that overlap from one block to the next,
+# which onnxruntime lays out only by copying them (three shifted copies of k, v, phi_k and the keep
+# flags cost more than the exact part's products). In pairs of blocks (0, 1), (2, 3), ... (a
+# reshape of one padded copy), a query block meets its own block and one neighbour inside its
+# pair; the other neighbour (block 2p-1 for block 2p, 2p+2 for 2p+1) comes from one gather of
+# whole blocks per tensor: [W, 2W] and [W, W] products per block, none wasted, and every per-row
+# value in one layout.
+#
+# The far part folds into the same products: with the exact part scaled by e^-max(t, 0) (folded into
+# its exponent's shift) and the kernel part by b_i = e^min(t, 0) (t the log ratio of the two parts'
+# units), row i's sums are
+#     sum_local (e^(s_ij - shift_i) - b_i phi_q_i.phi_k_j) [v_j, 1] + sum_sinks e^(s_ij - shift_i) [v_j, 1]
+#     + b_i phi_q_i.[S, z]
+# ([v, 1]: the denominator as one more column of values; [S, z] = sum_j phi_k_j [v_j, 1]^T over the
+# whole sequence), so the local keys take one weight block and one product with values.
+
+
+def _pair_structure(window: int, following: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which local keys a pair's queries take: [2W, 2W] of the pair's own keys (its own block and
+    the other one of the pair, the next only ``following``), and [2, 1, 1] of the neighbours
+    outside the pair (block 2p takes block 2p-1; block 2p+1 takes 2p+2 only ``following``)."""
+    block = np.arange(2 * window) // window
+    offset = block[None, :] - block[:, None]  # key's block - query's
+    in_pair = (offset >= -1) & (offset <= int(following))
+    return in_pair, np.array([True, following]).reshape(2, 1, 1)
+
+
+class _PairLayout(typing.NamedTuple):
+    """[G, N, F] -> the rows of the pairs [G, pairs * 2W, F] (PairRows, ValuesAndOnes), seen as
+    [G, pairs, 2W, F] (Pairs), [G, pairs, 2, W, F] (Blocks) or the neighbours outside each pair
+    (Neighbours), back to rows (Rows), and the rows' masks."""
+
+    PairRows: OnnxFunction
+    ValuesAndOnes: OnnxFunction
+    Pairs: OnnxFunction
+    Blocks: OnnxFunction
+    Neighbours: OnnxFunction
+    Rows: OnnxFunction
+    HasFarKeys: OnnxFunction
+    SinkTaken: OnnxFunction
+
+
+def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bool, sinks: int) -> _PairLayout:
+    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
+    pair = 2 * window
+    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
+    sink_positions = list(range(max(sinks, 1)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairCount(n):
+        """[1]: BlockCount // 2 + 1 pairs of blocks: the last block is padding."""
+        return op.Div(BlockCount(n), op.Constant(value_ints=[2])) + op.Constant(value_ints=[1])
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RowPads(n, column):
+        """Pad's pads for [G, N, F] -> [G, PairCount * 2W, F + column]: FrontPad rows in front."""
+        front, zero = FrontPad(n), op.Constant(value_ints=[0])
+        back = PairCount(n) * op.Constant(value_ints=[pair]) - front - n
+        return op.Concat(zero, front, zero, zero, back, column, axis=0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairRows(x, fill):
+        """[G, N, F] -> [G, pairs * 2W, F], the window layout's rows, fill around them."""
+        return op.Pad(x, RowPads(op.Shape(x, start=1, end=2), op.Constant(value_ints=[0])), fill)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ValuesAndOnes(v):
+        """PairRows of [v, 1] (the denominator as one more value), ones in the padding rows
+        too: a padding key weighs 0 in both parts whatever its value (phi_k is 0 there)."""
+        pads = RowPads(op.Shape(v, start=1, end=2), op.Constant(value_ints=[1]))
+        return op.Pad(v, pads, op.Constant(value_float=1.0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Pairs(rows):
+        """[G, pairs * 2W, F] -> [G, pairs, 2W, F]."""
+        return op.Reshape(rows, op.Concat(op.Constant(value_ints=[0, -1, pair]), op.Shape(rows, start=2), axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Blocks(rows):
+        """[G, pairs * 2W, F] -> [G, pairs, 2, W, F]: each pair's two blocks."""
+        return op.Reshape(rows, op.Concat(op.Constant(value_ints=[0, -1, 2, window]), op.Shape(rows, start=2), axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Neighbours(rows):
+        """[G, pairs * 2W, F] -> [G, pairs, 2, W, F]: for pair p, blocks 2p-1 and 2p+2 (the
+        last block, and the first, where those are outside the rows: both are padding)."""
+        block_rows = op.Reshape(
+            rows, op.Concat(op.Constant(value_ints=[0, -1, window]), op.Shape(rows, start=2), axis=0)
+        )
+        count = op.Shape(block_rows, start=1, end=2)
+        first = op.Unsqueeze(
+            op.Range(op.Constant(value_int=0), op.Squeeze(count), op.Constant(value_int=2)), op.Constant(value_ints=[1])
+        )
+        index = op.Mod(first + op.Constant(value_ints=[-1, 2]), count)  # [pairs, 2]
+        return op.Gather(block_rows, index, axis=1)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Rows(pairs):
+        """[G, pairs, 2W, F] or [G, pairs, 2, W, F] -> [G, pairs * 2W, F]."""
+        return op.Reshape(pairs, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(pairs, start=-1), axis=0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RowBlocks(n):
+        """[rows, 1]: the window block of each row."""
+        rows = op.Squeeze(PairCount(n) * op.Constant(value_ints=[pair]))
+        position = op.Range(op.Constant(value_int=0), rows, op.Constant(value_int=1))
+        return op.Unsqueeze(op.Div(position, op.Constant(value_int=window)), op.Constant(value_ints=[1]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HasFarKeys(n):
+        """[rows, 1]: whether a row's block has far blocks with keys (block 0 is padding)."""
+        block = RowBlocks(n)
+        earlier = op.GreaterOrEqual(block, op.Constant(value_int=3))
+        return op.Or(earlier, op.Less(block + op.Constant(value_int=far_gap), BlockCount(n)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkTaken(n):
+        """[rows, sinks]: whether a row takes sink s as an extra exact key, s lying outside its
+        block's local keys (kernels._sink_mask; sink s at s + FrontPad)."""
+        at = op.Div(op.Constant(value_ints=sink_positions) + FrontPad(n), op.Constant(value_ints=[window]))
+        offset = at - RowBlocks(n)
+        outside_before, outside_after = (
+            op.Less(offset, op.Constant(value_int=-1)),
+            op.Greater(offset, op.Constant(value_int=int(following))),
+        )
+        return op.Or(outside_before, outside_after)
+
+    return _PairLayout(PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows, HasFarKeys, SinkTaken)
+
+
+def _pair_structure_functions(op, every_key: bool):
+    """(Taken(kept, structure), LocalTerms(kernel, structure)): the keep flags and kernel terms
+    where ``structure`` takes the key, or with ``every_key`` (window_next: all of a pair's keys
+    are local, both structures all true) the tensors as they are, not full-size masks of ones."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def StructureTaken(kept, structure):
+        return op.And(kept, structure)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def StructureTerms(kernel, structure):
+        return op.Where(structure, kernel, op.Constant(value_float=0.0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptTaken(kept, structure):
+        return op.Identity(kept)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def AllTerms(kernel, structure):
+        return op.Identity(kernel)
+
+    return (KeptTaken, AllTerms) if every_key else (StructureTaken, StructureTerms)
+
+
+class _PairedParts(typing.NamedTuple):
+    """ExactLogits(q, k, keep) -> (logits in pairs and of the neighbours, row max [G, rows, 1])
+    and WeightedSums(logits..., shift, far_weight, phi_q, phi_k, v) -> [G, rows, Dv + 1] (module
+    comment above): with sinks, one more logits tensor [G, rows, sinks] after the neighbours'."""
+
+    ExactLogits: OnnxFunction
+    WeightedSums: OnnxFunction
+
+
+def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool, sinks: int) -> _PairedParts:
+    PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+    SinkTaken = pairs.SinkTaken
+    in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following))
+    Taken, LocalTerms = _pair_structure_functions(op, every_key=following)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairLogits(q_rows, k_rows, keep_rows):
+        """Each pair's queries against its keys [G, pairs, 2W, 2W] where they are local and kept,
+        the lowest log scale elsewhere; and their row max [G, rows, 1]."""
+        kept = op.Transpose(op.Greater(Pairs(keep_rows), op.Constant(value_float=0.0)), perm=[0, 1, 3, 2])
+        logits = op.MatMul(Pairs(q_rows), op.Transpose(Pairs(k_rows), perm=[0, 1, 3, 2]))
+        masked = op.Where(Taken(kept, op.Constant(value=in_pair)), logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def NeighbourLogits(q_rows, k_rows, keep_rows):
+        """Each block against its neighbour outside the pair [G, pairs, 2, W, W], as PairLogits."""
+        kept = op.Transpose(op.Greater(Neighbours(keep_rows), op.Constant(value_float=0.0)), perm=[0, 1, 2, 4, 3])
+        logits = op.MatMul(Blocks(q_rows), op.Transpose(Neighbours(k_rows), perm=[0, 1, 2, 4, 3]))
+        masked = op.Where(Taken(kept, op.Constant(value=across)), logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairSums(logits, shift, far_weight, pq_rows, pk_rows, v_rows):
+        """[G, rows, Dv + 1]: (e^(logits - shift) - far_weight phi_q.phi_k) [v, 1] over each
+        pair's local keys; shift, far_weight: [G, rows, 1]."""
+        exact = op.Exp(logits - Pairs(shift))
+        kernel = op.MatMul(Pairs(pq_rows), op.Transpose(Pairs(pk_rows), perm=[0, 1, 3, 2]))
+        local_kernel = LocalTerms(kernel, op.Constant(value=in_pair))
+        return Rows(op.MatMul(exact - Pairs(far_weight) * local_kernel, Pairs(v_rows)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def NeighbourSums(logits, shift, far_weight, pq_rows, pk_rows, v_rows):
+        """PairSums over each block's neighbour outside the pair."""
+        exact = op.Exp(logits - Blocks(shift))
+        kernel = op.MatMul(Blocks(pq_rows), op.Transpose(Neighbours(pk_rows), perm=[0, 1, 2, 4, 3]))
+        local_kernel = LocalTerms(kernel, op.Constant(value=across))
+        return Rows(op.MatMul(exact - Blocks(far_weight) * local_kernel, Neighbours(v_rows)))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedLogits(q, k, keep):
+        """Both local logits (q already scaled) and the row max over both."""
+        zero = op.Constant(value_float=0.0)
+        q_rows, k_rows, keep_rows = PairRows(q, zero), PairRows(k, zero), PairRows(keep, zero)
+        near, near_max = PairLogits(q_rows, k_rows, keep_rows)
+        neighbour, neighbour_max = NeighbourLogits(q_rows, k_rows, keep_rows)
+        return near, neighbour, op.Max(near_max, neighbour_max)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedSums(near, neighbour, shift, far_weight, pq, pk, v):
+        """Both local sums and the far part, [G, rows, Dv + 1]."""
+        zero = op.Constant(value_float=0.0)
+        pq_rows, pk_rows, v_rows = PairRows(pq, zero), PairRows(pk, zero), ValuesAndOnes(v)
+        state = op.MatMul(op.Transpose(pk_rows, perm=[0, 2, 1]), v_rows)  # [G, F, Dv + 1]: S and z
+        in_pair_sums = PairSums(near, shift, far_weight, pq_rows, pk_rows, v_rows)
+        neighbour_sums = NeighbourSums(neighbour, shift, far_weight, pq_rows, pk_rows, v_rows)
+        return in_pair_sums + neighbour_sums + far_weight * op.MatMul(pq_rows, state)
+
+    if not sinks:
+        return _PairedParts(PairedLogits, PairedSums)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkRows(x):
+        """[G, N, F] -> [G, sinks, F]: rows 0..sinks-1, zero beyond N."""
+        one = op.Constant(value_ints=[1])
+        rows = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
+        missing = op.Constant(value_ints=[sinks]) - op.Shape(rows, start=1, end=2)
+        zero = op.Constant(value_ints=[0])
+        return op.Pad(rows, op.Concat(zero, zero, zero, zero, missing, zero, axis=0), op.Constant(value_float=0.0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedAndSinkLogits(q, k, keep):
+        """PairedLogits, and the sinks' logits [G, rows, sinks] where a row takes them."""
+        near, neighbour, local_max = PairedLogits(q, k, keep)
+        logits = op.MatMul(PairRows(q, op.Constant(value_float=0.0)), op.Transpose(SinkRows(k), perm=[0, 2, 1]))
+        kept = op.Transpose(op.Greater(SinkRows(keep), op.Constant(value_float=0.0)), perm=[0, 2, 1])
+        taken = op.And(kept, SinkTaken(op.Shape(q, start=1, end=2)))
+        sink = op.Where(taken, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        return near, neighbour, sink, op.Max(local_max, op.ReduceMax(sink, op.Constant(value_ints=[-1]), keepdims=1))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedAndSinkSums(near, neighbour, sink, shift, far_weight, pq, pk, v):
+        """PairedSums with the sinks' terms (zero features: no kernel term to take out)."""
+        sink_values = op.Pad(SinkRows(v), op.Constant(value_ints=[0, 0, 0, 0, 0, 1]), op.Constant(value_float=1.0))
+        return PairedSums(near, neighbour, shift, far_weight, pq, pk, v) + op.MatMul(op.Exp(sink - shift), sink_values)
+
+    return _PairedParts(PairedAndSinkLogits, PairedAndSinkSums)
+
+
+def _paired_window_functions(
+    op, blocks: _WindowBlocks, flatten, window: int, scale: float, following: bool, sinks: int, eps: float
+):
+    """PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight), PairedWindow(pq, pk, q, k,
+    v, keep, log_ratio_offset, max_weight) -> [G, rows, Dv + 1] and Normalised(sums, q, v): the
+    bidirectional window's pieces, in pairs of blocks, whatever its units. The log ratio of the
+    kernel part's unit to the exact part's is log_ratio_offset - max_weight * m_i per row
+    ([G, rows or 1, 1]; m_i the row's max exact logit)."""
+    pairs = _pair_layout_functions(op, blocks, window, following, sinks)
+    parts = _paired_parts_functions(op, pairs, window, following, sinks)
+    without_sinks, expand_keep = _without_sinks_function(op, sinks), key_keep_function(op.version)
+    ExactLogits, WeightedSums, HasFarKeys = parts.ExactLogits, parts.WeightedSums, pairs.HasFarKeys
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        """[G, N, *]: phi_q weighted by w_h, phi_k zero on the sinks, q scaled, k, v, keep flags."""
+        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
+        q_scaled = flatten(q) * op.Constant(value_float=scale)
+        phi_k_rows = without_sinks(flatten(phi_k), op.Constant(value_float=0.0))
+        return flatten(weighted_q), phi_k_rows, q_scaled, flatten(k), flatten(v), keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Units(row_max, ratio, n):
+        """The exact part's shift and the kernel part's weight per row, from ``ratio``, the log of
+        (kernel part's unit / exact part's unit): e^-max(ratio, 0) folded into the shift and
+        e^min(ratio, 0), so neither part overflows; 0 where a row has no far key."""
+        zero = op.Constant(value_float=0.0)
+        shift = op.Max(row_max + op.Max(ratio, zero), op.Constant(value_float=NO_EXACT_KEY_SHIFT))
+        return shift, op.Exp(op.Min(ratio, zero)) * op.Cast(HasFarKeys(n), to=FLOAT)
+
+    if sinks:
+
+        @script(ATTNREWRITE, default_opset=op)
+        def PairedWindowWithSinks(pq, pk, q, k, v, keep, log_ratio_offset, max_weight):
+            near, neighbour, sink, row_max = ExactLogits(q, k, keep)
+            ratio = log_ratio_offset - max_weight * row_max
+            shift, far_weight = Units(row_max, ratio, op.Shape(q, start=1, end=2))
+            return WeightedSums(near, neighbour, sink, shift, far_weight, pq, pk, v)
+
+        window_sums = PairedWindowWithSinks
+    else:
+
+        @script(ATTNREWRITE, default_opset=op)
+        def PairedWindow(pq, pk, q, k, v, keep, log_ratio_offset, max_weight):
+            near, neighbour, row_max = ExactLogits(q, k, keep)
+            ratio = log_ratio_offset - max_weight * row_max
+            shift, far_weight = Units(row_max, ratio, op.Shape(q, start=1, end=2))
+            return WeightedSums(near, neighbour, shift, far_weight, pq, pk, v)
+
+        window_sums = PairedWindow
+
+    return PairedInputs, window_sums, _normalised_function(op, blocks, eps), pairs.PairRows
+
+
+def _normalised_function(op, blocks: _WindowBlocks, eps: float):
+    FrontPad = blocks.FrontPad
+
+    @script(ATTNREWRITE, default_opset=op)
+    def Normalised(sums, q, v):
+        """[G, rows, Dv + 1] -> q's leading axes + [N, Dv]: the numerator over the denominator
+        (the last column) on the N rows after FrontPad."""
+        n = op.Shape(v, start=-2, end=-1)
+        front = FrontPad(n)
+        rows = op.Slice(sums, front, front + n, op.Constant(value_ints=[1]))
+        dv, last = op.Shape(v, start=-1), op.Constant(value_ints=[2])
+        numerator = op.Slice(rows, op.Constant(value_ints=[0]), dv, last)
+        denominator = op.Slice(rows, dv, dv + op.Constant(value_ints=[1]), last)
+        out = numerator / (denominator + op.Constant(value_float=eps))
+        return op.Reshape(out, op.Concat(op.Shape(q, end=-1), dv, axis=0))
+
+    return Normalised
+
+
+def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows, rescaled: bool, max_weighted: bool):
+    """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
+    (the entries' inputs as _windowed_kernel_entry's and _windowed_rescaled_entry's), bidirectional."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)  # both parts in one unit already
+        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, zero, zero), q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedRescaledKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
+    ):
+        """The kernel part in units of e^(a_i + b_h) (one key log scale per head), the exact
+        part's e^(m_i)."""
+        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)
+        offset = pair_rows(flatten(query_log_scale), zero) + flatten(key_log_scale)
+        one = op.Constant(value_float=1.0)
+        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, offset, one), q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedMaxWeightedKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight, local_max_weight
+    ):
+        """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
+        beta_h = local_max_weight [heads, 1, 1]."""
+        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)
+        offset = pair_rows(flatten(query_log_scale), zero) + flatten(key_log_scale)
+        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
+        weight = pair_rows(flatten(row_weight), zero)
+        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, offset, weight), q, v)
+
+    if not rescaled:
+        return WindowedKernelAttention
     return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
 
 
@@ -1946,7 +2492,7 @@ def _recurrent_window_functions(
         far_states = _recurrent_rescaled_far_states_function(opset_version, blocks, positioned_blocks)
     else:
         far_states = _recurrent_far_states_function(opset_version, positioned_blocks)
-    kernel_sums = _far_kernel_functions(op)[1]
+    kernel_sums = _kernel_sums_function(op)
     mix = _window_mix_function(op, rescaled, eps)
     local_sums = _local_softmax_sums_function(op, scale)
     return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
@@ -1998,9 +2544,7 @@ def _recurrent_exact_keys_function(op, blocks: _WindowBlocks, positioned_blocks,
     """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
     RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
     each query block from ``first`` (_positioned_exact_keys), their values and which each query takes."""
-    kept_local_keys, _, with_previous_block, causal_kept_local_keys = _local_key_pieces(
-        op, blocks, window, causal=True, following=False
-    )
+    kept_local_keys, _, with_previous_block, causal_kept_local_keys = _local_key_pieces(op, blocks, window)
 
     @script(ATTNREWRITE, default_opset=op)
     def RecurrentLocalKeys(k, v, keep, front, chunks, first):
@@ -2067,8 +2611,8 @@ def _recurrent_far_states_function(opset_version: int, positioned_blocks):
 
 
 def _recurrent_rescaled_far_states_function(opset_version: int, blocks: _WindowBlocks, positioned_blocks):
-    """RecurrentRescaledFarStates: _rescaled_earlier_states_after, with the block carry of
-    CausalRescaledFarStates."""
+    """RecurrentRescaledFarStates: _rescaled_earlier_states_after, one state per block carried
+    by RescaledSumBeforePrevious (a decoder's prefill; its steps have one block)."""
     op = standard_opset(opset_version)
     ChunkRunningMax, RescaledSumBeforePrevious = rescaled_prefix_functions(opset_version, skip=1)
     ShiftBlocks = blocks.ShiftBlocks
