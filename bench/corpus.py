@@ -7,7 +7,8 @@ ships (``pydoc_data.topics``: the language reference as ``help()`` shows it).
 How it is made, so anyone can rebuild it byte for byte on the same Python version:
 1. the sources are the modules in ``MODULES`` then the help topics, each part sorted; a module
    is imported and its own docstrings read (the module's, and those of the classes, functions
-   and methods it defines; inherited ones are not read) in sorted order of name;
+   and methods it defines; inherited ones are not read) in sorted order of name, all in a new
+   interpreter, so that what the caller imported first changes nothing;
 2. text is split into paragraphs at blank lines and whitespace is normalised; a paragraph is
    kept only if it reads as English prose (``is_prose``): no indented (code) block, no
    doctest, mostly words, few code-like tokens, a full stop;
@@ -30,7 +31,9 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import json
 import re
+import subprocess
 import sys
 import warnings
 from collections import Counter
@@ -288,7 +291,7 @@ def build_corpus(tokenizer=None, min_tokens: int = MIN_TOKENS, max_tokens: int =
 def unique_paragraphs(names: list[str]) -> dict[str, list[str]]:
     """Each source's paragraphs but those with a sentence also found in another source (a method
     documented like the module that calls it): no text on both sides of the split."""
-    paragraphs = {name: source_paragraphs(name) for name in names}
+    paragraphs = paragraphs_read_afresh(names)
     seen_in = Counter(s for found in paragraphs.values() for s in {s for p in found for s in sentences(p)})
     return {
         name: [p for p in found if all(seen_in[s] == 1 for s in sentences(p))] for name, found in paragraphs.items()
@@ -305,6 +308,19 @@ def long_heldout(tokenizer=None) -> list[str]:
 def calibration_sentences(corpus: Corpus) -> list[str]:
     """The calibration passages cut into sentences, in order: short texts, as a user's data often is."""
     return [sentence for passage in corpus.calibration for sentence in sentences(passage)]
+
+
+def paragraphs_read_afresh(names: list[str]) -> dict[str, list[str]]:
+    """source_paragraphs of each name, read in a new interpreter that imports only the standard
+    library: a package imported before (torch replaces inspect.getfile, so inspect would lose
+    that docstring) must not change the text."""
+    read = subprocess.run(
+        [sys.executable, "-I", str(Path(__file__).resolve()), "--paragraphs", *names],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(read.stdout)
 
 
 def source_paragraphs(name: str) -> list[str]:
@@ -441,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default="corpus", help="folder for calibration.txt and heldout.txt (default: ./corpus)"
     )
+    parser.add_argument("--paragraphs", nargs="+", metavar="SOURCE", help=argparse.SUPPRESS)  # paragraphs_read_afresh
     args = parser.parse_args(argv)
+    if args.paragraphs:
+        json.dump({name: source_paragraphs(name) for name in args.paragraphs}, sys.stdout)
+        return 0
     corpus = build_corpus()
     paths = write_corpus(corpus, args.out)
     print(corpus.describe())

@@ -624,3 +624,57 @@ def test_text_calibration_file_and_what_the_row_records(fidelity_script, text_co
     arguments = text.arguments()
     assert Path(arguments.pop("tokenizer")).name == "tokenizer.json"
     assert arguments == {"calibrate": str(text.path), "max_length": 128, "calibrate_pack": False}
+
+
+# --- bench/fidelity.py --held-out-tokens: the held-out passages cut to a length (issue 35) -------
+
+
+def test_fidelity_held_out_passages_cut_as_the_tokenizer_truncates(fidelity_script, text_corpus, monkeypatch):
+    import argparse
+
+    corpus, tokenizer, built = text_corpus
+    monkeypatch.setattr(fidelity_script.corpus, "build_corpus", lambda tokenizer: built)
+    args = argparse.Namespace(heldout_tokens=160, sentences=None, long=False)
+    data = fidelity_script.load_data(None, args=args)
+    truncating = corpus.minilm_tokenizer()
+    truncating.enable_truncation(max_length=160)
+    expected = [truncating.encode(text).ids for text in built.heldout]
+    assert [ids.tolist() for ids in data.heldout] == expected  # [CLS] ... [SEP]; shorter ones as they are
+    assert min(map(len, expected)) < 160 and max(len(ids) for ids in data.calibration) > 160  # never cut
+    mean = round(sum(map(len, expected)) / len(expected), 1)
+    assert data.heldout_cut == {"heldout_tokens": 160, "heldout_mean_tokens": mean}
+
+
+def test_fidelity_rows_on_cut_passages_sit_beside_the_usual_ones(fidelity_script, tmp_path):
+    usual = _fidelity_row("zero-shot", 0.8921, config="nystrom-m64")
+    cut = _fidelity_row("zero-shot", 0.9012, config="nystrom-m64", heldout_tokens=240, heldout_mean_tokens=215.3)
+    calibrated = {**cut, "mode": "calibrated", "frontend": "torch"}
+    assert fidelity_script.row_key("nystrom-m64", "zero-shot", usual) == "nystrom-m64/zero-shot"
+    assert fidelity_script.row_key("nystrom-m64", "zero-shot", cut) == "nystrom-m64/zero-shot@240tokens"
+    assert fidelity_script.row_key("nystrom-m64", "calibrated", calibrated) == "nystrom-m64/calibrated@240tokens@torch"
+    results = {
+        "rows": {"nystrom-m64/zero-shot@240tokens": cut, "nystrom-m64/zero-shot": usual},
+        "not_run": {},
+        "corpus": "the corpus",
+        "heldout_passages": 256,
+        "batch": 8,
+        "threads": 1,
+        "machine": {"processor": "cpu", "cpus": 2, "load_average_at_start": [0.1], "onnxruntime": "1"},
+        "date": "today",
+    }  # a file written by --held-out-tokens runs alone: no original_seconds
+    path = tmp_path / "FIDELITY.md"
+    fidelity_script.write_markdown(results, path)
+    main = _table_rows(path.read_text(), "# Held-out fidelity on a trained sentence encoder")
+    assert [(row[1], row[3]) for row in main] == [
+        ("zero-shot", "0.8921"),
+        ("zero-shot, held-out cut to 240 tokens (mean 215.3)", "0.9012"),
+    ]
+
+
+@pytest.mark.parametrize("arguments", [["--held-out-tokens", "1"], ["--held-out-tokens", "240", "--long"]])
+def test_fidelity_held_out_tokens_refuses_what_it_cannot_measure(fidelity_script, arguments, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fidelity_script.main(arguments)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.endswith("error: --held-out-tokens takes N >= 2 ([CLS] and [SEP]) and goes without --long and --heads")

@@ -345,3 +345,24 @@ def test_cli_calibrates_and_checks(tmp_path, capsys):
     assert [s["calibration"]["steps"] for s in record["sites"]] == [20, 20]
     scales = [t for t in model.graph.initializer if t.name.endswith("/log_scales")]
     assert [tuple(t.dims) for t in scales] == [(3, 4, 1, 1)] * 2  # per head of tiny_bert's 4
+
+
+# --- bench/nystrom_reference.py: the variants FIDELITY.md compares on MiniLM ------------------
+
+
+def test_reference_script_formula_is_the_module_and_the_package_and_its_segment_rules():
+    from models import load_bench_module
+
+    reference = load_bench_module("nystrom_reference")
+    reference.check_the_parts()  # plain at our choices is the module, at the package's the package
+    keep = torch.tensor([1.0] * 10 + [0.0] * 2).reshape(1, 12, 1)  # 10 kept keys, then padding
+    # the package's rule: 12 positions padded at the front to 15, runs of 3: the first landmark is
+    # front padding alone, the last holds one kept key and the two padded ones, which count in none
+    one_hot, count = reference.position_segments(keep, 5)
+    assert one_hot[0].argmax(-1)[:10].tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+    assert count.flatten().tolist() == [0, 3, 3, 3, 1]
+    # [CLS] and [SEP] (first and last kept) a landmark each, the 8 between them in 3 runs
+    one_hot, count = reference.own_special_segments(keep, 5)
+    assert one_hot[0].argmax(-1)[:10].tolist() == [0, 1, 1, 1, 2, 2, 2, 3, 3, 4]
+    assert count.flatten().tolist() == [1, 3, 3, 2, 1]
+    assert reference.without_specials(keep).flatten().tolist() == [0.0] + [1.0] * 8 + [0.0] * 3
