@@ -211,63 +211,45 @@ def windowed_kernel_attention(
     if linear_log_weight is not None:
         phi_q = phi_q * torch.exp(linear_log_weight.float())  # w_h scales the kernel part only
     keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
-    parts = _windowed_causal if causal else _windowed_bidirectional
-    out = parts(
-        phi_q,
-        phi_k,
-        q,
-        k,
-        v,
-        keep,
-        scale,
-        window,
-        window_next,
-        sinks,
-        query_log_scale,
-        key_log_scale,
-        local_max_weight,
-        eps,
-    )
+    units = _Units(query_log_scale, key_log_scale, local_max_weight)
+    if causal:  # window_next changes nothing: a causal site never sees later keys
+        out = _windowed_causal(phi_q, phi_k, q, k, v, keep, units, scale=scale, window=window, sinks=sinks, eps=eps)
+    else:
+        out = _windowed_bidirectional(
+            phi_q, phi_k, q, k, v, keep, units, scale=scale, window=window, following=window_next, sinks=sinks, eps=eps
+        )
     return out.reshape(*lead, n, v.shape[-1])
 
 
-def _windowed_bidirectional(
-    phi_q, phi_k, q, k, v, keep, scale, window, following, sinks, query_log_scale, key_log_scale, local_max_weight, eps
-):
+class _Units(typing.NamedTuple):
+    """windowed_kernel_attention's log scales: how the kernel part's unit relates to the exact part's."""
+
+    query_log_scale: typing.Any
+    key_log_scale: typing.Any
+    local_max_weight: typing.Any
+
+
+def _windowed_bidirectional(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, window, following, sinks, eps):
     """windowed_kernel_attention, bidirectional: in pairs of blocks (_bidirectional_window)."""
     lead, n = q.shape[:-2], q.shape[-2]
     pairs = _Pairs(n, window)
-    if key_log_scale is None:
+    if units.key_log_scale is None:
         ratio_of = torch.zeros_like  # both parts in one unit already
     else:
-        offset = pairs.rows(flatten_heads(query_log_scale.float())) + flatten_heads(key_log_scale.float())
+        offset = pairs.rows(flatten_heads(units.query_log_scale.float())) + flatten_heads(units.key_log_scale.float())
         weight = 1.0
-        if local_max_weight is not None:  # [heads, 1, 1] -> one per query row
-            weight = pairs.rows(flatten_heads(local_max_weight.float().expand(*lead, n, 1)))
+        if units.local_max_weight is not None:  # [heads, 1, 1] -> one per query row
+            weight = pairs.rows(flatten_heads(units.local_max_weight.float().expand(*lead, n, 1)))
         ratio_of = lambda row_max: offset - weight * row_max  # noqa: E731
     flat = (flatten_heads(x) for x in (q * scale, k, v, keep, phi_q, _without_sinks(phi_k, sinks, 0.0)))
     sums = pairs.real_rows(_bidirectional_window(pairs, *flat, ratio_of, following=following, sinks=sinks))
     return sums[..., :-1] / (sums[..., -1:] + eps)
 
 
-def _windowed_causal(
-    phi_q,
-    phi_k,
-    q,
-    k,
-    v,
-    keep,
-    scale,
-    window,
-    window_next,
-    sinks,
-    query_log_scale,
-    key_log_scale,
-    local_max_weight,
-    eps,
-):
+def _windowed_causal(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, window, sinks, eps):
     """windowed_kernel_attention, causal: the exact part over concatenated local blocks, the
-    far part from one state per block (blocks <= c-2); window_next changes nothing."""
+    far part from one state per block (blocks <= c-2)."""
+    query_log_scale, key_log_scale, local_max_weight = units
     lead, n = q.shape[:-2], q.shape[-2]
     layout = _ChunkLayout(n, window, aligned_to_start=True)
     local_num, local_den, local_max = _local_softmax_sums(
@@ -1503,9 +1485,9 @@ def _chunked_far_sums_functions(
     log scales are the lowest) to the window's blocks; with per-key log scales in units of R_c, the max of s over block c's far keys (the lowest log
     scale if none), which it returns too as [G, chunks, 1, 1]."""
     op = standard_opset(opset_version)
-    QueryChunks, KeyChunks, BlockChunks, ChunkBlocks, WithinChunkSums, EarlierKeys = _far_chunk_pieces(
-        op, blocks, window, max(1, round(far_chunk / window))
-    )
+    per_chunk = max(1, round(far_chunk / window))
+    QueryChunks, KeyChunks, BlockChunks, ChunkBlocks = _far_chunk_layout_functions(op, blocks, window, per_chunk)
+    WithinChunkSums, EarlierKeys = _within_chunk_functions(op, window, per_chunk)
     ExclusivePrefixSum = exclusive_prefix_sum_function(opset_version)
     ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
     WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
@@ -1566,20 +1548,15 @@ def _chunked_far_sums_functions(
     return FarSums, RescaledFarSums
 
 
-def _far_chunk_pieces(op, blocks: _WindowBlocks, window: int, per_chunk: int):
-    """The layout pieces of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks:
-    QueryChunks and KeyChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in
-    front, the keys one block later), BlockChunks (one value per block [G, chunks] -> [G,
-    chunks', P]), ChunkBlocks (sums [..., Dv + 1] back to the window's blocks for N rows, as
-    numerator [G, chunks, W, Dv] and denominator [G, chunks, W, 1]),
-    WithinChunkSums (weighted kernel scores inside a chunk times values; WithinPairSums for P = 2;
-    nothing for P = 1, where every key of key chunk k is local to query chunk k) and EarlierKeys (which key columns a
-    query block takes inside its chunk, [P, 1, P W]). chunks' = (chunks + P) // P leaves the keys
-    room to move a block."""
+def _far_chunk_layout_functions(op, blocks: _WindowBlocks, window: int, per_chunk: int):
+    """The layout of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks: QueryChunks
+    and KeyChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in front, the
+    keys one block later), BlockChunks (one value per block [G, chunks] -> [G, chunks', P]) and
+    ChunkBlocks (sums [..., Dv + 1] back to the window's blocks for N rows, as numerator
+    [G, chunks, W, Dv] and denominator [G, chunks, W, 1]). chunks' = (chunks + P) // P leaves the
+    keys room to move a block."""
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     size = per_chunk * window
-    key_block, query_block = np.arange(size) // window, np.arange(per_chunk)
-    earlier = numpy_helper.from_array((key_block[None, :] < query_block[:, None]).astype(np.float32)[:, None, :])
 
     @script(ATTNREWRITE, default_opset=op)
     def ChunkRows(n):
@@ -1621,6 +1598,18 @@ def _far_chunk_pieces(op, blocks: _WindowBlocks, window: int, per_chunk: int):
         ends = op.Concat(chunks, op.Constant(value_ints=[TO_THE_END]), axis=0)
         return numerator, op.Slice(in_blocks, op.Concat(op.Constant(value_ints=[0]), dv, axis=0), ends, axes)
 
+    return QueryChunks, KeyChunks, BlockChunks, ChunkBlocks
+
+
+def _within_chunk_functions(op, window: int, per_chunk: int):
+    """(WithinChunkSums, EarlierKeys) of _chunked_far_sums_functions: the weighted kernel scores
+    inside a chunk times values (WithinPairSums for P = 2; nothing for P = 1, where every key of
+    key chunk k is local to query chunk k), and which key columns a query block takes inside its
+    chunk, [P, 1, P W]."""
+    size = per_chunk * window
+    key_block, query_block = np.arange(size) // window, np.arange(per_chunk)
+    earlier = numpy_helper.from_array((key_block[None, :] < query_block[:, None]).astype(np.float32)[:, None, :])
+
     @script(ATTNREWRITE, default_opset=op)
     def WithinChunkSums(q_c, k_c, vo_c, weight):
         """sum over key j of key chunk k of weight[a, j] phi_q_i.phi_k_j [v_j, 1], a = i's block in
@@ -1656,7 +1645,7 @@ def _far_chunk_pieces(op, blocks: _WindowBlocks, window: int, per_chunk: int):
         return op.Constant(value=earlier)
 
     within = {1: NoKeysWithinChunk, 2: WithinPairSums}.get(per_chunk, WithinChunkSums)
-    return QueryChunks, KeyChunks, BlockChunks, ChunkBlocks, within, EarlierKeys
+    return within, EarlierKeys
 
 
 def _windowed_kernel_entry(op, blocks: _WindowBlocks, flatten, local_part, without_sinks, far_sums, eps: float):
@@ -1791,8 +1780,6 @@ class _PairLayout(typing.NamedTuple):
 def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bool, sinks: int) -> _PairLayout:
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     pair = 2 * window
-    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
-    sink_positions = list(range(max(sinks, 1)))
 
     @script(ATTNREWRITE, default_opset=op)
     def PairCount(n):
@@ -1847,6 +1834,18 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
         """[G, pairs, 2W, F] or [G, pairs, 2, W, F] -> [G, pairs * 2W, F]."""
         return op.Reshape(pairs, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(pairs, start=-1), axis=0))
 
+    HasFarKeys, SinkTaken = _pair_row_mask_functions(op, blocks, PairCount, window, following, sinks)
+    return _PairLayout(PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows, HasFarKeys, SinkTaken)
+
+
+def _pair_row_mask_functions(op, blocks: _WindowBlocks, PairCount, window: int, following: bool, sinks: int):
+    """(HasFarKeys, SinkTaken) of _PairLayout: per row of the pairs, whether its block has far
+    keys, and which sinks it takes as extra exact keys."""
+    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
+    pair = 2 * window
+    far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
+    sink_positions = list(range(max(sinks, 1)))
+
     @script(ATTNREWRITE, default_opset=op)
     def RowBlocks(n):
         """[rows, 1]: the window block of each row."""
@@ -1873,7 +1872,7 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
         )
         return op.Or(outside_before, outside_after)
 
-    return _PairLayout(PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows, HasFarKeys, SinkTaken)
+    return HasFarKeys, SinkTaken
 
 
 def _pair_structure_functions(op, every_key: bool):
@@ -1911,7 +1910,6 @@ class _PairedParts(typing.NamedTuple):
 
 def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool, sinks: int) -> _PairedParts:
     PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[:6]
-    SinkTaken = pairs.SinkTaken
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following))
     Taken, LocalTerms = _pair_structure_functions(op, every_key=following)
 
@@ -1968,8 +1966,15 @@ def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool
         neighbour_sums = NeighbourSums(neighbour, shift, far_weight, pq_rows, pk_rows, v_rows)
         return in_pair_sums + neighbour_sums + far_weight * op.MatMul(pq_rows, state)
 
-    if not sinks:
-        return _PairedParts(PairedLogits, PairedSums)
+    paired = _PairedParts(PairedLogits, PairedSums)
+    return _paired_sink_parts_functions(op, pairs, paired, sinks) if sinks else paired
+
+
+def _paired_sink_parts_functions(op, pairs: _PairLayout, paired: _PairedParts, sinks: int) -> _PairedParts:
+    """``paired`` with the sinks: their logits [G, rows, sinks] where a row takes them, and their
+    terms in the sums."""
+    PairRows, SinkTaken = pairs.PairRows, pairs.SinkTaken
+    PairedLogits, PairedSums = paired
 
     @script(ATTNREWRITE, default_opset=op)
     def SinkRows(x):
