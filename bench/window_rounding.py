@@ -71,7 +71,7 @@ def superblock_far_sums(blocks_per_superblock: int):
         kv, key_sum = pk5.transpose(-2, -1) @ v5, pk5.sum(dim=2)
         far_kv, far_key_sum = (_beyond_neighbours(x) for x in (kv, key_sum))
         numerator, denominator = pq5 @ far_kv, pq5 @ far_key_sum.unsqueeze(-1)
-        near_k, near_v = (torch.cat(kernels._local_blocks(x, True), dim=2) for x in (pk5, v5))
+        near_k, near_v = (torch.cat(neighbour_blocks(x, True), dim=2) for x in (pk5, v5))
         query_block = torch.arange(s * window) // window
         key_block = torch.arange(3 * s * window) // window - s
         offset = key_block - query_block.unsqueeze(-1)
@@ -88,7 +88,35 @@ def _beyond_neighbours(x):
     """Per superblock s (dim 1), the sum of x over superblocks <= s-2 and >= s+2."""
     before = kernels._shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
     after = torch.flip(torch.cumsum(torch.flip(x, [1]), dim=1), [1])
-    return before + kernels._shift_left(after, 0.0, steps=2)
+    return before + _shift_left(after, 0.0, steps=2)
+
+
+def _shift_left(x, fill: float, steps: int = 1):
+    """x moved ``steps`` blocks earlier along dim 1, fill last (kernels._shift_right's mirror)."""
+    pads = [0, 0] * (x.dim() - 2) + [0, steps]
+    return torch.nn.functional.pad(x, pads, value=fill)[:, steps:]
+
+
+def neighbour_blocks(x4, following: bool) -> list:
+    """[G, blocks, W, F] -> block c-1's rows, c's and, ``following``, c+1's."""
+    return [kernels._shift_right(x4, 0.0), x4] + ([_shift_left(x4, 0.0)] if following else [])
+
+
+def concatenated_exact_keys(layout, k, v, keep, following: bool, sinks: int):
+    """Each block's exact keys, values and taken flags, its local blocks concatenated (the layout
+    before the pairs): [G, blocks, 2 or 3 W + sinks, *]."""
+
+    def exact(x):
+        sink = [kernels._sink_rows(x, sinks, layout.chunks)] if sinks else []
+        return torch.cat([*neighbour_blocks(layout.blocks(x), following), *sink], dim=2)
+
+    taken = torch.ones(layout.chunk, (3 if following else 2) * layout.chunk, dtype=torch.bool)
+    if sinks:
+        at = torch.arange(sinks) + layout.pad
+        offset = at // layout.chunk - torch.arange(layout.chunks).unsqueeze(-1)
+        outside = ((offset < -1) | (offset > int(following))).unsqueeze(1)
+        taken = torch.cat([taken.expand(layout.chunks, -1, -1), outside.expand(-1, layout.chunk, -1)], dim=-1)
+    return exact(k), exact(v), (exact(keep).transpose(-2, -1) > 0) & taken
 
 
 def total_less_local(pq4, pk4, v4, following: bool):
@@ -98,8 +126,8 @@ def total_less_local(pq4, pk4, v4, following: bool):
     pq, pk, v = (x.reshape(g, chunks * window, x.shape[-1]) for x in (pq4, pk4, v4))
     total_num = (pq @ (pk.transpose(-2, -1) @ v)).reshape(g, chunks, window, -1)
     total_den = (pq @ pk.sum(dim=1).unsqueeze(-1)).reshape(g, chunks, window, 1)
-    local_scores = pq4 @ torch.cat(kernels._local_blocks(pk4, following), dim=2).transpose(-2, -1)
-    local_num = local_scores @ torch.cat(kernels._local_blocks(v4, following), dim=2)
+    local_scores = pq4 @ torch.cat(neighbour_blocks(pk4, following), dim=2).transpose(-2, -1)
+    local_num = local_scores @ torch.cat(neighbour_blocks(v4, following), dim=2)
     return total_num - local_num, total_den - local_scores.sum(-1, keepdim=True)
 
 
@@ -107,10 +135,11 @@ def blocked_form(far_sums):
     """kernels._windowed_bidirectional as it was before the pairs: the exact part over each
     block's concatenated local keys, ``far_sums`` apart, the two combined by their log ratio."""
 
-    def bidirectional(phi_q, phi_k, q, k, v, keep, scale, window, following, sinks, q_log, k_log, max_weight, eps):
+    def bidirectional(phi_q, phi_k, q, k, v, keep, units, *, scale, window, following, sinks, eps):
+        q_log, k_log, max_weight = units
         lead, n = q.shape[:-2], q.shape[-2]
         layout = kernels._ChunkLayout(n, window)
-        exact_keys = kernels._exact_keys(layout, k, v, keep, False, following, sinks)
+        exact_keys = concatenated_exact_keys(layout, k, v, keep, following, sinks)
         local_num, local_den, local_max = kernels._local_softmax_sums(layout.blocks(q), *exact_keys, scale)
         pk4 = layout.blocks(kernels._without_sinks(phi_k, sinks, 0.0))
         far_num, far_den = far_sums(layout.blocks(phi_q), pk4, layout.blocks(v), following)

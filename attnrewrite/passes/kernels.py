@@ -253,7 +253,7 @@ def _windowed_causal(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, windo
     lead, n = q.shape[:-2], q.shape[-2]
     layout = _ChunkLayout(n, window, aligned_to_start=True)
     local_num, local_den, local_max = _local_softmax_sums(
-        layout.blocks(q), *_exact_keys(layout, k, v, keep, True, False, sinks), scale
+        layout.blocks(q), *_causal_exact_keys(layout, k, v, keep, sinks), scale
     )
     # The kernel never sees a sink: zero features, and (per-key log scales) the lowest log
     # scale, so that no sink raises a running max.
@@ -396,29 +396,25 @@ def windowed_attention_weights(
     return weights / (weights.sum(-1, keepdim=True) + eps)
 
 
-def _exact_keys(layout, k, v, keep, causal: bool, following: bool, sinks: int):
-    """Every query block's exact keys [G, chunks, 2 or 3 * window + sinks, *]: its local blocks
-    (_local_blocks), then the sink columns; their values likewise; and which of them each query
-    takes ([G, chunks, window, keys]): kept ones, causally visible, a sink only outside the
-    block's local keys. One concatenation per tensor: at MiniLM's lengths these copies are a
-    good part of the whole."""
+def _causal_exact_keys(layout, k, v, keep, sinks: int):
+    """Every causal query block's exact keys [G, chunks, 2 * window + sinks, *]: its local blocks
+    (_previous_and_own_blocks), then the sink columns; their values likewise; and which of them
+    each query takes ([G, chunks, window, keys]): kept ones, causally visible, a sink only
+    outside the block's local keys and not after the query."""
 
     def exact(x):
         sink = [_sink_rows(x, sinks, layout.chunks)] if sinks else []
-        return torch.cat([*_local_blocks(layout.blocks(x), following), *sink], dim=2)
+        return torch.cat([*_previous_and_own_blocks(layout.blocks(x)), *sink], dim=2)
 
-    if causal:
-        taken = _local_causal_mask(layout.chunk, k.device)
-    else:
-        taken = torch.ones(layout.chunk, (3 if following else 2) * layout.chunk, dtype=torch.bool, device=k.device)
+    taken = _local_causal_mask(layout.chunk, k.device)
     if sinks:
-        sink = _sink_mask(layout, sinks, causal, following, k.device).expand(layout.chunks, layout.chunk, sinks)
+        sink = _causal_sink_mask(layout, sinks, k.device)
         taken = torch.cat([taken.expand(layout.chunks, -1, -1), sink], dim=-1)
     return exact(k), exact(v), (exact(keep).transpose(-2, -1) > 0) & taken
 
 
 def _local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
-    """Block c's queries over its exact keys (_exact_keys): the unnormalised numerator and
+    """Block c's queries over its exact keys (_causal_exact_keys): the unnormalised numerator and
     denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
     where no exact key is kept; its weights are then all zero, never NaN). Logits more than
     EXP_FLOOR below m_i weigh e^-EXP_FLOOR (< 1e-34 of the max's 1) instead of less: exp of
@@ -429,13 +425,9 @@ def _local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
     return weights @ v_x, weights.sum(-1, keepdim=True), row_max
 
 
-def _local_blocks(x4, following: bool) -> list:
-    """[G, chunks, window, F] -> block c-1's rows, c's and, ``following``, c+1's, each
-    [G, chunks, window, F]."""
-    blocks = [_shift_right(x4, 0.0), x4]
-    if following:
-        blocks.append(_shift_left(x4, 0.0))
-    return blocks
+def _previous_and_own_blocks(x4) -> list:
+    """[G, chunks, window, F] -> block c-1's rows and c's, each [G, chunks, window, F]."""
+    return [_shift_right(x4, 0.0), x4]
 
 
 def _local_causal_mask(window: int, device):
@@ -459,15 +451,13 @@ def _sink_rows(x, sinks: int, chunks: int):
     return rows.unsqueeze(1).expand(-1, chunks, -1, -1)
 
 
-def _sink_mask(layout, sinks: int, causal: bool, following: bool, device):
-    """[chunks, window or 1, sinks]: True where block c's query takes sink s as an extra exact
-    key: s lies outside the block's local keys and (causal) not after the query. Positions are
-    the padded layout's (sink s at s + pad)."""
+def _causal_sink_mask(layout, sinks: int, device):
+    """[chunks, window, sinks]: True where block c's query takes sink s as an extra exact key: s
+    lies outside the block's local keys (blocks c-1 and c) and not after the query. Positions
+    are the padded layout's (sink s at s + pad)."""
     at = torch.arange(sinks, device=device) + layout.pad
     offset = at // layout.chunk - torch.arange(layout.chunks, device=device).unsqueeze(-1)
-    outside = ((offset < -1) | (offset > int(following))).unsqueeze(1)
-    if not causal:
-        return outside
+    outside = ((offset < -1) | (offset > 0)).unsqueeze(1)
     query_at = torch.arange(layout.chunks * layout.chunk, device=device).reshape(layout.chunks, layout.chunk, 1)
     return outside & (at <= query_at)
 
@@ -635,12 +625,6 @@ def _shift_right(x, fill: float, steps: int = 1):
     return torch.nn.functional.pad(x, pads, value=fill)[:, :-steps]
 
 
-def _shift_left(x, fill: float, steps: int = 1):
-    """x moved ``steps`` chunks earlier along dim 1, fill last (as _shift_right)."""
-    pads = [0, 0] * (x.dim() - 2) + [0, steps]
-    return torch.nn.functional.pad(x, pads, value=fill)[:, steps:]
-
-
 def _running_max(x):
     """Running max over the last axis as a lower-triangular masked max ([..., L] -> [..., L, L]),
     as the ONNX RunningMax: torch.cummax has no ONNX conversion."""
@@ -801,13 +785,13 @@ def windowed_kernel_attention_from_state(
 
 
 def _positioned_exact_keys(layout, start: int, k, v, keep, sink_keys: SinkKeys):
-    """_exact_keys (causal) of a _PositionedLayout: the previous and own block up to the query,
+    """_causal_exact_keys of a _PositionedLayout: the previous and own block up to the query,
     then the sinks from ``sink_keys``, taken by a query of a later block than their next one and
     not before them."""
     taken = _local_causal_mask(layout.chunk, k.device)
 
     def exact(x, sink):
-        local = torch.cat(_local_blocks(layout.blocks(x), False), dim=2)
+        local = torch.cat(_previous_and_own_blocks(layout.blocks(x)), dim=2)
         if sink is None:
             return local
         return torch.cat([local, flatten_heads(sink.float()).unsqueeze(1).expand(-1, layout.chunks, -1, -1)], dim=2)
@@ -1293,7 +1277,7 @@ def _window_block_functions(op, window: int, aligned_to_start: bool) -> _WindowB
 
 def _exact_keys_function(op, blocks: _WindowBlocks, window: int, sinks: int):
     """LocalKeys(k, v, keep), or with sinks LocalAndSinkKeys: every causal query block's exact
-    keys, their values and which each query takes (kernels._exact_keys), and v in blocks."""
+    keys, their values and which each query takes (kernels._causal_exact_keys), and v in blocks."""
     kept_local_keys, local_keys = _local_keys_functions(op, blocks, window)
     if not sinks:
         return local_keys
@@ -1334,7 +1318,7 @@ def _local_key_pieces(op, blocks: _WindowBlocks, window: int):
     @script(ATTNREWRITE, default_opset=op)
     def LocalKeys(k, v, keep):
         """Blocked v, and every block's local keys, their values and which each query takes
-        (kernels._exact_keys without sinks)."""
+        (kernels._causal_exact_keys without sinks)."""
         zero = op.Constant(value_float=0.0)
         v4 = WindowBlocks(v, zero)
         allowed = CausalKeptLocalKeys(WithPreviousBlock(WindowBlocks(keep, zero)))
@@ -1345,7 +1329,7 @@ def _local_key_pieces(op, blocks: _WindowBlocks, window: int):
 
 def _sink_mask_function(op, blocks: _WindowBlocks, window: int, sinks: int):
     """CausalSinkMask(n): which query of causal block c takes sink s as an extra exact key
-    (kernels._sink_mask)."""
+    (kernels._causal_sink_mask)."""
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     sink_positions = list(range(sinks))
 
@@ -1393,7 +1377,7 @@ def _local_and_sink_keys_function(op, sinks: int, kept_local_keys, local_keys, s
 
     @script(ATTNREWRITE, default_opset=op)
     def LocalAndSinkKeys(k, v, keep):
-        """LocalKeys with the sink columns after each block's local keys (kernels._exact_keys)."""
+        """LocalKeys with the sink columns after each block's local keys (kernels._causal_exact_keys)."""
         v4, k_x, v_x, allowed = local_keys(k, v, keep)
         chunks = op.Shape(v4, start=1, end=2)
         taken = op.And(kept_local_keys(SinkRows(keep, chunks)), sink_mask(op.Shape(v, start=1, end=2)))
@@ -1863,7 +1847,7 @@ def _pair_row_mask_functions(op, blocks: _WindowBlocks, PairCount, window: int, 
     @script(ATTNREWRITE, default_opset=op)
     def SinkTaken(n):
         """[rows, sinks]: whether a row takes sink s as an extra exact key, s lying outside its
-        block's local keys (kernels._sink_mask; sink s at s + FrontPad)."""
+        block's local keys (kernels._paired_sink_mask; sink s at s + FrontPad)."""
         at = op.Div(op.Constant(value_ints=sink_positions) + FrontPad(n), op.Constant(value_ints=[window]))
         offset = at - RowBlocks(n)
         outside_before, outside_after = (
