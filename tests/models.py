@@ -310,6 +310,19 @@ def text_args(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return tuple(torch.from_numpy(x) for x in text_feed(n, VOCAB, seed).values())
 
 
+def fx_rewrite_of_bert(exports, method: str, **options):
+    """The 2-layer eager BERT traced by torch.export at 24 tokens and rewritten with ``method``,
+    both run on other inputs of 24 tokens: (the rewritten module, its output, the original's)."""
+    import attnrewrite
+
+    model = exports.module("bert-eager")
+    program = torch.export.export(model, text_args(24))
+    args = text_args(24, seed=1)
+    with torch.no_grad():
+        rewritten = attnrewrite.rewrite(program, to=method, **options)
+        return rewritten, rewritten(*args), model(*args)
+
+
 TEXT_AXES = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
 
 

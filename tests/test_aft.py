@@ -13,13 +13,13 @@ import torch
 from attention_graphs import lowering_model, lowering_session
 from conftest import decoder_exported, exported, read_record
 from models import (
+    fx_rewrite_of_bert,
     module_state,
     moved_off_initial,
     padded_at_both_ends,
     relative_error,
     run_onnx,
     run_pass_module,
-    text_args,
     torch_reference,
 )
 from test_recurrent_models import assert_steps_equal_the_parallel_rewrite
@@ -349,13 +349,7 @@ def test_exported_models_rewrite_and_match_their_torch_reference(exports, name, 
 
 
 def test_fx_rewrite_of_bert(exports):
-    model = exports.module("bert-eager")
-    program = torch.export.export(model, text_args(24))
-    args = text_args(24, seed=1)
-    with torch.no_grad():
-        expected = model(*args)
-        rewritten = attnrewrite.rewrite(program, to="aft", variant="local", span=4)
-        assert rewritten.meta["attnrewrite"]["sites_rewritten"] == 2
-        out = rewritten(*args)
+    rewritten, out, expected = fx_rewrite_of_bert(exports, "aft", variant="local", span=4)
+    assert rewritten.meta["attnrewrite"]["sites_rewritten"] == 2
     assert torch.isfinite(out).all() and (out - expected).abs().max() > 1e-4
     assert len([name for name, _ in rewritten.named_parameters() if name.endswith(".position_bias")]) == 2

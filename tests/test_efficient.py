@@ -11,13 +11,13 @@ import torch
 from attention_graphs import lowering_model, lowering_session
 from conftest import exported, read_record
 from models import (
+    fx_rewrite_of_bert,
     module_state,
     moved_off_initial,
     padded_at_both_ends,
     relative_error,
     run_onnx,
     run_pass_module,
-    text_args,
     torch_reference,
 )
 
@@ -157,12 +157,6 @@ def test_exported_models_rewrite_and_match_their_torch_reference(exports, name):
 
 
 def test_fx_rewrite_of_bert(exports):
-    model = exports.module("bert-eager")
-    program = torch.export.export(model, text_args(24))
-    args = text_args(24, seed=1)
-    with torch.no_grad():
-        expected = model(*args)
-        rewritten = attnrewrite.rewrite(program, to="efficient")
-        assert rewritten.meta["attnrewrite"]["sites_rewritten"] == 2
-        out = rewritten(*args)
+    rewritten, out, expected = fx_rewrite_of_bert(exports, "efficient")
+    assert rewritten.meta["attnrewrite"]["sites_rewritten"] == 2
     assert torch.isfinite(out).all() and (out - expected).abs().max() > 1e-4
