@@ -22,6 +22,7 @@ from models import (
     run_pass_module,
     torch_reference,
 )
+from test_recurrent import session_for
 from test_recurrent_models import assert_steps_equal_the_parallel_rewrite
 
 import attnrewrite
@@ -212,8 +213,7 @@ def test_recurrent_steps_equal_the_parallel_form_in_torch_and_onnx(schedule):
     q, k, v, keep = left_padded()
     expected = run_pass_module(parallel, q, k, v, keep)
     module = recurrent.recurrent_module(site, options, parallel)
-    lowering = recurrent.recurrent_lowering(site, options, OPSET, module_state(parallel))
-    session = _recurrent_session(lowering)
+    session = session_for(site, options, module_state(parallel))
     names = [t.name for t in recurrent.state_description(site, options)]
     assert names == ["numerator", "denominator", "key_max"]
     torch_state = module.initial_state(torch.from_numpy(q), torch.from_numpy(v))
@@ -226,37 +226,6 @@ def test_recurrent_steps_equal_the_parallel_form_in_torch_and_onnx(schedule):
         assert relative_error(out.numpy(), expected[..., piece, :]) < 1e-5, piece
         assert relative_error(onnx_out, expected[..., piece, :]) < 1e-5, piece
         assert all(s.shape == (B, H, D) for s in onnx_state)
-
-
-def _recurrent_session(lowering):
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    state = ["numerator", "denominator", "key_max"]
-    node = helper.make_node(
-        lowering.op_type,
-        ["q", "k", "v", "key_keep", *state, *lowering.constants],
-        ["out", *(f"{s}_out" for s in state)],
-        domain="attnrewrite",
-    )
-
-    def value(name, rank=4):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [f"{name}{i}" for i in range(rank)])
-
-    graph = helper.make_graph(
-        [node],
-        "recurrent",
-        [value("q"), value("k"), value("v"), value("key_keep"), *(value(s, 3) for s in state)],
-        [value("out"), *(value(f"{s}_out", 3) for s in state)],
-        initializer=[numpy_helper.from_array(a, name) for name, a in lowering.constants.items()],
-    )
-    model = helper.make_model(
-        graph,
-        functions=lowering.functions,
-        ir_version=10,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("attnrewrite", 1)],
-    )
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
