@@ -7,6 +7,8 @@ hide it). Prefix sums over positions or chunk states go through kernels.Exclusiv
 RescaledPrefixSum (products with triangular matrices, in levels of kernels.PREFIX_GROUP rows);
 a CumSum is left only along an axis whose length is a constant (hydra's chunk of positions),
 and no value holds a (chunks x chunks) matrix (the rescaled carry is nested two levels deep).
+The torch forms (the FX frontend's, calibration's) keep torch.cumsum but nest their rescaled
+carry alike.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def test_causal_lowering_equals_its_definition(config, chunk, n):
 @pytest.mark.parametrize("chunk, n", [(1, 301), (5, 163)])
 def test_causal_favor_window_lowering_equals_torch(chunk, n):
     """favor's window has no N x N weights (favor.WINDOWED_WEIGHTS): its ONNX form's
-    hierarchical carry against the torch module's (blocks x blocks) one."""
+    hierarchical carry against the torch module's."""
     site, options = causal_site(), favor.Options(window=4, features=16, chunk=chunk)
     module = favor.torch_module(site, options)
     weights = {name: value.numpy() for name, value in module.state_dict().items()}
@@ -209,3 +211,49 @@ def run_function(function, *inputs: np.ndarray) -> np.ndarray:
     )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, dict(zip(names, inputs)))[0]
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements any tensor an op returns holds."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+def largest_torch_value(attention, n: int) -> int:
+    """The most elements any value of ``attention`` holds on [6, n, *] inputs with per-key log
+    scales (features 8, values 5)."""
+    generator = torch.Generator().manual_seed(n)
+    phi_q, phi_k = (torch.rand(6, n, 8, generator=generator) for _ in range(2))
+    v, log_scale = torch.randn(6, n, 5, generator=generator), torch.randn(6, n, 1, generator=generator)
+    with LargestTensor() as recorder:
+        attention(phi_q, phi_k, v, log_scale)
+    return recorder.largest
+
+
+def causal_favor(phi_q, phi_k, v, log_scale):
+    return kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, chunk=2)
+
+
+def causal_favor_window(phi_q, phi_k, v, log_scale):
+    """Windows of 2, its far part in chunks of 1 block (far_chunk=2): the most chunks per position."""
+    q, k = phi_q - 0.5, phi_k - 0.5
+    return kernels.windowed_kernel_attention(
+        *(phi_q, phi_k, q, k, v),
+        **dict(scale=1.0, window=2, causal=True, window_next=False, sinks=0, far_chunk=2),
+        **dict(query_log_scale=torch.zeros_like(log_scale), key_log_scale=log_scale),
+    )
+
+
+@pytest.mark.parametrize("attention", [causal_favor, causal_favor_window], ids=lambda f: f.__name__)
+def test_no_torch_value_grows_faster_than_the_sequence(attention):
+    """The torch causal forms with per-key log scales: from N = 300 to 1100 (550 chunks, or
+    551 blocks and 553 chunks of one block) the largest value grows as N does (a (chunks x
+    chunks) carry held 3.7x more at 1100)."""
+    growth = (largest_torch_value(attention, 1100) / 1100) / (largest_torch_value(attention, 300) / 300)
+    assert growth < 1.2

@@ -38,8 +38,8 @@ weight could not absorb. So the kernel gets a_i and b_j as log scales and weighs
 phi_i.phi_j e^(a_i + b_j - m_i): the kernel part estimates e^(s_ij - m_i) exactly as the local
 part computes it (without bias, in expectation over W), the hybrid with linear_log_weight = 0 is
 an unbiased-per-term estimate of softmax attention, and a fitted linear_log_weight is a plain
-per-head factor on top. (Causal: keys of earlier blocks are re-referenced by a (blocks x blocks)
-carry, as in the causal kernel above; nothing reads a later key.)
+per-head factor on top. (Causal: the far part's chunk states are re-referenced by the
+two-level rescaled prefix of the causal kernel above; nothing reads a later key.)
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: f
             k = k.float().expand(*q.shape[:-2], *k.shape[-2:])  # one head shared (multi-query): broadcast
             logits = scale * q.float() @ k.transpose(-2, -1)
             hidden = _hidden_keys(logits, keep, causal, torch.arange(q.shape[-2], device=q.device))
-            far = _far_keys(module, q, keep, causal) & ~hidden
+            far = _far_keys(module, q.shape[-2], causal, q.device) & ~hidden
             weights = torch.nan_to_num(torch.softmax(logits.masked_fill(hidden, float("-inf")), -1))
             counted = _query_weight(q, keep)[..., 0].expand(q.shape[:-1]) > 0
             seen += float((far.any(-1) & counted).sum())
@@ -230,11 +230,12 @@ def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: f
     return {"queries": seen / max(real, 1.0), "attention_mass": mass / max(real, 1.0)}
 
 
-def _far_keys(module, q, key_keep, causal: bool):
-    """[..., Nq, Nk] True where a key lies outside the window hybrid's exact part: the exact part
-    as kernels.windowed_attention_weights defines it, read off its weights on zero inputs (equal
-    logits, no kernel), which are nonzero exactly on the visible exact keys."""
-    zero = q.new_zeros(*q.shape[:-1], 1, dtype=torch.float32)
+def _far_keys(module, n: int, causal: bool, device):
+    """[n, n] True where a key lies outside the window hybrid's exact part: the exact part as
+    kernels.windowed_attention_weights defines it, read off its weights on zero inputs (equal
+    logits, no kernel), which are nonzero exactly on the visible exact keys. Positions decide
+    it, not the data: one matrix for every example and head (padded keys are the caller's)."""
+    zero = torch.zeros(n, 1, device=device)
     exact = kernels.windowed_attention_weights(
         zero,
         zero,
@@ -245,7 +246,6 @@ def _far_keys(module, q, key_keep, causal: bool):
         causal=causal,
         window_next=module.window_next,
         sinks=module.sinks,
-        key_keep=key_keep,
     )
     return exact == 0
 

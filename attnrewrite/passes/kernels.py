@@ -6,9 +6,9 @@ prefix sum of per-chunk key-value states, so memory stays O(N*F + N/chunk * F*Dv
 the O(N*F*Dv) of a per-position prefix sum. The ONNX bodies take no CumSum along an axis that
 grows with N (onnxruntime's CUDA CumSum sums each output's whole prefix: O(L^2) along an axis
 of length L): prefix sums and the rescaled carry go through bounded-depth hierarchies of
-triangular products (ExclusivePrefixSum, rescaled_prefix_functions). The torch forms keep
-torch.cumsum and the one-level (chunks x chunks) carry: they are the reference, and calibration
-runs them at a few hundred positions.
+triangular products (ExclusivePrefixSum, rescaled_prefix_functions). The torch forms (what the
+FX frontend and calibration run) keep torch.cumsum, a running sum, and nest the rescaled carry
+two levels deep as the ONNX form does (_rescaled_prefix_sum): neither is quadratic in N.
 
 The window hybrid (``window=W`` of linear, favor, hedgehog) is here too, once per lowering:
 exact softmax over each query's block of W positions, the previous block, the next one
@@ -35,16 +35,20 @@ bench/window_rounding.md), large only where unit-free local kernel terms outweig
 and a row has almost no far key (N near 3W). A block without any far block gives exactly 0 far
 part (b_i = 0). Superblock states (exact, no cancellation) cost a [W, 3P] masked kernel-score
 block per query block for superblocks of P positions: several times the work, for no rounding
-gain measurable on MiniLM.
+gain measurable on MiniLM. The torch form (calibration's forward and backward) lays the exact part
+out alike but, up to STATE_BLOCKS blocks, sums the far part from per-block states instead: at a
+few hundred positions that is the faster form, and nothing cancels.
 
-A causal window concatenates each block's exact keys ([W, 2W + sinks] logits). Its far part
-(blocks <= c-2) keeps no state per block in the ONNX form: it is a chunked causal kernel over
+A causal window's exact part takes the same pairs of blocks and one gather (in a pair's lower
+triangle, each block's own keys up to the query and, for the pair's first block, the block before
+it; the comment above _causal_paired_window_functions). Its far part
+(blocks <= c-2) keeps no state per block: it is a chunked causal kernel over
 chunks of P blocks (P W ~ WINDOW_FAR_CHUNK positions, whatever W), with the keys one block behind
 the queries, so that every earlier key chunk is wholly far (one exclusive prefix of per-chunk
 states) and inside a chunk a block-strictly-lower mask on the kernel scores takes exactly the
-far keys (the comment above _chunked_far_sums_functions). No local key enters the far sums, so
-nothing cancels: they round as sums of far terms, as the per-block states of the torch form
-(the reference, and calibration's forward) do.
+far keys (the comment above _chunked_far_sums_functions; the torch form, _FarChunks, lays its
+chunks out alike). No local key enters the far sums, so nothing cancels: they round as sums of
+far terms.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ RESCALED_EPS = 1e-30
 # (bench/ab_attention.py, hedgehog: the prefix of fewer states saves less than the [4W, 4W]
 # masked scores cost).
 WINDOW_FAR_CHUNK = 64
+PREFIX_GROUP = 16  # rows per group at each level of the hierarchical prefix sums and maxima
 # "No key yet" in running maxima of log scales: finite, so differences of two stay NaN-free
 # (-inf - -inf is NaN) while exp of any difference with a real scale is still 0.
 LOWEST_LOG_SCALE = -3.0e38
@@ -121,20 +126,17 @@ def causal_rescaled_linear_attention(phi_q, phi_k, key_log_scale, v, chunk: int,
     exp(key_log_scale[j] - r[i]) <= 1, with r[i] the running max of key_log_scale over keys
     0..i: the dropped factor exp(r[i]) is one constant for every term of row i's numerator and
     denominator, so it cancels exactly, and r[i] reads no key after i. Across chunks the carried
-    state is re-referenced from one chunk's running max to the next with a (chunks x chunks)
-    lower-triangular matrix of factors <= 1 (no CumSum can rescale), so compute grows as
-    (N/chunk)^2 * F * Dv for that part (the ONNX form nests it two levels deep instead:
-    RescaledPrefixSum); memory stays that of causal_linear_attention.
+    state is re-referenced from one chunk's running max to the next by _rescaled_prefix_sum
+    (no CumSum can rescale): two levels of factors <= 1, as the ONNX RescaledPrefixSum, so
+    compute stays near linear in N and memory that of causal_linear_attention.
     Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE (they must not raise r).
     """
     lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
     layout = _ChunkLayout(n, chunk)
     q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
     s = layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]  # [G, chunks, chunk]
-    # Running maxima as masked maxima: [G, chunks, chunk, chunk] then [G, chunks, chunks], no
-    # more than the scores and the carry below hold.
-    seen = _running_max(s)  # inside each chunk
-    upto = _running_max(seen[..., -1])  # through the end of each chunk
+    seen = _running_max(s)  # inside each chunk, a [G, chunks, chunk, chunk] masked max
+    upto = _chunk_running_max(seen[..., -1], layout.groups)  # through the end of each chunk
     before = _shift_right(upto, LOWEST_LOG_SCALE)  # through the end of the chunk before
     ref = torch.maximum(seen, before.unsqueeze(-1))  # r[i]
     # Inside a chunk: (q_i . k_j) exp(s_j - r_i), j <= i; above the diagonal the clamp only keeps
@@ -145,9 +147,8 @@ def causal_rescaled_linear_attention(phi_q, phi_k, key_log_scale, v, chunk: int,
     # starting max: exp(upto[c'] - before[c]) <= 1 for c' < c.
     k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
     kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
-    carry = torch.tril(torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1)
-    state = (carry @ kv.flatten(2)).reshape(kv.shape)
-    key_sum = carry @ k_rel.sum(dim=2)  # [G, chunks, F]
+    state = _rescaled_prefix_sum(kv.flatten(2), upto, before, layout.groups).reshape(kv.shape)
+    key_sum = _rescaled_prefix_sum(k_rel.sum(dim=2), upto, before, layout.groups)  # [G, chunks, F]
     into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)  # from before[c] to r[i], <= 1
     numerator = into * (q4 @ state) + scores @ v4
     denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
@@ -172,6 +173,7 @@ def windowed_kernel_attention(
     key_log_scale=None,
     local_max_weight=None,
     eps: float = DENOMINATOR_EPS,
+    far_chunk: int = WINDOW_FAR_CHUNK,
 ):
     """Exact softmax over nearby keys and sink keys plus kernel attention over the rest, one
     normaliser.
@@ -203,8 +205,10 @@ def windowed_kernel_attention(
 
     ``key_keep`` masks the exact part; phi_k must already be zero on padded keys. Memory is
     O(N * (3 * window + sinks) + N * F) and the far states: one [F, Dv + 1] bidirectional (in
-    pairs of blocks, see the module docstring for its rounding), one per block causal (the
-    ONNX form: one per chunk of blocks); nothing is N x N. All in float32.
+    pairs of blocks, see the module docstring for its rounding; one per block up to
+    STATE_BLOCKS blocks), one per chunk of about
+    ``far_chunk`` positions causal (_FarChunks, as the ONNX form; a matter of speed only);
+    nothing is N x N. All in float32.
     """
     lead, n = q.shape[:-2], q.shape[-2]
     q, k, v, phi_q, phi_k = q.float(), k.float(), v.float(), phi_q.float(), phi_k.float()
@@ -213,7 +217,9 @@ def windowed_kernel_attention(
     keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
     units = _Units(query_log_scale, key_log_scale, local_max_weight)
     if causal:  # window_next changes nothing: a causal site never sees later keys
-        out = _windowed_causal(phi_q, phi_k, q, k, v, keep, units, scale=scale, window=window, sinks=sinks, eps=eps)
+        out = _windowed_causal(
+            phi_q, phi_k, q, k, v, keep, units, scale=scale, window=window, sinks=sinks, far_chunk=far_chunk, eps=eps
+        )
     else:
         out = _windowed_bidirectional(
             phi_q, phi_k, q, k, v, keep, units, scale=scale, window=window, following=window_next, sinks=sinks, eps=eps
@@ -246,9 +252,9 @@ def _windowed_bidirectional(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale
     return sums[..., :-1] / (sums[..., -1:] + eps)
 
 
-def _windowed_causal(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, window, sinks, eps):
+def _windowed_causal(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, window, sinks, far_chunk, eps):
     """windowed_kernel_attention, causal: the exact part over concatenated local blocks, the
-    far part from one state per block (blocks <= c-2)."""
+    far part (blocks <= c-2) by chunks of blocks (_FarChunks)."""
     query_log_scale, key_log_scale, local_max_weight = units
     lead, n = q.shape[:-2], q.shape[-2]
     layout = _ChunkLayout(n, window, aligned_to_start=True)
@@ -257,18 +263,14 @@ def _windowed_causal(phi_q, phi_k, q, k, v, keep, units: _Units, *, scale, windo
     )
     # The kernel never sees a sink: zero features, and (per-key log scales) the lowest log
     # scale, so that no sink raises a running max.
-    pq4, v4 = layout.blocks(phi_q), layout.blocks(v)
-    pk4 = layout.blocks(_without_sinks(phi_k, sinks, 0.0))
+    chunks = _FarChunks(layout, far_chunk, q.device)
+    far_rows = flatten_heads(phi_q), flatten_heads(_without_sinks(phi_k, sinks, 0.0)), flatten_heads(v)
     if key_log_scale is None:
-        far_kv = _earlier_blocks_sum(pk4.transpose(-2, -1) @ v4)
-        far_key_sum = _earlier_blocks_sum(pk4.sum(dim=2))
+        far_sums = _far_sums(chunks, *far_rows)
     else:
-        far_key_log_scale = _without_sinks(key_log_scale.float(), sinks, LOWEST_LOG_SCALE)
-        far_kv, far_key_sum, far_log_scale = _rescaled_earlier_states(
-            pk4, layout.blocks(far_key_log_scale, LOWEST_LOG_SCALE)[..., 0], v4
-        )
-    far_num = pq4 @ far_kv
-    far_den = (pq4 * far_key_sum.unsqueeze(2)).sum(-1, keepdim=True)
+        far_key_log_scale = _without_sinks(flatten_heads(key_log_scale.float()), sinks, LOWEST_LOG_SCALE)
+        far_sums, far_log_scale = _rescaled_far_sums(chunks, *far_rows, far_key_log_scale)
+    far_num, far_den = far_sums[..., :-1], far_sums[..., -1:]
     if key_log_scale is not None:
         # log of (kernel part's unit / exact part's unit), per query row
         if local_max_weight is not None:  # [heads, 1, 1] -> one per query row, blocked
@@ -467,19 +469,116 @@ def _earlier_blocks_sum(x):
     return _shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
 
 
-def _rescaled_earlier_states(pk4, s, v4):
-    """Causal kernel states over blocks <= c-2 when key j's features are pk_j * exp(s_j):
-    referenced to R_c, the max of s over those blocks (lowest log scale if none), with the
-    (chunks x chunks) carry of causal_rescaled_linear_attention, so no factor exceeds 1 and
-    R_c reads no key after the block. Returns (state, key sum, R_c as [G, chunks, 1, 1])."""
-    block_max = s.amax(dim=-1)  # [G, chunks]
-    reach = _shift_right(_running_max(block_max), LOWEST_LOG_SCALE, steps=2)
-    k_rel = pk4 * torch.exp(s - block_max.unsqueeze(-1)).unsqueeze(-1)
-    kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
-    moves = block_max.unsqueeze(1) - reach.unsqueeze(2)  # [G, c, c']: from block c''s max to R_c
-    carry = torch.tril(torch.exp(torch.clamp_max(moves, 0.0)), diagonal=-2)
-    state = (carry @ kv.flatten(2)).reshape(kv.shape)
-    return state, carry @ k_rel.sum(dim=2), reach[..., None, None]
+class _FarChunks:
+    """A causal window's far part by chunks of P = round(far_chunk / W) blocks, as the ONNX
+    FarSums lays it out (the comment above _chunked_far_sums_functions): rows [G, N, *] ->
+    [G, chunks', P W, *], query chunk k holding blocks kP .. kP + P - 1 of the window's layout,
+    key chunk k the rows one block earlier (blocks kP - 1 .. kP + P - 2), so that every key
+    chunk before k is far for all of query chunk k, and inside key chunk k query block kP + a
+    takes key block kP - 1 + b where b < a (``earlier_blocks``, [P, P]). chunks' =
+    ceil(N / (P W)) + 2 (written so that torch.export proves its guards, see _prefix_groups)
+    leaves the keys room to move a block and is never 1 for some N (a guard, see _ChunkLayout);
+    where it exceeds the ONNX form's (chunks + P) // P, the extra chunk holds padding only."""
+
+    def __init__(self, layout: _ChunkLayout, far_chunk: int, device):
+        self.layout, self.window = layout, layout.chunk
+        self.per_chunk = max(1, round(far_chunk / layout.chunk))
+        self.size = self.per_chunk * layout.chunk
+        self.count = (layout.n + 3 * self.size - 1) // self.size
+        self.groups = _prefix_groups(layout.n, self.size)
+        self.earlier_blocks = torch.ones(self.per_chunk, self.per_chunk, device=device).tril(-1)
+
+    def queries(self, x, fill: float = 0.0):
+        return self._in_chunks(x, fill, self.layout.pad)
+
+    def keys(self, x, fill: float = 0.0):
+        return self._in_chunks(x, fill, self.layout.pad + self.window)
+
+    def _in_chunks(self, x, fill: float, front):
+        rows = self.count * self.size - front - x.shape[-2]  # x's own length (see _Pairs.rows)
+        x = torch.nn.functional.pad(x, (0, 0, front, rows), value=fill)
+        return x.reshape(x.shape[0], self.count, self.size, x.shape[-1])
+
+    def in_blocks(self, x):
+        """[G, chunks', P W, *] -> [G, chunks', P, W, *]."""
+        return x.unflatten(2, (self.per_chunk, self.window))
+
+    def per_block(self, x, fill: float = 0.0):
+        """One value per block of the window's layout [G, chunks] -> [G, chunks', P]."""
+        x = torch.nn.functional.pad(x, (0, self.count * self.per_chunk - self.layout.chunks), value=fill)
+        return x.reshape(x.shape[0], self.count, self.per_chunk)
+
+    def blocks(self, sums):
+        """[G, chunks', P W, X] -> the window's blocks [G, chunks, W, X]: a gather, not a slice
+        (see _ChunkLayout)."""
+        in_blocks = sums.reshape(sums.shape[0], self.count * self.per_chunk, self.window, sums.shape[-1])
+        return in_blocks.index_select(1, torch.arange(self.layout.chunks, device=sums.device))
+
+    def within(self, q_c, k_c, vo_c, weight):
+        """sum over key j of key chunk k of weight[a, b] phi_q_i.phi_k_j [v_j, 1], a and b the
+        blocks of query i and key j in the chunk; weight [..., P, P] is zero unless b < a."""
+        if self.per_chunk == 1:  # every key of key chunk k is local to query chunk k
+            return 0.0
+        if self.per_chunk == 2:  # only query block 1 takes keys here, key block 0's: [W, W] products
+            later_q, earlier_k = self.in_blocks(q_c)[:, :, 1], self.in_blocks(k_c)[:, :, 0]
+            scores = (later_q @ earlier_k.transpose(-2, -1)) * weight[..., 1:, :1]
+            return torch.nn.functional.pad(scores @ self.in_blocks(vo_c)[:, :, 0], (0, 0, self.window, 0))
+        scores = self.in_blocks((q_c @ k_c.transpose(-2, -1)).unflatten(-1, (self.per_chunk, self.window)))
+        weighted = scores * weight[..., :, None, :, None]  # [G, chunks', P, W, P, W]
+        return weighted.flatten(4, 5).flatten(2, 3) @ vo_c
+
+
+def _values_and_ones(v):
+    """[v, 1]: the denominator as one more value column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def _far_sums(chunks: _FarChunks, pq, pk, v):
+    """[G, chunks, W, Dv + 1]: the kernel's numerator and denominator over each query block's
+    far keys, from rows [G, N, *] (phi_q weighted, phi_k zero on the sinks), as the ONNX
+    FarSums: the exclusive prefix of per-chunk states, and the far keys inside the chunk."""
+    q_c, k_c, vo_c = chunks.queries(pq), chunks.keys(pk), chunks.keys(_values_and_ones(v))
+    state = _exclusive_cumsum(k_c.transpose(-2, -1) @ vo_c)  # [G, chunks', F, Dv + 1]
+    return chunks.blocks(q_c @ state + chunks.within(q_c, k_c, vo_c, chunks.earlier_blocks))
+
+
+def _rescaled_far_sums(chunks: _FarChunks, pq, pk, v, s):
+    """_far_sums when key j's features are pk_j * exp(s_j) (s [G, N, 1], the lowest log scale on
+    the sinks and padding), in units of R_c, the max of s over block c's far keys (the lowest
+    log scale if none), so that no factor exceeds 1 and R_c reads no key after the block;
+    returns R_c too, as [G, chunks, 1, 1]. The references are the ONNX RescaledFarSums': chunk
+    states relative to their own max U_k, carried to B_k (the max over the key chunks before)
+    by _rescaled_prefix_sum, then to R_c >= B_k. Each key is first moved to its block's max M_b
+    (<= U_k, and <= R_c where the block is far) on its features: a key whose features are huge
+    and whose log scale is tiny keeps its product, where e^(s_j - U_k) alone could underflow."""
+    lowest, least = LOWEST_LOG_SCALE, NO_EXACT_KEY_SHIFT
+    block_max = chunks.layout.blocks(s, lowest)[..., 0].amax(dim=-1)  # [G, chunks]
+    reach = _shift_right(_chunk_running_max(block_max, chunks.layout.groups), lowest, steps=2)  # R_c
+    r_c = chunks.per_block(torch.clamp_min(reach, least))  # [G, chunks', P]
+    s_b = chunks.in_blocks(chunks.keys(s, lowest))  # [G, chunks', P, W, 1]
+    key_block_max = torch.clamp_min(s_b.amax(dim=(-2, -1)), least)  # M_b [G, chunks', P]
+    chunk_max = key_block_max.amax(dim=-1)  # U_k
+    before = _shift_right(_chunk_running_max(chunk_max, chunks.groups), lowest)  # B_k
+    q_c, k_c, vo_c = chunks.queries(pq), chunks.keys(pk), chunks.keys(_values_and_ones(v))
+    k_rel = chunks.in_blocks(k_c) * torch.exp(s_b - key_block_max[..., None, None])  # [G, chunks', P, W, F]
+    to_chunk = torch.exp(key_block_max - chunk_max.unsqueeze(-1))[..., None, None]  # M_b to U_k
+    kv = (k_rel * to_chunk).flatten(2, 3).transpose(-2, -1) @ vo_c
+    state = _rescaled_prefix_sum(kv.flatten(2), chunk_max, before, chunks.groups).reshape(kv.shape)
+    into = torch.exp(torch.clamp_max(before.unsqueeze(-1) - r_c, 0.0))  # B_k to R_c, per query block
+    carried = (chunks.in_blocks(q_c @ state) * into[..., None, None]).flatten(2, 3)
+    block_to_query = torch.exp(torch.clamp_max(key_block_max.unsqueeze(-2) - r_c.unsqueeze(-1), 0.0))  # [.., a, b]
+    within = chunks.within(q_c, k_rel.flatten(2, 3), vo_c, block_to_query * chunks.earlier_blocks)
+    return chunks.blocks(carried + within), reach[..., None, None]
+
+
+# Up to this many blocks (N <= 62 W) the torch bidirectional window sums its far part from
+# per-block states (_far_block_sums) rather than taking the local kernel terms back out of one
+# state: no [2W, 2W] kernel scores and nothing cancels. Forward and backward of hedgehog
+# [1, 12, N, 32] at W = 32 on the CPU, 1 thread (a shared machine, +-15%), block states / one
+# state: 7.8 / 11.4 ms at N = 256, 27.6 / 42.2 at 1024, 70.7 / 83.2 at 2048, 131 / 168 at 4096;
+# the states' [blocks, blocks] product grows as blocks^2, so the limit stays where it is small.
+# Calibration's passages (N <= 512) are well inside.
+STATE_BLOCKS = 64
 
 
 class _Pairs:
@@ -528,45 +627,83 @@ class _Pairs:
 def _bidirectional_window(pairs: _Pairs, q, k, v, keep, phi_q, phi_k, ratio_of, *, following: bool, sinks: int):
     """[G, rows, Dv + 1]: the bidirectional window's numerator and denominator (the ONNX
     PairedWindow's sums: see the comment above _pair_structure), from [G, N, *] inputs (q scaled,
-    phi_q weighted, phi_k zero on the sinks) and ``ratio_of``, the log ratio of the kernel part's
-    unit to the exact part's as a function of the rows' max exact logit."""
-    in_pair, across = (torch.from_numpy(x).to(q.device) for x in _pair_structure(pairs.window, following))
-    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    phi_q weighted, phi_k zero on the sinks and padded keys) and ``ratio_of``, the log ratio of the
+    kernel part's unit to the exact part's as a function of the rows' max exact logit. Over at
+    most STATE_BLOCKS blocks the far part comes from per-block states instead (_far_block_sums).
+
+    A padded key's logit is the lowest log scale (it never raises a max) and its [v, 1] row is
+    zero (it adds nothing), so that no [.., 2W, 2W] mask is built or applied for it."""
+    in_pair, across = (
+        None if x.all() else torch.from_numpy(x).to(q.device) for x in _pair_structure(pairs.window, following)
+    )
+    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
     if sinks:
         sink_keys, sink_values, sink_keep = (_sink_rows(x, sinks, 1)[:, 0] for x in (k, v, keep))
-    q, k, v, keep, phi_q, phi_k = (pairs.rows(x) for x in (q, k, v, keep, phi_q, phi_k))
-    # (structure, the queries' view, the keys' view): each pair against itself, each block against
-    # its neighbour outside the pair
+    key_bias = pairs.rows(torch.where(keep > 0, 0.0, LOWEST_LOG_SCALE), fill=LOWEST_LOG_SCALE)
+    q, k, v, phi_q, phi_k = (pairs.rows(x) for x in (q, k, v, phi_q, phi_k))
+    # (structure: None where every key is taken, the queries' view, the keys' view): each pair
+    # against itself, each block against its neighbour outside the pair
     local_parts = (in_pair, pairs.pairs, pairs.pairs), (across, pairs.blocks, pairs.neighbours)
     logits = []
     for structure, own, other in local_parts:
-        taken = (other(keep).transpose(-2, -1) > 0) & structure
-        logits.append(torch.where(taken, own(q) @ other(k).transpose(-2, -1), LOWEST_LOG_SCALE))
+        scores = own(q) @ other(k).transpose(-2, -1) + other(key_bias).transpose(-2, -1)
+        logits.append(scores if structure is None else torch.where(structure, scores, LOWEST_LOG_SCALE))
     row_max = torch.maximum(*(pairs.unpaired(x.amax(-1, keepdim=True)) for x in logits))
     if sinks:
         sink_taken = (sink_keep.transpose(-2, -1) > 0) & _paired_sink_mask(pairs, sinks, following, q.device)
         sink_logits = torch.where(sink_taken, q @ sink_keys.transpose(-2, -1), LOWEST_LOG_SCALE)
         row_max = torch.maximum(row_max, sink_logits.amax(-1, keepdim=True))
     ratio = ratio_of(row_max)
+    # a symbolic length (torch.export at a free N) takes the form that holds at every length: a
+    # test on it would be a guard
+    if isinstance(pairs.count, int) and 2 * pairs.count <= STATE_BLOCKS:
+        # Both parts' sums as they are, then each scaled by its share (e^-max(ratio, 0) and
+        # e^min(ratio, 0)): one factor per row instead of a shift in every exact weight.
+        local = sum(
+            pairs.unpaired(_exact_weights(scores, own(row_max), structure) @ other(v))
+            for (structure, own, other), scores in zip(local_parts, logits)
+        )
+        if sinks:
+            local = local + _exact_weights(sink_logits, row_max, sink_taken) @ sink_values
+        far = _far_block_sums(pairs, phi_q, phi_k, v, following)
+        return local * torch.exp(-torch.clamp_min(ratio, 0.0)) + far * torch.exp(torch.clamp_max(ratio, 0.0))
+    # one state for the whole sequence, the local kernel terms taken back out (the ONNX form's sums)
     block = pairs.row_blocks(q.device)
     has_far = (block >= 3) | (block + (2 if following else 1) < pairs.layout.chunks)
     far_weight = torch.exp(torch.clamp_max(ratio, 0.0)) * has_far
     shift = torch.clamp_min(ratio, 0.0)  # e^-max(ratio, 0) on the exact part, in its exponent
     sums = far_weight * (phi_q @ (phi_k.transpose(-2, -1) @ v))
     for (structure, own, other), scores in zip(local_parts, logits):
-        exact = _exact_weights(scores, own(row_max), own(shift))
-        kernel = torch.where(structure, own(phi_q) @ other(phi_k).transpose(-2, -1), 0.0)
+        kernel = own(phi_q) @ other(phi_k).transpose(-2, -1)
+        if structure is not None:
+            kernel = torch.where(structure, kernel, 0.0)
+        exact = _exact_weights(scores, own(row_max), structure, own(shift))
         sums = sums + pairs.unpaired((exact - own(far_weight) * kernel) @ other(v))
     if sinks:
-        sums = sums + _exact_weights(sink_logits, row_max, shift) @ sink_values
+        sums = sums + _exact_weights(sink_logits, row_max, sink_taken, shift) @ sink_values
     return sums
 
 
-def _exact_weights(scores, row_max, shift):
-    """e^(scores - row_max - shift), 0 where scores are masked (the lowest log scale). As in
-    _local_softmax_sums, no weight below e^-EXP_FLOOR of the max's unless masked: a subnormal
-    exp takes several times longer."""
-    return torch.exp(torch.clamp_min(scores - row_max, -EXP_FLOOR) - shift) * (scores > LOWEST_LOG_SCALE)
+def _far_block_sums(pairs: _Pairs, phi_q, phi_k, v, following: bool):
+    """[G, rows, Dv + 1]: each row's kernel sums over its block's far blocks (c' <= c - 2 and
+    c' >= c + 2, c + 1 without ``following``), from the blocks' states phi_k^T [v, 1] summed by
+    one [blocks, blocks] product: quadratic in the blocks, hence only for few of them."""
+    g, w = phi_q.shape[0], pairs.window
+    states = phi_k.reshape(g, -1, w, phi_k.shape[-1]).transpose(-2, -1) @ v.reshape(g, -1, w, v.shape[-1])
+    block = torch.arange(states.shape[1], device=v.device)
+    offset = block - block.unsqueeze(-1)  # key's block - query's
+    far = ((offset <= -2) | (offset >= (2 if following else 1))).to(states.dtype)
+    far_states = (far @ states.flatten(2)).reshape(states.shape)
+    return (phi_q.reshape(g, -1, w, phi_q.shape[-1]) @ far_states).reshape(g, -1, v.shape[-1])
+
+
+def _exact_weights(scores, row_max, taken=None, shift=None):
+    """e^(scores - row_max - shift) where ``taken`` (default: everywhere), else 0. As in
+    _local_softmax_sums, no weight below e^-EXP_FLOOR of the max's: a subnormal exp takes several
+    times longer (a masked key's weight is e^-EXP_FLOOR too, and its zero value row takes it out)."""
+    exponent = torch.clamp_min(scores - row_max, -EXP_FLOOR)
+    weights = torch.exp(exponent if shift is None else exponent - shift)
+    return weights if taken is None else torch.where(taken, weights, 0.0)
 
 
 def _paired_sink_mask(pairs: _Pairs, sinks: int, following: bool, device):
@@ -602,6 +739,7 @@ class _ChunkLayout:
         self.chunks = (n + 2 * chunk - 1) // chunk
         self.pad = chunk if aligned_to_start else self.chunks * chunk - n  # in [chunk, 2 * chunk - 1]
         self.tail = self.chunks * chunk - chunk - n if aligned_to_start else 0  # in [0, chunk - 1]
+        self.groups = _prefix_groups(n, chunk)  # of the chunks, for prefixes over them
 
     def blocks(self, x, fill: float = 0.0):
         x = torch.nn.functional.pad(flatten_heads(x), (0, 0, self.pad, self.tail), value=fill)
@@ -631,6 +769,58 @@ def _running_max(x):
     size = x.shape[-1]
     lower = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
     return torch.where(lower, x.unsqueeze(-2), LOWEST_LOG_SCALE).amax(dim=-1)
+
+
+# Along a chunk axis that grows with N, running maxima and rescaled prefix sums go two levels deep
+# (groups of PREFIX_GROUP rows, then the groups), as the ONNX ChunkRunningMax and RescaledPrefixSum:
+# no (chunks x chunks) matrix, so compute stays near linear in N.
+
+
+def _prefix_groups(n, span: int):
+    """Groups of PREFIX_GROUP rows for the chunks of ``span`` positions of n (at most
+    n / span + 3 of them: _ChunkLayout, _FarChunks): ceil(n / (PREFIX_GROUP span)) + 1, at least
+    one more group than they fill, so that the count is never 1 for some N and not others (a
+    guard, see _ChunkLayout). Written as a ceiling of n itself: torch.export proves its guards
+    (as it does _ChunkLayout's), not those of the groups of a floor division's result."""
+    return (n + 2 * PREFIX_GROUP * span - 1) // (PREFIX_GROUP * span)
+
+
+def _in_groups(x, fill: float, groups):
+    """[G, L, *] -> [G, groups, PREFIX_GROUP, *], fill after the last row (_prefix_groups)."""
+    pads = [0, 0] * (x.dim() - 2) + [0, groups * PREFIX_GROUP - x.shape[1]]
+    return torch.nn.functional.pad(x, pads, value=fill).reshape(x.shape[0], groups, PREFIX_GROUP, *x.shape[2:])
+
+
+def _out_of_groups(x4, rows):
+    """_in_groups undone: the first ``rows`` rows, a gather rather than a slice (see _ChunkLayout)."""
+    flat = x4.reshape(x4.shape[0], x4.shape[1] * PREFIX_GROUP, *x4.shape[3:])
+    return flat.index_select(1, torch.arange(rows, device=x4.device))
+
+
+def _chunk_running_max(x, groups):
+    """[G, L] -> the max of x over rows <= each row: inside each group, then the groups before."""
+    within = _running_max(_in_groups(x, LOWEST_LOG_SCALE, groups))  # [G, groups, PREFIX_GROUP]
+    earlier_groups = _shift_right(_running_max(within[..., -1]), LOWEST_LOG_SCALE)
+    return _out_of_groups(torch.maximum(within, earlier_groups.unsqueeze(-1)), x.shape[1])
+
+
+def _rescaled_prefix_sum(x, m, r, groups):
+    """Per row c of x [G, L, X] (row c' standing for x[c'] exp(m[c']), m [G, L]), the sum over
+    c' < c of x[c'] exp(m[c'] - r[c]), to references r [G, L] >= every m[c'] summed into their
+    row, so that no factor exceeds 1: inside a group each pair's factor, across groups each
+    group's total moved to its own max U, carried to the max B of the groups before, then to
+    r[c] >= B."""
+    x4, m3, r3 = _in_groups(x, 0.0, groups), _in_groups(m, LOWEST_LOG_SCALE, groups), _in_groups(r, 0.0, groups)
+    pairs = m3.unsqueeze(2) - r3.unsqueeze(3)  # [G, groups, row c, row c']
+    within = torch.tril(torch.exp(torch.clamp_max(pairs, 0.0)), diagonal=-1) @ x4
+    group_max = m3.amax(dim=-1)  # U [G, groups]
+    totals = (torch.exp(m3 - group_max.unsqueeze(-1)).unsqueeze(2) @ x4).squeeze(2)  # [G, groups, X]
+    before = _shift_right(_running_max(group_max), LOWEST_LOG_SCALE)  # B
+    moves = group_max.unsqueeze(1) - before.unsqueeze(2)
+    across = torch.tril(torch.exp(torch.clamp_max(moves, 0.0)), diagonal=-1) @ totals
+    into = torch.exp(torch.clamp_max(before.unsqueeze(-1) - r3, 0.0)).unsqueeze(-1)  # from B to r[c]
+    # in place: the one value as large as x4 that is not x4 itself
+    return _out_of_groups(within.addcmul_(into, across.unsqueeze(2)), x.shape[1])
 
 
 # --- the causal forms continued from a state (passes/recurrent.py) --------------------------------
@@ -811,8 +1001,11 @@ def _positioned_exact_keys(layout, start: int, k, v, keep, sink_keys: SinkKeys):
 
 
 def _rescaled_earlier_states_after(pk4, s, v4, far: KernelState):
-    """_rescaled_earlier_states with the keys of ``far`` before the first block: R_c is the max
-    over them too, and they are moved from their reference to R_c (a factor <= 1)."""
+    """Causal kernel states over blocks <= c-2 when key j's features are pk_j * exp(s_j), and the
+    keys of ``far`` before the first block: referenced to R_c, the max of s over those keys (the
+    state's log scale included), with a (blocks x blocks) carry (a decoder's few new blocks), so
+    no factor exceeds 1 and R_c reads no key after the block. Returns (state, key sum, R_c as
+    [G, chunks, 1, 1])."""
     absorbed = far.log_scale.reshape(-1, 1)
     block_max = s.amax(dim=-1)
     reach = torch.maximum(_shift_right(_running_max(block_max), LOWEST_LOG_SCALE, steps=2), absorbed)
@@ -1200,17 +1393,8 @@ def windowed_kernel_attention_functions(
     if not causal:
         pieces = _paired_window_functions(op, blocks, flatten, window, scale, window_next, sinks, eps)
         return with_callees(_paired_window_entry(op, flatten, *pieces, rescaled, max_weighted))
-    without_sinks = _without_sinks_function(op, sinks)
-    exact_keys = _exact_keys_function(op, blocks, window, sinks)
-    local_part = _local_part_function(op, blocks, flatten, key_keep_function(opset_version), exact_keys, scale)
-    far_sums, rescaled_far_sums = _chunked_far_sums_functions(
-        opset_version, blocks, flatten, without_sinks, window, far_chunk
-    )
-    if not rescaled:
-        return with_callees(_windowed_kernel_entry(op, blocks, flatten, local_part, without_sinks, far_sums, eps))
-    parts = _rescaled_parts_function(op, flatten, local_part, rescaled_far_sums)
-    combine = _combine_rescaled_function(op, blocks, eps)
-    return with_callees(_windowed_rescaled_entry(op, blocks, flatten, parts, combine, max_weighted))
+    pieces = _causal_paired_window_functions(opset_version, blocks, flatten, window, scale, sinks, eps, far_chunk)
+    return with_callees(_causal_paired_entry(op, flatten, pieces, rescaled, max_weighted))
 
 
 class _WindowBlocks(typing.NamedTuple):
@@ -1220,7 +1404,6 @@ class _WindowBlocks(typing.NamedTuple):
     BlockCount: OnnxFunction
     FrontPad: OnnxFunction
     WindowBlocks: OnnxFunction
-    UnblockLike: OnnxFunction
     ShiftBlocks: OnnxFunction
 
 
@@ -1257,46 +1440,20 @@ def _window_block_functions(op, window: int, aligned_to_start: bool) -> _WindowB
         return op.Reshape(op.Pad(x, pads, fill), shape)
 
     @script(ATTNREWRITE, default_opset=op)
-    def UnblockLike(out4, q, v):
-        """[G, chunks, window, Dv] -> q's leading axes + [N, Dv]: the N rows after FrontPad."""
-        rows = op.Reshape(out4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(v, start=-1), axis=0))
-        n = op.Shape(v, start=-2, end=-1)
-        front = FrontPad(n)
-        kept = op.Slice(rows, front, front + n, op.Constant(value_ints=[1]))
-        return op.Reshape(kept, op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0))
-
-    @script(ATTNREWRITE, default_opset=op)
     def ShiftBlocks(x, fill, steps):
         """x moved ``steps`` blocks later along axis 1, fill first."""
         one = op.Constant(value_ints=[1])
         shifted = op.Pad(x, op.Concat(steps, op.Constant(value_ints=[0]), axis=0), fill, one)
         return op.Slice(shifted, op.Constant(value_ints=[0]), op.Neg(steps), one)
 
-    return _WindowBlocks(BlockCount, FrontPad, WindowBlocks, UnblockLike, ShiftBlocks)
-
-
-def _exact_keys_function(op, blocks: _WindowBlocks, window: int, sinks: int):
-    """LocalKeys(k, v, keep), or with sinks LocalAndSinkKeys: every causal query block's exact
-    keys, their values and which each query takes (kernels._causal_exact_keys), and v in blocks."""
-    kept_local_keys, local_keys = _local_keys_functions(op, blocks, window)
-    if not sinks:
-        return local_keys
-    sink_mask = _sink_mask_function(op, blocks, window, sinks)
-    return _local_and_sink_keys_function(op, sinks, kept_local_keys, local_keys, sink_mask)
-
-
-def _local_keys_functions(op, blocks: _WindowBlocks, window: int):
-    """(KeptLocalKeys, LocalKeys): the kept keys among a causal block's local ones, and the
-    local keys (blocks c-1 and c) with which of them each query takes."""
-    kept_local_keys, local_keys, _, _ = _local_key_pieces(op, blocks, window)
-    return kept_local_keys, local_keys
+    return _WindowBlocks(BlockCount, FrontPad, WindowBlocks, ShiftBlocks)
 
 
 def _local_key_pieces(op, blocks: _WindowBlocks, window: int):
-    """_local_keys_functions' two, then the pieces LocalKeys is made of: a causal block's local
-    blocks of [G, chunks, window, F] (WithPreviousBlock) and which of them a query takes, from
-    their keep flags (CausalKeptLocalKeys)."""
-    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
+    """(KeptLocalKeys, WithPreviousBlock, CausalKeptLocalKeys) of the recurrent window: which
+    keys are kept, a causal block's local blocks of [G, chunks, window, F] and which of them a
+    query takes, from their keep flags."""
+    ShiftBlocks = blocks.ShiftBlocks
 
     @script(ATTNREWRITE, default_opset=op)
     def WithPreviousBlock(x4):
@@ -1315,77 +1472,7 @@ def _local_key_pieces(op, blocks: _WindowBlocks, window: int):
         visible = op.Cast(op.Trilu(ones, op.Constant(value_int=window), upper=0), to=BOOL)
         return op.And(KeptLocalKeys(keep_local), visible)
 
-    @script(ATTNREWRITE, default_opset=op)
-    def LocalKeys(k, v, keep):
-        """Blocked v, and every block's local keys, their values and which each query takes
-        (kernels._causal_exact_keys without sinks)."""
-        zero = op.Constant(value_float=0.0)
-        v4 = WindowBlocks(v, zero)
-        allowed = CausalKeptLocalKeys(WithPreviousBlock(WindowBlocks(keep, zero)))
-        return v4, WithPreviousBlock(WindowBlocks(k, zero)), WithPreviousBlock(v4), allowed
-
-    return KeptLocalKeys, LocalKeys, WithPreviousBlock, CausalKeptLocalKeys
-
-
-def _sink_mask_function(op, blocks: _WindowBlocks, window: int, sinks: int):
-    """CausalSinkMask(n): which query of causal block c takes sink s as an extra exact key
-    (kernels._causal_sink_mask)."""
-    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
-    sink_positions = list(range(sinks))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkPositions(n):
-        """[sinks]: the sinks' positions in the padded layout (sink s at s + pad)."""
-        return op.Constant(value_ints=sink_positions) + FrontPad(n)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkMask(n):
-        """[chunks, 1, sinks]: True where sink s lies outside block c's local keys (blocks c-1
-        and c)."""
-        w = op.Constant(value_ints=[window])
-        blocks = op.Range(op.Constant(value_int=0), op.Squeeze(BlockCount(n)), op.Constant(value_int=1))
-        offset = op.Unsqueeze(op.Div(SinkPositions(n), w), op.Constant(value_ints=[0])) - op.Unsqueeze(
-            blocks, op.Constant(value_ints=[1])
-        )
-        outside = op.Or(op.Less(offset, op.Constant(value_int=-1)), op.Greater(offset, op.Constant(value_int=0)))
-        return op.Unsqueeze(outside, op.Constant(value_ints=[1]))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def CausalSinkMask(n):
-        """[chunks, window, sinks]: as SinkMask, and never a sink after the query."""
-        rows = BlockCount(n) * op.Constant(value_ints=[window])
-        query_at = op.Reshape(
-            op.Range(op.Constant(value_int=0), op.Squeeze(rows), op.Constant(value_int=1)),
-            op.Constant(value_ints=[-1, window, 1]),
-        )
-        return op.And(SinkMask(n), op.LessOrEqual(SinkPositions(n), query_at))
-
-    return CausalSinkMask
-
-
-def _local_and_sink_keys_function(op, sinks: int, kept_local_keys, local_keys, sink_mask):
-    """LocalAndSinkKeys(k, v, keep): LocalKeys with the sinks' columns after each block's local
-    keys, taken where kept and where ``sink_mask`` says so."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkRows(x, chunks):
-        """[G, N, F] -> [G, chunks, sinks, F]: rows 0..sinks-1 (zero beyond N) for every block."""
-        one = op.Constant(value_ints=[1])
-        padded = op.Pad(x, op.Constant(value_ints=[0, sinks]), op.Constant(value_float=0.0), one)
-        rows = op.Slice(padded, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
-        return op.Expand(op.Unsqueeze(rows, one), op.Concat(one, chunks, one, one, axis=0))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def LocalAndSinkKeys(k, v, keep):
-        """LocalKeys with the sink columns after each block's local keys (kernels._causal_exact_keys)."""
-        v4, k_x, v_x, allowed = local_keys(k, v, keep)
-        chunks = op.Shape(v4, start=1, end=2)
-        taken = op.And(kept_local_keys(SinkRows(keep, chunks)), sink_mask(op.Shape(v, start=1, end=2)))
-        k_all = op.Concat(k_x, SinkRows(k, chunks), axis=2)
-        v_all = op.Concat(v_x, SinkRows(v, chunks), axis=2)
-        return v4, k_all, v_all, op.Concat(allowed, taken, axis=3)
-
-    return LocalAndSinkKeys
+    return KeptLocalKeys, WithPreviousBlock, CausalKeptLocalKeys
 
 
 def _without_sinks_function(op, sinks: int):
@@ -1420,22 +1507,6 @@ def _local_softmax_sums_function(op, scale: float):
     return LocalSoftmaxSums
 
 
-def _local_part_function(op, blocks: _WindowBlocks, flatten, expand_keep, exact_keys, scale: float):
-    """LocalPart(q, k, v, key_keep): the softmax sums and row max of every query block over its
-    ``exact_keys``."""
-    WindowBlocks = blocks.WindowBlocks
-    LocalSoftmaxSums = _local_softmax_sums_function(op, scale)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def LocalPart(q, k, v, key_keep):
-        zero = op.Constant(value_float=0.0)
-        _, k_x, v_x, allowed = exact_keys(flatten(k), flatten(v), op.Cast(expand_keep(key_keep, k), to=FLOAT))
-        local_num, local_den, local_max = LocalSoftmaxSums(WindowBlocks(flatten(q), zero), k_x, v_x, allowed)
-        return local_num, local_den, local_max
-
-    return LocalPart
-
-
 def _kernel_sums_function(op):
     """KernelSums(pq4, far_kv, far_key_sum): a query block's kernel numerator and denominator
     from the state and key sum of its far keys (the recurrent window's)."""
@@ -1461,28 +1532,22 @@ def _kernel_sums_function(op):
 
 
 def _chunked_far_sums_functions(
-    opset_version: int, blocks: _WindowBlocks, flatten, without_sinks, window: int, far_chunk: int
+    opset_version: int, blocks: _WindowBlocks, pairs: _PairLayout, flatten, without_sinks, window: int, far_chunk: int
 ):
-    """(FarSums, RescaledFarSums), causal: the kernel's numerator and denominator over each query
+    """(FarSums, RescaledFarSums), causal: the kernel's sums [G, rows, Dv + 1] over each query
     block's far keys (blocks <= c-2), by chunks of P ~ far_chunk / W blocks (the comment above),
-    from rows [G, N, *] (phi_q weighted, phi_k, v; phi_k zero on the sinks unless the sinks'
-    log scales are the lowest) to the window's blocks; with per-key log scales in units of R_c, the max of s over block c's far keys (the lowest log
-    scale if none), which it returns too as [G, chunks, 1, 1]."""
+    from rows [G, N, *] (phi_q weighted, phi_k zero on the sinks, v) to the rows of ``pairs``;
+    with per-key log scales in units of R_c, the max of s over block c's far keys (the lowest log
+    scale if none), which it returns too, [G, rows, 1]."""
     op = standard_opset(opset_version)
     per_chunk = max(1, round(far_chunk / window))
-    QueryChunks, KeyChunks, BlockChunks, ChunkBlocks = _far_chunk_layout_functions(op, blocks, window, per_chunk)
+    QueryChunks, KeyChunks, ValueChunks, BlockChunks, AsPairRows = _far_chunk_layout_functions(
+        op, blocks, pairs, window, per_chunk
+    )
     WithinChunkSums, EarlierKeys = _within_chunk_functions(op, window, per_chunk)
     ExclusivePrefixSum = exclusive_prefix_sum_function(opset_version)
     ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
-    WindowBlocks, ShiftBlocks = blocks.WindowBlocks, blocks.ShiftBlocks
-
-    @script(ATTNREWRITE, default_opset=op)
-    def ValuesAndOnes(v):
-        """[v, 1]: the denominator as one more value column."""
-        ones = op.Expand(
-            op.Constant(value_float=1.0), op.Concat(op.Shape(v, end=2), op.Constant(value_ints=[1]), axis=0)
-        )
-        return op.Concat(v, ones, axis=2)
+    WindowBlocks, ShiftBlocks, BlockValueRows = blocks.WindowBlocks, blocks.ShiftBlocks, pairs.BlockValueRows
 
     @script(ATTNREWRITE, default_opset=op)
     def PerQueryBlock(x_c, factor):
@@ -1493,12 +1558,10 @@ def _chunked_far_sums_functions(
     @script(ATTNREWRITE, default_opset=op)
     def FarSums(pq, pk, v):
         zero = op.Constant(value_float=0.0)
-        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), KeyChunks(ValuesAndOnes(v), zero)
+        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), ValueChunks(v)
         kv = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), vo_c)  # [G, chunks', F, Dv + 1]
         state = op.Reshape(ExclusivePrefixSum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))), op.Shape(kv))
-        sums = op.MatMul(q_c, state) + WithinChunkSums(q_c, k_c, vo_c, EarlierKeys())
-        far_num, far_den = ChunkBlocks(sums, v)
-        return far_num, far_den
+        return AsPairRows(op.MatMul(q_c, state) + WithinChunkSums(q_c, k_c, vo_c, EarlierKeys()), v)
 
     @script(ATTNREWRITE, default_opset=op)
     def RescaledFarSums(pq, pk, v, key_log_scale):
@@ -1517,7 +1580,7 @@ def _chunked_far_sums_functions(
         s_c = op.Squeeze(KeyChunks(s_rows, lowest), last)  # [G, chunks', P W]
         chunk_max = op.Max(op.ReduceMax(s_c, last, keepdims=0), least)
         before = ShiftBlocks(ChunkRunningMax(chunk_max), lowest, op.Constant(value_ints=[1]))
-        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), KeyChunks(ValuesAndOnes(v), zero)
+        q_c, k_c, vo_c = QueryChunks(pq, zero), KeyChunks(pk, zero), ValueChunks(v)
         # the chunk's keys relative to U, the factors on the values side (Dv + 1 columns, not F)
         vo_rel = vo_c * op.Unsqueeze(op.Exp(s_c - op.Unsqueeze(chunk_max, last)), last)
         kv = op.MatMul(op.Transpose(k_c, perm=[0, 1, 3, 2]), vo_rel)
@@ -1526,20 +1589,19 @@ def _chunked_far_sums_functions(
         carried = PerQueryBlock(op.MatMul(q_c, op.Reshape(flat, op.Shape(kv))), into)
         decay = op.Exp(op.Min(op.Unsqueeze(s_c, two) - op.Unsqueeze(r_c, last), zero))  # [G, chunks', P, P W]
         weight = op.Unsqueeze(decay, op.Constant(value_ints=[3])) * EarlierKeys()
-        far_num, far_den = ChunkBlocks(carried + WithinChunkSums(q_c, k_c, vo_c, weight), v)
-        return far_num, far_den, op.Unsqueeze(reach, op.Constant(value_ints=[2, 3]))
+        n = op.Shape(v, start=1, end=2)
+        return AsPairRows(carried + WithinChunkSums(q_c, k_c, vo_c, weight), v), BlockValueRows(reach, lowest, n)
 
     return FarSums, RescaledFarSums
 
 
-def _far_chunk_layout_functions(op, blocks: _WindowBlocks, window: int, per_chunk: int):
-    """The layout of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks: QueryChunks
-    and KeyChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in front, the
-    keys one block later), BlockChunks (one value per block [G, chunks] -> [G, chunks', P]) and
-    ChunkBlocks (sums [..., Dv + 1] back to the window's blocks for N rows, as numerator
-    [G, chunks, W, Dv] and denominator [G, chunks, W, 1]). chunks' = (chunks + P) // P leaves the
-    keys room to move a block."""
-    BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
+def _far_chunk_layout_functions(op, blocks: _WindowBlocks, pairs: _PairLayout, window: int, per_chunk: int):
+    """The layout of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks: QueryChunks,
+    KeyChunks and ValueChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in
+    front, the keys one block later, [v, 1]), BlockChunks (one value per block [G, chunks] -> [G, chunks', P]) and
+    AsPairRows (query chunks [G, chunks', P W, X] -> the rows of ``pairs`` [G, rows, X], the
+    same layout for P = 2). chunks' = (chunks + P) // P leaves the keys room to move a block."""
+    BlockCount, FrontPad, RowCount = blocks.BlockCount, blocks.FrontPad, pairs.RowCount
     size = per_chunk * window
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1549,19 +1611,30 @@ def _far_chunk_layout_functions(op, blocks: _WindowBlocks, window: int, per_chun
         return op.Div(BlockCount(n) + p, p) * op.Constant(value_ints=[size])
 
     @script(ATTNREWRITE, default_opset=op)
-    def InChunks(x, fill, front):
+    def InChunks(x, fill, front, columns):
+        """``front`` rows of fill before x [G, N, F], the chunks' rest after it, ``columns``
+        more of fill at the end of each row."""
         n = op.Shape(x, start=1, end=2)
-        pads = op.Concat(front, ChunkRows(n) - front - n, axis=0)
-        padded = op.Pad(x, pads, fill, op.Constant(value_ints=[1]))
-        return op.Reshape(padded, op.Concat(op.Constant(value_ints=[0, -1, size]), op.Shape(x, start=2), axis=0))
+        zero = op.Constant(value_ints=[0])
+        pads = op.Concat(front, zero, ChunkRows(n) - front - n, columns, axis=0)
+        padded = op.Pad(x, pads, fill, op.Constant(value_ints=[1, 2]))
+        return op.Reshape(padded, op.Concat(op.Constant(value_ints=[0, -1, size]), op.Shape(padded, start=2), axis=0))
 
     @script(ATTNREWRITE, default_opset=op)
     def QueryChunks(x, fill):
-        return InChunks(x, fill, FrontPad(op.Shape(x, start=1, end=2)))
+        return InChunks(x, fill, FrontPad(op.Shape(x, start=1, end=2)), op.Constant(value_ints=[0]))
 
     @script(ATTNREWRITE, default_opset=op)
     def KeyChunks(x, fill):
-        return InChunks(x, fill, FrontPad(op.Shape(x, start=1, end=2)) + op.Constant(value_ints=[window]))
+        front = FrontPad(op.Shape(x, start=1, end=2)) + op.Constant(value_ints=[window])
+        return InChunks(x, fill, front, op.Constant(value_ints=[0]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ValueChunks(v):
+        """KeyChunks of [v, 1] (the denominator as one more value), ones in the padding rows too:
+        a padding key weighs 0 whatever its value (zero phi_k, or the lowest log scale)."""
+        front = FrontPad(op.Shape(v, start=1, end=2)) + op.Constant(value_ints=[window])
+        return InChunks(v, op.Constant(value_float=1.0), front, op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
     def BlockChunks(x):
@@ -1571,18 +1644,22 @@ def _far_chunk_layout_functions(op, blocks: _WindowBlocks, window: int, per_chun
         return op.Reshape(padded, op.Constant(value_ints=[0, -1, per_chunk]))
 
     @script(ATTNREWRITE, default_opset=op)
-    def ChunkBlocks(sums, rows):
-        """Each one Slice of both axes: the blocks of ``rows``' N and the columns."""
-        in_blocks = op.Reshape(
-            sums, op.Concat(op.Constant(value_ints=[0, -1, window]), op.Shape(sums, start=3), axis=0)
-        )
-        chunks, axes = BlockCount(op.Shape(rows, start=1, end=2)), op.Constant(value_ints=[1, 3])
-        dv = op.Shape(sums, start=3) - op.Constant(value_ints=[1])
-        numerator = op.Slice(in_blocks, op.Constant(value_ints=[0, 0]), op.Concat(chunks, dv, axis=0), axes)
-        ends = op.Concat(chunks, op.Constant(value_ints=[TO_THE_END]), axis=0)
-        return numerator, op.Slice(in_blocks, op.Concat(op.Constant(value_ints=[0]), dv, axis=0), ends, axes)
+    def ChunksAsPairs(sums, v):
+        """Query chunks of pairs of blocks are the pairs."""
+        return op.Reshape(sums, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(sums, start=3), axis=0))
 
-    return QueryChunks, KeyChunks, BlockChunks, ChunkBlocks
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunksAsPairRows(sums, v):
+        """The chunks' first rows, as many as the pairs have (both hold every block, from the
+        same FrontPad), zero after them."""
+        count = RowCount(op.Shape(v, start=1, end=2))
+        zero = op.Constant(value_ints=[0])
+        kept = op.Slice(ChunksAsPairs(sums, v), zero, count, op.Constant(value_ints=[1]))
+        missing = count - op.Shape(kept, start=1, end=2)
+        return op.Pad(kept, op.Concat(zero, zero, zero, zero, missing, zero, axis=0), op.Constant(value_float=0.0))
+
+    as_pair_rows = ChunksAsPairs if per_chunk == 2 else ChunksAsPairRows
+    return QueryChunks, KeyChunks, ValueChunks, BlockChunks, as_pair_rows
 
 
 def _within_chunk_functions(op, window: int, per_chunk: int):
@@ -1604,21 +1681,17 @@ def _within_chunk_functions(op, window: int, per_chunk: int):
 
     @script(ATTNREWRITE, default_opset=op)
     def WithinPairSums(q_c, k_c, vo_c, weight):
-        """WithinChunkSums for P = 2: only query block 1 takes keys inside the chunk, those of
-        key block 0 ([W, W] products instead of [2W, 2W], three quarters of which are masked)."""
-        zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
-        two = op.Constant(value_ints=[2])
-        blocked = op.Constant(value_ints=[0, 0, 2, window, -1])
-        later_q = op.Squeeze(op.Slice(op.Reshape(q_c, blocked), one, two, two), two)  # [G, chunks', W, F]
-        earlier_k = op.Squeeze(op.Slice(op.Reshape(k_c, blocked), zero, one, two), two)
-        earlier_vo = op.Squeeze(op.Slice(op.Reshape(vo_c, blocked), zero, one, two), two)
-        block_axis, last = op.Constant(value_ints=[-3]), op.Constant(value_ints=[-1])
-        later_row = op.Slice(weight, one, two, block_axis)  # [..., 1, 1, 2W]
-        taken = op.Squeeze(op.Slice(later_row, zero, op.Constant(value_ints=[window]), last), block_axis)
-        scores = op.MatMul(later_q, op.Transpose(earlier_k, perm=[0, 1, 3, 2])) * taken
-        sums = op.Unsqueeze(op.MatMul(scores, earlier_vo), two)  # [G, chunks', 1, W, Dv + 1]
-        padded = op.Pad(sums, op.Concat(one, zero, axis=0), op.Constant(value_float=0.0), two)
-        return op.Reshape(padded, op.Constant(value_ints=[0, 0, size, -1]))
+        """WithinChunkSums for P = 2: only key block 0 is taken inside the chunk (by query block 1;
+        query block 0's weights are 0): [2W, W] products instead of [2W, 2W], and no copy of a
+        query block."""
+        zero, window_end = op.Constant(value_ints=[0]), op.Constant(value_ints=[window])
+        rows, last = op.Constant(value_ints=[2]), op.Constant(value_ints=[-1])
+        earlier_k = op.Slice(k_c, zero, window_end, rows)  # [G, chunks', W, F]
+        earlier_vo = op.Slice(vo_c, zero, window_end, rows)
+        taken = op.Slice(weight, zero, window_end, last)  # [..., 2, 1, W]
+        scores = op.MatMul(q_c, op.Transpose(earlier_k, perm=[0, 1, 3, 2]))  # [G, chunks', 2W, W]
+        by_block = op.Reshape(scores, op.Constant(value_ints=[0, 0, 2, window, window])) * taken
+        return op.MatMul(op.Reshape(by_block, op.Shape(scores)), earlier_vo)
 
     @script(ATTNREWRITE, default_opset=op)
     def NoKeysWithinChunk(q_c, k_c, vo_c, weight):
@@ -1630,92 +1703,6 @@ def _within_chunk_functions(op, window: int, per_chunk: int):
 
     within = {1: NoKeysWithinChunk, 2: WithinPairSums}.get(per_chunk, WithinChunkSums)
     return within, EarlierKeys
-
-
-def _windowed_kernel_entry(op, blocks: _WindowBlocks, flatten, local_part, without_sinks, far_sums, eps: float):
-    """WindowedKernelAttention: both parts' sums added, one normaliser (kernel features in the
-    exact part's units already)."""
-    UnblockLike = blocks.UnblockLike
-
-    @script(ATTNREWRITE, default_opset=op)
-    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        zero = op.Constant(value_float=0.0)
-        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        far_num, far_den = far_sums(flatten(weighted_q), without_sinks(flatten(phi_k), zero), flatten(v))
-        out = (local_num + far_num) / (local_den + far_den + op.Constant(value_float=eps))
-        return UnblockLike(out, q, v)
-
-    return WindowedKernelAttention
-
-
-def _rescaled_parts_function(op, flatten, local_part, rescaled_far_sums):
-    """RescaledParts: both parts' sums, each in its own unit, before they are combined."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def RescaledParts(phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight):
-        """Both parts' sums, each in its own unit, the exact part's row max and the kernel
-        part's log scale per block."""
-        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        local_num, local_den, local_max = local_part(q, k, v, key_keep)
-        # phi_k as it is: the sinks' lowest log scale keeps them out (RescaledFarSums)
-        far_num, far_den, far_log_scale = rescaled_far_sums(
-            flatten(weighted_q), flatten(phi_k), flatten(v), key_log_scale
-        )
-        return local_num, local_den, local_max, far_num, far_den, far_log_scale
-
-    return RescaledParts
-
-
-def _combine_rescaled_function(op, blocks: _WindowBlocks, eps: float):
-    """CombineRescaled: the two parts moved to one unit by their log ratio, one normaliser."""
-    UnblockLike = blocks.UnblockLike
-
-    @script(ATTNREWRITE, default_opset=op)
-    def CombineRescaled(local_num, local_den, far_num, far_den, ratio, q, v):
-        """ratio: log of (kernel part's unit / exact part's unit), per query row; each side is
-        scaled <= 1, so neither overflows."""
-        zero = op.Constant(value_float=0.0)
-        local_factor = op.Exp(op.Neg(op.Max(ratio, zero)))
-        far_factor = op.Exp(op.Min(ratio, zero))
-        numerator = local_num * local_factor + far_num * far_factor
-        denominator = local_den * local_factor + far_den * far_factor
-        return UnblockLike(numerator / (denominator + op.Constant(value_float=eps)), q, v)
-
-    return CombineRescaled
-
-
-def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts, combine_rescaled, max_weighted: bool):
-    """WindowedRescaledKernelAttention, whose kernel part is in units of e^(a_i + b_j) (the
-    log scales), or ``max_weighted`` WindowedMaxWeightedKernelAttention, moved by e^(-beta_h m_i)."""
-    WindowBlocks = blocks.WindowBlocks
-
-    @script(ATTNREWRITE, default_opset=op)
-    def WindowedRescaledKernelAttention(
-        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
-    ):
-        local_num, local_den, local_max, far_num, far_den, far_log_scale = rescaled_parts(
-            phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
-        )
-        ratio = WindowBlocks(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale - local_max
-        return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def WindowedMaxWeightedKernelAttention(
-        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight, local_max_weight
-    ):
-        """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
-        beta_h = local_max_weight [heads, 1, 1]."""
-        zero = op.Constant(value_float=0.0)
-        local_num, local_den, local_max, far_num, far_den, far_log_scale = rescaled_parts(
-            phi_q, phi_k, key_log_scale, q, k, v, key_keep, linear_log_weight
-        )
-        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
-        weighted_max = local_max * WindowBlocks(flatten(row_weight), zero)
-        ratio = WindowBlocks(flatten(query_log_scale), zero) + far_log_scale - weighted_max
-        return combine_rescaled(local_num, local_den, far_num, far_den, ratio, q, v)
-
-    return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
 
 
 # --- ONNX: bidirectional windows in pairs of blocks ----------------------------------------------
@@ -1736,10 +1723,13 @@ def _windowed_rescaled_entry(op, blocks: _WindowBlocks, flatten, rescaled_parts,
 # whole sequence), so the local keys take one weight block and one product with values.
 
 
-def _pair_structure(window: int, following: bool) -> tuple[np.ndarray, np.ndarray]:
+def _pair_structure(window: int, following: bool, causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Which local keys a pair's queries take: [2W, 2W] of the pair's own keys (its own block and
-    the other one of the pair, the next only ``following``), and [2, 1, 1] of the neighbours
-    outside the pair (block 2p takes block 2p-1; block 2p+1 takes 2p+2 only ``following``)."""
+    the other one of the pair, the next only ``following``; ``causal``: no key after the query),
+    and [2, 1, 1] of the neighbours outside the pair (block 2p takes block 2p-1; block 2p+1 takes
+    2p+2 only ``following``)."""
+    if causal:  # inside a pair every earlier key is local: its own block's or the one before
+        return np.tri(2 * window, dtype=bool), np.array([True, False]).reshape(2, 1, 1)
     block = np.arange(2 * window) // window
     offset = block[None, :] - block[:, None]  # key's block - query's
     in_pair = (offset >= -1) & (offset <= int(following))
@@ -1759,11 +1749,17 @@ class _PairLayout(typing.NamedTuple):
     Rows: OnnxFunction
     HasFarKeys: OnnxFunction
     SinkTaken: OnnxFunction
+    RowCount: OnnxFunction
+    BlockValueRows: OnnxFunction
 
 
-def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bool, sinks: int) -> _PairLayout:
+def _pair_layout_functions(
+    op, blocks: _WindowBlocks, window: int, following: bool, sinks: int, causal: bool = False
+) -> _PairLayout:
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     pair = 2 * window
+    # the neighbours outside a pair that anyone takes: block 2p-1, and 2p+2 only ``following``
+    neighbour_offsets = [-1, 2] if following else [-1]
 
     @script(ATTNREWRITE, default_opset=op)
     def PairCount(n):
@@ -1771,11 +1767,25 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
         return op.Div(BlockCount(n), op.Constant(value_ints=[2])) + op.Constant(value_ints=[1])
 
     @script(ATTNREWRITE, default_opset=op)
+    def RowCount(n):
+        """[1]: the rows of the pairs."""
+        return PairCount(n) * op.Constant(value_ints=[pair])
+
+    @script(ATTNREWRITE, default_opset=op)
     def RowPads(n, column):
         """Pad's pads for [G, N, F] -> [G, PairCount * 2W, F + column]: FrontPad rows in front."""
         front, zero = FrontPad(n), op.Constant(value_ints=[0])
-        back = PairCount(n) * op.Constant(value_ints=[pair]) - front - n
-        return op.Concat(zero, front, zero, zero, back, column, axis=0)
+        return op.Concat(zero, front, zero, zero, RowCount(n) - front - n, column, axis=0)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def BlockValueRows(x, fill, n):
+        """[G, chunks] of the window's blocks -> [G, rows, 1]: each block's value on its rows,
+        fill on the blocks after them."""
+        count = op.Div(RowCount(n), op.Constant(value_ints=[window]))
+        pads = op.Concat(op.Constant(value_ints=[0, 0, 0]), count - op.Shape(x, start=1, end=2), axis=0)
+        per_block = op.Unsqueeze(op.Pad(x, pads, fill), op.Constant(value_ints=[2]))
+        rows = op.Expand(per_block, op.Concat(op.Shape(x, end=1), count, op.Constant(value_ints=[window]), axis=0))
+        return op.Reshape(rows, op.Constant(value_ints=[0, -1, 1]))
 
     @script(ATTNREWRITE, default_opset=op)
     def PairRows(x, fill):
@@ -1801,8 +1811,9 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
 
     @script(ATTNREWRITE, default_opset=op)
     def Neighbours(rows):
-        """[G, pairs * 2W, F] -> [G, pairs, 2, W, F]: for pair p, blocks 2p-1 and 2p+2 (the
-        last block, and the first, where those are outside the rows: both are padding)."""
+        """[G, pairs * 2W, F] -> [G, pairs, 2 or 1, W, F]: for pair p, blocks 2p-1 and 2p+2, or
+        2p-1 alone (the last block, and the first, where those are outside the rows: both are
+        padding)."""
         block_rows = op.Reshape(
             rows, op.Concat(op.Constant(value_ints=[0, -1, window]), op.Shape(rows, start=2), axis=0)
         )
@@ -1810,7 +1821,7 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
         first = op.Unsqueeze(
             op.Range(op.Constant(value_int=0), op.Squeeze(count), op.Constant(value_int=2)), op.Constant(value_ints=[1])
         )
-        index = op.Mod(first + op.Constant(value_ints=[-1, 2]), count)  # [pairs, 2]
+        index = op.Mod(first + op.Constant(value_ints=neighbour_offsets), count)  # [pairs, 2 or 1]
         return op.Gather(block_rows, index, axis=1)
 
     @script(ATTNREWRITE, default_opset=op)
@@ -1818,13 +1829,18 @@ def _pair_layout_functions(op, blocks: _WindowBlocks, window: int, following: bo
         """[G, pairs, 2W, F] or [G, pairs, 2, W, F] -> [G, pairs * 2W, F]."""
         return op.Reshape(pairs, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(pairs, start=-1), axis=0))
 
-    HasFarKeys, SinkTaken = _pair_row_mask_functions(op, blocks, PairCount, window, following, sinks)
-    return _PairLayout(PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows, HasFarKeys, SinkTaken)
+    HasFarKeys, SinkTaken = _pair_row_mask_functions(op, blocks, PairCount, window, following, sinks, causal)
+    return _PairLayout(
+        PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows, HasFarKeys, SinkTaken, RowCount, BlockValueRows
+    )
 
 
-def _pair_row_mask_functions(op, blocks: _WindowBlocks, PairCount, window: int, following: bool, sinks: int):
+def _pair_row_mask_functions(
+    op, blocks: _WindowBlocks, PairCount, window: int, following: bool, sinks: int, causal: bool
+):
     """(HasFarKeys, SinkTaken) of _PairLayout: per row of the pairs, whether its block has far
-    keys, and which sinks it takes as extra exact keys."""
+    keys, and which sinks it takes as extra exact keys (``causal``: only those before its
+    previous block, never one after the query)."""
     BlockCount, FrontPad = blocks.BlockCount, blocks.FrontPad
     pair = 2 * window
     far_gap = 2 if following else 1  # the first later block the kernel covers, from block c
@@ -1845,42 +1861,53 @@ def _pair_row_mask_functions(op, blocks: _WindowBlocks, PairCount, window: int, 
         return op.Or(earlier, op.Less(block + op.Constant(value_int=far_gap), BlockCount(n)))
 
     @script(ATTNREWRITE, default_opset=op)
+    def SinkOffsets(n):
+        """[rows, sinks]: sink s's block less each row's (sink s at s + FrontPad)."""
+        at = op.Div(op.Constant(value_ints=sink_positions) + FrontPad(n), op.Constant(value_ints=[window]))
+        return at - RowBlocks(n)
+
+    @script(ATTNREWRITE, default_opset=op)
     def SinkTaken(n):
         """[rows, sinks]: whether a row takes sink s as an extra exact key, s lying outside its
-        block's local keys (kernels._paired_sink_mask; sink s at s + FrontPad)."""
-        at = op.Div(op.Constant(value_ints=sink_positions) + FrontPad(n), op.Constant(value_ints=[window]))
-        offset = at - RowBlocks(n)
+        block's local keys (kernels._paired_sink_mask)."""
+        offset = SinkOffsets(n)
         outside_before, outside_after = (
             op.Less(offset, op.Constant(value_int=-1)),
             op.Greater(offset, op.Constant(value_int=int(following))),
         )
         return op.Or(outside_before, outside_after)
 
-    return HasFarKeys, SinkTaken
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalSinkTaken(n):
+        """SinkTaken of a causal row: only sinks before its previous block, all earlier than it."""
+        return op.Less(SinkOffsets(n), op.Constant(value_int=-1))
+
+    return HasFarKeys, CausalSinkTaken if causal else SinkTaken
 
 
 def _pair_structure_functions(op, every_key: bool):
-    """(Taken(kept, structure), LocalTerms(kernel, structure)): the keep flags and kernel terms
-    where ``structure`` takes the key, or with ``every_key`` (window_next: all of a pair's keys
-    are local, both structures all true) the tensors as they are, not full-size masks of ones."""
+    """(Taken(logits, structure), LocalTerms(kernel, structure)): the logits (the lowest log
+    scale elsewhere) and kernel terms (0 elsewhere) where ``structure`` takes the key, or with
+    ``every_key`` (window_next: all of a pair's keys are local, both structures all true) the
+    tensors as they are, not full-size masks of ones."""
 
     @script(ATTNREWRITE, default_opset=op)
-    def StructureTaken(kept, structure):
-        return op.And(kept, structure)
+    def StructureTaken(logits, structure):
+        return op.Where(structure, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
 
     @script(ATTNREWRITE, default_opset=op)
     def StructureTerms(kernel, structure):
         return op.Where(structure, kernel, op.Constant(value_float=0.0))
 
     @script(ATTNREWRITE, default_opset=op)
-    def KeptTaken(kept, structure):
-        return op.Identity(kept)
+    def AllTaken(logits, structure):
+        return op.Identity(logits)
 
     @script(ATTNREWRITE, default_opset=op)
     def AllTerms(kernel, structure):
         return op.Identity(kernel)
 
-    return (KeptTaken, AllTerms) if every_key else (StructureTaken, StructureTerms)
+    return (AllTaken, AllTerms) if every_key else (StructureTaken, StructureTerms)
 
 
 class _PairedParts(typing.NamedTuple):
@@ -1893,26 +1920,100 @@ class _PairedParts(typing.NamedTuple):
 
 
 def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool, sinks: int) -> _PairedParts:
-    PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+    """The bidirectional window's exact logits and its sums with the local kernel terms folded in."""
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following))
-    Taken, LocalTerms = _pair_structure_functions(op, every_key=following)
+    every_key = following  # window_next: all of a pair's keys are local, both structures all true
+    logits = _paired_logits_function(op, pairs, in_pair, across, every_key, sinks)
+    sums = _folded_sums_function(op, pairs, in_pair, across, every_key)
+    if not sinks:
+        return _PairedParts(logits, sums)
+    SinkValues = _sink_rows_functions(op, sinks)[1]
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairLogits(q_rows, k_rows, keep_rows):
-        """Each pair's queries against its keys [G, pairs, 2W, 2W] where they are local and kept,
-        the lowest log scale elsewhere; and their row max [G, rows, 1]."""
-        kept = op.Transpose(op.Greater(Pairs(keep_rows), op.Constant(value_float=0.0)), perm=[0, 1, 3, 2])
+    def PairedAndSinkSums(near, neighbour, sink, shift, far_weight, pq, pk, v):
+        """PairedSums with the sinks' terms (zero features: no kernel term to take out)."""
+        return sums(near, neighbour, shift, far_weight, pq, pk, v) + op.MatMul(op.Exp(sink - shift), SinkValues(v))
+
+    return _PairedParts(logits, PairedAndSinkSums)
+
+
+def _sink_rows_functions(op, sinks: int):
+    """(SinkRows, SinkValues): [G, N, F] -> [G, sinks, F], rows 0..sinks-1 (zero beyond N); the
+    sinks' [v, 1]."""
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkRows(x):
+        one = op.Constant(value_ints=[1])
+        rows = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
+        missing = op.Constant(value_ints=[sinks]) - op.Shape(rows, start=1, end=2)
+        zero = op.Constant(value_ints=[0])
+        return op.Pad(rows, op.Concat(zero, zero, zero, zero, missing, zero, axis=0), op.Constant(value_float=0.0))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinkValues(v):
+        return op.Pad(SinkRows(v), op.Constant(value_ints=[0, 0, 0, 0, 0, 1]), op.Constant(value_float=1.0))
+
+    return SinkRows, SinkValues
+
+
+def _paired_logits_function(op, pairs: _PairLayout, in_pair, across, every_key: bool, sinks: int):
+    """PairedLogits(q, k, keep) -> (near [G, pairs, 2W, 2W], neighbour [G, pairs, 2, W, W], row
+    max [G, rows, 1]): q (scaled) against the local keys where the structures ``in_pair`` and
+    ``across`` take them and they are kept, about the lowest log scale elsewhere; with sinks
+    PairedAndSinkLogits, the sinks' logits [G, rows, sinks] before the row max."""
+    PairRows, _, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+    Taken = _pair_structure_functions(op, every_key)[0]
+
+    # A key that is not kept (padding, or the rows around N) adds the lowest log scale to its
+    # logits, one bias per key: no [.., 2W, 2W] mask is built for it.
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairLogits(q_rows, k_rows, bias_rows):
+        """Each pair's queries against its keys [G, pairs, 2W, 2W], and their row max [G, rows, 1]."""
         logits = op.MatMul(Pairs(q_rows), op.Transpose(Pairs(k_rows), perm=[0, 1, 3, 2]))
-        masked = op.Where(Taken(kept, op.Constant(value=in_pair)), logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        bias = op.Transpose(Pairs(bias_rows), perm=[0, 1, 3, 2])
+        masked = Taken(logits + bias, op.Constant(value=in_pair))
         return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
 
     @script(ATTNREWRITE, default_opset=op)
-    def NeighbourLogits(q_rows, k_rows, keep_rows):
+    def NeighbourLogits(q_rows, k_rows, bias_rows):
         """Each block against its neighbour outside the pair [G, pairs, 2, W, W], as PairLogits."""
-        kept = op.Transpose(op.Greater(Neighbours(keep_rows), op.Constant(value_float=0.0)), perm=[0, 1, 2, 4, 3])
         logits = op.MatMul(Blocks(q_rows), op.Transpose(Neighbours(k_rows), perm=[0, 1, 2, 4, 3]))
-        masked = op.Where(Taken(kept, op.Constant(value=across)), logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        bias = op.Transpose(Neighbours(bias_rows), perm=[0, 1, 2, 4, 3])
+        masked = Taken(logits + bias, op.Constant(value=across))
         return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedLogits(q, k, keep):
+        zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
+        bias_rows = PairRows(op.Where(op.Greater(keep, zero), zero, lowest), lowest)
+        q_rows, k_rows = PairRows(q, zero), PairRows(k, zero)
+        near, near_max = PairLogits(q_rows, k_rows, bias_rows)
+        neighbour, neighbour_max = NeighbourLogits(q_rows, k_rows, bias_rows)
+        return near, neighbour, op.Max(near_max, neighbour_max)
+
+    if not sinks:
+        return PairedLogits
+    SinkRows, SinkTaken = _sink_rows_functions(op, sinks)[0], pairs.SinkTaken
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedAndSinkLogits(q, k, keep):
+        near, neighbour, local_max = PairedLogits(q, k, keep)
+        logits = op.MatMul(PairRows(q, op.Constant(value_float=0.0)), op.Transpose(SinkRows(k), perm=[0, 2, 1]))
+        kept = op.Transpose(op.Greater(SinkRows(keep), op.Constant(value_float=0.0)), perm=[0, 2, 1])
+        taken = op.And(kept, SinkTaken(op.Shape(q, start=1, end=2)))
+        sink = op.Where(taken, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        return near, neighbour, sink, op.Max(local_max, op.ReduceMax(sink, op.Constant(value_ints=[-1]), keepdims=1))
+
+    return PairedAndSinkLogits
+
+
+def _folded_sums_function(op, pairs: _PairLayout, in_pair, across, every_key: bool):
+    """PairedSums(near, neighbour, shift, far_weight, pq, pk, v) -> [G, rows, Dv + 1]: the
+    bidirectional window's local sums with the local kernel terms taken out, and the far part
+    (the module comment above _pair_structure)."""
+    PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+    LocalTerms = _pair_structure_functions(op, every_key)[1]
 
     @script(ATTNREWRITE, default_opset=op)
     def PairSums(logits, shift, far_weight, pq_rows, pk_rows, v_rows):
@@ -1932,17 +2033,7 @@ def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool
         return Rows(op.MatMul(exact - Blocks(far_weight) * local_kernel, Neighbours(v_rows)))
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairedLogits(q, k, keep):
-        """Both local logits (q already scaled) and the row max over both."""
-        zero = op.Constant(value_float=0.0)
-        q_rows, k_rows, keep_rows = PairRows(q, zero), PairRows(k, zero), PairRows(keep, zero)
-        near, near_max = PairLogits(q_rows, k_rows, keep_rows)
-        neighbour, neighbour_max = NeighbourLogits(q_rows, k_rows, keep_rows)
-        return near, neighbour, op.Max(near_max, neighbour_max)
-
-    @script(ATTNREWRITE, default_opset=op)
     def PairedSums(near, neighbour, shift, far_weight, pq, pk, v):
-        """Both local sums and the far part, [G, rows, Dv + 1]."""
         zero = op.Constant(value_float=0.0)
         pq_rows, pk_rows, v_rows = PairRows(pq, zero), PairRows(pk, zero), ValuesAndOnes(v)
         state = op.MatMul(op.Transpose(pk_rows, perm=[0, 2, 1]), v_rows)  # [G, F, Dv + 1]: S and z
@@ -1950,42 +2041,7 @@ def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool
         neighbour_sums = NeighbourSums(neighbour, shift, far_weight, pq_rows, pk_rows, v_rows)
         return in_pair_sums + neighbour_sums + far_weight * op.MatMul(pq_rows, state)
 
-    paired = _PairedParts(PairedLogits, PairedSums)
-    return _paired_sink_parts_functions(op, pairs, paired, sinks) if sinks else paired
-
-
-def _paired_sink_parts_functions(op, pairs: _PairLayout, paired: _PairedParts, sinks: int) -> _PairedParts:
-    """``paired`` with the sinks: their logits [G, rows, sinks] where a row takes them, and their
-    terms in the sums."""
-    PairRows, SinkTaken = pairs.PairRows, pairs.SinkTaken
-    PairedLogits, PairedSums = paired
-
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkRows(x):
-        """[G, N, F] -> [G, sinks, F]: rows 0..sinks-1, zero beyond N."""
-        one = op.Constant(value_ints=[1])
-        rows = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
-        missing = op.Constant(value_ints=[sinks]) - op.Shape(rows, start=1, end=2)
-        zero = op.Constant(value_ints=[0])
-        return op.Pad(rows, op.Concat(zero, zero, zero, zero, missing, zero, axis=0), op.Constant(value_float=0.0))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def PairedAndSinkLogits(q, k, keep):
-        """PairedLogits, and the sinks' logits [G, rows, sinks] where a row takes them."""
-        near, neighbour, local_max = PairedLogits(q, k, keep)
-        logits = op.MatMul(PairRows(q, op.Constant(value_float=0.0)), op.Transpose(SinkRows(k), perm=[0, 2, 1]))
-        kept = op.Transpose(op.Greater(SinkRows(keep), op.Constant(value_float=0.0)), perm=[0, 2, 1])
-        taken = op.And(kept, SinkTaken(op.Shape(q, start=1, end=2)))
-        sink = op.Where(taken, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
-        return near, neighbour, sink, op.Max(local_max, op.ReduceMax(sink, op.Constant(value_ints=[-1]), keepdims=1))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def PairedAndSinkSums(near, neighbour, sink, shift, far_weight, pq, pk, v):
-        """PairedSums with the sinks' terms (zero features: no kernel term to take out)."""
-        sink_values = op.Pad(SinkRows(v), op.Constant(value_ints=[0, 0, 0, 0, 0, 1]), op.Constant(value_float=1.0))
-        return PairedSums(near, neighbour, shift, far_weight, pq, pk, v) + op.MatMul(op.Exp(sink - shift), sink_values)
-
-    return _PairedParts(PairedAndSinkLogits, PairedAndSinkSums)
+    return PairedSums
 
 
 def _paired_window_functions(
@@ -1998,26 +2054,14 @@ def _paired_window_functions(
     ([G, rows or 1, 1]; m_i the row's max exact logit)."""
     pairs = _pair_layout_functions(op, blocks, window, following, sinks)
     parts = _paired_parts_functions(op, pairs, window, following, sinks)
-    without_sinks, expand_keep = _without_sinks_function(op, sinks), key_keep_function(op.version)
     ExactLogits, WeightedSums, HasFarKeys = parts.ExactLogits, parts.WeightedSums, pairs.HasFarKeys
-
-    @script(ATTNREWRITE, default_opset=op)
-    def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        """[G, N, *]: phi_q weighted by w_h, phi_k zero on the sinks, q scaled, k, v, keep flags."""
-        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
-        keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
-        q_scaled = flatten(q) * op.Constant(value_float=scale)
-        phi_k_rows = without_sinks(flatten(phi_k), op.Constant(value_float=0.0))
-        return flatten(weighted_q), phi_k_rows, q_scaled, flatten(k), flatten(v), keep
+    UnitsOfBoth = _units_function(op)
 
     @script(ATTNREWRITE, default_opset=op)
     def Units(row_max, ratio, n):
-        """The exact part's shift and the kernel part's weight per row, from ``ratio``, the log of
-        (kernel part's unit / exact part's unit): e^-max(ratio, 0) folded into the shift and
-        e^min(ratio, 0), so neither part overflows; 0 where a row has no far key."""
-        zero = op.Constant(value_float=0.0)
-        shift = op.Max(row_max + op.Max(ratio, zero), op.Constant(value_float=NO_EXACT_KEY_SHIFT))
-        return shift, op.Exp(op.Min(ratio, zero)) * op.Cast(HasFarKeys(n), to=FLOAT)
+        """UnitsOfBoth, the kernel part's weight 0 where a row has no far key."""
+        shift, far_weight = UnitsOfBoth(row_max, ratio)
+        return shift, far_weight * op.Cast(HasFarKeys(n), to=FLOAT)
 
     if sinks:
 
@@ -2040,7 +2084,43 @@ def _paired_window_functions(
 
         window_sums = PairedWindow
 
-    return PairedInputs, window_sums, _normalised_function(op, blocks, eps), pairs.PairRows
+    inputs = _paired_inputs_functions(op, flatten, scale, sinks)[0]
+    return inputs, window_sums, _normalised_function(op, blocks, eps), pairs.PairRows
+
+
+def _paired_inputs_functions(op, flatten, scale: float, sinks: int):
+    """(PairedInputs, RowInputs): the paired windows' inputs as rows, RowInputs without phi_k
+    (which a kernel with per-key log scales takes as it is)."""
+    without_sinks, expand_keep = _without_sinks_function(op, sinks), key_keep_function(op.version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RowInputs(phi_q, q, k, v, key_keep, linear_log_weight):
+        """[G, N, *]: phi_q weighted by w_h, q scaled, k, v, keep flags."""
+        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
+        q_scaled = flatten(q) * op.Constant(value_float=scale)
+        return flatten(weighted_q), q_scaled, flatten(k), flatten(v), keep
+
+    @script(ATTNREWRITE, default_opset=op)
+    def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        """RowInputs with phi_k zero on the sinks second."""
+        pq, q_scaled, k_rows, v_rows, keep = RowInputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        return pq, without_sinks(flatten(phi_k), op.Constant(value_float=0.0)), q_scaled, k_rows, v_rows, keep
+
+    return PairedInputs, RowInputs
+
+
+def _units_function(op):
+    @script(ATTNREWRITE, default_opset=op)
+    def UnitsOfBoth(row_max, ratio):
+        """The exact part's shift and the kernel part's weight per row, from ``ratio``, the log of
+        (kernel part's unit / exact part's unit): e^-max(ratio, 0) folded into the shift and
+        e^min(ratio, 0), so neither part overflows."""
+        zero = op.Constant(value_float=0.0)
+        shift = op.Max(row_max + op.Max(ratio, zero), op.Constant(value_float=NO_EXACT_KEY_SHIFT))
+        return shift, op.Exp(op.Min(ratio, zero))
+
+    return UnitsOfBoth
 
 
 def _normalised_function(op, blocks: _WindowBlocks, eps: float):
@@ -2064,7 +2144,7 @@ def _normalised_function(op, blocks: _WindowBlocks, eps: float):
 
 def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows, rescaled: bool, max_weighted: bool):
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
-    (the entries' inputs as _windowed_kernel_entry's and _windowed_rescaled_entry's), bidirectional."""
+    (inputs as windowed_kernel_attention_functions says, ``key_log_scale`` one per head), bidirectional."""
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
@@ -2102,11 +2182,142 @@ def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows
     return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
 
 
+# --- ONNX: causal windows in pairs of blocks -----------------------------------------------------
+# Causal block c takes all of block c-1 and its own block up to the query. In the pairs of the
+# bidirectional layout (aligned to the start here), block 2p+1 finds both inside its pair and
+# block 2p its own there and block 2p-1 in the one gather: the lower triangle of each pair's
+# [2W, 2W] logits and one [W, W] neighbour product per block, no shifted copy. The far part is
+# the chunked causal kernel (_chunked_far_sums_functions) on the same rows; both parts share one
+# normaliser, the exact part's shift and the kernel part's weight as in the bidirectional window.
+
+
+class _CausalPairedPieces(typing.NamedTuple):
+    """What the causal paired entries call: PairedInputs and RowInputs, CausalPairedWindow(far,
+    log_ratio_offset, max_weight, q, k, v, keep) -> [G, rows, Dv + 1], the far sums (plain and
+    rescaled), Normalised and PairRows."""
+
+    inputs: OnnxFunction
+    row_inputs: OnnxFunction
+    window_sums: OnnxFunction
+    far_sums: OnnxFunction
+    rescaled_far_sums: OnnxFunction
+    normalised: OnnxFunction
+    pair_rows: OnnxFunction
+
+
+def _causal_paired_window_functions(
+    opset_version: int,
+    blocks: _WindowBlocks,
+    flatten,
+    window: int,
+    scale: float,
+    sinks: int,
+    eps: float,
+    far_chunk: int,
+) -> _CausalPairedPieces:
+    op = standard_opset(opset_version)
+    pairs = _pair_layout_functions(op, blocks, window, following=False, sinks=sinks, causal=True)
+    in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following=False, causal=True))
+    ExactLogits = _paired_logits_function(op, pairs, in_pair, across, every_key=False, sinks=sinks)
+    ExactSums = _exact_sums_function(op, pairs, sinks)
+    far_sums, rescaled_far_sums = _chunked_far_sums_functions(
+        opset_version, blocks, pairs, flatten, _without_sinks_function(op, sinks), window, far_chunk
+    )
+    UnitsOfBoth = _units_function(op)
+
+    if sinks:
+
+        @script(ATTNREWRITE, default_opset=op)
+        def CausalPairedWindowWithSinks(far, log_ratio_offset, max_weight, q, k, v, keep):
+            near, neighbour, sink, row_max = ExactLogits(q, k, keep)
+            shift, far_weight = UnitsOfBoth(row_max, log_ratio_offset - max_weight * row_max)
+            return ExactSums(near, neighbour, sink, shift, v) + far_weight * far
+
+        window_sums = CausalPairedWindowWithSinks
+    else:
+
+        @script(ATTNREWRITE, default_opset=op)
+        def CausalPairedWindow(far, log_ratio_offset, max_weight, q, k, v, keep):
+            """The exact part's sums plus the far sums ``far`` [G, rows, Dv + 1] in one unit."""
+            near, neighbour, row_max = ExactLogits(q, k, keep)
+            shift, far_weight = UnitsOfBoth(row_max, log_ratio_offset - max_weight * row_max)
+            return ExactSums(near, neighbour, shift, v) + far_weight * far
+
+        window_sums = CausalPairedWindow
+    inputs, row_inputs = _paired_inputs_functions(op, flatten, scale, sinks)
+    normalised = _normalised_function(op, blocks, eps)
+    return _CausalPairedPieces(inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pairs.PairRows)
+
+
+def _exact_sums_function(op, pairs: _PairLayout, sinks: int):
+    """ExactSums(near, neighbour, shift, v) -> [G, rows, Dv + 1]: e^(logits - shift) [v, 1] over
+    each row's exact keys (v [G, N, Dv]); with sinks ExactAndSinkSums(near, neighbour, sink, ...)."""
+    ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[1:6]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ExactSums(near, neighbour, shift, v):
+        v_rows = ValuesAndOnes(v)
+        in_pair = op.MatMul(op.Exp(near - Pairs(shift)), Pairs(v_rows))
+        return Rows(in_pair) + Rows(op.MatMul(op.Exp(neighbour - Blocks(shift)), Neighbours(v_rows)))
+
+    if not sinks:
+        return ExactSums
+    SinkValues = _sink_rows_functions(op, sinks)[1]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ExactAndSinkSums(near, neighbour, sink, shift, v):
+        return ExactSums(near, neighbour, shift, v) + op.MatMul(op.Exp(sink - shift), SinkValues(v))
+
+    return ExactAndSinkSums
+
+
+def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: bool, max_weighted: bool):
+    """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
+    (inputs as _paired_window_entry's, ``key_log_scale`` one per key [..., N, 1]), causal."""
+    inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pair_rows = pieces
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
+        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)  # both parts in one unit already
+        far = far_sums(pq, pk, v_rows)
+        return normalised(window_sums(far, zero, zero, q_scaled, k_rows, v_rows, keep), q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedRescaledKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight
+    ):
+        """The kernel part in units of e^(a_i + R_c) (R_c: the max key log scale of block c's
+        far keys), the exact part's e^(m_i)."""
+        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        # phi_k as it is: the sinks' lowest log scale keeps them out (RescaledFarSums)
+        far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
+        offset = pair_rows(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale
+        one = op.Constant(value_float=1.0)
+        return normalised(window_sums(far, offset, one, q_scaled, k_rows, v_rows, keep), q, v)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowedMaxWeightedKernelAttention(
+        phi_q, phi_k, query_log_scale, key_log_scale, q, k, v, key_keep, linear_log_weight, local_max_weight
+    ):
+        """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
+        beta_h = local_max_weight [heads, 1, 1]."""
+        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)
+        far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
+        offset = pair_rows(flatten(query_log_scale), zero) + far_log_scale
+        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
+        weight = pair_rows(flatten(row_weight), zero)
+        return normalised(window_sums(far, offset, weight, q_scaled, k_rows, v_rows, keep), q, v)
+
+    if not rescaled:
+        return WindowedKernelAttention
+    return WindowedMaxWeightedKernelAttention if max_weighted else WindowedRescaledKernelAttention
+
+
 # --- ONNX: the causal forms continued from a state (passes/recurrent.py) ------------------------
 # Every tensor is flattened to [G, ...] by the caller: the state to [G, F, Dv], [G, F] and
 # [G, 1] (its log scale).
-
-PREFIX_GROUP = 16  # rows per group at each level of the hierarchical prefix sums and maxima
 
 
 def exclusive_prefix_sum_function(opset_version: int, skip: int = 0):
@@ -2533,7 +2744,7 @@ def _recurrent_exact_keys_function(op, blocks: _WindowBlocks, positioned_blocks,
     """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
     RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
     each query block from ``first`` (_positioned_exact_keys), their values and which each query takes."""
-    kept_local_keys, _, with_previous_block, causal_kept_local_keys = _local_key_pieces(op, blocks, window)
+    kept_local_keys, with_previous_block, causal_kept_local_keys = _local_key_pieces(op, blocks, window)
 
     @script(ATTNREWRITE, default_opset=op)
     def RecurrentLocalKeys(k, v, keep, front, chunks, first):
