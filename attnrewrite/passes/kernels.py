@@ -636,7 +636,7 @@ def _bidirectional_window(pairs: _Pairs, q, k, v, keep, phi_q, phi_k, ratio_of, 
     in_pair, across = (
         None if x.all() else torch.from_numpy(x).to(q.device) for x in _pair_structure(pairs.window, following)
     )
-    v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * keep
+    v = _values_and_ones(v) * keep
     if sinks:
         sink_keys, sink_values, sink_keep = (_sink_rows(x, sinks, 1)[:, 0] for x in (k, v, keep))
     key_bias = pairs.rows(torch.where(keep > 0, 0.0, LOWEST_LOG_SCALE), fill=LOWEST_LOG_SCALE)
