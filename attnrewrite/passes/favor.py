@@ -317,7 +317,7 @@ def onnx_lowering(
     constants = {"projection": projection}
     if options.window:
         # (phi_k, key log scale): one per key when causal, one per head otherwise
-        keys = causal_key_features if site.mask.causal else _head_keys_function(op, key_features, head_log_scale)
+        keys = causal_key_features if site.mask.causal else _window_head_keys_function(op, norm, head_log_scale)
         entry = _windowed_favor_function(site, options, opset_version, log_features, query_features, keys)
         constants["linear_log_weight"] = kernels.initial_linear_log_weight(site)
     else:
@@ -382,9 +382,11 @@ def _head_key_functions(op, norm: float, masked: bool):
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorHeadLogScale(log_phi, keep):
-        # kept_head_max: the bidirectional keys' stabiliser
+        # kept_head_max: the bidirectional keys' stabiliser; each key's max first, so the select
+        # is on one value per key, not on every feature
         kept = op.Greater(keep, op.Constant(value_float=0.0))
-        return HeadMax(op.Where(kept, log_phi, op.Constant(value_float=LOWEST)))
+        key_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
+        return HeadMax(op.Where(kept, key_max, op.Constant(value_float=LOWEST)))
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorKeyFeatures(log_phi, keep):
@@ -419,14 +421,19 @@ def _causal_key_features_function(op, norm: float, masked: bool):
     return FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
 
 
-def _head_keys_function(op, key_features, head_log_scale):
-    """FavorHeadKeys(log_phi, keep): the bidirectional keys' features and their head's log scale."""
+def _window_head_keys_function(op, norm: float, head_log_scale):
+    """FavorWindowHeadKeys(log_phi, keep): the bidirectional window's keys' features and their
+    head's log scale. The window weighs a key that is not kept (the padding rows around N
+    included) 0 by its values, so its features need only be finite: clamped, not multiplied by
+    keep."""
 
     @script(ATTNREWRITE, default_opset=op)
-    def FavorHeadKeys(log_phi, keep):
-        return key_features(log_phi, keep), head_log_scale(log_phi, keep)
+    def FavorWindowHeadKeys(log_phi, keep):
+        log_scale = head_log_scale(log_phi, keep)
+        stabilized = op.Min(log_phi - log_scale, op.Constant(value_float=0.0))
+        return op.Exp(stabilized) * op.Constant(value_float=norm), log_scale
 
-    return FavorHeadKeys
+    return FavorWindowHeadKeys
 
 
 def _favor_features_function(op, root_scale: float, project, log_features, query_features):
@@ -498,24 +505,27 @@ def _windowed_favor_function(
         rescaled=True,
         eps=EPS,
     )[-1]
+    window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
+        q_in, k_in, keep_in = window_inputs(q, k, key_keep)
+        keep = op.Cast(keep_in, to=FLOAT)
         w = op.Cast(projection, to=FLOAT)
         root = op.Constant(value_float=root_scale)
-        log_q = log_features(op.Cast(q, to=FLOAT) * root, w)
-        log_k = log_features(op.Cast(k, to=FLOAT) * root, w)
+        log_q = log_features(op.Cast(q_in, to=FLOAT) * root, w)
+        log_k = log_features(op.Cast(k_in, to=FLOAT) * root, w)
         query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-        phi_k, key_log_scale = keys(log_k, op.Cast(key_keep, to=FLOAT))
+        phi_k, key_log_scale = keys(log_k, keep)
         out = kernel(
             query_features(log_q),
             phi_k,
             query_log_scale,
             key_log_scale,
-            q,
-            k,
+            q_in,
+            k_in,
             v,
-            key_keep,
+            keep,
             linear_log_weight,
         )
         return op.CastLike(out, v)

@@ -38,7 +38,7 @@ import numpy as np
 from onnxscript import script
 
 from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
 from attnrewrite.passes._options import AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
 from attnrewrite.site import AttentionSite
@@ -219,7 +219,7 @@ def onnx_lowering(
     HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
 
     if options.window:
-        *callees, kernel = kernels.windowed_kernel_attention_functions(
+        kernel = kernels.windowed_kernel_attention_functions(
             opset_version,
             options.window,
             site.scale,
@@ -229,19 +229,21 @@ def onnx_lowering(
             rescaled=True,
             max_weighted=True,
             eps=kernels.RESCALED_EPS,
-        )
+        )[-1]
 
         HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
+        window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
 
         @script(ATTNREWRITE, default_opset=op)
-        def HedgehogHeadKeys(phi_k, key_log_scale):
-            # bidirectional: one log scale per head, the keys' own folded into their features
+        def HedgehogHeadKeys(phi_k, key_log_scale, keep):
+            # bidirectional: one log scale per head, the keys' own folded into their features;
+            # a key that is not kept has the lowest, so its features are 0 with no product by keep
             head_max = op.ReduceMax(key_log_scale, op.Constant(value_ints=[-2]), keepdims=1)
             return phi_k * op.Exp(key_log_scale - head_max), head_max
 
         @script(ATTNREWRITE, default_opset=op)
-        def HedgehogCausalKeys(phi_k, key_log_scale):
-            return op.Identity(phi_k), op.Identity(key_log_scale)
+        def HedgehogCausalKeys(phi_k, key_log_scale, keep):
+            return phi_k * keep, op.Identity(key_log_scale)
 
         keys_fn = HedgehogCausalKeys if site.mask.causal else HedgehogHeadKeys
 
@@ -249,19 +251,20 @@ def onnx_lowering(
         def WindowedHedgehog(
             q, k, v, key_keep, weight, bias, linear_log_weight, query_log_scale, key_log_scale, local_max_weight
         ):
-            keep = op.Cast(key_keep, to=FLOAT)
+            q_in, k_in, keep_in = window_inputs(q, k, key_keep)
+            keep = op.Cast(keep_in, to=FLOAT)
             phi_k, far_key_log_scale = keys_fn(
-                HedgehogFeatures(k, weight, bias) * keep, HedgehogKeyLogScale(k, key_log_scale, keep)
+                HedgehogFeatures(k_in, weight, bias), HedgehogKeyLogScale(k_in, key_log_scale, keep), keep
             )
             out = kernel(
-                HedgehogFeatures(q, weight, bias),
+                HedgehogFeatures(q_in, weight, bias),
                 phi_k,
-                HedgehogLogScale(q, query_log_scale),
+                HedgehogLogScale(q_in, query_log_scale),
                 far_key_log_scale,
-                q,
-                k,
+                q_in,
+                k_in,
                 v,
-                key_keep,
+                keep,
                 linear_log_weight,
                 local_max_weight,
             )
@@ -269,7 +272,7 @@ def onnx_lowering(
 
         entry = WindowedHedgehog.to_function_proto()
         entry.name = "CausalWindowedHedgehog" if site.mask.causal else "WindowedHedgehog"
-        functions = [HedgehogFeatures, HedgehogLogScale, HedgehogKeyLogScale, keys_fn, *callees, kernel]
+        functions = with_callees(WindowedHedgehog)[:-1]
     else:
         if site.mask.causal:
             *callees, kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk)

@@ -18,15 +18,16 @@ exact, so both lowerings lay them out alike; windowed_attention_weights writes t
 as an N x N matrix, for fitting losses and tests.
 
 A bidirectional window keeps no state per block and copies no block: one state for the whole
-sequence, [S, z] = sum_j phi_k_j [v_j, 1]^T (sinks have zero features), and each query's local
-kernel terms taken back out inside the exact part's weights, one product with the local values:
-    sums_i = sum_local (e^(s_ij - shift_i) - b_i phi_q_i.phi_k_j) [v_j, 1]
-             + sum_sinks e^(s_ij - shift_i) [v_j, 1] + b_i phi_q_i.[S, z]
+sequence, [S, z] = sum_j phi_k_j [v_j, 1]^T (keys that are not kept: [v_j, 1] = 0), and the
+kernel terms of each query's exact keys (local, and the sinks it takes) taken back out inside
+the exact part's weights, one product with their values:
+    sums_i = sum_exact (e^(s_ij - shift_i) - b_i phi_q_i.phi_k_j) [v_j, 1] + b_i phi_q_i.[S, z]
 (shift_i the row's max exact logit plus the part of the two units' log ratio that scales the
 exact part, b_i the kernel part's share; the last column is the denominator). The local keys are
-laid out in pairs of blocks, a reshape of one padded copy, and each block's neighbour outside its
-pair, one gather of whole blocks (see the comment above _pair_structure). What is left after the
-subtraction keeps the rounding of the whole sum, so row i's output moves by up to about
+laid out in pairs of blocks, a reshape of the rows (q and k are padded into them before the
+feature maps, window_inputs_function), and each block's neighbour outside its pair, one gather
+of whole blocks (see the comment above _pair_structure). What is left after the subtraction
+keeps the rounding of the whole sum, so row i's output moves by up to about
     eps32 * sum_{j local} K_ij |v_j| / D_i
 beyond a per-block state's (K_ij the kernel weight in the output's units, D_i the row's
 normaliser): small where a kernel is in the exact part's units (fitted hedgehog, favor: on
@@ -1378,8 +1379,9 @@ def windowed_kernel_attention_functions(
 ):
     """ONNX form of windowed_kernel_attention: the functions it calls, then itself last.
 
-    The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight) as the passes have
-    them ([..., N, *], key_keep broadcastable to [..., N, 1]), with ``rescaled`` also
+    The entry reads (phi_q, phi_k, q, k, v, key_keep, linear_log_weight), q, k and key_keep as
+    window_inputs_function gives them and phi_q, phi_k taken of those q and k (causal: [..., N, *],
+    key_keep broadcastable to [..., N, 1]), v [..., N, Dv] as it is, with ``rescaled`` also
     (query_log_scale, key_log_scale) after phi_k and, ``max_weighted``, local_max_weight last;
     it returns float32 [..., N, Dv]. Blocks are laid out as _ChunkLayout does (padded at the
     front), so both lowerings pick the same keys; ``causal``, ``window_next`` and ``sinks``
@@ -1395,6 +1397,38 @@ def windowed_kernel_attention_functions(
         return with_callees(_paired_window_entry(op, flatten, *pieces, rescaled, max_weighted))
     pieces = _causal_paired_window_functions(opset_version, blocks, flatten, window, scale, sinks, eps, far_chunk)
     return with_callees(_causal_paired_entry(op, flatten, pieces, rescaled, max_weighted))
+
+
+def window_inputs_function(opset_version: int, window: int, causal: bool):
+    """WindowInputs(q, k, key_keep) -> (q, k, keep): the q, k and key_keep a windowed kernel's
+    entry reads, and the q and k its pass maps to phi_q, phi_k and log scales. Bidirectional:
+    the window's rows [..., rows, *] (zero rows around the N positions, keep float
+    [..., rows, 1], 0 on them), so the feature maps run on the rows and no [..., N, F] feature
+    tensor is copied into them; causal: as they are."""
+    op = standard_opset(opset_version)
+    if causal:
+
+        @script(ATTNREWRITE, default_opset=op)
+        def CausalWindowInputs(q, k, key_keep):
+            return op.Identity(q), op.Identity(k), op.Identity(key_keep)
+
+        return CausalWindowInputs
+    blocks = _window_block_functions(op, window, aligned_to_start=False)
+    FrontPad, RowCount = blocks.FrontPad, _pair_layout_functions(op, blocks, window, False, 0).RowCount
+
+    @script(ATTNREWRITE, default_opset=op)
+    def WindowInputs(q, k, key_keep):
+        n = op.Shape(k, start=-2, end=-1)
+        front = FrontPad(n)
+        pads, axis = op.Concat(front, RowCount(n) - front - n, axis=0), op.Constant(value_ints=[-2])
+        zero = op.Constant(value_float=0.0)
+        keep = op.Expand(
+            op.Cast(key_keep, to=FLOAT), op.Concat(op.Shape(k, end=-1), op.Constant(value_ints=[1]), axis=0)
+        )
+        q_rows = op.Pad(q, pads, op.CastLike(zero, q), axis)
+        return q_rows, op.Pad(k, pads, op.CastLike(zero, k), axis), op.Pad(keep, pads, zero, axis)
+
+    return WindowInputs
 
 
 class _WindowBlocks(typing.NamedTuple):
@@ -1709,7 +1743,7 @@ def _within_chunk_functions(op, window: int, per_chunk: int):
 # Block c's local keys are blocks c-1, c and c+1: rows that overlap from one block to the next,
 # which onnxruntime lays out only by copying them (three shifted copies of k, v, phi_k and the keep
 # flags cost more than the exact part's products). In pairs of blocks (0, 1), (2, 3), ... (a
-# reshape of one padded copy), a query block meets its own block and one neighbour inside its
+# reshape of the rows), a query block meets its own block and one neighbour inside its
 # pair; the other neighbour (block 2p-1 for block 2p, 2p+2 for 2p+1) comes from one gather of
 # whole blocks per tensor: [W, 2W] and [W, W] products per block, none wasted, and every per-row
 # value in one layout.
@@ -1919,49 +1953,56 @@ class _PairedParts(typing.NamedTuple):
     WeightedSums: OnnxFunction
 
 
-def _paired_parts_functions(op, pairs: _PairLayout, window: int, following: bool, sinks: int) -> _PairedParts:
+def _paired_parts_functions(
+    op, blocks: _WindowBlocks, pairs: _PairLayout, window: int, following: bool, sinks: int
+) -> _PairedParts:
     """The bidirectional window's exact logits and its sums with the local kernel terms folded in."""
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following))
     every_key = following  # window_next: all of a pair's keys are local, both structures all true
-    logits = _paired_logits_function(op, pairs, in_pair, across, every_key, sinks)
+    logits = _paired_logits_function(op, blocks, pairs, in_pair, across, every_key, sinks)
     sums = _folded_sums_function(op, pairs, in_pair, across, every_key)
     if not sinks:
         return _PairedParts(logits, sums)
-    SinkValues = _sink_rows_functions(op, sinks)[1]
+    SinkRows, SinkTaken = _sink_rows_function(op, blocks, sinks), pairs.SinkTaken
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairedAndSinkSums(near, neighbour, sink, shift, far_weight, pq, pk, v):
-        """PairedSums with the sinks' terms (zero features: no kernel term to take out)."""
-        return sums(near, neighbour, shift, far_weight, pq, pk, v) + op.MatMul(op.Exp(sink - shift), SinkValues(v))
+    def PairedAndSinkSums(near, neighbour, sink, shift, far_weight, pq, pk, v_rows, n):
+        """PairedSums with the sinks' terms. The state holds every key's kernel term, the sinks'
+        too (zeroing their features would cost a pass over phi_k): a row that takes a sink as an
+        exact key has the sink's kernel term taken out here, as PairSums does for local keys."""
+        kernel = op.MatMul(pq, op.Transpose(SinkRows(pk, n), perm=[0, 2, 1]))  # [G, rows, sinks]
+        weights = op.Exp(sink - shift) - far_weight * kernel * op.Cast(SinkTaken(n), to=FLOAT)
+        sums_ = sums(near, neighbour, shift, far_weight, pq, pk, v_rows)
+        return sums_ + op.MatMul(weights, SinkRows(v_rows, n))
 
     return _PairedParts(logits, PairedAndSinkSums)
 
 
-def _sink_rows_functions(op, sinks: int):
-    """(SinkRows, SinkValues): [G, N, F] -> [G, sinks, F], rows 0..sinks-1 (zero beyond N); the
-    sinks' [v, 1]."""
+def _sink_rows_function(op, blocks: _WindowBlocks, sinks: int):
+    """SinkRows(rows, n): the window's rows [G, rows, F] -> [G, sinks, F], positions 0..sinks-1
+    of N (the rows after FrontPad; the padding's, zero or not kept, beyond N)."""
+    FrontPad = blocks.FrontPad
 
     @script(ATTNREWRITE, default_opset=op)
-    def SinkRows(x):
-        one = op.Constant(value_ints=[1])
-        rows = op.Slice(x, op.Constant(value_ints=[0]), op.Constant(value_ints=[sinks]), one)
-        missing = op.Constant(value_ints=[sinks]) - op.Shape(rows, start=1, end=2)
-        zero = op.Constant(value_ints=[0])
-        return op.Pad(rows, op.Concat(zero, zero, zero, zero, missing, zero, axis=0), op.Constant(value_float=0.0))
+    def SinkRows(rows, n):
+        front, count = FrontPad(n), op.Constant(value_ints=[sinks])
+        taken = op.Slice(rows, front, front + count, op.Constant(value_ints=[1]))
+        zero = op.Constant(value_ints=[0])  # more sinks than rows after FrontPad: zero rows
+        missing = op.Concat(zero, zero, zero, zero, count - op.Shape(taken, start=1, end=2), zero, axis=0)
+        return op.Pad(taken, missing, op.Constant(value_float=0.0))
 
-    @script(ATTNREWRITE, default_opset=op)
-    def SinkValues(v):
-        return op.Pad(SinkRows(v), op.Constant(value_ints=[0, 0, 0, 0, 0, 1]), op.Constant(value_float=1.0))
-
-    return SinkRows, SinkValues
+    return SinkRows
 
 
-def _paired_logits_function(op, pairs: _PairLayout, in_pair, across, every_key: bool, sinks: int):
-    """PairedLogits(q, k, keep) -> (near [G, pairs, 2W, 2W], neighbour [G, pairs, 2, W, W], row
-    max [G, rows, 1]): q (scaled) against the local keys where the structures ``in_pair`` and
-    ``across`` take them and they are kept, about the lowest log scale elsewhere; with sinks
-    PairedAndSinkLogits, the sinks' logits [G, rows, sinks] before the row max."""
-    PairRows, _, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+def _paired_logits_function(
+    op, blocks: _WindowBlocks, pairs: _PairLayout, in_pair, across, every_key: bool, sinks: int
+):
+    """PairedLogits(q, k, keep, n) -> (near [G, pairs, 2W, 2W], neighbour [G, pairs, 2, W, W],
+    row max [G, rows, 1]): the rows of q (scaled) against the local keys where the structures
+    ``in_pair`` and ``across`` take them and they are kept (keep > 0; 0 on the padding rows),
+    about the lowest log scale elsewhere; with sinks PairedAndSinkLogits, the sinks' logits
+    [G, rows, sinks] before the row max. n: [1], the positions."""
+    Pairs, Blocks, Neighbours, Rows = pairs[2:6]
     Taken = _pair_structure_functions(op, every_key)[0]
 
     # A key that is not kept (padding, or the rows around N) adds the lowest log scale to its
@@ -1984,24 +2025,23 @@ def _paired_logits_function(op, pairs: _PairLayout, in_pair, across, every_key: 
         return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairedLogits(q, k, keep):
+    def PairedLogits(q, k, keep, n):
         zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
-        bias_rows = PairRows(op.Where(op.Greater(keep, zero), zero, lowest), lowest)
-        q_rows, k_rows = PairRows(q, zero), PairRows(k, zero)
-        near, near_max = PairLogits(q_rows, k_rows, bias_rows)
-        neighbour, neighbour_max = NeighbourLogits(q_rows, k_rows, bias_rows)
+        bias = op.Where(op.Greater(keep, zero), zero, lowest)
+        near, near_max = PairLogits(q, k, bias)
+        neighbour, neighbour_max = NeighbourLogits(q, k, bias)
         return near, neighbour, op.Max(near_max, neighbour_max)
 
     if not sinks:
         return PairedLogits
-    SinkRows, SinkTaken = _sink_rows_functions(op, sinks)[0], pairs.SinkTaken
+    SinkRows, SinkTaken = _sink_rows_function(op, blocks, sinks), pairs.SinkTaken
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairedAndSinkLogits(q, k, keep):
-        near, neighbour, local_max = PairedLogits(q, k, keep)
-        logits = op.MatMul(PairRows(q, op.Constant(value_float=0.0)), op.Transpose(SinkRows(k), perm=[0, 2, 1]))
-        kept = op.Transpose(op.Greater(SinkRows(keep), op.Constant(value_float=0.0)), perm=[0, 2, 1])
-        taken = op.And(kept, SinkTaken(op.Shape(q, start=1, end=2)))
+    def PairedAndSinkLogits(q, k, keep, n):
+        near, neighbour, local_max = PairedLogits(q, k, keep, n)
+        logits = op.MatMul(q, op.Transpose(SinkRows(k, n), perm=[0, 2, 1]))
+        kept = op.Transpose(op.Greater(SinkRows(keep, n), op.Constant(value_float=0.0)), perm=[0, 2, 1])
+        taken = op.And(kept, SinkTaken(n))
         sink = op.Where(taken, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
         return near, neighbour, sink, op.Max(local_max, op.ReduceMax(sink, op.Constant(value_ints=[-1]), keepdims=1))
 
@@ -2009,10 +2049,10 @@ def _paired_logits_function(op, pairs: _PairLayout, in_pair, across, every_key: 
 
 
 def _folded_sums_function(op, pairs: _PairLayout, in_pair, across, every_key: bool):
-    """PairedSums(near, neighbour, shift, far_weight, pq, pk, v) -> [G, rows, Dv + 1]: the
+    """PairedSums(near, neighbour, shift, far_weight, pq, pk, v_rows) -> [G, rows, Dv + 1]: the
     bidirectional window's local sums with the local kernel terms taken out, and the far part
-    (the module comment above _pair_structure)."""
-    PairRows, ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[:6]
+    (the module comment above _pair_structure), from rows; v_rows: KeptValueRows."""
+    Pairs, Blocks, Neighbours, Rows = pairs[2:6]
     LocalTerms = _pair_structure_functions(op, every_key)[1]
 
     @script(ATTNREWRITE, default_opset=op)
@@ -2033,13 +2073,11 @@ def _folded_sums_function(op, pairs: _PairLayout, in_pair, across, every_key: bo
         return Rows(op.MatMul(exact - Blocks(far_weight) * local_kernel, Neighbours(v_rows)))
 
     @script(ATTNREWRITE, default_opset=op)
-    def PairedSums(near, neighbour, shift, far_weight, pq, pk, v):
-        zero = op.Constant(value_float=0.0)
-        pq_rows, pk_rows, v_rows = PairRows(pq, zero), PairRows(pk, zero), ValuesAndOnes(v)
-        state = op.MatMul(op.Transpose(pk_rows, perm=[0, 2, 1]), v_rows)  # [G, F, Dv + 1]: S and z
-        in_pair_sums = PairSums(near, shift, far_weight, pq_rows, pk_rows, v_rows)
-        neighbour_sums = NeighbourSums(neighbour, shift, far_weight, pq_rows, pk_rows, v_rows)
-        return in_pair_sums + neighbour_sums + far_weight * op.MatMul(pq_rows, state)
+    def PairedSums(near, neighbour, shift, far_weight, pq, pk, v_rows):
+        state = op.MatMul(op.Transpose(pk, perm=[0, 2, 1]), v_rows)  # [G, F, Dv + 1]: S and z
+        in_pair_sums = PairSums(near, shift, far_weight, pq, pk, v_rows)
+        neighbour_sums = NeighbourSums(neighbour, shift, far_weight, pq, pk, v_rows)
+        return in_pair_sums + neighbour_sums + far_weight * op.MatMul(pq, state)
 
     return PairedSums
 
@@ -2047,15 +2085,22 @@ def _folded_sums_function(op, pairs: _PairLayout, in_pair, across, every_key: bo
 def _paired_window_functions(
     op, blocks: _WindowBlocks, flatten, window: int, scale: float, following: bool, sinks: int, eps: float
 ):
-    """PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight), PairedWindow(pq, pk, q, k,
-    v, keep, log_ratio_offset, max_weight) -> [G, rows, Dv + 1] and Normalised(sums, q, v): the
-    bidirectional window's pieces, in pairs of blocks, whatever its units. The log ratio of the
-    kernel part's unit to the exact part's is log_ratio_offset - max_weight * m_i per row
+    """RowInputs(phi_q, q, k, v, key_keep, linear_log_weight), PairedWindow(pq, pk, q, k, v, keep,
+    log_ratio_offset, max_weight) -> [G, rows, Dv + 1] and Normalised(sums, q, v): the
+    bidirectional window's pieces, in pairs of blocks, whatever its units. Every input but v is
+    in the window's rows already (window_inputs_function), v [G, N, Dv] as it is. The log ratio of
+    the kernel part's unit to the exact part's is log_ratio_offset - max_weight * m_i per row
     ([G, rows or 1, 1]; m_i the row's max exact logit)."""
     pairs = _pair_layout_functions(op, blocks, window, following, sinks)
-    parts = _paired_parts_functions(op, pairs, window, following, sinks)
+    parts = _paired_parts_functions(op, blocks, pairs, window, following, sinks)
     ExactLogits, WeightedSums, HasFarKeys = parts.ExactLogits, parts.WeightedSums, pairs.HasFarKeys
-    UnitsOfBoth = _units_function(op)
+    ValuesAndOnes, UnitsOfBoth = pairs.ValuesAndOnes, _units_function(op)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def KeptValueRows(v, keep):
+        """[v, 1] on the rows, 0 on a key that is not kept or a padding row: such a key weighs 0
+        in every sum whatever its phi_k (which need only be finite there)."""
+        return ValuesAndOnes(v) * keep
 
     @script(ATTNREWRITE, default_opset=op)
     def Units(row_max, ratio, n):
@@ -2067,25 +2112,27 @@ def _paired_window_functions(
 
         @script(ATTNREWRITE, default_opset=op)
         def PairedWindowWithSinks(pq, pk, q, k, v, keep, log_ratio_offset, max_weight):
-            near, neighbour, sink, row_max = ExactLogits(q, k, keep)
+            n = op.Shape(v, start=1, end=2)
+            near, neighbour, sink, row_max = ExactLogits(q, k, keep, n)
             ratio = log_ratio_offset - max_weight * row_max
-            shift, far_weight = Units(row_max, ratio, op.Shape(q, start=1, end=2))
-            return WeightedSums(near, neighbour, sink, shift, far_weight, pq, pk, v)
+            shift, far_weight = Units(row_max, ratio, n)
+            return WeightedSums(near, neighbour, sink, shift, far_weight, pq, pk, KeptValueRows(v, keep), n)
 
         window_sums = PairedWindowWithSinks
     else:
 
         @script(ATTNREWRITE, default_opset=op)
         def PairedWindow(pq, pk, q, k, v, keep, log_ratio_offset, max_weight):
-            near, neighbour, row_max = ExactLogits(q, k, keep)
+            n = op.Shape(v, start=1, end=2)
+            near, neighbour, row_max = ExactLogits(q, k, keep, n)
             ratio = log_ratio_offset - max_weight * row_max
-            shift, far_weight = Units(row_max, ratio, op.Shape(q, start=1, end=2))
-            return WeightedSums(near, neighbour, shift, far_weight, pq, pk, v)
+            shift, far_weight = Units(row_max, ratio, n)
+            return WeightedSums(near, neighbour, shift, far_weight, pq, pk, KeptValueRows(v, keep))
 
         window_sums = PairedWindow
 
-    inputs = _paired_inputs_functions(op, flatten, scale, sinks)[0]
-    return inputs, window_sums, _normalised_function(op, blocks, eps), pairs.PairRows
+    row_inputs = _paired_inputs_functions(op, flatten, scale, sinks)[1]
+    return row_inputs, window_sums, _normalised_function(op, blocks, eps)
 
 
 def _paired_inputs_functions(op, flatten, scale: float, sinks: int):
@@ -2129,7 +2176,7 @@ def _normalised_function(op, blocks: _WindowBlocks, eps: float):
     @script(ATTNREWRITE, default_opset=op)
     def Normalised(sums, q, v):
         """[G, rows, Dv + 1] -> q's leading axes + [N, Dv]: the numerator over the denominator
-        (the last column) on the N rows after FrontPad."""
+        (the last column) on the N rows after FrontPad (q as it is or in the window's rows)."""
         n = op.Shape(v, start=-2, end=-1)
         front = FrontPad(n)
         rows = op.Slice(sums, front, front + n, op.Constant(value_ints=[1]))
@@ -2137,20 +2184,20 @@ def _normalised_function(op, blocks: _WindowBlocks, eps: float):
         numerator = op.Slice(rows, op.Constant(value_ints=[0]), dv, last)
         denominator = op.Slice(rows, dv, dv + op.Constant(value_ints=[1]), last)
         out = numerator / (denominator + op.Constant(value_float=eps))
-        return op.Reshape(out, op.Concat(op.Shape(q, end=-1), dv, axis=0))
+        return op.Reshape(out, op.Concat(op.Shape(q, end=-2), n, dv, axis=0))
 
     return Normalised
 
 
-def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows, rescaled: bool, max_weighted: bool):
+def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, rescaled: bool, max_weighted: bool):
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as windowed_kernel_attention_functions says, ``key_log_scale`` one per head), bidirectional."""
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         zero = op.Constant(value_float=0.0)  # both parts in one unit already
-        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, zero, zero), q, v)
+        return normalised(window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, zero, zero), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
@@ -2158,11 +2205,10 @@ def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows
     ):
         """The kernel part in units of e^(a_i + b_h) (one key log scale per head), the exact
         part's e^(m_i)."""
-        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
-        zero = op.Constant(value_float=0.0)
-        offset = pair_rows(flatten(query_log_scale), zero) + flatten(key_log_scale)
+        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        offset = flatten(query_log_scale) + flatten(key_log_scale)
         one = op.Constant(value_float=1.0)
-        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, offset, one), q, v)
+        return normalised(window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, offset, one), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedMaxWeightedKernelAttention(
@@ -2170,12 +2216,11 @@ def _paired_window_entry(op, flatten, inputs, window_sums, normalised, pair_rows
     ):
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
-        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
-        zero = op.Constant(value_float=0.0)
-        offset = pair_rows(flatten(query_log_scale), zero) + flatten(key_log_scale)
+        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        offset = flatten(query_log_scale) + flatten(key_log_scale)
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
-        weight = pair_rows(flatten(row_weight), zero)
-        return normalised(window_sums(pq, pk, q_scaled, k_rows, v_rows, keep, offset, weight), q, v)
+        sums = window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, offset, flatten(row_weight))
+        return normalised(sums, q, v)
 
     if not rescaled:
         return WindowedKernelAttention
@@ -2218,8 +2263,9 @@ def _causal_paired_window_functions(
     op = standard_opset(opset_version)
     pairs = _pair_layout_functions(op, blocks, window, following=False, sinks=sinks, causal=True)
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following=False, causal=True))
-    ExactLogits = _paired_logits_function(op, pairs, in_pair, across, every_key=False, sinks=sinks)
-    ExactSums = _exact_sums_function(op, pairs, sinks)
+    ExactLogits = _paired_logits_function(op, blocks, pairs, in_pair, across, every_key=False, sinks=sinks)
+    ExactSums = _exact_sums_function(op, blocks, pairs, sinks)
+    PairRows, ValuesAndOnes = pairs.PairRows, pairs.ValuesAndOnes
     far_sums, rescaled_far_sums = _chunked_far_sums_functions(
         opset_version, blocks, pairs, flatten, _without_sinks_function(op, sinks), window, far_chunk
     )
@@ -2229,9 +2275,10 @@ def _causal_paired_window_functions(
 
         @script(ATTNREWRITE, default_opset=op)
         def CausalPairedWindowWithSinks(far, log_ratio_offset, max_weight, q, k, v, keep):
-            near, neighbour, sink, row_max = ExactLogits(q, k, keep)
+            n, zero = op.Shape(v, start=1, end=2), op.Constant(value_float=0.0)
+            near, neighbour, sink, row_max = ExactLogits(PairRows(q, zero), PairRows(k, zero), PairRows(keep, zero), n)
             shift, far_weight = UnitsOfBoth(row_max, log_ratio_offset - max_weight * row_max)
-            return ExactSums(near, neighbour, sink, shift, v) + far_weight * far
+            return ExactSums(near, neighbour, sink, shift, ValuesAndOnes(v), n) + far_weight * far
 
         window_sums = CausalPairedWindowWithSinks
     else:
@@ -2239,9 +2286,10 @@ def _causal_paired_window_functions(
         @script(ATTNREWRITE, default_opset=op)
         def CausalPairedWindow(far, log_ratio_offset, max_weight, q, k, v, keep):
             """The exact part's sums plus the far sums ``far`` [G, rows, Dv + 1] in one unit."""
-            near, neighbour, row_max = ExactLogits(q, k, keep)
+            n, zero = op.Shape(v, start=1, end=2), op.Constant(value_float=0.0)
+            near, neighbour, row_max = ExactLogits(PairRows(q, zero), PairRows(k, zero), PairRows(keep, zero), n)
             shift, far_weight = UnitsOfBoth(row_max, log_ratio_offset - max_weight * row_max)
-            return ExactSums(near, neighbour, shift, v) + far_weight * far
+            return ExactSums(near, neighbour, shift, ValuesAndOnes(v)) + far_weight * far
 
         window_sums = CausalPairedWindow
     inputs, row_inputs = _paired_inputs_functions(op, flatten, scale, sinks)
@@ -2249,24 +2297,24 @@ def _causal_paired_window_functions(
     return _CausalPairedPieces(inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pairs.PairRows)
 
 
-def _exact_sums_function(op, pairs: _PairLayout, sinks: int):
-    """ExactSums(near, neighbour, shift, v) -> [G, rows, Dv + 1]: e^(logits - shift) [v, 1] over
-    each row's exact keys (v [G, N, Dv]); with sinks ExactAndSinkSums(near, neighbour, sink, ...)."""
-    ValuesAndOnes, Pairs, Blocks, Neighbours, Rows = pairs[1:6]
+def _exact_sums_function(op, blocks: _WindowBlocks, pairs: _PairLayout, sinks: int):
+    """ExactSums(near, neighbour, shift, v_rows) -> [G, rows, Dv + 1]: e^(logits - shift) [v, 1]
+    over each row's exact keys (v_rows: ValuesAndOnes); with sinks ExactAndSinkSums(near,
+    neighbour, sink, shift, v_rows, n)."""
+    Pairs, Blocks, Neighbours, Rows = pairs[2:6]
 
     @script(ATTNREWRITE, default_opset=op)
-    def ExactSums(near, neighbour, shift, v):
-        v_rows = ValuesAndOnes(v)
+    def ExactSums(near, neighbour, shift, v_rows):
         in_pair = op.MatMul(op.Exp(near - Pairs(shift)), Pairs(v_rows))
         return Rows(in_pair) + Rows(op.MatMul(op.Exp(neighbour - Blocks(shift)), Neighbours(v_rows)))
 
     if not sinks:
         return ExactSums
-    SinkValues = _sink_rows_functions(op, sinks)[1]
+    SinkRows = _sink_rows_function(op, blocks, sinks)
 
     @script(ATTNREWRITE, default_opset=op)
-    def ExactAndSinkSums(near, neighbour, sink, shift, v):
-        return ExactSums(near, neighbour, shift, v) + op.MatMul(op.Exp(sink - shift), SinkValues(v))
+    def ExactAndSinkSums(near, neighbour, sink, shift, v_rows, n):
+        return ExactSums(near, neighbour, shift, v_rows) + op.MatMul(op.Exp(sink - shift), SinkRows(v_rows, n))
 
     return ExactAndSinkSums
 

@@ -17,7 +17,7 @@ import dataclasses
 from onnxscript import script
 
 from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
 from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.passes._torch import Module, torch
 from attnrewrite.site import AttentionSite
@@ -152,26 +152,29 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
 
 def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
     op = standard_opset(opset_version)
-    *callees, kernel = kernels.windowed_kernel_attention_functions(
+    kernel = kernels.windowed_kernel_attention_functions(
         opset_version,
         options.window,
         site.scale,
         site.mask.causal,
         window_next=options.window_next,
         sinks=options.sinks,
-    )
+    )[-1]
+
+    window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedLinearAttention(q, k, v, key_keep, linear_log_weight):
+        q_in, k_in, keep = window_inputs(q, k, key_keep)
         one = op.Constant(value_float=1.0)
-        phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
-        phi_k = (op.Elu(op.Cast(k, to=FLOAT)) + one) * key_keep
-        return op.CastLike(kernel(phi_q, phi_k, q, k, v, key_keep, linear_log_weight), v)
+        phi_q = op.Elu(op.Cast(q_in, to=FLOAT)) + one
+        phi_k = (op.Elu(op.Cast(k_in, to=FLOAT)) + one) * keep
+        return op.CastLike(kernel(phi_q, phi_k, q_in, k_in, v, keep, linear_log_weight), v)
 
     fn = WindowedLinearAttention.to_function_proto()
     if site.mask.causal:
         fn.name = "CausalWindowedLinearAttention"
-    functions = [f.to_function_proto() for f in [*callees, kernel]]
+    functions = [f.to_function_proto() for f in with_callees(WindowedLinearAttention)[:-1]]
     constants = {"linear_log_weight": kernels.initial_linear_log_weight(site)}
     return OnnxLowering([*functions, fn], constants)
 
