@@ -22,6 +22,13 @@ def standard_opset(version: int) -> Opset:
     return Opset("", max(version, MIN_OPSET))
 
 
+def rank_constant(value: float, rank: int) -> onnx.TensorProto:
+    """``value`` as a float32 [1] * rank tensor, for op.Constant(value=...) against a tensor of
+    that rank: onnxruntime's CPU kernels broadcast a scalar over a [..., 1] tensor one element at
+    a time, tens of times slower than a constant of the same rank."""
+    return onnx.numpy_helper.from_array(np.full((1,) * rank, value, np.float32))
+
+
 def make_function(name: str, inputs: list[str], outputs: list[str], nodes, opset_version: int) -> onnx.FunctionProto:
     """A function of our domain written node by node (what a script function cannot express:
     an unrolled loop, a wrapper around a function chosen at rewrite time), importing the same

@@ -68,6 +68,7 @@ from attnrewrite.passes._onnx import (
     FLOAT,
     OnnxLowering,
     make_function,
+    rank_constant,
     standard_opset,
     with_callees,
 )
@@ -92,6 +93,9 @@ EXP_FLOOR = 80.0  # e^-80 is a normal float32; see _local_softmax_sums
 # The least exponent shift of a window row (ONNX): where no exact key is kept, e^(lowest log
 # scale - shift) is still 0 instead of e^0.
 NO_EXACT_KEY_SHIFT = -1.0e30
+# What a window's exact logit gets for a key it does not take (not kept, or outside the pair's
+# structure): two of them add up to the lowest log scale, still finite, so no row max is -inf.
+MASKED_LOGIT_BIAS = LOWEST_LOG_SCALE / 2
 
 BOOL = onnx.TensorProto.BOOL
 
@@ -1239,6 +1243,7 @@ def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS)
     """ONNX form of linear_attention: the function it calls, then itself last."""
     op = standard_opset(opset_version)
     sequence_sum = sequence_sum_function(opset_version)
+    eps_rows = rank_constant(eps, 3)
 
     @script(ATTNREWRITE, default_opset=op)
     def KernelAttention(phi_q, phi_k, v):
@@ -1246,7 +1251,7 @@ def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS)
         numerator = op.MatMul(phi_q, kv)
         key_sum = op.Transpose(sequence_sum(phi_k), perm=[0, 2, 1])  # [G, F, 1]
         denominator = op.MatMul(phi_q, key_sum)
-        return numerator / (denominator + op.Constant(value_float=eps))
+        return numerator / (denominator + op.Constant(value=eps_rows))
 
     return [sequence_sum, KernelAttention]
 
@@ -1927,11 +1932,14 @@ def _pair_structure_functions(op, every_key: bool):
 
     @script(ATTNREWRITE, default_opset=op)
     def StructureTaken(logits, structure):
-        return op.Where(structure, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        # an added bias and a product (each folded once from the constant structure):
+        # onnxruntime broadcasts them over [.., 2W, 2W] several times faster than Where
+        zero, masked = op.Constant(value_float=0.0), op.Constant(value_float=MASKED_LOGIT_BIAS)
+        return logits + op.Where(structure, zero, masked)
 
     @script(ATTNREWRITE, default_opset=op)
     def StructureTerms(kernel, structure):
-        return op.Where(structure, kernel, op.Constant(value_float=0.0))
+        return kernel * op.Cast(structure, to=FLOAT)
 
     @script(ATTNREWRITE, default_opset=op)
     def AllTaken(logits, structure):
@@ -1954,12 +1962,12 @@ class _PairedParts(typing.NamedTuple):
 
 
 def _paired_parts_functions(
-    op, blocks: _WindowBlocks, pairs: _PairLayout, window: int, following: bool, sinks: int
+    op, blocks: _WindowBlocks, pairs: _PairLayout, window: int, scale: float, following: bool, sinks: int
 ) -> _PairedParts:
     """The bidirectional window's exact logits and its sums with the local kernel terms folded in."""
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following))
     every_key = following  # window_next: all of a pair's keys are local, both structures all true
-    logits = _paired_logits_function(op, blocks, pairs, in_pair, across, every_key, sinks)
+    logits = _paired_logits_function(op, blocks, pairs, in_pair, across, every_key, sinks, scale)
     sums = _folded_sums_function(op, pairs, in_pair, across, every_key)
     if not sinks:
         return _PairedParts(logits, sums)
@@ -1995,10 +2003,11 @@ def _sink_rows_function(op, blocks: _WindowBlocks, sinks: int):
 
 
 def _paired_logits_function(
-    op, blocks: _WindowBlocks, pairs: _PairLayout, in_pair, across, every_key: bool, sinks: int
+    op, blocks: _WindowBlocks, pairs: _PairLayout, in_pair, across, every_key: bool, sinks: int, scale: float
 ):
     """PairedLogits(q, k, keep, n) -> (near [G, pairs, 2W, 2W], neighbour [G, pairs, 2, W, W],
-    row max [G, rows, 1]): the rows of q (scaled) against the local keys where the structures
+    row max [G, rows, 1]): the rows of q against the local keys, times ``scale`` (which
+    onnxruntime folds into the products, no pass over q), where the structures
     ``in_pair`` and ``across`` take them and they are kept (keep > 0; 0 on the padding rows),
     about the lowest log scale elsewhere; with sinks PairedAndSinkLogits, the sinks' logits
     [G, rows, sinks] before the row max. n: [1], the positions."""
@@ -2008,10 +2017,18 @@ def _paired_logits_function(
     # A key that is not kept (padding, or the rows around N) adds the lowest log scale to its
     # logits, one bias per key: no [.., 2W, 2W] mask is built for it.
 
+    one, lowest, zero = (rank_constant(x, 3) for x in (1.0, MASKED_LOGIT_BIAS, 0.0))  # rank_constant says why
+
+    @script(ATTNREWRITE, default_opset=op)
+    def NotTakenBias(taken):
+        """[G, rows, *]: 0 where ``taken``, MASKED_LOGIT_BIAS elsewhere."""
+        return (op.Constant(value=one) - op.Cast(taken, to=FLOAT)) * op.Constant(value=lowest)
+
     @script(ATTNREWRITE, default_opset=op)
     def PairLogits(q_rows, k_rows, bias_rows):
         """Each pair's queries against its keys [G, pairs, 2W, 2W], and their row max [G, rows, 1]."""
-        logits = op.MatMul(Pairs(q_rows), op.Transpose(Pairs(k_rows), perm=[0, 1, 3, 2]))
+        keys = op.Transpose(Pairs(k_rows), perm=[0, 1, 3, 2])
+        logits = op.MatMul(Pairs(q_rows), keys) * op.Constant(value_float=scale)
         bias = op.Transpose(Pairs(bias_rows), perm=[0, 1, 3, 2])
         masked = Taken(logits + bias, op.Constant(value=in_pair))
         return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
@@ -2019,15 +2036,15 @@ def _paired_logits_function(
     @script(ATTNREWRITE, default_opset=op)
     def NeighbourLogits(q_rows, k_rows, bias_rows):
         """Each block against its neighbour outside the pair [G, pairs, 2, W, W], as PairLogits."""
-        logits = op.MatMul(Blocks(q_rows), op.Transpose(Neighbours(k_rows), perm=[0, 1, 2, 4, 3]))
+        keys = op.Transpose(Neighbours(k_rows), perm=[0, 1, 2, 4, 3])
+        logits = op.MatMul(Blocks(q_rows), keys) * op.Constant(value_float=scale)
         bias = op.Transpose(Neighbours(bias_rows), perm=[0, 1, 2, 4, 3])
         masked = Taken(logits + bias, op.Constant(value=across))
         return masked, Rows(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1))
 
     @script(ATTNREWRITE, default_opset=op)
     def PairedLogits(q, k, keep, n):
-        zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
-        bias = op.Where(op.Greater(keep, zero), zero, lowest)
+        bias = NotTakenBias(op.Greater(keep, op.Constant(value=zero)))
         near, near_max = PairLogits(q, k, bias)
         neighbour, neighbour_max = NeighbourLogits(q, k, bias)
         return near, neighbour, op.Max(near_max, neighbour_max)
@@ -2039,10 +2056,9 @@ def _paired_logits_function(
     @script(ATTNREWRITE, default_opset=op)
     def PairedAndSinkLogits(q, k, keep, n):
         near, neighbour, local_max = PairedLogits(q, k, keep, n)
-        logits = op.MatMul(q, op.Transpose(SinkRows(k, n), perm=[0, 2, 1]))
+        logits = op.MatMul(q, op.Transpose(SinkRows(k, n), perm=[0, 2, 1])) * op.Constant(value_float=scale)
         kept = op.Transpose(op.Greater(SinkRows(keep, n), op.Constant(value_float=0.0)), perm=[0, 2, 1])
-        taken = op.And(kept, SinkTaken(n))
-        sink = op.Where(taken, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
+        sink = logits + NotTakenBias(op.And(kept, SinkTaken(n)))
         return near, neighbour, sink, op.Max(local_max, op.ReduceMax(sink, op.Constant(value_ints=[-1]), keepdims=1))
 
     return PairedAndSinkLogits
@@ -2092,7 +2108,7 @@ def _paired_window_functions(
     the kernel part's unit to the exact part's is log_ratio_offset - max_weight * m_i per row
     ([G, rows or 1, 1]; m_i the row's max exact logit)."""
     pairs = _pair_layout_functions(op, blocks, window, following, sinks)
-    parts = _paired_parts_functions(op, blocks, pairs, window, following, sinks)
+    parts = _paired_parts_functions(op, blocks, pairs, window, scale, following, sinks)
     ExactLogits, WeightedSums, HasFarKeys = parts.ExactLogits, parts.WeightedSums, pairs.HasFarKeys
     ValuesAndOnes, UnitsOfBoth = pairs.ValuesAndOnes, _units_function(op)
 
@@ -2131,59 +2147,60 @@ def _paired_window_functions(
 
         window_sums = PairedWindow
 
-    row_inputs = _paired_inputs_functions(op, flatten, scale, sinks)[1]
+    row_inputs = _paired_inputs_functions(op, flatten, sinks)[1]
     return row_inputs, window_sums, _normalised_function(op, blocks, eps)
 
 
-def _paired_inputs_functions(op, flatten, scale: float, sinks: int):
+def _paired_inputs_functions(op, flatten, sinks: int):
     """(PairedInputs, RowInputs): the paired windows' inputs as rows, RowInputs without phi_k
     (which a kernel with per-key log scales takes as it is)."""
     without_sinks, expand_keep = _without_sinks_function(op, sinks), key_keep_function(op.version)
 
     @script(ATTNREWRITE, default_opset=op)
     def RowInputs(phi_q, q, k, v, key_keep, linear_log_weight):
-        """[G, N, *]: phi_q weighted by w_h, q scaled, k, v, keep flags."""
+        """[G, N, *]: phi_q weighted by w_h, q, k, v, keep flags."""
         weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
         keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
-        q_scaled = flatten(q) * op.Constant(value_float=scale)
-        return flatten(weighted_q), q_scaled, flatten(k), flatten(v), keep
+        return flatten(weighted_q), flatten(q), flatten(k), flatten(v), keep
 
     @script(ATTNREWRITE, default_opset=op)
     def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
         """RowInputs with phi_k zero on the sinks second."""
-        pq, q_scaled, k_rows, v_rows, keep = RowInputs(phi_q, q, k, v, key_keep, linear_log_weight)
-        return pq, without_sinks(flatten(phi_k), op.Constant(value_float=0.0)), q_scaled, k_rows, v_rows, keep
+        pq, q_rows, k_rows, v_rows, keep = RowInputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        return pq, without_sinks(flatten(phi_k), op.Constant(value_float=0.0)), q_rows, k_rows, v_rows, keep
 
     return PairedInputs, RowInputs
 
 
 def _units_function(op):
+    # [G, rows, 1] against constants of their rank (rank_constant says why)
+    least_shift, rows_zero = rank_constant(NO_EXACT_KEY_SHIFT, 3), rank_constant(0.0, 3)
+
     @script(ATTNREWRITE, default_opset=op)
     def UnitsOfBoth(row_max, ratio):
         """The exact part's shift and the kernel part's weight per row, from ``ratio``, the log of
         (kernel part's unit / exact part's unit): e^-max(ratio, 0) folded into the shift and
         e^min(ratio, 0), so neither part overflows."""
-        zero = op.Constant(value_float=0.0)
-        shift = op.Max(row_max + op.Max(ratio, zero), op.Constant(value_float=NO_EXACT_KEY_SHIFT))
+        zero = op.Constant(value=rows_zero)
+        shift = op.Max(row_max + op.Max(ratio, zero), op.Constant(value=least_shift))
         return shift, op.Exp(op.Min(ratio, zero))
 
     return UnitsOfBoth
 
 
 def _normalised_function(op, blocks: _WindowBlocks, eps: float):
-    FrontPad = blocks.FrontPad
+    FrontPad, eps_rows = blocks.FrontPad, rank_constant(eps, 3)
 
     @script(ATTNREWRITE, default_opset=op)
     def Normalised(sums, q, v):
         """[G, rows, Dv + 1] -> q's leading axes + [N, Dv]: the numerator over the denominator
         (the last column) on the N rows after FrontPad (q as it is or in the window's rows)."""
         n = op.Shape(v, start=-2, end=-1)
-        front = FrontPad(n)
-        rows = op.Slice(sums, front, front + n, op.Constant(value_ints=[1]))
-        dv, last = op.Shape(v, start=-1), op.Constant(value_ints=[2])
-        numerator = op.Slice(rows, op.Constant(value_ints=[0]), dv, last)
-        denominator = op.Slice(rows, dv, dv + op.Constant(value_ints=[1]), last)
-        out = numerator / (denominator + op.Constant(value_float=eps))
+        front, dv = FrontPad(n), op.Shape(v, start=-1)
+        axes, zero, one = op.Constant(value_ints=[1, 2]), op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+        numerator = op.Slice(sums, op.Concat(front, zero, axis=0), op.Concat(front + n, dv, axis=0), axes)
+        denominator = op.Slice(sums, op.Concat(front, dv, axis=0), op.Concat(front + n, dv + one, axis=0), axes)
+        out = numerator / (denominator + op.Constant(value=eps_rows))
         return op.Reshape(out, op.Concat(op.Shape(q, end=-2), n, dv, axis=0))
 
     return Normalised
@@ -2195,9 +2212,9 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         zero = op.Constant(value_float=0.0)  # both parts in one unit already
-        return normalised(window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, zero, zero), q, v)
+        return normalised(window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, zero, zero), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
@@ -2205,10 +2222,10 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
     ):
         """The kernel part in units of e^(a_i + b_h) (one key log scale per head), the exact
         part's e^(m_i)."""
-        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         offset = flatten(query_log_scale) + flatten(key_log_scale)
         one = op.Constant(value_float=1.0)
-        return normalised(window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, offset, one), q, v)
+        return normalised(window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, one), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedMaxWeightedKernelAttention(
@@ -2216,10 +2233,10 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
     ):
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
-        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         offset = flatten(query_log_scale) + flatten(key_log_scale)
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
-        sums = window_sums(pq, flatten(phi_k), q_scaled, k_rows, v_rows, keep, offset, flatten(row_weight))
+        sums = window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, flatten(row_weight))
         return normalised(sums, q, v)
 
     if not rescaled:
@@ -2263,7 +2280,7 @@ def _causal_paired_window_functions(
     op = standard_opset(opset_version)
     pairs = _pair_layout_functions(op, blocks, window, following=False, sinks=sinks, causal=True)
     in_pair, across = (numpy_helper.from_array(x) for x in _pair_structure(window, following=False, causal=True))
-    ExactLogits = _paired_logits_function(op, blocks, pairs, in_pair, across, every_key=False, sinks=sinks)
+    ExactLogits = _paired_logits_function(op, blocks, pairs, in_pair, across, False, sinks, scale)
     ExactSums = _exact_sums_function(op, blocks, pairs, sinks)
     PairRows, ValuesAndOnes = pairs.PairRows, pairs.ValuesAndOnes
     far_sums, rescaled_far_sums = _chunked_far_sums_functions(
@@ -2292,7 +2309,7 @@ def _causal_paired_window_functions(
             return ExactSums(near, neighbour, shift, ValuesAndOnes(v)) + far_weight * far
 
         window_sums = CausalPairedWindow
-    inputs, row_inputs = _paired_inputs_functions(op, flatten, scale, sinks)
+    inputs, row_inputs = _paired_inputs_functions(op, flatten, sinks)
     normalised = _normalised_function(op, blocks, eps)
     return _CausalPairedPieces(inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pairs.PairRows)
 
@@ -2326,10 +2343,10 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        pq, pk, q_scaled, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        pq, pk, q_rows, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
         zero = op.Constant(value_float=0.0)  # both parts in one unit already
         far = far_sums(pq, pk, v_rows)
-        return normalised(window_sums(far, zero, zero, q_scaled, k_rows, v_rows, keep), q, v)
+        return normalised(window_sums(far, zero, zero, q_rows, k_rows, v_rows, keep), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
@@ -2337,12 +2354,12 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
     ):
         """The kernel part in units of e^(a_i + R_c) (R_c: the max key log scale of block c's
         far keys), the exact part's e^(m_i)."""
-        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         # phi_k as it is: the sinks' lowest log scale keeps them out (RescaledFarSums)
         far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
         offset = pair_rows(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale
         one = op.Constant(value_float=1.0)
-        return normalised(window_sums(far, offset, one, q_scaled, k_rows, v_rows, keep), q, v)
+        return normalised(window_sums(far, offset, one, q_rows, k_rows, v_rows, keep), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedMaxWeightedKernelAttention(
@@ -2350,13 +2367,13 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
     ):
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
-        pq, q_scaled, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         zero = op.Constant(value_float=0.0)
         far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
         offset = pair_rows(flatten(query_log_scale), zero) + far_log_scale
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
         weight = pair_rows(flatten(row_weight), zero)
-        return normalised(window_sums(far, offset, weight, q_scaled, k_rows, v_rows, keep), q, v)
+        return normalised(window_sums(far, offset, weight, q_rows, k_rows, v_rows, keep), q, v)
 
     if not rescaled:
         return WindowedKernelAttention
