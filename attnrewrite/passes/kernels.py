@@ -28,7 +28,7 @@ laid out in pairs of blocks, a reshape of the rows (q and k are padded into them
 feature maps, window_inputs_function), and each block's neighbour outside its pair, one gather
 of whole blocks (see the comment above _pair_structure). What is left after the subtraction
 keeps the rounding of the whole sum, so row i's output moves by up to about
-    eps32 * sum_{j local} K_ij |v_j| / D_i
+    eps32 * sum_{j exact} K_ij |v_j| / D_i
 beyond a per-block state's (K_ij the kernel weight in the output's units, D_i the row's
 normaliser): small where a kernel is in the exact part's units (fitted hedgehog, favor: on
 MiniLM's q, k, v at N = 256..4096 every form is within 2e-6 of the float64 definition,
@@ -2158,16 +2158,19 @@ def _paired_inputs_functions(op, flatten, sinks: int):
 
     @script(ATTNREWRITE, default_opset=op)
     def RowInputs(phi_q, q, k, v, key_keep, linear_log_weight):
-        """[G, N, *]: phi_q weighted by w_h, q, k, v, keep flags."""
-        weighted_q = op.Cast(phi_q, to=FLOAT) * op.Exp(op.Cast(linear_log_weight, to=FLOAT))
+        """[G, N, *]: phi_q, q, k, v, keep flags, and log w_h [G, 1, 1]: the kernel part's
+        weight goes into the units' log ratio (one value per row), not over phi_q."""
         keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
-        return flatten(weighted_q), flatten(q), flatten(k), flatten(v), keep
+        head_shape = op.Concat(op.Shape(q, end=-2), op.Constant(value_ints=[1, 1]), axis=0)
+        log_weight = flatten(op.Expand(op.Cast(linear_log_weight, to=FLOAT), head_shape))
+        return flatten(phi_q), flatten(q), flatten(k), flatten(v), keep, log_weight
 
     @script(ATTNREWRITE, default_opset=op)
     def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
         """RowInputs with phi_k zero on the sinks second."""
-        pq, q_rows, k_rows, v_rows, keep = RowInputs(phi_q, q, k, v, key_keep, linear_log_weight)
-        return pq, without_sinks(flatten(phi_k), op.Constant(value_float=0.0)), q_rows, k_rows, v_rows, keep
+        pq, q_rows, k_rows, v_rows, keep, log_weight = RowInputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pk = without_sinks(flatten(phi_k), op.Constant(value_float=0.0))
+        return pq, pk, q_rows, k_rows, v_rows, keep, log_weight
 
     return PairedInputs, RowInputs
 
@@ -2212,9 +2215,9 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
-        zero = op.Constant(value_float=0.0)  # both parts in one unit already
-        return normalised(window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, zero, zero), q, v)
+        pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)  # both parts in one unit already, but for w_h
+        return normalised(window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, log_weight, zero), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
@@ -2222,8 +2225,8 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
     ):
         """The kernel part in units of e^(a_i + b_h) (one key log scale per head), the exact
         part's e^(m_i)."""
-        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
-        offset = flatten(query_log_scale) + flatten(key_log_scale)
+        pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        offset = flatten(query_log_scale) + flatten(key_log_scale) + log_weight
         one = op.Constant(value_float=1.0)
         return normalised(window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, one), q, v)
 
@@ -2233,8 +2236,8 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
     ):
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
-        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
-        offset = flatten(query_log_scale) + flatten(key_log_scale)
+        pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        offset = flatten(query_log_scale) + flatten(key_log_scale) + log_weight
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
         sums = window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, flatten(row_weight))
         return normalised(sums, q, v)
@@ -2343,10 +2346,10 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
-        pq, pk, q_rows, k_rows, v_rows, keep = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
-        zero = op.Constant(value_float=0.0)  # both parts in one unit already
+        pq, pk, q_rows, k_rows, v_rows, keep, log_weight = inputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight)
+        zero = op.Constant(value_float=0.0)  # both parts in one unit already, but for w_h
         far = far_sums(pq, pk, v_rows)
-        return normalised(window_sums(far, zero, zero, q_rows, k_rows, v_rows, keep), q, v)
+        return normalised(window_sums(far, log_weight, zero, q_rows, k_rows, v_rows, keep), q, v)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedRescaledKernelAttention(
@@ -2354,10 +2357,10 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
     ):
         """The kernel part in units of e^(a_i + R_c) (R_c: the max key log scale of block c's
         far keys), the exact part's e^(m_i)."""
-        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         # phi_k as it is: the sinks' lowest log scale keeps them out (RescaledFarSums)
         far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
-        offset = pair_rows(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale
+        offset = pair_rows(flatten(query_log_scale), op.Constant(value_float=0.0)) + far_log_scale + log_weight
         one = op.Constant(value_float=1.0)
         return normalised(window_sums(far, offset, one, q_rows, k_rows, v_rows, keep), q, v)
 
@@ -2367,10 +2370,10 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
     ):
         """As WindowedRescaledKernelAttention with the kernel part moved by e^(-beta_h m_i),
         beta_h = local_max_weight [heads, 1, 1]."""
-        pq, q_rows, k_rows, v_rows, keep = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
+        pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         zero = op.Constant(value_float=0.0)
         far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
-        offset = pair_rows(flatten(query_log_scale), zero) + far_log_scale
+        offset = pair_rows(flatten(query_log_scale), zero) + far_log_scale + log_weight
         row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
         weight = pair_rows(flatten(row_weight), zero)
         return normalised(window_sums(far, offset, weight, q_rows, k_rows, v_rows, keep), q, v)
