@@ -1575,7 +1575,7 @@ def _chunked_far_sums_functions(
 ):
     """(FarSums, RescaledFarSums), causal: the kernel's sums [G, rows, Dv + 1] over each query
     block's far keys (blocks <= c-2), by chunks of P ~ far_chunk / W blocks (the comment above),
-    from rows [G, N, *] (phi_q weighted, phi_k zero on the sinks, v) to the rows of ``pairs``;
+    from rows [G, N, *] (phi_q, phi_k zero on the sinks, v) to the rows of ``pairs``;
     with per-key log scales in units of R_c, the max of s over block c's far keys (the lowest log
     scale if none), which it returns too, [G, rows, 1]."""
     op = standard_opset(opset_version)
