@@ -1980,8 +1980,8 @@ def _paired_parts_functions(
         exact key has the sink's kernel term taken out here, as PairSums does for local keys."""
         kernel = op.MatMul(pq, op.Transpose(SinkRows(pk, n), perm=[0, 2, 1]))  # [G, rows, sinks]
         weights = op.Exp(sink - shift) - far_weight * kernel * op.Cast(SinkTaken(n), to=FLOAT)
-        sums_ = sums(near, neighbour, shift, far_weight, pq, pk, v_rows)
-        return sums_ + op.MatMul(weights, SinkRows(v_rows, n))
+        paired = sums(near, neighbour, shift, far_weight, pq, pk, v_rows)
+        return paired + op.MatMul(weights, SinkRows(v_rows, n))
 
     return _PairedParts(logits, PairedAndSinkSums)
 
