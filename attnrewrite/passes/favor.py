@@ -310,15 +310,14 @@ def onnx_lowering(
     op = standard_opset(opset_version)
     projection = projection_for(site, options)
     norm = 1 / math.sqrt(feature_count(projection, options.variant))
-    project, log_features = _log_features_functions(op, options.variant)
+    project, log_features, half_square = _log_features_functions(op, options.variant)
     query_features = _query_features_function(op, norm)
-    head_log_scale, key_features = _head_key_functions(op, norm, site.mask.key_padding)
+    key_features = _head_key_features_function(op, norm, site.mask.key_padding)
     causal_key_features = _causal_key_features_function(op, norm, site.mask.key_padding)
     constants = {"projection": projection}
     if options.window:
-        # (phi_k, key log scale): one per key when causal, one per head otherwise
-        keys = causal_key_features if site.mask.causal else _window_head_keys_function(op, norm, head_log_scale)
-        entry = _windowed_favor_function(site, options, opset_version, log_features, query_features, keys)
+        features = _window_features_function(op, norm, site.mask.causal, project, half_square)
+        entry = _windowed_favor_function(site, options, opset_version, features)
         constants["linear_log_weight"] = kernels.initial_linear_log_weight(site)
     else:
         features = _favor_features_function(op, math.sqrt(site.scale), project, log_features, query_features)
@@ -348,13 +347,16 @@ def _log_features_functions(op, variant: str):
     project = HyperbolicProjection if variant == "hyperbolic" else PositiveProjection
 
     @script(ATTNREWRITE, default_opset=op)
-    def LogFeatures(x, projection):
+    def HalfSquare(x):
         # |x|^2 as a last-axis ReduceSum of x * x: ReduceSumSquare (and any reduction CUDA
         # cannot treat as rows of a matrix) goes through cuDNN with a scratch copy of x * x
-        square = op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1)
-        return project(x, projection) - square * op.Constant(value_float=0.5)
+        return op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1) * op.Constant(value_float=0.5)
 
-    return project, LogFeatures
+    @script(ATTNREWRITE, default_opset=op)
+    def LogFeatures(x, projection):
+        return project(x, projection) - HalfSquare(x)
+
+    return project, LogFeatures, HalfSquare
 
 
 def _query_features_function(op, norm: float):
@@ -368,10 +370,10 @@ def _query_features_function(op, norm: float):
     return FavorQueryFeatures
 
 
-def _head_key_functions(op, norm: float, masked: bool):
-    """(FavorHeadLogScale, key features), as kept_head_max and key_features: the bidirectional
-    keys' stabiliser, the max over a head's kept keys and features, and the keys' features over
-    it: FavorKeyFeatures, or FavorAllKeyFeatures where every key is kept."""
+def _head_key_features_function(op, norm: float, masked: bool):
+    """FavorKeyFeatures, or FavorAllKeyFeatures where every key is kept, as key_features: the
+    bidirectional keys' features over their stabiliser, the max over a head's kept keys and
+    features (FavorHeadLogScale, as kept_head_max)."""
 
     @script(ATTNREWRITE, default_opset=op)
     def HeadMax(x):
@@ -398,7 +400,7 @@ def _head_key_functions(op, norm: float, masked: bool):
         # every key kept (keep all ones, not read): no select, no product, nothing to clamp
         return op.Exp(log_phi - HeadMax(log_phi)) * op.Constant(value_float=norm)
 
-    return FavorHeadLogScale, FavorKeyFeatures if masked else FavorAllKeyFeatures
+    return FavorKeyFeatures if masked else FavorAllKeyFeatures
 
 
 def _causal_key_features_function(op, norm: float, masked: bool):
@@ -421,19 +423,46 @@ def _causal_key_features_function(op, norm: float, masked: bool):
     return FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
 
 
-def _window_head_keys_function(op, norm: float, head_log_scale):
-    """FavorWindowHeadKeys(log_phi, keep): the bidirectional window's keys' features and their
-    head's log scale. The window weighs a key that is not kept (the padding rows around N
-    included) 0 by its values, so its features need only be finite: clamped, not multiplied by
-    keep."""
+def _window_features_function(op, norm: float, causal: bool, project, half_square):
+    """FavorWindowFeatures(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
+    scale) of q and k (scaled, in the window's rows), as query_features, key_features and
+    causal_key_features compute them for the window. log phi = w.x - |x|^2/2 and each log scale
+    is one value per row, so w.x less (|x|^2/2 + log scale - log norm) is one subtraction: no
+    [.., F] tensor of log features and no product by norm. Keys: bidirectional, over their
+    head's max (kept_head_max), clamped so that a key that is not kept stays finite (the window
+    weighs it 0 by its values, no product by keep); causal, each over its own max, the lowest log
+    scale if it is not kept."""
+    log_norm, last = math.log(norm), [-1]
 
     @script(ATTNREWRITE, default_opset=op)
-    def FavorWindowHeadKeys(log_phi, keep):
-        log_scale = head_log_scale(log_phi, keep)
-        stabilized = op.Min(log_phi - log_scale, op.Constant(value_float=0.0))
-        return op.Exp(stabilized) * op.Constant(value_float=norm), log_scale
+    def QueryTerms(q, projection):
+        wq = project(q, projection)
+        row_max = op.ReduceMax(wq, op.Constant(value_ints=last), keepdims=1)
+        phi_q = op.Exp(wq - (row_max - op.Constant(value_float=log_norm)))
+        return phi_q, row_max - half_square(q)
 
-    return FavorWindowHeadKeys
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorWindowFeatures(q, k, keep, projection):
+        phi_q, query_log_scale = QueryTerms(q, projection)
+        wk, half_k = project(k, projection), half_square(k)
+        key_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1) - half_k
+        kept_max = op.Where(op.Greater(keep, op.Constant(value_float=0.0)), key_max, op.Constant(value_float=LOWEST))
+        head_max = op.ReduceMax(kept_max, op.Constant(value_ints=[-2]), keepdims=1)
+        lowered = wk - (half_k + head_max - op.Constant(value_float=log_norm))
+        phi_k = op.Exp(op.Min(lowered, op.Constant(value_float=log_norm)))
+        return phi_q, phi_k, query_log_scale, head_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorCausalWindowFeatures(q, k, keep, projection):
+        phi_q, query_log_scale = QueryTerms(q, projection)
+        wk = project(k, projection)
+        row_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1)
+        phi_k = op.Exp(wk - (row_max - op.Constant(value_float=log_norm)))
+        kept = op.Greater(keep, op.Constant(value_float=0.0))
+        key_log_scale = op.Where(kept, row_max - half_square(k), op.Constant(value_float=LOWEST))
+        return phi_q, phi_k, query_log_scale, key_log_scale
+
+    return FavorCausalWindowFeatures if causal else FavorWindowFeatures
 
 
 def _favor_features_function(op, root_scale: float, project, log_features, query_features):
@@ -487,12 +516,10 @@ def _causal_favor_function(opset_version: int, chunk: int, favor_features, causa
     return CausalFavor
 
 
-def _windowed_favor_function(
-    site: AttentionSite, options: Options, opset_version: int, log_features, query_features, keys
-):
+def _windowed_favor_function(site: AttentionSite, options: Options, opset_version: int, features):
     """WindowedFavor(q, k, v, key_keep, projection, linear_log_weight): the window hybrid with
-    the stabilisers' log scales (the module docstring says why); ``keys`` gives (phi_k, key log
-    scale)."""
+    the stabilisers' log scales (the module docstring says why); ``features``:
+    _window_features_function's."""
     op = standard_opset(opset_version)
     root_scale = math.sqrt(site.scale)
     kernel = kernels.windowed_kernel_attention_functions(
@@ -511,14 +538,11 @@ def _windowed_favor_function(
     def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
         q_in, k_in, keep_in = window_inputs(q, k, key_keep)
         keep = op.Cast(keep_in, to=FLOAT)
-        w = op.Cast(projection, to=FLOAT)
         root = op.Constant(value_float=root_scale)
-        log_q = log_features(op.Cast(q_in, to=FLOAT) * root, w)
-        log_k = log_features(op.Cast(k_in, to=FLOAT) * root, w)
-        query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-        phi_k, key_log_scale = keys(log_k, keep)
+        q_scaled, k_scaled = op.Cast(q_in, to=FLOAT) * root, op.Cast(k_in, to=FLOAT) * root
+        phi_q, phi_k, query_log_scale, key_log_scale = features(q_scaled, k_scaled, keep, op.Cast(projection, to=FLOAT))
         out = kernel(
-            query_features(log_q),
+            phi_q,
             phi_k,
             query_log_scale,
             key_log_scale,
