@@ -311,20 +311,20 @@ def onnx_lowering(
     projection = projection_for(site, options)
     norm = 1 / math.sqrt(feature_count(projection, options.variant))
     project, log_features, half_square = _log_features_functions(op, options.variant)
-    query_features = _query_features_function(op, norm)
-    key_features = _head_key_features_function(op, norm, site.mask.key_padding)
-    causal_key_features = _causal_key_features_function(op, norm, site.mask.key_padding)
     constants = {"projection": projection}
     if options.window:
         features = _window_features_function(op, norm, site.mask.causal, project, half_square)
         entry = _windowed_favor_function(site, options, opset_version, features)
         constants["linear_log_weight"] = kernels.initial_linear_log_weight(site)
     else:
+        query_features = _query_features_function(op, norm)
         features = _favor_features_function(op, math.sqrt(site.scale), project, log_features, query_features)
         if site.mask.causal:
-            entry = _causal_favor_function(opset_version, options.chunk, features, causal_key_features)
+            keys = _causal_key_features_function(op, norm, site.mask.key_padding)
+            entry = _causal_favor_function(opset_version, options.chunk, features, keys)
         else:
-            entry = _favor_function(opset_version, features, key_features)
+            keys = _head_key_features_function(op, norm, site.mask.key_padding)
+            entry = _favor_function(opset_version, features, keys)
     functions = [fn.to_function_proto() for fn in with_callees(entry)]
     if options.window and site.mask.causal:
         functions[-1].name = "CausalWindowedFavor"
