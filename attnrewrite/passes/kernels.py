@@ -1925,8 +1925,8 @@ def _pair_row_mask_functions(
 
 
 def _pair_structure_functions(op, every_key: bool):
-    """(Taken(logits, structure), LocalTerms(kernel, structure)): the logits (the lowest log
-    scale elsewhere) and kernel terms (0 elsewhere) where ``structure`` takes the key, or with
+    """(Taken(logits, structure), LocalTerms(kernel, structure)): the logits (MASKED_LOGIT_BIAS
+    added elsewhere) and kernel terms (0 elsewhere) where ``structure`` takes the key, or with
     ``every_key`` (window_next: all of a pair's keys are local, both structures all true) the
     tensors as they are, not full-size masks of ones."""
 
@@ -2009,12 +2009,13 @@ def _paired_logits_function(
     row max [G, rows, 1]): the rows of q against the local keys, times ``scale`` (which
     onnxruntime folds into the products, no pass over q), where the structures
     ``in_pair`` and ``across`` take them and they are kept (keep > 0; 0 on the padding rows),
-    about the lowest log scale elsewhere; with sinks PairedAndSinkLogits, the sinks' logits
-    [G, rows, sinks] before the row max. n: [1], the positions."""
+    MASKED_LOGIT_BIAS added elsewhere; with sinks PairedAndSinkLogits, the sinks' logits
+    [G, rows, sinks] before the row max. n: [1], the positions (read by the sinks' form only,
+    taken by both so that their callers are one)."""
     Pairs, Blocks, Neighbours, Rows = pairs[2:6]
     Taken = _pair_structure_functions(op, every_key)[0]
 
-    # A key that is not kept (padding, or the rows around N) adds the lowest log scale to its
+    # A key that is not kept (padding, or the rows around N) adds MASKED_LOGIT_BIAS to its
     # logits, one bias per key: no [.., 2W, 2W] mask is built for it.
 
     one, lowest, zero = (rank_constant(x, 3) for x in (1.0, MASKED_LOGIT_BIAS, 0.0))  # rank_constant says why
@@ -2155,15 +2156,14 @@ def _paired_inputs_functions(op, flatten, sinks: int):
     """(PairedInputs, RowInputs): the paired windows' inputs as rows, RowInputs without phi_k
     (which a kernel with per-key log scales takes as it is)."""
     without_sinks, expand_keep = _without_sinks_function(op, sinks), key_keep_function(op.version)
+    per_head = _per_head_function(op, flatten)
 
     @script(ATTNREWRITE, default_opset=op)
     def RowInputs(phi_q, q, k, v, key_keep, linear_log_weight):
         """[G, N, *]: phi_q, q, k, v, keep flags, and log w_h [G, 1, 1]: the kernel part's
         weight goes into the units' log ratio (one value per row), not over phi_q."""
         keep = op.Cast(expand_keep(key_keep, k), to=FLOAT)
-        head_shape = op.Concat(op.Shape(q, end=-2), op.Constant(value_ints=[1, 1]), axis=0)
-        log_weight = flatten(op.Expand(op.Cast(linear_log_weight, to=FLOAT), head_shape))
-        return flatten(phi_q), flatten(q), flatten(k), flatten(v), keep, log_weight
+        return flatten(phi_q), flatten(q), flatten(k), flatten(v), keep, per_head(linear_log_weight, q)
 
     @script(ATTNREWRITE, default_opset=op)
     def PairedInputs(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
@@ -2173,6 +2173,17 @@ def _paired_inputs_functions(op, flatten, sinks: int):
         return pq, pk, q_rows, k_rows, v_rows, keep, log_weight
 
     return PairedInputs, RowInputs
+
+
+def _per_head_function(op, flatten):
+    @script(ATTNREWRITE, default_opset=op)
+    def PerHead(x, q):
+        """A value per head [heads, 1, 1] -> [G, 1, 1], G as FlattenHeads(q) has it: one value
+        that broadcasts over a head's rows, not a [G, rows, 1] copy of it."""
+        head_shape = op.Concat(op.Shape(q, end=-2), op.Constant(value_ints=[1, 1]), axis=0)
+        return flatten(op.Expand(op.Cast(x, to=FLOAT), head_shape))
+
+    return PerHead
 
 
 def _units_function(op):
@@ -2212,6 +2223,7 @@ def _normalised_function(op, blocks: _WindowBlocks, eps: float):
 def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, rescaled: bool, max_weighted: bool):
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as windowed_kernel_attention_functions says, ``key_log_scale`` one per head), bidirectional."""
+    per_head = _per_head_function(op, flatten)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
@@ -2238,8 +2250,7 @@ def _paired_window_entry(op, flatten, row_inputs, window_sums, normalised, resca
         beta_h = local_max_weight [heads, 1, 1]."""
         pq, q_rows, k_rows, v_rows, keep, log_weight = row_inputs(phi_q, q, k, v, key_keep, linear_log_weight)
         offset = flatten(query_log_scale) + flatten(key_log_scale) + log_weight
-        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
-        sums = window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, flatten(row_weight))
+        sums = window_sums(pq, flatten(phi_k), q_rows, k_rows, v_rows, keep, offset, per_head(local_max_weight, q))
         return normalised(sums, q, v)
 
     if not rescaled:
@@ -2343,6 +2354,7 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as _paired_window_entry's, ``key_log_scale`` one per key [..., N, 1]), causal."""
     inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pair_rows = pieces
+    per_head = _per_head_function(op, flatten)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):
@@ -2374,8 +2386,7 @@ def _causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: boo
         zero = op.Constant(value_float=0.0)
         far, far_log_scale = rescaled_far_sums(pq, flatten(phi_k), v_rows, key_log_scale)
         offset = pair_rows(flatten(query_log_scale), zero) + far_log_scale + log_weight
-        row_weight = op.Expand(op.Cast(local_max_weight, to=FLOAT), op.Shape(query_log_scale))
-        weight = pair_rows(flatten(row_weight), zero)
+        weight = per_head(local_max_weight, q)
         return normalised(window_sums(far, offset, weight, q_rows, k_rows, v_rows, keep), q, v)
 
     if not rescaled:
