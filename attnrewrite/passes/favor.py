@@ -429,9 +429,9 @@ def _window_features_function(op, norm: float, causal: bool, project, half_squar
     causal_key_features compute them for the window. log phi = w.x - |x|^2/2 and each log scale
     is one value per row, so w.x less (|x|^2/2 + log scale - log norm) is one subtraction: no
     [.., F] tensor of log features and no product by norm. Keys: bidirectional, over their
-    head's max (kept_head_max), clamped so that a key that is not kept stays finite (the window
-    weighs it 0 by its values, no product by keep); causal, each over its own max, the lowest log
-    scale if it is not kept."""
+    head's max (kept_head_max) with norm in their log scale, and a key that is not kept over its
+    own max, so that it stays finite without a clamp (the window weighs it 0 by its values, no
+    product by keep); causal, each over its own max, the lowest log scale if it is not kept."""
     log_norm, last = math.log(norm), [-1]
 
     @script(ATTNREWRITE, default_opset=op)
@@ -445,12 +445,15 @@ def _window_features_function(op, norm: float, causal: bool, project, half_squar
     def FavorWindowFeatures(q, k, keep, projection):
         phi_q, query_log_scale = QueryTerms(q, projection)
         wk, half_k = project(k, projection), half_square(k)
-        key_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1) - half_k
-        kept_max = op.Where(op.Greater(keep, op.Constant(value_float=0.0)), key_max, op.Constant(value_float=LOWEST))
+        wk_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1)
+        kept = op.Greater(keep, op.Constant(value_float=0.0))
+        kept_max = op.Where(kept, wk_max - half_k, op.Constant(value_float=LOWEST))
         head_max = op.ReduceMax(kept_max, op.Constant(value_ints=[-2]), keepdims=1)
-        lowered = wk - (half_k + head_max - op.Constant(value_float=log_norm))
-        phi_k = op.Exp(op.Min(lowered, op.Constant(value_float=log_norm)))
-        return phi_q, phi_k, query_log_scale, head_max
+        # One stabiliser per row, never below the row's max of w.x, so that no feature exceeds 1
+        # and nothing needs a clamp over [.., F]: a kept key's is its head's max (plus
+        # |x|^2/2), one that is not kept its own max. norm is in the keys' log scale instead.
+        phi_k = op.Exp(wk - op.Where(kept, half_k + head_max, wk_max))
+        return phi_q, phi_k, query_log_scale, head_max + op.Constant(value_float=log_norm)
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorCausalWindowFeatures(q, k, keep, projection):
