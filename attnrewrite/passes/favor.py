@@ -427,7 +427,7 @@ def _window_features_function(op, norm: float, causal: bool, project, half_squar
     """FavorWindowFeatures(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
     scale) of q and k (scaled, in the window's rows), as query_features, key_features and
     causal_key_features compute them for the window. log phi = w.x - |x|^2/2 and each log scale
-    is one value per row, so w.x less (|x|^2/2 + log scale - log norm) is one subtraction: no
+    is one value per row, so each feature is w.x less one value per row, one subtraction: no
     [.., F] tensor of log features and no product by norm. Keys: bidirectional, over their
     head's max (kept_head_max) with norm in their log scale, and a key that is not kept over its
     own max, so that it stays finite without a clamp (the window weighs it 0 by its values, no

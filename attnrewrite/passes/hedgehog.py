@@ -233,6 +233,7 @@ def onnx_lowering(
 
         HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
         window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
+        kept_keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
 
         @script(ATTNREWRITE, default_opset=op)
         def HedgehogHeadKeys(phi_k, key_log_scale, keep):
@@ -243,7 +244,8 @@ def onnx_lowering(
 
         @script(ATTNREWRITE, default_opset=op)
         def HedgehogCausalKeys(phi_k, key_log_scale, keep):
-            return phi_k * keep, op.Identity(key_log_scale)
+            # the far sums read phi_k as it is: zero on padded keys (no product without key padding)
+            return kept_keys(phi_k, keep), op.Identity(key_log_scale)
 
         keys_fn = HedgehogCausalKeys if site.mask.causal else HedgehogHeadKeys
 

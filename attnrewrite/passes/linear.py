@@ -162,13 +162,16 @@ def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int
     )[-1]
 
     window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
+    # bidirectional: a key that is not kept weighs 0 through its [v, 1] row, so phi_k needs no
+    # product by keep; causal: only with key padding (the far sums read phi_k as it is)
+    keys = kernels.key_mask_function(opset_version, site.mask.causal and site.mask.key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedLinearAttention(q, k, v, key_keep, linear_log_weight):
         q_in, k_in, keep = window_inputs(q, k, key_keep)
         one = op.Constant(value_float=1.0)
         phi_q = op.Elu(op.Cast(q_in, to=FLOAT)) + one
-        phi_k = (op.Elu(op.Cast(k_in, to=FLOAT)) + one) * keep
+        phi_k = keys(op.Elu(op.Cast(k_in, to=FLOAT)) + one, keep)
         return op.CastLike(kernel(phi_q, phi_k, q_in, k_in, v, keep, linear_log_weight), v)
 
     fn = WindowedLinearAttention.to_function_proto()
