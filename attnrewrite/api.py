@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import onnx
 import onnx_ir as ir
 
-from attnrewrite import calibration, pipeline
+from attnrewrite import calibration, passes, pipeline
 from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.onnx.rewrite import find_sites as find_onnx_sites
 from attnrewrite.record import METADATA_KEY
@@ -159,6 +160,7 @@ def rewrite(
 
 def _rewrite_torch(model, settings: pipeline.Settings, **capture):
     from attnrewrite.fx import rewrite_graph_module
+    from attnrewrite.fx.capture import as_example
 
     if settings.layers == "auto":
         raise AttnRewriteError("layers='auto' measures fidelity with onnxruntime: it takes an ONNX model")
@@ -170,17 +172,19 @@ def _rewrite_torch(model, settings: pipeline.Settings, **capture):
         raise AttnRewriteError(
             "min_cosine, min_agreement and inputs measure fidelity with onnxruntime: they take an ONNX model"
         )
-    options = dict(settings.options)
+    method, options = passes.method_and_options(settings.method, **settings.options)
+    fitting = None
     if settings.calibrate is not None:
-        fit = {f"calibrate_{name}": value for name, value in settings.calibration_settings().items()}
-        options.update(calibrate=settings.calibrate, **fit)
+        passes.require_fittable(method, options, settings.calibrate_ce_weight)
+        examples = [as_example(example) for example in _examples(settings.calibrate)]
+        fitting = calibration.torch_calibration(examples, **settings.calibration_settings())
     gm = rewrite_graph_module(
         model,
-        settings.method,
+        options,
         layers=settings.layers,
         include_single_query=settings.include_single_query,
+        calibration=fitting,
         **capture,
-        **options,
     )
     record = gm.meta[METADATA_KEY]
     if not record["sites_rewritten"]:
@@ -243,3 +247,8 @@ def _with_record(original: onnx.ModelProto, rewritten: ir.Model) -> onnx.ModelPr
 
 def _is_onnx(model: Any) -> bool:
     return isinstance(model, (onnx.ModelProto, ir.Model, str, os.PathLike))
+
+
+def _examples(calibrate: Any) -> list:
+    """The calibration examples: a mapping (a dict, a BatchEncoding) alone is one."""
+    return [calibrate] if isinstance(calibrate, Mapping) else list(calibrate)

@@ -56,7 +56,7 @@ from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import analyze, rewrite_model
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.onnx.validate import validate
-from attnrewrite.passes._onnx import DOMAIN, MIN_OPSET, OnnxLowering
+from attnrewrite.passes.lowering import DOMAIN, MIN_OPSET, OnnxLowering
 from attnrewrite.record import format_table
 
 DEFAULT_LENGTHS = [128 * 2**i for i in range(8)]  # 128 .. 16384
@@ -541,7 +541,7 @@ def identity_lowering(opset: int) -> OnnxLowering:
 def to_fp16(model: ir.Model) -> ir.Model:
     """float16 weights, activations, inputs and outputs, in place. What an attnrewrite node
     reads besides q, k and v (key_keep, random features, projections) stays float32: the
-    bodies compute in float32 (DESIGN: sums and normalizers in fp32) and cast back to v's type.
+    bodies compute in float32 (sums and normalisers overflow in fp16) and cast back to v's type.
     Written here rather than with onnxruntime's float16 tool, which mis-orders and duplicates
     the casts it inserts around function nodes."""
     graph = model.graph

@@ -19,7 +19,6 @@ import dataclasses
 import math
 import os
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnrewrite import passes
-from attnrewrite.data import conform, load_inputs
+from attnrewrite.data import conform, load_inputs, split_batch
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import model_around, prefill_filled, with_prefill_inputs
 from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
@@ -151,22 +149,6 @@ def _rejected(result) -> dict[str, Any]:
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) -> None:
-    """One clear line, before any work, when calibration cannot run at all (or not with the
-    attention-weight cross-entropy ``ce_weight`` asks for)."""
-    from attnrewrite.passes._torch import torch
-
-    if torch is None:
-        raise AttnRewriteError("calibration fits in PyTorch: pip install 'attnrewrite[torch]'")
-    reason = passes.nothing_to_fit(method, options)
-    if reason:
-        raise AttnRewriteError(f"cannot calibrate: {reason}")
-    if not ce_weight >= 0:
-        raise AttnRewriteError(f"the attention-weight cross-entropy weight must be >= 0, got {ce_weight:g}")
-    if ce_weight and (reason := passes.attention_weights_unavailable(method, options)):
-        raise AttnRewriteError(f"cannot calibrate with the attention-weight cross-entropy: {reason}")
 
 
 # --- torch example inputs --------------------------------------------------------------------
@@ -345,17 +327,6 @@ def _tokens(batches: list[dict[str, np.ndarray]]) -> int | None:
     if all("input_ids" in feeds for feeds in batches):
         return int(sum(feeds["input_ids"].size for feeds in batches))
     return None
-
-
-def split_batch(feeds: dict[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
-    """``feeds`` cut along the leading (example) axis into runs of at most ``size`` examples;
-    whole where its inputs do not all lead with the same number of examples, as an input without
-    that axis (shared by every example) cannot be cut with the others."""
-    leading = {array.shape[0] if array.ndim else None for array in feeds.values()}
-    if len(leading) != 1 or None in leading:
-        return [feeds]
-    rows = leading.pop()
-    return [{name: array[start : start + size] for name, array in feeds.items()} for start in range(0, rows, size)]
 
 
 def _read_texts(path: Path) -> list[str]:

@@ -565,18 +565,6 @@ def with_reason(inputs: CheckInputs, why: str | None) -> CheckInputs:
     return inputs if why is None else dataclasses.replace(inputs, source=f"{inputs.source}; {why}")
 
 
-def method_exact_parts(method: str, options: dict[str, Any]) -> list[passes.ExactPart]:
-    """The exact part ``method`` with ``options`` (as given: strings or values) would give a
-    bidirectional site, which reaches at least as far as a causal one's; [] when never exact
-    or when the options are wrong (the rewrite says how)."""
-    try:
-        module = passes.get_pass(method)
-        part = passes.exact_part(module, passes.make_options(module, **options))
-    except passes.OptionError:
-        return []
-    return [part] if part is not None else []
-
-
 def exact_sites(record: dict | None, inputs: CheckInputs, original, decoding: bool = False) -> list[ExactSites]:
     """The sites ``record`` (a rewritten model's, model_record) says were replaced that are exact
     at the length of ``inputs``, one entry per method and kind of site; each says whether the

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from attnrewrite import __version__, calibration, passes, pipeline
 from attnrewrite import check as check_mod
+from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive
 from attnrewrite.data import load_inputs
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
@@ -36,7 +37,6 @@ from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.passes import fit
-from attnrewrite.passes.heads import RECURRENT as EXACT_HEADS_RECURRENT
 from attnrewrite.pipeline import EXIT_BAD_INPUT
 from attnrewrite.record import (
     CHECKED,
@@ -52,17 +52,6 @@ from attnrewrite.record import (
 )
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE: what a shell reports for a tool SIGPIPE killed
-
-
-class UsageError(AttnRewriteError):
-    """A command line argparse refused: one line, exit 2, like every other bad input."""
-
-
-class CommandParser(argparse.ArgumentParser):
-    """argparse whose refusals are one UsageError line (exit 2), for every subcommand."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (see '{self.prog} -h')")
 
 
 def method_name(text: str) -> str:
@@ -332,16 +321,6 @@ def parse_nonnegative(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def parse_positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -776,8 +755,6 @@ def _check_rewrite_arguments(args, model) -> None:
 
 
 def _check_heads_arguments(args) -> None:
-    if args.heads and args.recurrent:
-        raise AttnRewriteError(f"--heads with --recurrent: {EXACT_HEADS_RECURRENT}")
     if args.heads == ["auto"] and args.min_cosine is None and args.min_agreement is None:
         raise AttnRewriteError(
             "--heads auto needs --min-cosine X and/or --min-agreement Y: the fidelity the rewritten model must keep"
@@ -825,7 +802,7 @@ def _list_sites(model, args, report: Report) -> int:
 
 
 def _print_options(args, report: Report) -> int:
-    from attnrewrite.passes._options import describe_options
+    from attnrewrite.passes.options import describe_options
 
     if not args.to:
         raise AttnRewriteError(f"--list-options needs --to METHOD (one of: {', '.join(passes.PASSES)})")

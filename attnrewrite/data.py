@@ -55,3 +55,14 @@ def conform(
             raise AttnRewriteError(f"{where}: input {name!r} is {array.dtype}, the model wants {np.dtype(dtype)}")
         feeds[name] = array.astype(dtype, copy=False)
     return feeds
+
+
+def split_batch(feeds: dict[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
+    """``feeds`` cut along the leading (example) axis into runs of at most ``size`` examples;
+    whole where its inputs do not all lead with the same number of examples, as an input without
+    that axis (shared by every example) cannot be cut with the others."""
+    leading = {array.shape[0] if array.ndim else None for array in feeds.values()}
+    if len(leading) != 1 or None in leading:
+        return [feeds]
+    rows = leading.pop()
+    return [{name: array[start : start + size] for name, array in feeds.items()} for start in range(0, rows, size)]

@@ -27,7 +27,7 @@ from attnrewrite.onnx.detect import OnnxSite, Unsupported
 from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.onnx.splice import Splicer
-from attnrewrite.passes._onnx import DOMAIN, OnnxLowering
+from attnrewrite.passes.lowering import DOMAIN, OnnxLowering
 
 ATTENTION_OPSET = 23
 OPTIMIZER = "onnxruntime.transformers.optimizer"

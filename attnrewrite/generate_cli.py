@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from attnrewrite.cli import CommandParser, parse_positive
+from attnrewrite.cli_parsing import CommandParser, parse_positive
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import Generation, generate
 from attnrewrite.record import format_bytes

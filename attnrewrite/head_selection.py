@@ -40,7 +40,9 @@ from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs
 from attnrewrite.layer_selection import Measurement, gate_measurement
 from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.rewrite import rewrite_model, with_fitting_of
 from attnrewrite.passes.heads import attention_scale
+from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 COSTLIEST_SHOWN = 3  # heads per site the table names with their costs
@@ -272,8 +274,8 @@ def _by_head(cost: HeadCost) -> int:
 
 def select_heads_onnx(
     fresh: Callable[[], ir.Model],
-    method: str,
-    options: dict[str, Any],
+    options: MethodOptions,
+    run: dict[str, Any],
     inputs: CheckInputs,
     min_cosine: float | None = None,
     min_agreement: float | None = None,
@@ -282,10 +284,9 @@ def select_heads_onnx(
 ) -> tuple[ir.Model, RewriteRecord, HeadSelection]:
     """Choose the exact heads of the ONNX model ``fresh()`` returns (a new copy at each call)
     and rewrite it with them. Returns the rewritten model, its record (with the selection) and
-    the selection. ``calibration``: every head is fitted once, first (module docstring)."""
-    from attnrewrite.onnx.rewrite import rewrite_model, with_fitting_of
-
-    every_model, every_head = rewrite_model(fresh(), method, layers=layers, calibration=calibration, **options)
+    the selection. ``calibration``: every head is fitted once, first (module docstring).
+    ``options`` and ``run``: as layer_selection.select_onnx takes them."""
+    every_model, every_head = rewrite_model(fresh(), options, layers=layers, calibration=calibration, **run)
     costs = head_costs(every_model, every_head, inputs.feeds)
     del every_model
     sites = [
@@ -296,7 +297,7 @@ def select_heads_onnx(
 
     def rewritten(count: int) -> tuple[ir.Model, RewriteRecord]:
         exact = by_layer(costs[:count])
-        return rewrite_model(fresh(), method, layers=layers, exact_heads=exact, fitted=every_head.fitted, **options)
+        return rewrite_model(fresh(), options, layers=layers, exact_heads=exact, fitted=every_head.fitted, **run)
 
     base = fresh()
     earlier_record = base.metadata_props.get(METADATA_KEY)

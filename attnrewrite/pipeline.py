@@ -183,41 +183,44 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
         "allow_exact": settings.allow_exact,
     }
     _check_selection(settings)
+    with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
+        method, options = passes.method_and_options(settings.method, **settings.options)
     with stage("load"):
         model = source.load()
     inputs = original = None
     if settings.compares:
         with stage("check"):  # from the original's signature, before the rewrite changes the model in place
-            inputs = _check_inputs(model, settings)
+            inputs = _check_inputs(model, settings, passes.exact_part(method, options))
             original = source.original()
     given = inputs.feeds if settings.inputs is not None and not settings.recurrent else None  # Result.given_inputs
-    fitting, inputs = _calibration(settings, model, inputs)
-    options = {
-        **settings.options,
+    fitting, inputs = _calibration(settings, method, options, model, inputs)
+    run = {  # rewrite_model's settings of the run, besides the method's options
         "include_single_query": settings.include_single_query,
         "seq": probe_seq(settings.seq, model.graph, given),
-        **({"recurrent": True} if settings.recurrent else {}),
+        "recurrent": settings.recurrent,
     }
     with stage("rewrite"):
-        model, record, selection = _rewrite(source, model, settings, options, fitting, inputs)
+        model, record, selection = _rewrite(source, model, settings, options, run, fitting, inputs)
     report.record = record
     return Result(model, record, settings, source, report, selection, inputs, original)
 
 
-def _check_inputs(model: ir.Model, settings: Settings) -> CheckInputs:
+def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactPart | None) -> CheckInputs:
     """What the fidelity check and layer selection compare on: the given inputs, or generated
-    ones ``settings.seq`` long, by default past the method's exact part (check.default_length).
-    A recurrent model takes states where the original takes caches: both run as they generate."""
+    ones ``settings.seq`` long, by default past the method's ``exact_part`` (a bidirectional
+    site's, which reaches at least as far as a causal one's: check.default_length). A recurrent
+    model takes states where the original takes caches: both run as they generate."""
     seq, why = settings.seq, None
     if seq is None and settings.inputs is None:
-        parts = check_mod.method_exact_parts(settings.method, settings.options)
+        parts = [exact_part] if exact_part is not None else []
         seq, why = check_mod.default_length(model.graph, parts, from_empty_cache=settings.recurrent)
     prepare = check_mod.prepare_decoder_inputs if settings.recurrent else check_mod.prepare_inputs
     return check_mod.with_reason(prepare(model, settings.inputs, seq=seq or check_mod.DEFAULT_SEQ), why)
 
 
 def _check_selection(settings: Settings) -> None:
-    """What layer and head selection need, and what they cannot be given with."""
+    """What layer and head selection need, and what they cannot be given with (the one place a
+    run refuses exact heads with recurrent, the CLI's and the API's)."""
     if settings.heads is not None and settings.recurrent:
         raise AttnRewriteError(f"heads with recurrent: {heads.RECURRENT}")
     if settings.heads == "auto":
@@ -232,14 +235,15 @@ def _check_selection(settings: Settings) -> None:
         raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
 
 
-def _rewrite(source: Source, model: ir.Model, settings: Settings, options: dict, fitting, inputs):
-    """The sites asked for replaced, or those layer or head selection chooses: (model, record, selection)."""
+def _rewrite(source: Source, model: ir.Model, settings: Settings, options, run: dict, fitting, inputs):
+    """The sites asked for replaced, or those layer or head selection chooses: (model, record,
+    selection). ``options``: the method's Options; ``run``: rewrite_model's other settings."""
     if settings.heads == "auto":  # "auto" layers compose: heads are the unit
         layers = None if settings.layers == "auto" else settings.layers
         return select_heads_onnx(
             source.fresh,
-            settings.method,
             options,
+            run,
             inputs,
             settings.min_cosine,
             settings.min_agreement,
@@ -248,13 +252,13 @@ def _rewrite(source: Source, model: ir.Model, settings: Settings, options: dict,
         )
     if settings.layers != "auto":
         model, record = rewrite_model(
-            model, settings.method, layers=settings.layers, calibration=fitting, exact_heads=settings.heads, **options
+            model, options, layers=settings.layers, calibration=fitting, exact_heads=settings.heads, **run
         )
         return model, record, None
     return select_onnx(
         source.fresh,
-        settings.method,
         options,
+        run,
         settings.min_cosine,
         inputs,
         settings.min_agreement,
@@ -267,7 +271,7 @@ def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | Non
     return seq or (sequence_length(graph, given) if given is not None else None)
 
 
-def _calibration(settings: Settings, model: ir.Model, inputs: CheckInputs | None):
+def _calibration(settings: Settings, method, options, model: ir.Model, inputs: CheckInputs | None):
     """The data to fit on, checked and loaded before any rewriting (None without it), with the
     guard's held-out part and the original's outputs there; and the inputs to compare on: layer
     selection without inputs of its own holds the last batch out, and the guard measures on that
@@ -275,9 +279,7 @@ def _calibration(settings: Settings, model: ir.Model, inputs: CheckInputs | None
     if settings.calibrate is None:
         return None, inputs
     with stage("calibrate"):
-        method = passes.get_pass(settings.method)
-        options = passes.make_options(method, **settings.options)
-        calibration.require_fittable(method, options, settings.calibrate_ce_weight)
+        passes.require_fittable(method, options, settings.calibrate_ce_weight)
         selecting = settings.selects and settings.inputs is None
         fitting = calibration.onnx_calibration(
             settings.calibrate,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from attnrewrite.site import AttentionSite
+from attnrewrite.version import __version__
 
 METADATA_KEY = "attnrewrite"
 REPORT_SCHEMA = "attnrewrite.report/1"
@@ -77,8 +78,6 @@ class RewriteRecord:
         return [o for o in self.outcomes if not o.rewritten]
 
     def as_dict(self) -> dict[str, Any]:
-        from attnrewrite import __version__
-
         return {
             "tool": f"attnrewrite {__version__}",
             "method": self.method,
@@ -239,8 +238,6 @@ class Report:
         return self.outcome in (WRITTEN, RETURNED)
 
     def as_dict(self) -> dict[str, Any]:
-        from attnrewrite import __version__
-
         record = self.record.as_dict() if self.record is not None else {}
         sites = [self._final(site) for site in record.get("sites", [])]
         notes = record.get("notes", [])

@@ -37,7 +37,7 @@ def build(out: Path, variants: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     causal_source, source = out / "causal_source.onnx", out / "source.onnx"
     example = tuple(torch.randn(1, 12, 16, 64) for _ in range(3))
-    models._export(CausalAttention(), example, list("qkv"), {n: {2: "sequence"} for n in "qkv"}, causal_source)
+    models.export(CausalAttention(), example, list("qkv"), {n: {2: "sequence"} for n in "qkv"}, causal_source)
     models.export_attention(source)
     for variant in variants:
         causal = variant.startswith("causal:")

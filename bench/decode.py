@@ -29,10 +29,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # run_benchmarks.py; this tree's attnrewrite
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # common.py; this tree's attnrewrite
 
 import onnx
-import run_benchmarks as standard  # machine_state, cpu_seconds, others_cores, Target, _table
+from common import DECODING_MARKERS, Target, cpu_seconds, machine_state, others_cores, table
 
 import attnrewrite
 from attnrewrite import bench
@@ -42,7 +42,7 @@ from attnrewrite.onnx.validate import make_session
 CACHE = Path(tempfile.gettempdir()) / "attnrewrite-bench"  # the exports, kept between runs
 WINDOW = 64
 SCHEMA = "attnrewrite.decode-bench/1"
-SECTION_START, SECTION_END = standard.DECODING_MARKERS
+SECTION_START, SECTION_END = DECODING_MARKERS
 COMMAND = "python bench/run_benchmarks.py --decode"
 # the issue's targets
 FLAT_WITHIN = 0.15
@@ -308,7 +308,7 @@ class Results:
     steps: list[bench.Measurement]  # variant = the model's key, n = the context
     carried: dict[str, dict[int, int]]  # key -> context -> bytes the step returned (present.*)
     prefill: list[bench.Measurement]  # n = the prompt's length
-    machine: dict  # {"start": ..., "end": ...}: run_benchmarks.machine_state, others_cores at the end
+    machine: dict  # {"start": ..., "end": ...}: common.machine_state, others_cores at the end
     cache: Path  # where the exports are kept
 
     def step_ms(self, key: str, context: int) -> float | None:
@@ -335,7 +335,7 @@ def _ms(m: bench.Measurement | None) -> float | None:
     return m.median_s * 1e3 if m is not None and m.status == "ok" else None
 
 
-def evaluate(results: Results) -> list[standard.Target]:
+def evaluate(results: Results) -> list[Target]:
     """The issue's targets, per recurrent model: a flat step latency, faster and smaller than the
     KV cache at the longest context, a prefill no slower than the parallel rewrite's."""
     targets = []
@@ -349,41 +349,41 @@ def evaluate(results: Results) -> list[standard.Target]:
     return targets
 
 
-def flat_target(results: Results, key: str) -> standard.Target:
+def flat_target(results: Results, key: str) -> Target:
     contexts = results.settings.contexts
     first, last = contexts[0], contexts[-1]
     text = f"{BY_KEY[key].label}: step latency flat within {FLAT_WITHIN:.0%} from C={first} to C={last}"
     times = {c: results.step_ms(key, c) for c in contexts}
     if None in times.values():
-        return standard.Target(text, "not measured at every context", None)
+        return Target(text, "not measured at every context", None)
     ratios = {c: t / times[first] for c, t in times.items()}
     measured = f"C={first}: {_ms_text(times[first])} ms; " + "; ".join(
         f"C={c}: {_ms_text(times[c])} ms ({ratios[c] - 1:+.0%})" for c in contexts[1:]
     )
-    return standard.Target(text, measured, all(abs(r - 1) <= FLAT_WITHIN for r in ratios.values()))
+    return Target(text, measured, all(abs(r - 1) <= FLAT_WITHIN for r in ratios.values()))
 
 
-def faster_target(results: Results, key: str) -> standard.Target:
+def faster_target(results: Results, key: str) -> Target:
     last = results.settings.contexts[-1]
     text = f"{BY_KEY[key].label}: >= {FASTER_AT_LONGEST:g}x faster per token than the KV-cache original at C={last}"
     ours, original = results.step_ms(key, last), results.step_ms("original", last)
     if ours is None or original is None:
-        return standard.Target(text, "not measured", None)
+        return Target(text, "not measured", None)
     measured = f"original {_ms_text(original)} ms / {_ms_text(ours)} ms = {_ratio_text(original / ours)}x"
-    return standard.Target(text, measured, original / ours >= FASTER_AT_LONGEST)
+    return Target(text, measured, original / ours >= FASTER_AT_LONGEST)
 
 
-def smaller_target(results: Results, key: str) -> standard.Target:
+def smaller_target(results: Results, key: str) -> Target:
     last = results.settings.contexts[-1]
     text = f"{BY_KEY[key].label}: state >= {SMALLER_AT_LONGEST:g}x smaller than the KV cache at C={last}"
     ours, original = results.carried.get(key, {}).get(last), results.carried.get("original", {}).get(last)
     if not ours or not original:
-        return standard.Target(text, "not measured", None)
+        return Target(text, "not measured", None)
     measured = f"KV cache {_mib(original)} MiB / state {_mib(ours)} MiB = {_ratio_text(original / ours)}x"
-    return standard.Target(text, measured, original / ours >= SMALLER_AT_LONGEST)
+    return Target(text, measured, original / ours >= SMALLER_AT_LONGEST)
 
 
-def prefill_target(results: Results, key: str, parallel: str) -> standard.Target:
+def prefill_target(results: Results, key: str, parallel: str) -> Target:
     """No slower: at no N are the recurrent prefill's runs slower than the parallel model's beyond
     their spread (attnrewrite.bench.compare_series: the interquartile ranges do not overlap)."""
     text = f"{BY_KEY[key].label}: prefill no slower than the parallel rewrite ({BY_KEY[parallel].label})"
@@ -391,12 +391,12 @@ def prefill_target(results: Results, key: str, parallel: str) -> standard.Target
         results.prefill_of(key), results.prefill_of(parallel), list(results.settings.prefill)
     )
     if len(verdicts) < len(results.settings.prefill):
-        return standard.Target(text, "not measured at every N", None)
+        return Target(text, "not measured at every N", None)
     measured = "; ".join(
         f"N={n}: {_ms_text(_ms(ours))} / {_ms_text(_ms(theirs))} ms = {_ms(ours) / _ms(theirs):.2f}x ({verdicts[n]})"
         for n, ours, theirs in zip(results.settings.prefill, results.prefill_of(key), results.prefill_of(parallel))
     )
-    return standard.Target(text, measured, "slower" not in verdicts.values())
+    return Target(text, measured, "slower" not in verdicts.values())
 
 
 def _ms_text(ms: float) -> str:
@@ -434,7 +434,7 @@ def render(results: Results, plotted: bool) -> str:
         "",
         "### Targets (issue 26)",
         "",
-        standard._table(
+        table(
             ["target", "measured", "result"], [[t.text, t.measured, verdict[t.reached]] for t in targets], numeric=False
         ),
         "",
@@ -499,14 +499,14 @@ def step_tables(results: Results) -> list[str]:
         "",
         "In parentheses: the original's time / the model's (its speedup).",
         "",
-        standard._table(header, times),
+        table(header, times),
         "",
         "### Cache or state carried per step, MiB",
         "",
         "The bytes of the `present.*` outputs a step returns to be fed back: the KV cache of C + 1 positions, or the "
         "recurrent state (one size at every C). In parentheses: the original's bytes / the model's.",
         "",
-        standard._table(header, sizes),
+        table(header, sizes),
         "",
     ]
 
@@ -528,7 +528,7 @@ def prefill_table(results: Results) -> list[str]:
         "N prompt tokens, batch 1: the recurrent models from a zero state beside the parallel rewrite of the no-cache "
         "export (no state), and the original (softmax attention) from an empty KV cache.",
         "",
-        standard._table(header, rows),
+        table(header, rows),
         "",
     ]
 
@@ -605,11 +605,11 @@ def run(settings: Settings, output: Path, cache: Path = CACHE) -> Results:
     decode.json beside it."""
     with tempfile.TemporaryDirectory(prefix="attnrewrite-decode-") as folder:
         paths = model_files(settings.shape, cache, Path(folder))
-        started, cpu_start = standard.machine_state(), standard.cpu_seconds()
+        started, cpu_start = machine_state(), cpu_seconds()
         steps, carried = measure_decoding(paths, settings)
         prefill = measure_prefill(paths, settings)
-        ended = standard.machine_state()
-        ended["others_cores"] = round(standard.others_cores(cpu_start, standard.cpu_seconds()), 2)
+        ended = machine_state()
+        ended["others_cores"] = round(others_cores(cpu_start, cpu_seconds()), 2)
     results = Results(settings, steps, carried, prefill, {"start": started, "end": ended}, cache)
     output.parent.mkdir(parents=True, exist_ok=True)
     plotted = plot(results, output.parent / "decode.png")

@@ -47,18 +47,18 @@ class SoftmaxAttention(torch.nn.Module):
 def export_encoder(path: Path, hidden: int = 768, heads: int = 12, layers: int = 1) -> Path:
     model = EncoderStack(hidden, heads, layers)
     example = torch.randn(1, 16, hidden)
-    _export(model, (example,), ["hidden_states"], {"hidden_states": {1: "sequence"}}, path)
+    export(model, (example,), ["hidden_states"], {"hidden_states": {1: "sequence"}}, path)
     return path
 
 
 def export_attention(path: Path, heads: int = 12, head_dim: int = 64) -> Path:
     example = tuple(torch.randn(1, heads, 16, head_dim) for _ in range(3))
     axes = {name: {2: "sequence"} for name in "qkv"}
-    _export(SoftmaxAttention(head_dim), example, list("qkv"), axes, path)
+    export(SoftmaxAttention(head_dim), example, list("qkv"), axes, path)
     return path
 
 
-def _export(model, example, input_names, axes, path: Path) -> None:
+def export(model, example, input_names, axes, path: Path) -> None:
     with torch.no_grad():
         torch.onnx.export(
             model,

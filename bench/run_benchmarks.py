@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,9 +42,10 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # models.py, peers.py
+sys.path.insert(0, str(HERE))  # models.py, peers.py, common.py
 
 import models
+from common import DECODING_MARKERS, Target, cpu_seconds, machine_state, others_cores, table
 
 from attnrewrite import bench, passes
 from attnrewrite.errors import AttnRewriteError
@@ -68,7 +66,6 @@ CAUSAL = "causal:"
 CAUSAL_ROWS = ("softmax", "linear", "hydra", "hedgehog", "hedgehog:window=32", "favor", "favor:window=32")
 
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"
-DECODING_MARKERS = ("<!-- DECODING -->", "<!-- /DECODING -->")  # bench/decode.py's section
 
 
 def method_options(method: str, lengths: list[int]) -> dict:
@@ -148,7 +145,7 @@ def causal_variants(folder: Path, lengths: list[int], rows) -> tuple[Path, dict[
     """The causal export and its rewrites for ``rows`` (CAUSAL_ROWS' form), keyed "causal:<row>"."""
     path = folder / "causal_attention.onnx"
     example = tuple(torch.randn(1, ATTENTION["heads"], 16, ATTENTION["head_dim"]) for _ in range(3))
-    models._export(  # the same inputs and dynamic axes as models.export_attention
+    models.export(  # the same inputs and dynamic axes as models.export_attention
         CausalSoftmaxAttention(ATTENTION["head_dim"]), example, list("qkv"), {x: {2: "sequence"} for x in "qkv"}, path
     )
     methods = [row for row in rows if row in passes.PASSES]
@@ -452,14 +449,6 @@ def run_stack(folder: Path, config: bench.BenchConfig) -> dict:
 # --- targets ------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Target:
-    text: str
-    measured: str
-    reached: bool | None  # None: could not be measured
-    profile: tuple[str, int, str] | None = None  # (model, N, "layer" | "attention") to profile when missed
-
-
 def evaluate_targets(layer: Section, attention: Section, stack: dict | None) -> list[Target]:
     targets = []
     for method in ("hydra", "linear"):
@@ -576,54 +565,6 @@ def speedup_target(
 # --- the report ---------------------------------------------------------------------------------
 
 
-def cpu_seconds() -> dict:
-    """Busy CPU seconds of the whole machine and of this process with its finished workers: the
-    difference over the run is what other work used (the load average would count ours too)."""
-    import resource
-
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    ours = sum(
-        getattr(resource.getrusage(who), t)
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-        for t in ("ru_utime", "ru_stime")
-    )
-    return {"machine": busy / os.sysconf("SC_CLK_TCK"), "ours": ours, "wall": time.monotonic()}
-
-
-def others_cores(start: dict, end: dict) -> float:
-    """Cores other processes kept busy on average during the run."""
-    wall = max(end["wall"] - start["wall"], 1e-9)
-    return max(0.0, (end["machine"] - start["machine"]) - (end["ours"] - start["ours"])) / wall
-
-
-def machine_state() -> dict:
-    import onnxruntime
-    import torch
-
-    versions = {"onnxruntime": onnxruntime.__version__, "torch": torch.__version__, "numpy": np.__version__}
-    for name, _module in (
-        ("performer-pytorch", "performer_pytorch"),
-        ("pytorch-fast-transformers", "fast_transformers"),
-    ):
-        try:
-            from importlib.metadata import version
-
-            versions[name] = version(name)
-        except Exception:
-            versions[name] = None
-    return {
-        "time": datetime.datetime.now().isoformat(timespec="seconds"),
-        "cpu": bench.cpu_model(),
-        "cores": os.cpu_count(),
-        "memory_gb": round(bench.physical_memory_bytes() / 2**30, 1),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "python": sys.version.split()[0],
-        "versions": versions,
-    }
-
-
 def previous_block(path: Path, start: str, end: str) -> str:
     """The text between ``start`` and ``end`` in ``path`` (markers included, on a line of its
     own), or nothing: another writer's section (--decode's) kept when the file is regenerated."""
@@ -640,13 +581,6 @@ def previous_analysis(path: Path) -> str | None:
     if ANALYSIS_START in text and ANALYSIS_END in text:
         return text[text.index(ANALYSIS_START) : text.index(ANALYSIS_END) + len(ANALYSIS_END)]
     return None
-
-
-def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> str:
-    rule = "---:" if numeric else "---"
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _time(m: bench.Measurement | None) -> str:
@@ -687,7 +621,7 @@ def section_tables(section: Section, ratio_to: str | None) -> str:
     stopped = "\n".join(f"- {section.labels.get(k, k)}: stopped at {why}" for k, why in section.stopped.items())
     return (
         f"Median latency, ms (in parentheses: speedup over {section.labels.get(ratio_to, ratio_to)})\n\n"
-        f"{_table(header, rows_time)}\n\nPeak memory (RSS of the process), MiB\n\n{_table(header, rows_memory)}\n\n"
+        f"{table(header, rows_time)}\n\nPeak memory (RSS of the process), MiB\n\n{table(header, rows_memory)}\n\n"
         + (f"Series stopped early:\n\n{stopped}\n" if stopped else "")
     )
 
@@ -735,7 +669,7 @@ def render(
     out += [
         "## Targets",
         "",
-        _table(
+        table(
             ["target", "measured", "result"],
             [
                 [t.text, t.measured, {True: "**reached**", False: "**missed**", None: "not measured"}[t.reached]]
@@ -789,7 +723,7 @@ def render(
             "",
             f"Budget {STACK_BUDGET_GB:g} GB (the process is killed past it).",
             "",
-            _table(["model", "status", "median", "peak GB", "detail"], rows, numeric=False),
+            table(["model", "status", "median", "peak GB", "detail"], rows, numeric=False),
             "",
         ]
     if profiles:
@@ -811,7 +745,7 @@ def render(
                 "",
             ]
             out += [
-                _table(
+                table(
                     ["op", "part", "ms per run", "share"],
                     [[op, part, f"{ms:.1f}", f"{share:.0%}"] for op, part, ms, share in rows[:10]],
                 ),

@@ -52,8 +52,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # models.py, peers.py, run_benchma
 
 import models
 import numpy as np
-import run_benchmarks as standard  # the CPU sweep: its model building and tables
+import run_benchmarks as standard  # the CPU sweep: its model building
 import torch
+from common import table
 
 from attnrewrite import bench, passes
 from attnrewrite.errors import AttnRewriteError
@@ -148,7 +149,7 @@ class CausalSoftmaxAttention(models.SoftmaxAttention):
 
 def export_causal_attention(path: Path, heads: int = 12, head_dim: int = 64) -> Path:
     example = tuple(torch.randn(1, heads, 16, head_dim) for _ in range(3))
-    models._export(CausalSoftmaxAttention(head_dim), example, list("qkv"), {x: {2: "sequence"} for x in "qkv"}, path)
+    models.export(CausalSoftmaxAttention(head_dim), example, list("qkv"), {x: {2: "sequence"} for x in "qkv"}, path)
     return path
 
 
@@ -500,7 +501,7 @@ def decode_report(store: Store, args) -> list[str]:
             "",
             f"- {store.data.get('decode_shape', '')}; ms per step (in parentheses: the cache or state it carries)",
             "",
-            standard._table(["context", *(labels[k] for k in keys)], rows, numeric=False),
+            table(["context", *(labels[k] for k in keys)], rows, numeric=False),
             "",
         ]
     return out
@@ -625,11 +626,11 @@ def section_report(store: Store, plan: Plan, section: str, dtype: str) -> list[s
         "",
         f"Median latency, ms (in parentheses: speedup over {columns[baseline]})",
         "",
-        standard._table(header, times),
+        table(header, times),
         "",
         f"Memory, MiB: {memory_kind}",
         "",
-        standard._table(header, memory),
+        table(header, memory),
         "",
     ]
     out += crossovers(series, columns, plan.lengths)
@@ -663,7 +664,7 @@ def crossovers(series: dict[str, list[bench.Measurement]], columns: dict[str, st
     return [
         "Crossover: the smallest N from which the method is faster at every longer N measured, beyond the spread of the runs (interquartile ranges apart)",
         "",
-        standard._table(["method", "vs softmax (ORT)", "vs fused exact (ORT)"], rows, numeric=False),
+        table(["method", "vs softmax (ORT)", "vs fused exact (ORT)"], rows, numeric=False),
         "",
     ]
 
@@ -690,9 +691,7 @@ def placement_report(store: Store, plan: Plan) -> list[str]:
         f"Nodes that ran off {expected} and make float tensors (shape arithmetic on CPU is left out: onnxruntime",
         f"puts it there on purpose), and the copies between devices, at N = {plan.lengths[0]}; from onnxruntime's profiler.",
         "",
-        standard._table(
-            ["section", "dtype", "model", "nodes", "Memcpy", "float-producing nodes elsewhere"], rows, numeric=False
-        ),
+        table(["section", "dtype", "model", "nodes", "Memcpy", "float-producing nodes elsewhere"], rows, numeric=False),
         "",
     ]
 

@@ -1,10 +1,11 @@
 """How much rounding each form of the bidirectional window hybrid's far (kernel) sums adds, on
 trained, peaked data: all-MiniLM-L6-v2's q, k, v against the N x N float64 definition
-(kernels.windowed_attention_weights in float64, times v).
+(window.reference.windowed_attention_weights in float64, times v).
 
     python bench/window_rounding.py [--lengths 256,1024,4096] [--layer 5] [--fit-steps 200]
 
-The forms (kernels.windowed_kernel_attention, bidirectional; the same definition, summed differently):
+The forms (window.torch_form.windowed_kernel_attention, bidirectional; the same definition, summed
+differently):
 
 - block states: one key-value state per block of W queries, prefix and reversed prefix sums
   over blocks (the form before issue 28): exact, nothing cancels;
@@ -13,7 +14,7 @@ The forms (kernels.windowed_kernel_attention, bidirectional; the same definition
 - total less local: one state for the whole sequence, each query block's local kernel terms
   removed with a [W, 3W] kernel-score block: phi(q).S - (phi(q) phi(k_local)^T) v_local, where
   S's rounding stays in what is left after the subtraction;
-- pairs, folded (kernels._windowed_bidirectional, what the module and the ONNX lowering run):
+- pairs, folded (window.torch_form.windowed_bidirectional, what the module and the ONNX lowering run):
   the same subtraction folded into the exact part's weights, (e^(s_ij - shift_i) - b_i
   phi_q_i.phi_k_j) [v_j, 1] over pairs of blocks, plus b_i phi_q_i.[S, z].
 
@@ -48,8 +49,14 @@ sys.path.insert(0, str(HERE.parent))
 import corpus
 from window_units import collect
 
-from attnrewrite.passes import favor, hedgehog, kernels
+from attnrewrite.passes import favor, hedgehog
 from attnrewrite.passes.fit import SiteSamples, fit_site
+from attnrewrite.passes.kernel.chunks import ChunkLayout, shift_right
+from attnrewrite.passes.layout import flatten_heads
+from attnrewrite.passes.window import torch_form
+from attnrewrite.passes.window.blocks import sink_rows, without_sinks
+from attnrewrite.passes.window.reference import windowed_attention_weights
+from attnrewrite.passes.window.settings import KernelScales
 from attnrewrite.site import AttentionSite, MaskKind
 
 WINDOW = 32
@@ -86,20 +93,20 @@ def superblock_far_sums(blocks_per_superblock: int):
 
 def _beyond_neighbours(x):
     """Per superblock s (dim 1), the sum of x over superblocks <= s-2 and >= s+2."""
-    before = kernels._shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
+    before = shift_right(torch.cumsum(x, dim=1), 0.0, steps=2)
     after = torch.flip(torch.cumsum(torch.flip(x, [1]), dim=1), [1])
     return before + _shift_left(after, 0.0, steps=2)
 
 
 def _shift_left(x, fill: float, steps: int = 1):
-    """x moved ``steps`` blocks earlier along dim 1, fill last (kernels._shift_right's mirror)."""
+    """x moved ``steps`` blocks earlier along dim 1, fill last (kernel.chunks.shift_right's mirror)."""
     pads = [0, 0] * (x.dim() - 2) + [0, steps]
     return torch.nn.functional.pad(x, pads, value=fill)[:, steps:]
 
 
 def neighbour_blocks(x4, following: bool) -> list:
     """[G, blocks, W, F] -> block c-1's rows, c's and, ``following``, c+1's."""
-    return [kernels._shift_right(x4, 0.0), x4] + ([_shift_left(x4, 0.0)] if following else [])
+    return [shift_right(x4, 0.0), x4] + ([_shift_left(x4, 0.0)] if following else [])
 
 
 def concatenated_exact_keys(layout, k, v, keep, following: bool, sinks: int):
@@ -107,7 +114,7 @@ def concatenated_exact_keys(layout, k, v, keep, following: bool, sinks: int):
     before the pairs): [G, blocks, 2 or 3 W + sinks, *]."""
 
     def exact(x):
-        sink = [kernels._sink_rows(x, sinks, layout.chunks)] if sinks else []
+        sink = [sink_rows(x, sinks, layout.chunks)] if sinks else []
         return torch.cat([*neighbour_blocks(layout.blocks(x), following), *sink], dim=2)
 
     taken = torch.ones(layout.chunk, (3 if following else 2) * layout.chunk, dtype=torch.bool)
@@ -132,21 +139,22 @@ def total_less_local(pq4, pk4, v4, following: bool):
 
 
 def blocked_form(far_sums):
-    """kernels._windowed_bidirectional as it was before the pairs: the exact part over each
-    block's concatenated local keys, ``far_sums`` apart, the two combined by their log ratio."""
+    """window.torch_form.windowed_bidirectional as it was before the pairs: the exact part over
+    each block's concatenated local keys, ``far_sums`` apart, the two combined by their log ratio."""
 
-    def bidirectional(phi_q, phi_k, q, k, v, keep, units, *, scale, window, following, sinks, eps):
-        q_log, k_log, max_weight = units
+    def bidirectional(phi_q, phi_k, q, k, v, keep, scales, window, *, scale, eps):
+        _, q_log, k_log, max_weight = scales
+        following, sinks = window.following, window.sinks
         lead, n = q.shape[:-2], q.shape[-2]
-        layout = kernels._ChunkLayout(n, window)
+        layout = ChunkLayout(n, window.size)
         exact_keys = concatenated_exact_keys(layout, k, v, keep, following, sinks)
-        local_num, local_den, local_max = kernels._local_softmax_sums(layout.blocks(q), *exact_keys, scale)
-        pk4 = layout.blocks(kernels._without_sinks(phi_k, sinks, 0.0))
+        local_num, local_den, local_max = torch_form.local_softmax_sums(layout.blocks(q), *exact_keys, scale)
+        pk4 = layout.blocks(without_sinks(phi_k, sinks, 0.0))
         far_num, far_den = far_sums(layout.blocks(phi_q), pk4, layout.blocks(v), following)
         if k_log is not None:
             if max_weight is not None:
                 local_max = local_max * layout.blocks(max_weight.float().expand(*lead, n, 1))
-            ratio = layout.blocks(q_log) + kernels.flatten_heads(k_log.float())[..., None] - local_max
+            ratio = layout.blocks(q_log) + flatten_heads(k_log.float())[..., None] - local_max
             local_factor, far_factor = torch.exp(-ratio.clamp_min(0.0)), torch.exp(ratio.clamp_max(0.0))
             local_num, local_den = local_num * local_factor, local_den * local_factor
             far_num, far_den = far_num * far_factor, far_den * far_factor
@@ -159,18 +167,18 @@ FORMS = {
     "block states": blocked_form(superblock_far_sums(1)),
     f"superblocks of {SUPERBLOCK}": blocked_form(superblock_far_sums(SUPERBLOCK)),
     "total less local": blocked_form(total_less_local),
-    "pairs, folded": kernels._windowed_bidirectional,
+    "pairs, folded": torch_form.windowed_bidirectional,
 }
 
 
 @contextlib.contextmanager
 def bidirectional_form(form):
-    original = kernels._windowed_bidirectional
-    kernels._windowed_bidirectional = form
+    original = torch_form.windowed_bidirectional
+    torch_form.windowed_bidirectional = form
     try:
         yield
     finally:
-        kernels._windowed_bidirectional = original
+        torch_form.windowed_bidirectional = original
 
 
 def hedgehog_definition_terms(module, q, k):
@@ -183,28 +191,23 @@ def favor_definition_terms(module, q, k):
     log_q = favor.log_features(q.float() * module.root_scale, w, module.variant == "hyperbolic")
     log_k = favor.log_features(k.float() * module.root_scale, w, module.variant == "hyperbolic")
     head_max = favor.kept_head_max(log_k, None)
-    terms = dict(
-        scale=module.scale,
-        window=module.window,
-        causal=False,
-        window_next=module.window_next,
-        sinks=module.sinks,
-        linear_log_weight=module.linear_log_weight,
-        query_log_scale=log_q.amax(dim=-1, keepdim=True),
-        key_log_scale=head_max.expand(*log_k.shape[:-1], 1),
-        eps=favor.EPS,
+    scales = KernelScales(
+        module.linear_log_weight, log_q.amax(dim=-1, keepdim=True), head_max.expand(*log_k.shape[:-1], 1)
     )
+    terms = dict(scale=module.scale, causal=False, scales=scales, eps=favor.EPS)
     return favor.query_features(log_q, module.norm), favor.key_features(log_k, None, module.norm), terms
 
 
-def definition(phi_q, phi_k, q, k, v, terms, heads: int):
+def definition(phi_q, phi_k, q, k, v, window, terms, heads: int):
     """The N x N definition in float64, one head at a time (N = 4096: 134 MB per matrix)."""
     outputs = []
     for h in range(heads):
         head = lambda x: x[..., h : h + 1, :, :] if x.dim() >= 3 and x.shape[-3] == heads else x  # noqa: E731
-        as64 = {name: head(x).double() if torch.is_tensor(x) else x for name, x in terms.items()}
-        weights = kernels.windowed_attention_weights(
-            head(phi_q).double(), head(phi_k).double(), head(q).double(), head(k).double(), **as64
+        as64 = lambda x: head(x).double() if torch.is_tensor(x) else x  # noqa: E731
+        head_terms = {name: as64(x) for name, x in terms.items() if name != "scales"}
+        head_terms["scales"] = KernelScales(*(as64(x) for x in terms["scales"]))
+        weights = windowed_attention_weights(
+            head(phi_q).double(), head(phi_k).double(), head(q).double(), head(k).double(), window, **head_terms
         )
         outputs.append(weights @ head(v).double())
     return torch.cat(outputs, dim=-3)
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     q, k, v = (x.to(dtype) for x in sequence(heldout, n))
                     v = v.float()
                     phi_q, phi_k, terms = definition_terms(module, q, k)
-                    expected = definition(phi_q, phi_k, q, k, v, terms, heads)
+                    expected = definition(phi_q, phi_k, q, k, v, module.window, terms, heads)
                     errors, times = [], []
                     for form in FORMS.values():
                         with bidirectional_form(form):

@@ -1155,7 +1155,7 @@ def swapped_attention(spec: ModelSpec, sites: list, make_module: Callable):
     own attention runs. ``sites`` come from ``attnrewrite.find_sites`` on the exported model, so
     scale, heads and mask kind are the ones the ONNX rewrite used. Yields a dict: "calls" counts
     the attention calls, "key_keep" holds the key_keep each swapped call got."""
-    from attnrewrite.passes.kernels import expand_to_query_heads
+    from attnrewrite.passes.layout import expand_to_query_heads
 
     modules = [make_module(site) for site in sites]
     state = {"calls": 0, "key_keep": []}

@@ -199,6 +199,11 @@ def left_padded(n=15):
     return q, k, v, keep
 
 
+def recurrent_form(site, options):
+    """The method's recurrent form at ``site`` (passes.recurrent.form_for)."""
+    return recurrent.form_for(passes.get_pass(options.method_name), site, options)
+
+
 def pieces(schedule):
     start = 0
     for size in schedule:
@@ -212,9 +217,9 @@ def test_recurrent_steps_equal_the_parallel_form_in_torch_and_onnx(schedule):
     parallel = fitted(site, options)
     q, k, v, keep = left_padded()
     expected = run_pass_module(parallel, q, k, v, keep)
-    module = recurrent.recurrent_module(site, options, parallel)
+    module = recurrent_form(site, options).torch_module(site, parallel)
     session = session_for(site, options, module_state(parallel))
-    names = [t.name for t in recurrent.state_description(site, options)]
+    names = [t.name for t in recurrent_form(site, options).state(site)]
     assert names == ["numerator", "denominator", "key_max"]
     torch_state = module.initial_state(torch.from_numpy(q), torch.from_numpy(v))
     onnx_state = [np.zeros((B, H, D), np.float32) for _ in names]  # all zero: also the empty state
@@ -239,7 +244,7 @@ def test_decoders_refuse_aft_local_as_a_recurrence_with_the_reason(decoder_expor
     cached = decoder_exported(decoder_exports, "gpt2", "legacy")
     with pytest.warns(NothingRewritten):
         model = attnrewrite.rewrite(cached.load(), "aft", recurrent=True, variant="local")
-    assert [site["reason"] for site in read_record(model)["sites"]] == [recurrent.AFT_LOCAL_REFUSAL] * 2
+    assert [site["reason"] for site in read_record(model)["sites"]] == [aft.LOCAL_REFUSAL] * 2
 
 
 def test_no_cumsum_along_positions():
@@ -247,7 +252,9 @@ def test_no_cumsum_along_positions():
         for variant in aft.VARIANTS:
             lowering = aft.onnx_lowering(make_site(mask), aft.Options(variant=variant, span=SPAN), OPSET)
             assert not [n for f in lowering_model(lowering, 4).functions for n in f.node if n.op_type == "CumSum"]
-    lowering = recurrent.recurrent_lowering(make_site(MaskKind.CAUSAL), aft.Options(), OPSET)
+    lowering = recurrent_form(make_site(MaskKind.CAUSAL), aft.Options()).onnx_lowering(
+        make_site(MaskKind.CAUSAL), OPSET
+    )
     assert not [n for f in lowering.functions for n in f.node if n.op_type == "CumSum"]
 
 
@@ -264,10 +271,12 @@ def test_refusals_say_why():
     )
     assert aft.supports(make_site(MaskKind.CAUSAL), options) is None
     local = aft.Options(variant="local")
-    assert recurrent.recurrent_refusal(aft, local) == recurrent.AFT_LOCAL_REFUSAL
+    assert recurrent.recurrent_refusal(aft, local) == aft.LOCAL_REFUSAL
     assert recurrent.recurrent_refusal(aft, options) is None
     with pytest.raises(ValueError, match="only a causal attention is a recurrence"):
-        recurrent.recurrent_module(make_site(MaskKind.KEY_PADDING), options, aft.torch_module(make_site(), options))
+        recurrent_form(make_site(MaskKind.KEY_PADDING), options).torch_module(
+            make_site(), aft.torch_module(make_site(), options)
+        )
 
 
 def test_registered_and_options_parse_from_strings():

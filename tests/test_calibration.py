@@ -471,7 +471,7 @@ def replacement_inputs(model: onnx.ModelProto, index: int, feeds: dict) -> list[
     """q, k, v and key_keep (float32) of the index-th replacement, run on ``feeds``."""
     import onnxruntime as ort
 
-    call = [n for n in model.graph.node if n.domain == passes._onnx.DOMAIN][index]
+    call = [n for n in model.graph.node if n.domain == passes.lowering.DOMAIN][index]
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
     exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in call.input[:4])
@@ -552,7 +552,7 @@ def test_calibration_errors_are_one_line_and_write_nothing(tmp_path, capsys, mak
 
 def test_without_torch_calibration_is_one_line(tmp_path, capsys, monkeypatch):
     calibration_npz(tmp_path / "d.npz")
-    monkeypatch.setattr(passes._torch, "torch", None)
+    monkeypatch.setattr(passes.optional_torch, "torch", None)
     out = tmp_path / "out.onnx"
     assert main([str(SAMPLE_BERT), "--to", "favor", "--calibrate", str(tmp_path / "d.npz"), "-o", str(out)]) == 2
     assert (

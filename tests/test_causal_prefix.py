@@ -1,10 +1,10 @@
 """Causal lowerings take no prefix sum along an axis that grows with N, and their hierarchical
 sums equal the N x N definitions.
 
-DESIGN.md "Numerics": onnxruntime's CUDA CumSum sums each output element's whole prefix, so a
+onnxruntime's CUDA CumSum sums each output element's whole prefix, so a
 CumSum along an axis of length L costs O(L^2) there (CPU's is a running sum, so CPU benchmarks
-hide it). Prefix sums over positions or chunk states go through kernels.ExclusivePrefixSum and
-RescaledPrefixSum (products with triangular matrices, in levels of kernels.PREFIX_GROUP rows);
+hide it). Prefix sums over positions or chunk states go through kernel.chunks' ExclusivePrefixSum and
+RescaledPrefixSum (products with triangular matrices, in levels of kernel.chunks.PREFIX_GROUP rows);
 a CumSum is left only along an axis whose length is a constant (hydra's chunk of positions),
 and no value holds a (chunks x chunks) matrix (the rescaled carry is nested two levels deep).
 The torch forms (the FX frontend's, calibration's) keep torch.cumsum but nest their rescaled
@@ -22,8 +22,14 @@ import torch
 from attention_graphs import lowering_model, lowering_session
 from models import relative_error
 
-from attnrewrite.passes import favor, hedgehog, hydra, kernels, linear
-from attnrewrite.passes._onnx import DOMAIN, with_callees
+from attnrewrite.passes import favor, hedgehog, hydra, linear
+from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention
+from attnrewrite.passes.lowering import DOMAIN, with_callees
+from attnrewrite.passes.window.reference import feature_map_attention_weights
+from attnrewrite.passes.window.settings import KernelScales, Window
+from attnrewrite.passes.window.torch_form import windowed_kernel_attention
 from attnrewrite.site import AttentionSite, MaskKind
 
 B, H, D = 2, 3, 8
@@ -131,7 +137,7 @@ def by_definition(method, module, q, k, v, keep) -> np.ndarray:
             return (q_hat * (torch.ones(q.shape[-2], q.shape[-2], dtype=torch.float64).tril() @ (k_hat * v))).numpy()
         if method is linear:
             features = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
-            weights = kernels.feature_map_attention_weights(module.double(), *features, q, k, keep)
+            weights = feature_map_attention_weights(module.double(), *features, q, k, keep)
         else:
             weights = module.attention_weights(q.float(), k.float(), keep.float()).double()
     has_keys = keep.cumsum(-2) > 0  # a row before every kept key is 0 (favor's softmax: uniform)
@@ -178,14 +184,14 @@ def test_prefix_sums_and_running_maxima_over_every_level(length, skip):
     rng = np.random.default_rng(length)
     x = rng.standard_normal((3, length, 7)).astype(np.float32)
     m = (rng.standard_normal((3, length)) * 5).astype(np.float32)
-    m[:, ::7] = kernels.LOWEST_LOG_SCALE  # masked keys
+    m[:, ::7] = LOWEST_LOG_SCALE  # masked keys
     summed = np.tri(length, k=-1 - skip)  # [row c, row c']
-    prefix = run_function(kernels.exclusive_prefix_sum_function(18, skip), x)
+    prefix = run_function(exclusive_prefix_sum_function(18, skip), x)
     assert np.abs(prefix - summed @ x.astype(np.float64)).max() < 1e-4
-    running_max, rescaled_prefix_sum = kernels.rescaled_prefix_functions(18, skip)
+    running_max, rescaled_prefix_sum = rescaled_prefix_functions(18, skip)
     upto = np.maximum.accumulate(m, axis=1)
     assert np.array_equal(run_function(running_max, m), upto)
-    before = np.concatenate([np.full((3, 1), kernels.LOWEST_LOG_SCALE, np.float32), upto[:, :-1]], axis=1)
+    before = np.concatenate([np.full((3, 1), LOWEST_LOG_SCALE, np.float32), upto[:, :-1]], axis=1)
     reference = before + np.abs(rng.standard_normal((3, length))).astype(np.float32)  # >= every earlier m
     factors = np.exp(np.minimum(upto[:, None, :].astype(np.float64) - reference[:, :, None], 0.0))
     expected = (factors * summed) @ x.astype(np.float64)
@@ -194,7 +200,7 @@ def test_prefix_sums_and_running_maxima_over_every_level(length, skip):
 
 
 def run_function(function, *inputs: np.ndarray) -> np.ndarray:
-    """One call of a kernels ONNX function on float32 inputs."""
+    """One call of a kernel ONNX function on float32 inputs."""
     names = list(function.to_function_proto().input)
     node = onnx.helper.make_node(function.name, names, ["y"], domain=DOMAIN)
     values = [
@@ -237,17 +243,15 @@ def largest_torch_value(attention, n: int) -> int:
 
 
 def causal_favor(phi_q, phi_k, v, log_scale):
-    return kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, chunk=2)
+    return causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, chunk=2)
 
 
 def causal_favor_window(phi_q, phi_k, v, log_scale):
     """Windows of 2, its far part in chunks of 1 block (far_chunk=2): the most chunks per position."""
     q, k = phi_q - 0.5, phi_k - 0.5
-    return kernels.windowed_kernel_attention(
-        *(phi_q, phi_k, q, k, v),
-        **dict(scale=1.0, window=2, causal=True, window_next=False, sinks=0, far_chunk=2),
-        **dict(query_log_scale=torch.zeros_like(log_scale), key_log_scale=log_scale),
-    )
+    scales = KernelScales(query_log_scale=torch.zeros_like(log_scale), key_log_scale=log_scale)
+    window = Window(2, following=False, sinks=0)
+    return windowed_kernel_attention(phi_q, phi_k, q, k, v, window, scale=1.0, causal=True, scales=scales, far_chunk=2)
 
 
 @pytest.mark.parametrize("attention", [causal_favor, causal_favor_window], ids=lambda f: f.__name__)

@@ -15,7 +15,9 @@ import torch
 from onnx import numpy_helper
 
 from attnrewrite.cli import main
-from attnrewrite.passes import kernels, linformer, lsh
+from attnrewrite.passes import linear, linformer, lsh
+from attnrewrite.passes.window.settings import Window
+from attnrewrite.passes.window.torch_form import windowed_kernel_attention
 from attnrewrite.site import AttentionSite, MaskKind
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"  # 512 positions
@@ -186,13 +188,12 @@ def _is_exact(attend, n: int, causal: bool) -> bool:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window,window_next,sinks", [(4, True, 1), (4, False, 0), (3, True, 7), (5, False, 6)])
 def test_a_window_is_exact_up_to_its_exact_part_and_not_one_position_more(window, window_next, sinks, causal):
-    part = kernels.window_exact_part(window, window_next, sinks, causal)
+    settings = Window(window, window_next, sinks)
+    part = settings.exact_part(causal)
 
     def attend(q, k, v):
         phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
-        return kernels.windowed_kernel_attention(
-            phi_q, phi_k, q, k, v, scale=0.5, window=window, causal=causal, window_next=window_next, sinks=sinks
-        )
+        return windowed_kernel_attention(phi_q, phi_k, q, k, v, settings, scale=0.5, causal=causal)
 
     assert all(_is_exact(attend, n, causal) for n in range(1, part.exact_up_to + 1))
     assert not _is_exact(attend, part.exact_up_to + 1, causal)
@@ -217,4 +218,4 @@ def test_lsh_and_linformer_are_exact_up_to_their_exact_part(method, options, cau
 
 def test_methods_without_an_exact_part_say_so():
     assert linformer.exact_part(linformer.Options(exact_if_short=False), False) is None
-    assert kernels.window_exact_part(0, True, 1, False) is None
+    assert linear.exact_part(linear.Options(window=0), False) is None

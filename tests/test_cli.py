@@ -16,7 +16,7 @@ import pytest
 import attnrewrite
 from attnrewrite import passes
 from attnrewrite.cli import EXIT_BROKEN_PIPE, format_layers, main, parse_layers
-from attnrewrite.passes._options import describe_options
+from attnrewrite.passes.options import describe_options
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 

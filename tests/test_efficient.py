@@ -118,7 +118,7 @@ def test_refusals_and_options():
         "an additive attention bias cannot be expressed by Efficient Attention's two softmaxes"
     )
     assert efficient.supports(make_site(MaskKind.CAUSAL), options) is None
-    assert recurrent.recurrent_refusal(efficient, options) == recurrent.REFUSALS["efficient"]
+    assert recurrent.recurrent_refusal(efficient, options) == efficient.NO_RECURRENCE
     assert passes.get_pass("efficient") is efficient
     assert passes.make_options(efficient, chunk="16").chunk == 16
     with pytest.raises(passes.OptionError, match="cannot take window=8"):

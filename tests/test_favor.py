@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import attnrewrite
 from attnrewrite.passes import OptionError, favor, get_pass, make_options
-from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION
+from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION
 from attnrewrite.site import AttentionSite, MaskKind
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"

@@ -19,7 +19,7 @@ from torch import nn
 import attnrewrite
 from attnrewrite import passes
 from attnrewrite.fx import find_fx_sites, rewrite_graph_module
-from attnrewrite.passes import kernels
+from attnrewrite.passes.layout import expand_to_query_heads
 from attnrewrite.site import MaskKind
 
 HIDDEN, HEADS, LAYERS, VOCAB = 32, 4, 2, 100
@@ -123,7 +123,7 @@ def attention_swapped(modules: list[nn.Module], key_keep: torch.Tensor | None):
     calls = iter(modules)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = kernels.expand_to_query_heads(key, query), kernels.expand_to_query_heads(value, query)
+        key, value = expand_to_query_heads(key, query), expand_to_query_heads(value, query)
         out = next(calls)(query, key, value, key_keep)
         return out.transpose(1, 2).contiguous(), None  # [B, N, H, D], as transformers returns it
 

@@ -1,7 +1,7 @@
 """Key/value heads shared by several query heads: multi-query attention (Falcon: one key/value
 head that the attention's MatMuls broadcast) and grouped-query attention (Llama: repeat_kv, or
 SDPA's enable_gqa in torch.fx). Every method gets one key/value head per query head (the
-splices expand them, kernels.expand_to_query_heads in torch), so every method rewrites these
+splices expand them, passes.layout.expand_to_query_heads in torch), so every method rewrites these
 sites (Linformer refuses them as causal, with its reason) and matches its torch reference."""
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def cli(capsys, *argv):
     [
         (
             ["--heads", "0:1", "--recurrent"],
-            "--heads with --recurrent: exact heads cannot be recurrent: an exact head would need its KV cache",
+            "heads with recurrent: exact heads cannot be recurrent: an exact head would need its KV cache",
         ),
         (
             ["--heads", "auto"],

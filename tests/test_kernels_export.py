@@ -1,4 +1,4 @@
-"""The causal kernels' torch lowerings (attnrewrite/passes/kernels.py) under torch.export with a dynamic
+"""The kernel family's torch lowerings (attnrewrite/passes/kernel/, window/) under torch.export with a dynamic
 sequence length: no shape guard on N (a guard silently fixes the shapes torch.onnx.export
 writes), the exported program equal to eager at lengths the example did not have, the
 dynamo ONNX export of causal FAVOR (torch.cummax had no conversion) running on onnxruntime,
@@ -22,8 +22,16 @@ from test_fx_spellings import Attention, causal_and_padding_where, inputs
 from torch.utils._sympy.numbers import int_oo
 
 from attnrewrite.fx import rewrite_graph_module
-from attnrewrite.passes import favor, kernels, linear
-from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION
+from attnrewrite.passes import favor, linear
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.parallel import (
+    causal_linear_attention,
+    causal_linear_attention_functions,
+    causal_rescaled_linear_attention,
+    causal_rescaled_linear_attention_functions,
+)
+from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION
+from attnrewrite.passes.window import torch_form
 from attnrewrite.site import AttentionSite, MaskKind
 
 CHUNK = 16
@@ -69,7 +77,7 @@ EXPORTS = [
     pytest.param(linear, MaskKind.CAUSAL, 5, {}, id="linear-causal-5"),
     pytest.param(favor, MaskKind.CAUSAL, 40, {}, id="favor-causal-40"),
     pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 5, {}, id="favor-causal-padding-5"),
-    # the window hybrid (its block layout is _ChunkLayout's), in its most involved form
+    # the window hybrid (its block layout is ChunkLayout's), in its most involved form
     pytest.param(favor, MaskKind.CAUSAL_KEY_PADDING, 40, {"window": 8}, id="favor-causal-padding-window8-40"),
     # bidirectional: the next block and sinks, more of them than the shortest lengths have keys
     pytest.param(linear, MaskKind.KEY_PADDING, 40, {"window": 8, "sinks": 3}, id="linear-padding-window8-sinks3-40"),
@@ -79,8 +87,8 @@ EXPORTS = [
 @pytest.mark.parametrize(("pass_module", "mask", "example", "options"), EXPORTS)
 def test_export_leaves_sequence_length_free_and_matches_eager(pass_module, mask, example, options, monkeypatch):
     # At a free length a bidirectional window takes its far part from one state; eager, at a
-    # given one, from block states up to kernels.STATE_BLOCKS blocks: compare like with like.
-    monkeypatch.setattr(kernels, "STATE_BLOCKS", 0)
+    # given one, from block states up to torch_form.STATE_BLOCKS blocks: compare like with like.
+    monkeypatch.setattr(torch_form, "STATE_BLOCKS", 0)
     module = causal_module(pass_module, mask, **options)
     args = attention_inputs(example, mask)
     program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(args))
@@ -166,7 +174,7 @@ def kernel_inputs(n: int):
     v = randn(6, n, 5, seed=n + 2)
     log_scale = randn(6, n, 1, seed=n + 3) * 30
     phi_k[0, 1:] = 0.0
-    log_scale[0, 1:] = kernels.LOWEST_LOG_SCALE
+    log_scale[0, 1:] = LOWEST_LOG_SCALE
     return phi_q, phi_k, log_scale, v
 
 
@@ -175,12 +183,12 @@ def test_causal_kernels_equal_their_onnx_functions(n):
     phi_q, phi_k, log_scale, v = kernel_inputs(n)
     feeds = {"phi_q": phi_q.numpy(), "phi_k": phi_k.numpy(), "v": v.numpy()}
 
-    plain = kernels.causal_linear_attention(phi_q, phi_k, v, CHUNK)
-    functions = kernels.causal_linear_attention_functions(18, CHUNK)
+    plain = causal_linear_attention(phi_q, phi_k, v, CHUNK)
+    functions = causal_linear_attention_functions(18, CHUNK)
     assert rel_err(plain, run_kernel_function([f.to_function_proto() for f in functions], feeds)) < 1e-5
 
-    rescaled = kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, CHUNK)
-    functions = kernels.causal_rescaled_linear_attention_functions(18, CHUNK)
+    rescaled = causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, CHUNK)
+    functions = causal_rescaled_linear_attention_functions(18, CHUNK)
     feeds = {**feeds, "key_log_scale": log_scale.numpy()}
     feeds = {name: feeds[name] for name in ("phi_q", "phi_k", "key_log_scale", "v")}
     expected = run_kernel_function([f.to_function_proto() for f in functions], feeds)

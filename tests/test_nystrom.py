@@ -18,7 +18,7 @@ from test_linformer import inputs  # the same q, k, v and right padding
 
 import attnrewrite
 from attnrewrite.cli import main
-from attnrewrite.passes import OptionError, exact_part, fit, get_pass, make_options, nystrom
+from attnrewrite.passes import ExactPart, OptionError, exact_part, fit, get_pass, make_options, nystrom
 from attnrewrite.site import AttentionSite, MaskKind
 
 SCALE = 0.3
@@ -220,7 +220,7 @@ def test_up_to_m_kept_keys_is_softmax_attention_per_example():
     for out in (run(session, q, k, v, keep), run_pass_module(module, q, k, v, keep)):
         assert rel_err(out[1], expected[1]) < 1e-5
         assert rel_err(out[0], expected[0]) > 1e-2  # 20 keys on 8 landmarks: approximated
-    assert exact_part(nystrom, options) == nystrom.kernels.ExactPart(8, 8, "landmarks=8")
+    assert exact_part(nystrom, options) == ExactPart(8, 8, "landmarks=8")
 
 
 @pytest.mark.parametrize("where", ["right", "left"])

@@ -21,7 +21,7 @@ from attention_graphs import AttentionSpec, build_attention_model
 from attnrewrite import passes
 from attnrewrite.cli import main
 from attnrewrite.passes import OptionError, make_options
-from attnrewrite.passes._options import ONE_OR_EVEN, Above, AtLeast, describe_options
+from attnrewrite.passes.options import ONE_OR_EVEN, Above, AtLeast, describe_options
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 

@@ -21,7 +21,10 @@ from models import relative_error
 from onnx import TensorProto, helper, numpy_helper
 
 from attnrewrite import passes
-from attnrewrite.passes import favor, hedgehog, hydra, kernels, linear, linformer, lsh, recurrent
+from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh, recurrent
+from attnrewrite.passes.kernel.chunks import PREFIX_GROUP
+from attnrewrite.passes.window.reference import windowed_attention_weights
+from attnrewrite.passes.window.settings import Window
 from attnrewrite.site import AttentionSite, MaskKind
 
 B, H, D, DV = 2, 3, 8, 5
@@ -50,6 +53,11 @@ def make_site(rank: int = 4) -> AttentionSite:
 def method_options(method, config: str):
     extra = {"features": 16} if method is favor else {}  # few features: the approximation is real
     return passes.make_options(method, **CONFIGS[config], **extra)
+
+
+def recurrent_form(site, options):
+    """The method's recurrent form at ``site`` (passes.recurrent.form_for)."""
+    return recurrent.form_for(passes.get_pass(options.method_name), site, options)
 
 
 def fitted_parallel(method, site, options, seed: int = 0):
@@ -106,7 +114,7 @@ def test_torch_steps_equal_the_parallel_form(method, config, padding, schedule):
     q, k, v, keep = sequence(padding)
     with torch.no_grad():
         expected = parallel(q, k, v, keep)
-        module = recurrent.recurrent_module(site, options, parallel)
+        module = recurrent_form(site, options).torch_module(site, parallel)
         state = module.initial_state(q, v)
         for piece in pieces(SCHEDULES[schedule]):
             out, *state = module(rows(q, piece), rows(k, piece), rows(v, piece), rows(keep, piece), *state)
@@ -118,14 +126,14 @@ def test_heads_folded_into_the_batch():
     site, options = make_site(rank=3), method_options(linear, "window4-sink1")
     parallel = fitted_parallel(linear, site, options)
     q, k, v, keep = sequence(True, lead=(B * H,))
-    module = recurrent.recurrent_module(site, options, parallel)
+    module = recurrent_form(site, options).torch_module(site, parallel)
     with torch.no_grad():
         expected = parallel(q, k, v, keep)
         state = module.initial_state(q, v)
         for piece in pieces(SCHEDULES["uneven-pieces"]):
             out, *state = module(rows(q, piece), rows(k, piece), rows(v, piece), rows(keep, piece), *state)
             assert relative_error(out.numpy(), expected[..., piece, :].numpy()) < 1e-5, piece
-    kernel_state, normaliser = recurrent.state_description(site, options)[:2]
+    kernel_state, normaliser = recurrent_form(site, options).state(site)[:2]
     assert (kernel_state.shape, normaliser.shape) == (("G", D, "Dv"), ("G", D))
 
 
@@ -134,7 +142,7 @@ def test_parameters_are_the_parallel_modules():
     afterwards changes both alike."""
     site, options = make_site(), method_options(hedgehog, "window4-sink1")
     parallel = fitted_parallel(hedgehog, site, options)
-    module = recurrent.recurrent_module(site, options, parallel)
+    module = recurrent_form(site, options).torch_module(site, parallel)
     assert {id(p) for p in module.parameters()} == {id(p) for p in parallel.parameters()}
     with torch.no_grad():
         parallel.weight.mul_(1.5)
@@ -148,7 +156,7 @@ def test_parameters_are_the_parallel_modules():
 def test_padded_keys_never_enter_the_state(config):
     """Whatever the padded positions hold, the outputs and the state after them are the same."""
     site, options = make_site(), method_options(favor, config)
-    module = recurrent.recurrent_module(site, options, fitted_parallel(favor, site, options))
+    module = recurrent_form(site, options).torch_module(site, fitted_parallel(favor, site, options))
     q, k, v, keep = sequence(True)
     junk_k, junk_v = k.clone(), v.clone()
     junk_k[1, :, :LEFT_PADDING] = 1e3
@@ -156,7 +164,7 @@ def test_padded_keys_never_enter_the_state(config):
     with torch.no_grad():
         first = module(q, k, v, keep, *module.initial_state(q, v))
         second = module(q, junk_k, junk_v, keep, *module.initial_state(q, v))
-    kept = recurrent.state_description(site, options)
+    kept = recurrent_form(site, options).state(site)
     for tensor, a, b in zip(["out", *(t.name for t in kept)], first, second):
         if tensor.startswith(("window_keys", "window_values", "sink_keys", "sink_values")):
             continue  # the rolling caches hold padded rows as they came, with keep flag 0
@@ -168,7 +176,7 @@ def test_padded_keys_never_enter_the_state(config):
 
 def test_state_description_of_a_windowed_hedgehog():
     site, options = make_site(), passes.make_options(hedgehog, window=4, sinks=1)
-    described = [(t.name, t.shape, t.dtype) for t in recurrent.state_description(site, options)]
+    described = [(t.name, t.shape, t.dtype) for t in recurrent_form(site, options).state(site)]
     assert described == [
         ("kernel_state", ("B", "H", 2 * D, "Dv"), "float32"),
         ("normaliser", ("B", "H", 2 * D), "float32"),
@@ -181,9 +189,9 @@ def test_state_description_of_a_windowed_hedgehog():
         ("sink_keep", ("B", "H", 1, 1), "float32"),
         ("position", (), "int64"),
     ]
-    plain = [t.name for t in recurrent.state_description(site, passes.make_options(linear))]
+    plain = [t.name for t in recurrent_form(site, passes.make_options(linear)).state(site)]
     assert plain == ["kernel_state", "normaliser"]
-    assert [t.shape for t in recurrent.state_description(site, passes.make_options(favor, variant="hyperbolic"))] == [
+    assert [t.shape for t in recurrent_form(site, passes.make_options(favor, variant="hyperbolic")).state(site)] == [
         ("B", "H", 2 * favor.default_features(D), "Dv"),
         ("B", "H", 2 * favor.default_features(D)),
         ("B", "H"),
@@ -196,7 +204,7 @@ def test_state_size_does_not_grow_with_the_context(method, config):
     """After 3 tokens or 40, in torch and ONNX, every state tensor has the described shape."""
     method = METHODS[method]
     site, options = make_site(), method_options(method, config)
-    module = recurrent.recurrent_module(site, options, fitted_parallel(method, site, options))
+    module = recurrent_form(site, options).torch_module(site, fitted_parallel(method, site, options))
     described = [tuple(axis_sizes(site, options).get(a, a) for a in t.shape) for t in module.description]
     session = recurrent_session(method.NAME, config)
     for length in (3, 40):
@@ -249,8 +257,8 @@ def recurrent_model(lowering, description, rank: int = 4) -> onnx.ModelProto:
 
 
 def session_for(site, options, weights) -> ort.InferenceSession:
-    lowering = recurrent.recurrent_lowering(site, options, OPSET, weights)
-    model = recurrent_model(lowering, recurrent.state_description(site, options))
+    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, weights)
+    model = recurrent_model(lowering, recurrent_form(site, options).state(site))
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -262,7 +270,7 @@ def recurrent_session(method: str, config: str) -> ort.InferenceSession:
 
 
 def axis_sizes(site, options) -> dict[str, int]:
-    return {"B": B, "H": H, "D": D, "Dv": DV, "F": recurrent.feature_count(site, options)}
+    return {"B": B, "H": H, "D": D, "Dv": DV, "F": recurrent_form(site, options).feature_count(site)}
 
 
 def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[list[np.ndarray]]:
@@ -270,7 +278,7 @@ def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[
     key_keep (None: every key kept)."""
     q, k, v, keep = inputs
     keep = torch.ones(*k.shape[:-1], 1) if keep is None else keep
-    description = recurrent.state_description(site, options)
+    description = recurrent_form(site, options).state(site)
     state, results = recurrent.zero_state(description, axis_sizes(site, options)), []
     for piece in pieces(schedule):
         piece_inputs = zip(["q", "k", "v", "key_keep"], (x[..., piece, :].numpy() for x in (q, k, v, keep)))
@@ -305,11 +313,11 @@ def test_onnx_steps_equal_the_parallel_form(method, config, padding, schedule):
 )
 def test_onnx_long_prefill(method, options):
     """A prefill of 70 tokens in blocks of 2: more blocks than one group of the prefix sums'
-    first level (kernels.PREFIX_GROUP), so both levels are used; then two tokens."""
+    first level (PREFIX_GROUP), so both levels are used; then two tokens."""
     site, options = make_site(), passes.make_options(method, **options)
     parallel = fitted_parallel(method, site, options)
     q, k, v, keep = sequence(True, length=72)
-    assert 70 // 2 > kernels.PREFIX_GROUP
+    assert 70 // 2 > PREFIX_GROUP
     with torch.no_grad():
         expected = parallel(q, k, v, keep).numpy()
     steps = run_onnx_steps(session_for(site, options, state_dict(parallel)), site, options, [70, 1, 1], (q, k, v, keep))
@@ -323,9 +331,9 @@ ENTRY_NAMES = {"linear": "LinearAttention", "hedgehog": "Hedgehog", "favor": "Fa
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("method", METHODS)
 def test_no_cumsum_in_the_recurrent_lowerings(method, config):
-    """DESIGN.md "Numerics": onnxruntime's CUDA CumSum is quadratic in its axis."""
+    """onnxruntime's CUDA CumSum is quadratic in its axis (kernel/chunks.py)."""
     site, options = make_site(), method_options(METHODS[method], config)
-    lowering = recurrent.recurrent_lowering(site, options, OPSET)
+    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET)
     assert "CumSum" not in {node.op_type for function in lowering.functions for node in function.node}
     windowed = "Windowed" if options.window else ""
     assert lowering.op_type == f"Recurrent{windowed}{ENTRY_NAMES[method]}"
@@ -334,7 +342,7 @@ def test_no_cumsum_in_the_recurrent_lowerings(method, config):
 def test_fitted_query_key_maps_select_the_learned_entry():
     site, options = make_site(), method_options(linear, "window4")
     weights = state_dict(fitted_parallel(linear, site, options))
-    lowering = recurrent.recurrent_lowering(site, options, OPSET, weights)
+    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, weights)
     assert lowering.op_type == "LearnedRecurrentWindowedLinearAttention"
     assert list(lowering.constants) == ["linear_log_weight", "query_map", "key_map"]
     np.testing.assert_array_equal(lowering.constants["query_map"], weights["query_map"])
@@ -359,21 +367,21 @@ def test_methods_without_a_recurrence_say_why():
     for method in METHODS.values():
         assert recurrent.recurrent_refusal(method, passes.make_options(method, window=4)) is None
     with pytest.raises(ValueError, match="^no recurrent form for lsh at layer0: LSH attends exactly"):
-        recurrent.recurrent_lowering(make_site(), lsh.Options(), OPSET)
+        recurrent_form(make_site(), lsh.Options()).onnx_lowering(make_site(), OPSET)
 
 
 def test_a_bidirectional_site_has_no_recurrence():
     site = AttentionSite("layer3", scale=0.5, mask=MaskKind.KEY_PADDING, rank=4, num_heads=H, head_dim=D)
     options = passes.make_options(linear)
     with pytest.raises(ValueError) as error:
-        recurrent.recurrent_module(site, options, linear.torch_module(site, options))
+        recurrent_form(site, options).torch_module(site, linear.torch_module(site, options))
     assert str(error.value) == (
         "no recurrent form for linear at layer3: only a causal attention is a recurrence: "
         "a bidirectional one reads keys not yet generated"
     )
 
 
-# --- the causal window's blocks (kernels.py) ---------------------------------------------------------
+# --- the causal window's blocks (passes/window/) ---------------------------------------------------
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -399,9 +407,7 @@ def test_causal_window_exact_keys_are_blocks_from_the_start():
     are its previous and own block up to itself (a zero kernel part leaves softmax over them)."""
     q, k = (torch.randn(1, 1, 7, 4, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
     zero = torch.zeros(1, 1, 7, 2)
-    weights = kernels.windowed_attention_weights(
-        zero, zero, q, k, scale=0.5, window=3, causal=True, window_next=False, sinks=0
-    )
+    weights = windowed_attention_weights(zero, zero, q, k, Window(3, following=False, sinks=0), scale=0.5, causal=True)
     expected = np.array(
         [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]]
         + [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0]]

@@ -15,10 +15,9 @@ from decoders import left_padded_mask, logits_error, positions_of
 from models import SAMPLE_BERT
 
 import attnrewrite
-from attnrewrite import cli, decision
+from attnrewrite import cli, decision, passes
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.generate import generate
-from attnrewrite.passes import recurrent
 
 CONFIGS = {"plain": {}, "window": {"window": 4, "sinks": 1}}
 METHODS = ("hedgehog", "linear", "favor")
@@ -168,7 +167,7 @@ def test_methods_without_a_recurrence_are_refused_with_the_reason(decoder_export
     with pytest.warns(NothingRewritten):
         model = attnrewrite.rewrite(cached.load(), method, recurrent=True)
     record = read_record(model)
-    assert [site["reason"] for site in record["sites"]] == [recurrent.REFUSALS[method]] * 2
+    assert [site["reason"] for site in record["sites"]] == [passes.get_pass(method).NO_RECURRENCE] * 2
 
 
 def test_recurrent_refuses_an_encoder():

@@ -1,4 +1,4 @@
-"""The local-softmax + kernel hybrid (``window=W``, kernels.windowed_kernel_attention) shared by
+"""The local-softmax + kernel hybrid (``window=W``, passes/window/) shared by
 linear, favor and hedgehog: its exact keys (previous, own and, bidirectional, next block, and
 the sinks), equal to its definition written as an N x N matrix, exact softmax when the window
 covers the sequence, sinks kept from the kernel, ONNX == torch, causal, NaN-free where keys are
@@ -14,14 +14,19 @@ import pytest
 import torch
 from attention_graphs import lowering_session
 from models import exact_attention, relative_error, run_pass_module
+from windows import windowed, windowed_weights
 
-from attnrewrite.passes import OptionError, favor, get_pass, hedgehog, kernels, linear, make_options
+from attnrewrite.passes import OptionError, favor, get_pass, hedgehog, linear, make_options
+from attnrewrite.passes.kernel.chunks import PREFIX_GROUP
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.window import lowering as window_lowering
+from attnrewrite.passes.window import torch_form
 from attnrewrite.site import AttentionSite, MaskKind
 
 WINDOWED = (linear, favor, hedgehog)
 B, H, D, DV = 2, 3, 8, 5
 SCALE = D**-0.5
-LOWEST = kernels.LOWEST_LOG_SCALE
+LOWEST = LOWEST_LOG_SCALE
 # (window_next, sinks): the exact keys' variants the tests run through
 EXACT_KEYS = [(False, 0), (True, 0), (False, 1), (True, 1), (False, 3), (True, 3)]
 exact_keys_ids = lambda value: f"next={value[0]}-sinks={value[1]}"  # noqa: E731
@@ -81,12 +86,12 @@ def windowed_by_definition(
     key_log_scale=None,
     local_max_weight=None,
 ):
-    """kernels.windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
+    """windowed_attention_weights (the N x N definition: exact e^(s_ij - m_i) on the
     previous, own and next block and the sinks, w phi_i.phi_j [e^(a_i + b_j - beta m_i)]
     elsewhere, one normaliser) in float64, times v."""
     as64 = lambda x: None if x is None else torch.as_tensor(x).double()  # noqa: E731
     window_next, sinks = exact_keys
-    weights = kernels.windowed_attention_weights(
+    weights = windowed_weights(
         as64(phi_q),
         as64(phi_k),
         as64(q),
@@ -132,11 +137,11 @@ def test_exact_keys_are_the_neighbouring_blocks_and_the_sinks(causal, exact_keys
     if causal:
         local &= np.tri(7, dtype=bool)
     options = dict(scale=SCALE, window=3, causal=causal, window_next=window_next, sinks=sinks)
-    weights = kernels.windowed_attention_weights(zero, zero, q, k, **options)
+    weights = windowed_weights(zero, zero, q, k, **options)
     np.testing.assert_array_equal(weights.numpy() > 0, np.broadcast_to(local, (B, H, 7, 7)))
     logits = (SCALE * q @ k.transpose(-2, -1)).masked_fill(torch.from_numpy(~local), -math.inf)
     expected = torch.softmax(logits, -1) @ v
-    out = kernels.windowed_kernel_attention(zero, zero, q, k, v, **options)
+    out = windowed(zero, zero, q, k, v, **options)
     assert relative_error(out.numpy(), expected.numpy()) < 3e-6  # float32 rounding
 
 
@@ -153,7 +158,7 @@ def test_kernel_equals_its_definition(causal, window, exact_keys):
     phi_q, phi_k = elu_features(q, k, keep)
     log_weight = torch.randn(H, 1, 1, generator=torch.Generator().manual_seed(1))
     window_next, sinks = exact_keys
-    out = kernels.windowed_kernel_attention(
+    out = windowed(
         phi_q,
         phi_k,
         *map(torch.from_numpy, (q, k, v)),
@@ -195,7 +200,7 @@ def test_kernel_with_log_scales_equals_its_definition(causal, window, exact_keys
     log_weight = torch.randn(H, 1, 1, generator=generator)
     max_weight = torch.rand(H, 1, 1, generator=generator) if max_weighted else None
     window_next, sinks = exact_keys
-    out = kernels.windowed_kernel_attention(
+    out = windowed(
         phi_q,
         phi_k,
         *map(torch.from_numpy, (q, k, v)),
@@ -234,7 +239,7 @@ def test_log_scales_make_the_kernel_part_estimate_exp_of_the_logits(causal, exac
     phi_k = torch.eye(n).expand(B, H, n, n) * torch.exp(-key_log_scale) * torch.from_numpy(keep)
     window_next, sinks = exact_keys
     for window in (4, 9):
-        out = kernels.windowed_kernel_attention(
+        out = windowed(
             phi_q,
             phi_k,
             *map(torch.from_numpy, (q, k, v)),
@@ -270,10 +275,10 @@ def test_sink_keys_never_reach_the_kernel_part(causal, window_next):
 
     def both(phi_k, key_log_scale):
         scales = dict(query_log_scale=query_log_scale, key_log_scale=key_log_scale)
-        out = kernels.windowed_kernel_attention(phi_q, phi_k, q, k, v, **options, **scales)
+        out = windowed(phi_q, phi_k, q, k, v, **options, **scales)
         if not causal:  # the definition takes the head's log scale per key
             scales["key_log_scale"] = key_log_scale.expand(B, H, n, 1)
-        return out, kernels.windowed_attention_weights(phi_q, phi_k, q, k, **options, **scales)
+        return out, windowed_weights(phi_q, phi_k, q, k, **options, **scales)
 
     out, weights = both(phi_k, key_log_scale)
     changed_out, changed_weights = both(changed_phi_k, changed_log_scale)
@@ -329,16 +334,16 @@ def test_onnx_equals_torch(method, mask, exact_keys):
     assert relative_error(expected, exact(q, k, v, all_kept if keep is None else keep, mask.causal)) > 1e-2
 
 
-@pytest.mark.parametrize("state_blocks", [kernels.STATE_BLOCKS, 0], ids=["block-states", "one-state"])
+@pytest.mark.parametrize("state_blocks", [torch_form.STATE_BLOCKS, 0], ids=["block-states", "one-state"])
 @pytest.mark.parametrize("exact_keys", EXACT_KEYS, ids=exact_keys_ids)
 def test_bidirectional_pairs_at_every_length(exact_keys, state_blocks, monkeypatch):
-    """The bidirectional window in pairs of blocks (kernels._Pairs, the ONNX PairedWindow): at
+    """The bidirectional window in pairs of blocks (window.blocks.BlockPairs, the ONNX PairedWindow): at
     every N from 1 to 5 windows of 3 (odd and even block counts, the last pair's padding blocks,
     the neighbours wrapped onto padding at both ends), the torch form equals the N x N
     definition and the ONNX form the torch one, with key padding and fitted hedgehog (both
     parts' units, beta_h). Both torch far parts: from per-block states (up to STATE_BLOCKS
     blocks) and from one state less the local kernel terms (the ONNX form's sums)."""
-    monkeypatch.setattr(kernels, "STATE_BLOCKS", state_blocks)
+    monkeypatch.setattr(torch_form, "STATE_BLOCKS", state_blocks)
     window_next, sinks = exact_keys
     site = make_site(MaskKind.KEY_PADDING)
     options = hedgehog.Options(window=3, window_next=window_next, sinks=sinks)
@@ -352,7 +357,7 @@ def test_bidirectional_pairs_at_every_length(exact_keys, state_blocks, monkeypat
         with torch.no_grad():
             attention = module.attention_weights(*map(torch.from_numpy, (q, k, keep)))
         # 5e-5: N near 3W, rows with few far keys keep the local kernel terms' cancellation
-        # (kernels' module docstring; the form before the pairs measured 1e-5 at N = 12 too)
+        # (passes/window's package docstring; the form before the pairs measured 1e-5 at N = 12 too)
         assert relative_error(out, (attention @ torch.from_numpy(v)).numpy()) < 5e-5, n
         onnx_out = session.run(None, dict(q=q, k=k, v=v, key_keep=keep))[0]
         # block states leave the ONNX form's cancellation out: then the two differ by up to it;
@@ -364,12 +369,12 @@ def test_bidirectional_pairs_at_every_length(exact_keys, state_blocks, monkeypat
 @pytest.mark.parametrize("method", WINDOWED, ids=lambda m: m.NAME)
 @pytest.mark.parametrize("far_chunk", [2, 4, 6, 8], ids=lambda c: f"blocks={c // 2}")
 def test_causal_far_part_in_chunks_at_every_length(method, far_chunk, monkeypatch):
-    """The ONNX causal window's far part by chunks of P blocks (kernels._chunked_far_sums_functions:
+    """The ONNX causal window's far part by chunks of P blocks (window.onnx_causal._chunked_far_sums_functions:
     P = 1, the pair form P = 2, the masked [PW, PW] form P >= 3) equals the torch form (by chunks
     of 32 blocks of 2) at every N up to 4 chunks and more, with key padding at both ends and
     sinks=3: in hedgehog and favor the sinks' features are not zero, only their log scale keeps
     them out, also where a whole key chunk holds sinks and padding only."""
-    monkeypatch.setitem(kernels.windowed_kernel_attention_functions.__kwdefaults__, "far_chunk", far_chunk)
+    monkeypatch.setitem(window_lowering.windowed_kernel_attention_functions.__kwdefaults__, "far_chunk", far_chunk)
     site = make_site(MaskKind.CAUSAL_KEY_PADDING)
     options = method.Options(window=2, sinks=3)
     module = fitted_module(method, site, options)
@@ -527,14 +532,14 @@ def test_without_a_window_its_options_change_nothing(method, mask):
 
 def local_kernel_rounding(phi_q, phi_k, q, k, v, keep, window, exact_keys, log_weight) -> np.ndarray:
     """Per row (bidirectional, no log scales), eps32 * sum_local K_ij max|v_j| / D_i, in float64:
-    the rounding kernels' docstring bounds the far sums by, with K_ij = w phi_i.phi_j (zero on
+    the rounding passes/window's docstring bounds the far sums by, with K_ij = w phi_i.phi_j (zero on
     the sinks, which the kernel never sees) over the row's exact keys and D_i the definition's
     normaliser (its exact part e^(s_ij - m_i), its far part K_ij)."""
     phi_q, phi_k, q, k, v, keep = (torch.as_tensor(x).double() for x in (phi_q, phi_k, q, k, v, keep))
     window_next, sinks = exact_keys
     zero = torch.zeros_like(phi_q[..., :1])
     options = dict(scale=SCALE, window=window, causal=False, window_next=window_next, sinks=sinks, key_keep=keep)
-    exact = kernels.windowed_attention_weights(zero, zero, q, k, **options) > 0  # exact and kept
+    exact = windowed_weights(zero, zero, q, k, **options) > 0  # exact and kept
     far = ~exact & (keep.transpose(-2, -1) > 0)
     logits = SCALE * q @ k.transpose(-2, -1)
     row_max = torch.where(exact, logits, -math.inf).amax(-1, keepdim=True)
@@ -546,7 +551,7 @@ def local_kernel_rounding(phi_q, phi_k, q, k, v, keep, window, exact_keys, log_w
     return (np.finfo(np.float32).eps * local[..., 0] / denominator).numpy()
 
 
-@pytest.mark.parametrize("state_blocks", [kernels.STATE_BLOCKS, 0], ids=["block-states", "one-state"])
+@pytest.mark.parametrize("state_blocks", [torch_form.STATE_BLOCKS, 0], ids=["block-states", "one-state"])
 @pytest.mark.parametrize("n", [37, 50, 77])
 @pytest.mark.parametrize("exact_keys", [(True, 0), (True, 3), (False, 1)], ids=exact_keys_ids)
 def test_far_sums_rounding_is_bounded(n, exact_keys, state_blocks, monkeypatch):
@@ -554,10 +559,10 @@ def test_far_sums_rounding_is_bounded(n, exact_keys, state_blocks, monkeypatch):
     part's: some rows have (almost) no far key while their local kernel terms outweigh the exact
     part many times, the worst case for taking those terms back out of the whole sequence's
     sums. From one state the error against the float64 definition stays within the bound
-    kernels' docstring gives, which at N = 50 with window_next exceeds the 1e-5 the parity tests
+    passes/window's docstring gives, which at N = 50 with window_next exceeds the 1e-5 the parity tests
     allow; N = 37 has blocks without any far block (exactly 0 there). From per-block states
-    (kernels.STATE_BLOCKS) nothing cancels: within 2e-6 of the largest output everywhere."""
-    monkeypatch.setattr(kernels, "STATE_BLOCKS", state_blocks)
+    (torch_form.STATE_BLOCKS) nothing cancels: within 2e-6 of the largest output everywhere."""
+    monkeypatch.setattr(torch_form, "STATE_BLOCKS", state_blocks)
     window = 16
     q, k, v = qkv(n)
     keep = np.broadcast_to(padded_keep(n), (B, H, n, 1)).copy()
@@ -566,7 +571,7 @@ def test_far_sums_rounding_is_bounded(n, exact_keys, state_blocks, monkeypatch):
     window_next, sinks = exact_keys
     options = dict(scale=SCALE, window=window, causal=False, window_next=window_next, sinks=sinks)
     torch_q, torch_k, torch_v = map(torch.from_numpy, (q, k, v))
-    out = kernels.windowed_kernel_attention(
+    out = windowed(
         phi_q,
         phi_k,
         torch_q,
@@ -611,13 +616,13 @@ def test_far_sums_rounding_is_bounded_in_onnx():
 @pytest.mark.parametrize("rescaled", [False, True], ids=["plain", "log-scales"])
 @pytest.mark.parametrize("far_chunk", [2, 4, 6], ids=lambda c: f"blocks={c // 2}")
 def test_causal_far_part_by_chunks_equals_its_definition_across_prefix_groups(far_chunk, rescaled):
-    """The torch causal window's far part by chunks of P blocks (kernels._FarChunks: P = 1, the
+    """The torch causal window's far part by chunks of P blocks (window.blocks.FarChunks: P = 1, the
     pair form P = 2, the masked form P = 3) equals the N x N definition at N = 300 in windows of
     2: 151 blocks and 52 to 152 chunks, so that the running maxima and the rescaled prefix over
-    them take several groups of kernels.PREFIX_GROUP rows. Key padding at both ends, 3 sinks,
+    them take several groups of PREFIX_GROUP rows. Key padding at both ends, 3 sinks,
     and (log scales) per-key log scales spread over +-30, the lowest on padded keys."""
     n, window, exact_keys = 300, 2, (False, 3)
-    assert n // (3 * window) > 3 * kernels.PREFIX_GROUP
+    assert n // (3 * window) > 3 * PREFIX_GROUP
     q, k, v = qkv(n)
     keep = np.broadcast_to(padded_keep(n), (B, H, n, 1)).copy()
     generator = torch.Generator().manual_seed(far_chunk)
@@ -630,7 +635,7 @@ def test_causal_far_part_by_chunks_equals_its_definition_across_prefix_groups(fa
             query_log_scale=torch.randn(B, H, n, 1, generator=generator) * 3,
             key_log_scale=torch.where(torch.from_numpy(keep) > 0, key_log_scale, LOWEST),
         )
-    out = kernels.windowed_kernel_attention(
+    out = windowed(
         phi_q,
         phi_k,
         *map(torch.from_numpy, (q, k, v)),
@@ -652,8 +657,8 @@ def test_causal_far_part_by_chunks_equals_its_definition_across_prefix_groups(fa
 def test_causal_far_part_onnx_equals_torch_across_prefix_groups(method, monkeypatch):
     """Both lowerings' far part in chunks of 2 blocks of 2 (far_chunk=4) at N = 300: 76 chunks,
     their prefix sums and (favor) running maxima and rescaled prefix over several groups of
-    kernels.PREFIX_GROUP rows, ONNX (the hierarchy of triangular products) against torch."""
-    for function in (kernels.windowed_kernel_attention_functions, kernels.windowed_kernel_attention):
+    PREFIX_GROUP rows, ONNX (the hierarchy of triangular products) against torch."""
+    for function in (window_lowering.windowed_kernel_attention_functions, torch_form.windowed_kernel_attention):
         monkeypatch.setitem(function.__kwdefaults__, "far_chunk", 4)
     site = make_site(MaskKind.CAUSAL_KEY_PADDING)
     options = method.Options(window=2, sinks=3)

@@ -339,7 +339,7 @@ def _mask_step(facts: GraphFacts, node: Node) -> tuple[Node, MaskUse] | None:
     return None
 
 
-_ZERO_LIKE = ops._overloads("zeros_like.default", "full_like.default", "new_zeros.default") | {
+_ZERO_LIKE = ops.aten_overloads("zeros_like.default", "full_like.default", "new_zeros.default") | {
     torch.zeros_like,
     torch.full_like,
 }
@@ -493,7 +493,7 @@ def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
 
 # --- scaled_dot_product_attention ---------------------------------------------------------------
 
-_SDPA = frozenset({F.scaled_dot_product_attention}) | ops._overloads("scaled_dot_product_attention.default")
+_SDPA = frozenset({F.scaled_dot_product_attention}) | ops.aten_overloads("scaled_dot_product_attention.default")
 
 
 def _is_sdpa(node: Node) -> bool:
@@ -526,7 +526,7 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
             return _skipped(match, "the scale is not a constant")
     q_shape = facts.shape(q)
     # grouped or multi-query heads (enable_gqa, or one key/value head broadcast): the splice
-    # gives the replacement one key/value head per query head (kernels.expand_to_query_heads)
+    # gives the replacement one key/value head per query head (passes.layout.expand_to_query_heads)
     if is_causal and attn_mask is not None:
         return _skipped(match, "both attn_mask and is_causal are set")
     uses = [MaskUse(attn_mask, MaskEncoding.SDPA)] if isinstance(attn_mask, Node) else []

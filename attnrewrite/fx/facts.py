@@ -32,7 +32,7 @@ _SCALAR_OPS = {
 }
 _SCALAR_UNARY = {operator.neg: operator.neg, math.sqrt: math.sqrt, torch.sym_sqrt: math.sqrt}
 _CAST_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-_SYM_SIZE = ops._overloads("sym_size.int")
+_SYM_SIZE = ops.aten_overloads("sym_size.int")
 
 
 def _static_int(dim: Any) -> int | None:

@@ -22,7 +22,7 @@ from torch.fx import Node
 aten = torch.ops.aten
 
 
-def _overloads(*names: str) -> frozenset:
+def aten_overloads(*names: str) -> frozenset:
     """aten overloads by name, skipping those this torch build lacks."""
     found = []
     for name in names:
@@ -69,7 +69,7 @@ class SoftmaxCall:
     dim: int | None  # None: not given (legacy implicit dim)
 
 
-_SOFTMAX_FUNCTIONS = frozenset({F.softmax, torch.softmax, torch.special.softmax}) | _overloads(
+_SOFTMAX_FUNCTIONS = frozenset({F.softmax, torch.softmax, torch.special.softmax}) | aten_overloads(
     "softmax.int", "_softmax.default", "_safe_softmax.default"
 )
 
@@ -88,7 +88,9 @@ def softmax_call(node: Node, module_of) -> SoftmaxCall | None:
 
 # --- matmul, transpose ------------------------------------------------------------------------
 
-_MATMUL_FUNCTIONS = frozenset({operator.matmul, torch.matmul, torch.bmm}) | _overloads("matmul.default", "bmm.default")
+_MATMUL_FUNCTIONS = frozenset({operator.matmul, torch.matmul, torch.bmm}) | aten_overloads(
+    "matmul.default", "bmm.default"
+)
 _MATMUL_METHODS = frozenset({"matmul", "bmm", "__matmul__"})
 
 
@@ -100,7 +102,7 @@ def matmul_operands(node: Node) -> tuple[Node, Node] | None:
     return None
 
 
-_BADDBMM_FUNCTIONS = frozenset({torch.baddbmm}) | _overloads("baddbmm.default")
+_BADDBMM_FUNCTIONS = frozenset({torch.baddbmm}) | aten_overloads("baddbmm.default")
 
 
 def baddbmm_operands(node: Node) -> tuple[Node, Node, Node] | None:
@@ -113,9 +115,9 @@ def baddbmm_operands(node: Node) -> tuple[Node, Node, Node] | None:
     return bias, a, b
 
 
-_TRANSPOSE_FUNCTIONS = frozenset({torch.transpose, torch.swapaxes, torch.swapdims}) | _overloads("transpose.int")
+_TRANSPOSE_FUNCTIONS = frozenset({torch.transpose, torch.swapaxes, torch.swapdims}) | aten_overloads("transpose.int")
 _TRANSPOSE_METHODS = frozenset({"transpose", "swapaxes", "swapdims"})
-_PERMUTE_FUNCTIONS = frozenset({torch.permute}) | _overloads("permute.default")
+_PERMUTE_FUNCTIONS = frozenset({torch.permute}) | aten_overloads("permute.default")
 
 
 def last_two_swapped_input(node: Node, rank_of) -> Node | None:
@@ -164,9 +166,9 @@ def head_split_input(node: Node) -> Node | None:
 
 # --- scale, add, masks --------------------------------------------------------------------------
 
-_MUL_FUNCTIONS = frozenset({operator.mul, torch.mul, torch.multiply}) | _overloads("mul.Tensor", "mul.Scalar")
+_MUL_FUNCTIONS = frozenset({operator.mul, torch.mul, torch.multiply}) | aten_overloads("mul.Tensor", "mul.Scalar")
 _MUL_METHODS = frozenset({"mul", "__mul__", "__rmul__", "multiply"})
-_DIV_FUNCTIONS = frozenset({operator.truediv, torch.div, torch.true_divide, torch.divide}) | _overloads(
+_DIV_FUNCTIONS = frozenset({operator.truediv, torch.div, torch.true_divide, torch.divide}) | aten_overloads(
     "div.Tensor", "div.Scalar"
 )
 _DIV_METHODS = frozenset({"div", "__truediv__", "true_divide", "divide"})
@@ -183,7 +185,7 @@ def scaled_operands(node: Node) -> tuple[str, Any, Any] | None:
     return None
 
 
-_ADD_FUNCTIONS = frozenset({operator.add, torch.add}) | _overloads("add.Tensor")
+_ADD_FUNCTIONS = frozenset({operator.add, torch.add}) | aten_overloads("add.Tensor")
 _ADD_METHODS = frozenset({"add", "__add__", "__radd__"})
 
 
@@ -195,7 +197,7 @@ def add_operands(node: Node) -> tuple[Any, Any] | None:
     return None
 
 
-_MASKED_FILL_FUNCTIONS = frozenset({torch.masked_fill}) | _overloads("masked_fill.Scalar", "masked_fill.Tensor")
+_MASKED_FILL_FUNCTIONS = frozenset({torch.masked_fill}) | aten_overloads("masked_fill.Scalar", "masked_fill.Tensor")
 
 
 def masked_fill_operands(node: Node) -> tuple[Node, Node, Any] | None:
@@ -205,7 +207,7 @@ def masked_fill_operands(node: Node) -> tuple[Node, Node, Any] | None:
     return None
 
 
-_WHERE_FUNCTIONS = frozenset({torch.where}) | _overloads(
+_WHERE_FUNCTIONS = frozenset({torch.where}) | aten_overloads(
     "where.self", "where.ScalarOther", "where.ScalarSelf", "where.Scalar"
 )
 
@@ -219,7 +221,7 @@ def where_operands(node: Node) -> tuple[Node, Any, Any] | None:
     return None
 
 
-_NAN_TO_NUM = frozenset({torch.nan_to_num}) | _overloads("nan_to_num.default")
+_NAN_TO_NUM = frozenset({torch.nan_to_num}) | aten_overloads("nan_to_num.default")
 
 
 def nan_to_num_input(node: Node) -> Node | None:
@@ -231,7 +233,7 @@ def nan_to_num_input(node: Node) -> Node | None:
 # --- value-preserving ops: casts, copies, dropout ------------------------------------------------
 
 _CAST_METHODS = frozenset({"float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone"})
-_CAST_FUNCTIONS = frozenset({torch.clone}) | _overloads(
+_CAST_FUNCTIONS = frozenset({torch.clone}) | aten_overloads(
     "_to_copy.default",
     "to.dtype",
     "to.dtype_layout",
@@ -251,7 +253,7 @@ def cast_input(node: Node) -> Node | None:
     return None
 
 
-_DROPOUT_FUNCTIONS = frozenset({F.dropout, torch.dropout}) | _overloads("dropout.default")
+_DROPOUT_FUNCTIONS = frozenset({F.dropout, torch.dropout}) | aten_overloads("dropout.default")
 
 
 @dataclasses.dataclass
@@ -275,10 +277,10 @@ def dropout_call(node: Node, module_of) -> DropoutCall | None:
 
 # --- decomposed matmul (run_decompositions): view(bmm(view(expand(a)), view(expand(b)))) ---------
 
-_VIEW_FUNCTIONS = _overloads("view.default", "_unsafe_view.default", "reshape.default")
-_EXPAND_FUNCTIONS = _overloads("expand.default")
-_COPY_FUNCTIONS = _overloads("clone.default", "contiguous.default")
-_BMM_FUNCTIONS = _overloads("bmm.default")
+_VIEW_FUNCTIONS = aten_overloads("view.default", "_unsafe_view.default", "reshape.default")
+_EXPAND_FUNCTIONS = aten_overloads("expand.default")
+_COPY_FUNCTIONS = aten_overloads("clone.default", "contiguous.default")
+_BMM_FUNCTIONS = aten_overloads("bmm.default")
 
 
 def is_view(node: Node) -> bool:
@@ -299,7 +301,7 @@ def is_bmm(node: Node) -> bool:
 
 # --- bookkeeping ---------------------------------------------------------------------------------
 
-_BOOKKEEPING = _overloads("_assert_tensor_metadata.default", "_assert_scalar.default")
+_BOOKKEEPING = aten_overloads("_assert_tensor_metadata.default", "_assert_scalar.default")
 
 
 def is_bookkeeping(node: Node) -> bool:
@@ -309,7 +311,9 @@ def is_bookkeeping(node: Node) -> bool:
 
 # --- shape-only uses (mask classification: the value of such an input does not matter) ----------
 
-_SHAPE_ONLY_FUNCTIONS = frozenset({torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like}) | _overloads(
+_SHAPE_ONLY_FUNCTIONS = frozenset(
+    {torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like}
+) | aten_overloads(
     "sym_size.int",
     "sym_numel.default",
     "ones_like.default",

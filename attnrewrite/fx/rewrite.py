@@ -14,7 +14,6 @@ import dataclasses
 import inspect
 import operator
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,14 +21,15 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
-from attnrewrite import calibration, decision, passes
+from attnrewrite import decision, passes
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx import capture, ops
 from attnrewrite.fx.detect import FxMatch, find_matches
 from attnrewrite.fx.facts import GraphFacts, live_nodes
 from attnrewrite.fx.masks import key_keep_from_mask
 from attnrewrite.fx.modules import LinearizedMultiheadAttention, slow_path_container
-from attnrewrite.passes import kernels
+from attnrewrite.passes.layout import expand_to_query_heads
+from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome
 from attnrewrite.site import AttentionSite
 
@@ -118,18 +118,13 @@ def find_fx_sites(model: Any, example_inputs: Any = None, dynamic_shapes: Any = 
 
 def rewrite_graph_module(
     model: Any,
-    to: str,
+    to: str | MethodOptions,
     layers: list[int] | None = None,
     *,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
     include_single_query: bool = False,
-    calibrate: Any = None,
-    calibrate_steps: int = calibration.DEFAULT_STEPS,
-    calibrate_lr: float | None = None,
-    calibrate_ce_weight: float = 0.0,
-    calibrate_seed: int = 0,
-    calibrate_end_to_end: int = 0,
+    calibration: Any = None,
     **options: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
@@ -142,25 +137,15 @@ def rewrite_graph_module(
     cannot trace, with dynamic batch and sequence axes unless ``dynamic_shapes`` (torch.export's
     argument) says otherwise (capture.py; the record's ``capture`` says which dims are dynamic).
     ``include_single_query``: also rewrite sites with one query (left exact by default).
-    ``calibrate``: example inputs, each given as ``example_inputs`` may be (a single dict or
-    BatchEncoding is one example), to fit every replacement on, site by site
-    (attnrewrite.fx.calibrate); the fitted values are the pass modules' nn.Parameters.
-    ``calibrate_*``: as for ``rewrite``.
-    ``options``: the method's options (passes.<method>.Options), as for the ONNX path.
+    ``calibration`` (attnrewrite.calibration.torch_calibration, as ``rewrite`` makes it from its
+    ``calibrate`` examples): fit every replacement on it, site by site (attnrewrite.fx.calibrate);
+    the fitted values are the pass modules' nn.Parameters. ``to``: the method's name with its
+    ``options`` (passes.<method>.Options) as keywords, as for the ONNX path, or its Options.
     """
-    method = passes.get_pass(to)
-    method_options = passes.make_options(method, **options)
-    fitting_data = None
-    if calibrate is not None:
-        calibration.require_fittable(method, method_options, calibrate_ce_weight)
-        fitting_data = calibration.torch_calibration(
-            [capture.as_example(example) for example in _examples(calibrate)],
-            steps=calibrate_steps,
-            lr=calibrate_lr,
-            ce_weight=calibrate_ce_weight,
-            seed=calibrate_seed,
-            end_to_end=calibrate_end_to_end,
-        )
+    method, method_options = passes.method_and_options(to, **options)
+    fitting_data = calibration
+    if fitting_data is not None:
+        passes.require_fittable(method, method_options, fitting_data.ce_weight)
     fitting = []
     gm, captured = _capture(model, example_inputs, dynamic_shapes)
     facts = GraphFacts(gm)
@@ -202,11 +187,6 @@ def rewrite_graph_module(
         record.end_to_end = calibrate_modules(gm, fitting, fitting_data)
     gm.meta[METADATA_KEY] = record.as_dict() | ({"capture": captured} if captured is not None else {})
     return gm
-
-
-def _examples(calibrate: Any) -> list:
-    """The calibration examples: a mapping (a dict, a BatchEncoding) alone is one."""
-    return [calibrate] if isinstance(calibrate, Mapping) else list(calibrate)
 
 
 def _device(gm: GraphModule) -> torch.device:
@@ -266,9 +246,9 @@ class _Splicer:
                 k = graph.call_function(torch.transpose, (self._current(match.k_transposed), -2, -1))
             shapes = match.site.provenance.get("shapes") or {}
             if not _same_leading_dims(shapes.get("k"), shapes.get("q")):
-                k = graph.call_function(kernels.expand_to_query_heads, (k, q))
+                k = graph.call_function(expand_to_query_heads, (k, q))
             if not _same_leading_dims(shapes.get("v"), shapes.get("q")):
-                v = graph.call_function(kernels.expand_to_query_heads, (v, q))
+                v = graph.call_function(expand_to_query_heads, (v, q))
             call = graph.call_module(name, (q, k, v, self._key_keep(match)))
         call.meta["attnrewrite_site"] = match.site.name
         if "nn_module_stack" in output.meta:

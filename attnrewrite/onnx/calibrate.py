@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from attnrewrite.data import split_batch
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.io import saved_copy
@@ -125,7 +126,7 @@ def _write(values: list[dict[ir.Value, np.ndarray]]) -> None:
 
 
 def _fitting_device():
-    from attnrewrite.passes._torch import torch
+    from attnrewrite.passes.optional_torch import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -141,7 +142,6 @@ def _fit_end_to_end(whole, sites: list[_Site], calibration) -> dict:
     runs at most EXAMPLES_PER_STEP examples, as the per-site fits take them: a step is a forward
     and backward pass of the whole model, and on MiniLM 100 steps of 4 passages fit as well as
     100 of 8 in half the time (bench/FIDELITY.md)."""
-    from attnrewrite.calibration import split_batch
     from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, zero_padded_queries
 
     def fitted_stand_in(module):

@@ -23,7 +23,7 @@ import onnxruntime as ort
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import cache_inputs
-from attnrewrite.passes._onnx import DOMAIN
+from attnrewrite.passes.lowering import DOMAIN
 from attnrewrite.site import KV_PROBE_PAST
 
 # A convolutional front end rejects short inputs (wav2vec2's feature encoder needs 400

@@ -32,7 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from attnrewrite.errors import AttnRewriteError, RewriteFailed
-from attnrewrite.passes._onnx import MIN_OPSET
+from attnrewrite.passes.lowering import MIN_OPSET
 
 OLDEST_CONVERTIBLE_OPSET = 7  # onnx's version converter starts there
 TWO_GIB = 2**31  # protobuf's limit for one serialized message

@@ -1,7 +1,7 @@
 """``--recurrent``: a decoder's KV caches become the fixed-size states of its attention's
-recurrence (DESIGN.md, "Recurrent decoding").
+recurrence (passes/recurrent.py).
 
-Per KV-cache site, one node calls the method's recurrent lowering (passes/recurrent.py) with q,
+Per KV-cache site, one node calls the method's recurrent lowering (its Recurrence) with q,
 this step's NEW keys and values (after rotary; each key/value head repeated for the query heads
 it serves, as the model's own repeat does), the new tokens' key_keep (the attention mask's last N
 columns) and the layer's state, and returns the attention's output and the state after it. The
@@ -26,8 +26,8 @@ from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import CachedTensor, OnnxSite
 from attnrewrite.onnx.inputs import cache_contract, embedding_rows
 from attnrewrite.onnx.splice import INT64_MAX, Splicer
-from attnrewrite.passes import recurrent
-from attnrewrite.passes._onnx import DOMAIN, OnnxLowering
+from attnrewrite.passes.lowering import DOMAIN
+from attnrewrite.passes.recurrent import RecurrentLowering, state_shape
 
 PAST_LENGTH = "the attention mask's length minus input_ids' length"
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
@@ -120,14 +120,18 @@ class RecurrentSplicer(Splicer):
         self.state_inputs: list[str] = []
         self._caches: list[CachedTensor] = []
 
-    def splice_recurrent(self, s: OnnxSite, lowering: OnnxLowering, options, own: frozenset[str] = frozenset()) -> str:
+    def check(self, s: OnnxSite) -> None:
+        """Nothing more to check: this splice takes k and v from the caches' new tokens and
+        key_keep from the attention mask, not the site's k^T and mask as the parallel one does;
+        interface_refusal checked what it needs, for every site, before anything changed."""
+
+    def splice(self, s: OnnxSite, lowering: RecurrentLowering, own: frozenset[str] = frozenset()) -> str:
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
         heads = _query_heads(s)
         q = self._current(s.q)
         k, v = (self._repeated_heads(c, heads, new_nodes) for c in (s.key_cache, s.value_cache))
-        description = recurrent.state_description(s.site, options)
-        inputs, outputs = self._state_values(s, description, heads, options)
+        inputs, outputs = self._state_values(s, lowering.state, heads)
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
@@ -171,21 +175,15 @@ class RecurrentSplicer(Splicer):
             self._new_key_keep.name = "attnrewrite/new_key_keep"
         return self._new_key_keep
 
-    def _state_values(self, s: OnnxSite, description, heads: int, options) -> tuple[list[ir.Value], list[ir.Value]]:
+    def _state_values(self, s: OnnxSite, description, heads: int) -> tuple[list[ir.Value], list[ir.Value]]:
         """The layer's state inputs (added to the graph) and its outputs as declared."""
         layer = _layer_number(s)
-        sizes = {
-            "B": self.interface.mask.shape[0],
-            "H": heads,
-            "F": recurrent.feature_count(s.site, options),
-            "D": s.site.head_dim,
-            "Dv": s.site.value_dim,
-        }
+        sizes = {"B": self.interface.mask.shape[0], "H": heads, "D": s.site.head_dim, "Dv": s.site.value_dim}
         model_dtype = s.key_cache.past.dtype
         inputs, outputs = [], []
         for t in description:
             dtype = _DTYPES.get(t.dtype, model_dtype)
-            shape = ir.Shape([sizes[a] if isinstance(a, str) else a for a in t.shape])
+            shape = ir.Shape(state_shape(t, sizes))
             value = ir.Value(name=f"past_key_values.{layer}.{t.name}", type=ir.TensorType(dtype), shape=shape)
             self.graph.inputs.append(value)
             self.state_inputs.append(value.name)

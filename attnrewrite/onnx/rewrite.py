@@ -18,8 +18,9 @@ from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
 from attnrewrite.passes import heads
-from attnrewrite.passes._onnx import DOMAIN
-from attnrewrite.passes.recurrent import recurrent_lowering
+from attnrewrite.passes import recurrent as passes_recurrent
+from attnrewrite.passes.lowering import DOMAIN, MIN_OPSET
+from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome, record_json, stage
 from attnrewrite.site import AttentionSite
 
@@ -45,7 +46,7 @@ def rewritten_sites(model: ir.Model) -> list[ir.Node]:
 
 def rewrite_model(
     model: ir.Model,
-    to: str,
+    to: str | MethodOptions,
     layers: list[int] | None = None,
     include_single_query: bool = False,
     calibration=None,
@@ -55,27 +56,25 @@ def rewrite_model(
     fitted: dict[int, dict[str, np.ndarray]] | None = None,
     **options,
 ) -> tuple[ir.Model, RewriteRecord]:
-    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
-    Sites with one query are left exact unless ``include_single_query``. ``calibration``
-    (attnrewrite.calibration.Calibration): fit every replacement, in order, to the attention it
-    replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
+    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model. ``to``:
+    the method's name with its ``options`` as keywords, or its Options (built once by the
+    caller, passes.method_and_options). Sites with one query are left exact unless
+    ``include_single_query``. ``calibration`` (attnrewrite.calibration.Calibration): fit every
+    replacement, in order, to the attention it replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
     (default: attnrewrite.site.MASK_PROBE_LENGTHS). ``recurrent``: the KV-cache sites become
     recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay.
     ``exact_heads`` (layer -> head indices): those heads stay softmax inside the site's
     replacement (attnrewrite.passes.heads); with ``calibration`` every head is fitted first and
-    the exact heads' values are sliced out (_fitted_on_every_head). ``fitted`` (layer -> values,
-    a record's ``fitted``): the replacements hold these instead of their initial values."""
-    if exact_heads and recurrent:
-        raise AttnRewriteError(f"--heads with --recurrent: {heads.RECURRENT}")
+    the exact heads' values are sliced out (_fitted_on_every_head). Not with ``recurrent``: a
+    run refuses the two together (pipeline). ``fitted`` (layer -> values, a record's
+    ``fitted``): the replacements hold these instead of their initial values."""
+    assert not (exact_heads and recurrent), "exact heads have no recurrent form: pipeline refuses both"
+    method, opts = passes.method_and_options(to, **options)
     if exact_heads and calibration is not None:
-        return _fitted_on_every_head(model, to, layers, include_single_query, calibration, seq, exact_heads, **options)
+        return _fitted_on_every_head(model, opts, layers, include_single_query, calibration, seq, exact_heads)
     exact_heads, fitted = exact_heads or {}, fitted or {}
-    method = passes.get_pass(to)
-    opts = passes.make_options(method, **options)
     if calibration is not None:
-        from attnrewrite.calibration import require_fittable
-
-        require_fittable(method, opts, calibration.ce_weight)
+        passes.require_fittable(method, opts, calibration.ce_weight)
     model = infer_shapes(model)
     sites = analyze(model, seq)
 
@@ -85,7 +84,7 @@ def rewrite_model(
 
     _check_exact_heads(exact_heads, sites)
     decisions = [decide(s) for s in sites]
-    if any(reason is None for reason in decisions) and default_opset(model) < passes._onnx.MIN_OPSET:
+    if any(reason is None for reason in decisions) and default_opset(model) < MIN_OPSET:
         model = infer_shapes(upgrade_opset(model))
         sites = analyze(model, seq)
         decisions = [decide(s) for s in sites]
@@ -98,12 +97,14 @@ def rewrite_model(
     for s, reason in zip(sites, decisions):
         exact = exact_heads.get(s.site.layer)
         if reason is None:
-            plan = _plan(splicer, s, method, opts, default_opset(model), calibration, fitted.get(s.site.layer), exact)
+            plan = _plan(
+                splicer, s, method, opts, default_opset(model), calibration, fitted.get(s.site.layer), exact, recurrent
+            )
             reason = plan if isinstance(plan, str) else None
         if reason is not None:
             record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
             continue
-        replacement = _splice(splicer, s, plan.lowering, opts, own=frozenset(plan.weights or ()))
+        replacement = splicer.splice(s, plan.lowering, own=frozenset(plan.weights or ()))
         outcome = SiteOutcome(s.site, True, replacement=replacement, exact_heads=sorted(set(exact)) if exact else None)
         record.outcomes.append(outcome)
         if plan.module is not None:
@@ -133,15 +134,13 @@ class _Plan(NamedTuple):
     weights: dict | None  # the values the lowering holds instead of its initial ones
 
 
-def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact) -> _Plan | str:
-    """How a site decided for is replaced (weights: values given for it, fitted earlier), or
-    why it cannot be after all."""
-    recurrent = isinstance(splicer, RecurrentSplicer)
-    if not recurrent:
-        try:
-            splicer.check(s)
-        except Unsupported as why:
-            return str(why)
+def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact, recurrent: bool) -> _Plan | str:
+    """How a site decided for is replaced (weights: values given for it, fitted earlier): by
+    the method's ``recurrent`` form or its parallel one; or why it cannot be after all."""
+    try:
+        splicer.check(s)
+    except Unsupported as why:
+        return str(why)
     module = None
     if calibration is not None:
         module, reason = decision.learnable_module(s.site, method, opts)
@@ -149,20 +148,14 @@ def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, 
             return reason
         weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
     if recurrent:
-        return _Plan(recurrent_lowering(s.site, opts, opset, weights), module, weights)
+        lowering = passes_recurrent.form_for(method, s.site, opts).onnx_lowering(s.site, opset, weights)
+        return _Plan(lowering, module, weights)
     if not exact:
         return _Plan(method.onnx_lowering(s.site, opts, opset, weights=weights), module, weights)
     try:
         return _Plan(heads.onnx_lowering(method, s.site, opts, opset, exact, weights), module, weights)
     except ValueError as why:  # a method whose values have no head axis
         return f"cannot keep heads exact: {why}"
-
-
-def _splice(splicer: Splicer, s: OnnxSite, lowering, opts, own: frozenset[str]) -> str:
-    """The replacement's op, spliced (own: values fitted per site, never shared though they start equal)."""
-    if isinstance(splicer, RecurrentSplicer):
-        return splicer.splice_recurrent(s, lowering, opts, own)
-    return splicer.splice(s, lowering, own)
 
 
 def _fitted_values(call: ir.Node, names: list[str], module) -> dict[str, np.ndarray]:
@@ -192,7 +185,7 @@ def _check_exact_heads(exact_heads: dict[int, list[int]], sites: list[OnnxSite])
 
 
 def _fitted_on_every_head(
-    model: ir.Model, to: str, layers, include_single_query, calibration, seq, exact_heads, **options
+    model: ir.Model, options: MethodOptions, layers, include_single_query, calibration, seq, exact_heads
 ):
     """Calibrated exact heads: every head is fitted (on a copy of the model, as it would be
     without exact heads), then the model is rewritten with those values, the exact heads' left
@@ -200,9 +193,9 @@ def _fitted_on_every_head(
     site was fitted."""
     earlier = model.metadata_props.get(METADATA_KEY)
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    settings = dict(include_single_query=include_single_query, seq=seq, **options)
-    _, every_head = rewrite_model(copy, to, layers, calibration=calibration, **settings)
-    model, record = rewrite_model(model, to, layers, exact_heads=exact_heads, fitted=every_head.fitted, **settings)
+    settings = dict(include_single_query=include_single_query, seq=seq)
+    _, every_head = rewrite_model(copy, options, layers, calibration=calibration, **settings)
+    model, record = rewrite_model(model, options, layers, exact_heads=exact_heads, fitted=every_head.fitted, **settings)
     with_fitting_of(record, every_head)
     if record.rewritten:
         model.metadata_props[METADATA_KEY] = record_json(record, earlier)

@@ -24,7 +24,7 @@ from attnrewrite.onnx.detect import (
     PackedHeads,
     Unsupported,
 )
-from attnrewrite.passes._onnx import DOMAIN, DOMAIN_VERSION, OnnxLowering
+from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION, OnnxLowering
 
 INT64_MAX = np.iinfo(np.int64).max
 _KEY_INDEX = (MaskForm.KEY_LENGTHS, MaskForm.KEY_RANGES)

@@ -3,7 +3,7 @@
 - ``NAME``: the method's name on the command line (``--to NAME``);
 - ``Options``: a dataclass of the method's settings (every method takes ``seed``),
   ``class Options(MethodOptions, method=NAME)``, each field declared with
-  ``passes._options.option(default, help, choices=..., valid=...)`` (``valid``: a range such as
+  ``passes.options.option(default, help, choices=..., valid=...)`` (``valid``: a range such as
   ``AtLeast(1)``), so ``--list-options`` can say what it accepts and building one refuses
   anything else with an ``OptionError``;
 - ``supports(site, options) -> None | reason``: why a site cannot be replaced, if it cannot;
@@ -15,7 +15,7 @@
   features, projections) they read;
 - ``nothing_to_fit(options) -> None | reason`` (only where it can happen): why calibration cannot
   fit this method; ``passes.nothing_to_fit`` answers None for methods without one;
-- ``exact_part(options, causal) -> None | kernels.ExactPart`` (only where it can happen): up to
+- ``exact_part(options, causal) -> None | ExactPart`` (only where it can happen): up to
   which length the replacement is softmax attention itself (a window, N <= k, one chunk), so a
   fidelity check can look past it; ``passes.exact_part`` answers None for methods without one.
 
@@ -34,22 +34,22 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
 - The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
   same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
   linear and hydra it also selects the ``Learned<Entry>`` function that applies the maps
-  (kernels.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
+  (kernel.query_key_maps.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
   exactly what it was before calibration existed.
 - Optional: ``attention_weights(q, k, key_keep=None)`` on the module, its normalized weights
   [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy; such
   a method says for which options it has them with ``attention_weights_unavailable(options) ->
   None | reason`` (``passes.attention_weights_unavailable`` answers for the others).
 
-Decoders that generate (passes/recurrent.py): a causal linear, hedgehog or favor site, window
-included, or an AFT-simple one, also has a recurrent form carrying a fixed-size state instead of a KV cache
-(``recurrent_module``, ``recurrent_lowering``, ``state_description``); the other methods say why
-not (``recurrent_refusal``).
+Decoders that generate (passes/recurrent.py): a method that runs as a recurrence, carrying a
+fixed-size state instead of a KV cache, says so beside its other forms with ``recurrence(options)
+-> Recurrence | str`` (linear, hedgehog and favor through passes/kernel_recurrence.py, window
+included; AFT-simple in aft.py); one that never does says why in ``NO_RECURRENCE``.
 
 Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
 take ``window`` (exact softmax over neighbouring blocks and sink keys, the kernel beyond, with
-``window_next`` and ``sinks``: kernels.windowed_kernel_attention);
-a method that cannot says why in ``NO_WINDOW``, which ``make_options`` reports.
+``window_next`` and ``sinks``: passes/window/); a method that cannot says why in ``NO_WINDOW``,
+which ``make_options`` reports.
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ import dataclasses
 import types
 import typing
 
-from attnrewrite.passes import aft, efficient, favor, hedgehog, hydra, linear, linformer, lsh, nystrom
-from attnrewrite.passes._options import OptionError
-from attnrewrite.passes.kernels import ExactPart
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.passes import aft, efficient, favor, hedgehog, hydra, linear, linformer, lsh, nystrom, optional_torch
+from attnrewrite.passes.exact_part import ExactPart
+from attnrewrite.passes.options import MethodOptions, OptionError
 
 _METHODS = (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
-# Methods with the ``window`` option (kernels.windowed_kernel_attention); the others say why not.
+# Methods with the ``window`` option (passes/window/); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
 
 
@@ -82,7 +83,7 @@ def nothing_to_fit(method: types.ModuleType, options) -> str | None:
 
 
 def exact_part(method: types.ModuleType, options, causal: bool = False) -> ExactPart | None:
-    """Where ``method`` with ``options`` is softmax attention itself (kernels.ExactPart): up to
+    """Where ``method`` with ``options`` is softmax attention itself (ExactPart): up to
     which length, and how many keys a query attends to exactly; None for a method never exact."""
     exact = getattr(method, "exact_part", None)
     return exact(options, causal) if exact is not None else None
@@ -95,9 +96,34 @@ def attention_weights_unavailable(method: types.ModuleType, options) -> str | No
     return unavailable(options) if unavailable is not None else f"{method.NAME} gives no attention weights"
 
 
+def method_and_options(to, **values) -> tuple[types.ModuleType, MethodOptions]:
+    """(the pass module, its Options) for ``to``: a method's name with its option ``values``
+    (strings from the CLI or values), or Options a caller built once and hands on."""
+    if isinstance(to, MethodOptions):
+        if values:
+            raise TypeError(f"options given twice: as {type(to).__name__} and as {', '.join(values)}")
+        return get_pass(to.method_name), to
+    method = get_pass(to)
+    return method, make_options(method, **values)
+
+
+def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) -> None:
+    """One clear line, before any work, when calibration cannot run at all (or not with the
+    attention-weight cross-entropy ``ce_weight`` asks for)."""
+    if optional_torch.torch is None:  # looked up at each call: a torch-less install is tested so
+        raise AttnRewriteError("calibration fits in PyTorch: pip install 'attnrewrite[torch]'")
+    reason = nothing_to_fit(method, options)
+    if reason:
+        raise AttnRewriteError(f"cannot calibrate: {reason}")
+    if not ce_weight >= 0:
+        raise AttnRewriteError(f"the attention-weight cross-entropy weight must be >= 0, got {ce_weight:g}")
+    if ce_weight and (reason := attention_weights_unavailable(method, options)):
+        raise AttnRewriteError(f"cannot calibrate with the attention-weight cross-entropy: {reason}")
+
+
 def make_options(method: types.ModuleType, **values):
     """Build ``method.Options`` from keyword values, converting strings (from the CLI); the
-    Options check what they got against their declarations (passes._options.MethodOptions)."""
+    Options check what they got against their declarations (passes.options.MethodOptions)."""
     fields = {f.name: f for f in dataclasses.fields(method.Options)}
     hints = typing.get_type_hints(method.Options)
     converted = {}

@@ -26,8 +26,8 @@ the later keys' half unused by causal sites). Fitted values are the lowering's i
 named as the module's state_dict entries.
 
 Key padding: padded keys leave every sum (their logits are the lowest float). Causal AFT-simple
-also has a recurrent form for decoders (passes/recurrent.py): a state of numerator,
-denominator and their per-feature max, [B, H, d] each.
+also has a recurrent form for decoders (below, and passes/recurrent.py): a state of
+numerator, denominator and their per-feature max, [B, H, d] each.
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ import numpy as np
 import onnx
 from onnxscript import script
 
-from attnrewrite.passes import feature_sums, kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes import feature_sums, recurrent
 from attnrewrite.passes.feature_sums import TINY
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.layout import sequence_sum_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
+from attnrewrite.passes.recurrent import RecurrentLowering
 from attnrewrite.site import AttentionSite
 
 NAME = "aft"
@@ -255,7 +258,7 @@ def onnx_lowering(
     if causal:
         key_sums = feature_sums.causal_feature_sums_function(opset_version, options.chunk)
     else:
-        key_sums = kernels.sequence_sum_function(opset_version)
+        key_sums = sequence_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def KeyWeights(k, v, key_keep, key_scale):
@@ -286,3 +289,113 @@ def onnx_lowering(
     if causal:
         functions[-1].name = "Causal" + functions[-1].name
     return OnnxLowering(functions, initial_values(site, options)).with_weights(weights)
+
+
+# --- the recurrent form (passes/recurrent.py) -----------------------------------------------------
+# Causal AFT-simple is a recurrence per feature: ``numerator`` sum exp(K - m) V, ``denominator``
+# sum exp(K - m) and ``key_max`` m, their per-feature reference (the max of the absorbed keys'
+# logits), [B, H, D] each.
+
+LOCAL_REFUSAL = (
+    "AFT-local's position bias reaches span - 1 keys back, which a recurrent form would have to keep "
+    "as well; only variant=simple is a recurrence here"
+)
+
+
+def recurrence(options: Options) -> recurrent.Recurrence | str:
+    """Causal AFT-simple's recurrence, or why variant=local has none."""
+    return LOCAL_REFUSAL if options.local else _Recurrence(options)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recurrence(recurrent.Recurrence):
+    options: Options
+
+    def state(self, site: AttentionSite) -> list[recurrent.StateTensor]:
+        return _state(site)
+
+    def torch_module(self, site: AttentionSite, parallel) -> RecurrentAft:
+        return RecurrentAft(parallel, _state(site))
+
+    def onnx_lowering(
+        self, site: AttentionSite, opset_version: int, weights: dict | None = None
+    ) -> recurrent.RecurrentLowering:
+        return _recurrent_lowering(site, self.options, opset_version, weights)
+
+
+def _state(site: AttentionSite) -> list[recurrent.StateTensor]:
+    lead, state = recurrent.leading_axes(site), recurrent.StateTensor
+    return [
+        state("numerator", (*lead, "D"), "float32", 0.0, "sum of exp(K - key_max) V over absorbed keys"),
+        state("denominator", (*lead, "D"), "float32", 0.0, "sum of exp(K - key_max) over absorbed keys"),
+        state("key_max", (*lead, "D"), "float32", LOWEST_LOG_SCALE, "per-feature max of absorbed K: their reference"),
+    ]
+
+
+class RecurrentAft(Module):
+    """forward(q, k, v, key_keep, numerator, denominator, key_max) -> (out, numerator,
+    denominator, key_max): causal AFT-simple continued from the state. The reference is the max
+    over the state's and the new keys' logits (an all-zero state is the empty one: nothing
+    absorbed where the denominator is 0), so from the empty state it is the parallel form's."""
+
+    def __init__(self, parallel, description: list[recurrent.StateTensor]):
+        super().__init__()
+        self.parallel = parallel  # aft.AftAttention: its values, fitted or not
+        self.description = description
+
+    def forward(self, q, k, v, key_keep, numerator, denominator, key_max):
+        masked = self.parallel.masked_logits(k, key_keep)
+        past = torch.where(denominator > 0, key_max, LOWEST_LOG_SCALE).unsqueeze(-2)
+        reference = feature_sums.reference(masked, past)
+        held, w = torch.exp(past - reference), torch.exp(masked - reference)
+        chunk = self.parallel.chunk
+        numerator = feature_sums.causal_feature_sums(w * v.float(), chunk) + held * numerator.unsqueeze(-2)
+        denominator = feature_sums.causal_feature_sums(w, chunk) + held * denominator.unsqueeze(-2)
+        out = self.parallel.gate(q) * numerator / denominator.clamp_min(feature_sums.TINY)
+        return out.to(v.dtype), numerator[..., -1, :], denominator[..., -1, :], reference.squeeze(-2)
+
+    def initial_state(self, q, v) -> tuple:
+        """The empty state for queries shaped like q."""
+        shape = (*q.shape[:-2], q.shape[-1])
+        return tuple(torch.full(shape, t.initial, dtype=torch.float32, device=q.device) for t in self.description)
+
+    def extra_repr(self) -> str:
+        return f"method=aft, state={[t.name for t in self.description]}"
+
+
+def _recurrent_lowering(
+    site: AttentionSite, options: Options, opset_version: int, weights: dict | None
+) -> RecurrentLowering:
+    """RecurrentAft as ONNX: (q, k, v, key_keep, numerator, denominator, key_max, key_scale,
+    gate_scale, gate_bias) -> (out, *state after), the constants the parallel lowering's."""
+    op = standard_opset(opset_version)
+    constants = weighted(initial_values(site, options), weights)
+    masked_logits = feature_sums.masked_logits_function(opset_version, key_padding=True)
+    prefix_sums = feature_sums.causal_feature_sums_function(opset_version, options.chunk)
+    gate = gate_function(opset_version)
+    reference_of = feature_sums.reference_function(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def RecurrentAft(q, k, v, key_keep, numerator, denominator, key_max, key_scale, gate_scale, gate_bias):
+        rows = op.Constant(value_ints=[-2])
+        masked = masked_logits(op.Cast(k, to=FLOAT) * key_scale, key_keep)
+        absorbed = op.Where(
+            denominator > op.Constant(value_float=0.0), key_max, op.Constant(value_float=LOWEST_LOG_SCALE)
+        )
+        past = op.Unsqueeze(absorbed, rows)
+        reference = op.Max(past, reference_of(masked))
+        held = op.Exp(past - reference)
+        w = op.Exp(masked - reference)
+        numerator_out = prefix_sums(w * op.Cast(v, to=FLOAT)) + held * op.Unsqueeze(numerator, rows)
+        denominator_out = prefix_sums(w) + held * op.Unsqueeze(denominator, rows)
+        ratio = numerator_out / op.Max(denominator_out, op.Constant(value_float=feature_sums.TINY))
+        last = op.Constant(value_int=-1)
+        return (
+            op.CastLike(gate(q, gate_scale, gate_bias) * ratio, v),
+            op.Gather(numerator_out, last, axis=-2),
+            op.Gather(denominator_out, last, axis=-2),
+            op.Squeeze(reference, rows),
+        )
+
+    functions = [f.to_function_proto() for f in with_callees(RecurrentAft)]
+    return RecurrentLowering(functions, constants, _state(site))

@@ -19,7 +19,7 @@ leaves both softmaxes nearly flat, while past 2 they pick too few features and k
 Key padding: padded keys leave the key softmax (their logits are the lowest float). Causal:
 query i's key softmax runs over keys <= i, a per-feature running normaliser Z_i (a causal prefix
 sum, feature_sums.py: stabilised by the per-feature max over the kept keys, which cancels), and
-out_i = sum_c (softmax(q_i)_c / Z_ic) sum_{j<=i} exp(k_jc - m_c) v_j: kernels' causal linear
+out_i = sum_c (softmax(q_i)_c / Z_ic) sum_{j<=i} exp(k_jc - m_c) v_j: kernel.parallel's causal linear
 attention with phi_q = softmax(q) / Z, phi_k = exp(k - m), whose normaliser is then
 sum_c softmax(q_i)_c = 1 (its eps TINY, not 1e-6) and absorbs the rounding (and any feature whose sums underflowed).
 """
@@ -32,11 +32,13 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes import feature_sums, kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes import feature_sums
 from attnrewrite.passes.feature_sums import TINY
+from attnrewrite.passes.kernel.parallel import causal_linear_attention, causal_linear_attention_functions
+from attnrewrite.passes.layout import flatten_heads_function, sequence_sum_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
 
 NAME = "efficient"
@@ -44,6 +46,10 @@ ZERO_SHOT_TEMPERATURE = 2.0  # times the site's scale * sqrt(head_dim); see the 
 NO_WINDOW = (
     "each key feature is normalised over the whole sequence on its own, with no per-key weight "
     "to share a normaliser with the window's softmax"
+)
+NO_RECURRENCE = (
+    "Efficient Attention's causal form is a recurrence too (sum exp(k - m) v^T [d, Dv] and the "
+    "per-feature normalisers and maxima), but it has no recurrent lowering yet"
 )
 
 
@@ -98,7 +104,7 @@ class EfficientAttention(Module):
         w = feature_sums.key_weights(masked)
         if self.causal:
             running = feature_sums.causal_feature_sums(w, self.chunk).clamp_min(TINY)
-            out = kernels.causal_linear_attention(phi_q / running, w, v.float(), self.chunk, TINY)
+            out = causal_linear_attention(phi_q / running, w, v.float(), self.chunk, TINY)
         else:
             key_softmax = w / w.sum(dim=-2, keepdim=True).clamp_min(TINY)
             out = phi_q @ (key_softmax.transpose(-2, -1) @ v.float())
@@ -123,10 +129,10 @@ def onnx_lowering(
     op = standard_opset(opset_version)
     masked_logits = feature_sums.masked_logits_function(opset_version, site.mask.key_padding)
     reference = feature_sums.reference_function(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    sequence_sum = kernels.sequence_sum_function(opset_version)
+    flatten = flatten_heads_function(opset_version)
+    sequence_sum = sequence_sum_function(opset_version)
     running_sums = feature_sums.causal_feature_sums_function(opset_version, options.chunk)
-    causal_kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk, TINY)[-1]
+    causal_kernel = causal_linear_attention_functions(opset_version, options.chunk, TINY)[-1]
 
     @script(ATTNREWRITE, default_opset=op)
     def KeyWeights(k, key_keep, key_scale):

@@ -24,11 +24,11 @@ reweigh the keys.
 Bidirectional sites use one max over all kept keys and features of a head. Causal sites divide
 each key by its own max (which reads nothing after it) and hand that max to the kernel as the
 key's log scale; the kernel weighs key j in row i by exp(its max - r_i), r_i the running max over
-keys 0..i (kernels.causal_rescaled_linear_attention): exp(r_i) is one constant for row i, so it
+keys 0..i (kernel.parallel.causal_rescaled_linear_attention): exp(r_i) is one constant for row i, so it
 cancels, and r_i never looks at the future. All of this runs in float32, whatever the model's
 dtype.
 
-``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
+``window=W`` (passes/window/): exact softmax over the query's own block of W
 positions, the previous one, the next one (bidirectional, ``window_next``) and the first
 ``sinks`` positions, FAVOR+ over the rest, one normaliser. The exact part is in units of
 e^(s_ij - m_i), m_i the row's max over its exact keys. FAVOR+ estimates e^(s_ij) itself, and its
@@ -50,18 +50,32 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, RESCALED_EPS
+from attnrewrite.passes.kernel.parallel import (
+    causal_rescaled_linear_attention,
+    causal_rescaled_linear_attention_functions,
+    linear_attention,
+    linear_attention_functions,
+)
+from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
+from attnrewrite.passes.layout import flatten_heads_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import AtLeast, MethodOptions, option
+from attnrewrite.passes.window import settings as window_settings
+from attnrewrite.passes.window.lowering import windowed_kernel
+from attnrewrite.passes.window.settings import KernelScales, KernelUnit, Window
+from attnrewrite.passes.window.torch_form import windowed_kernel_attention
 from attnrewrite.site import AttentionSite
 
 NAME = "favor"
 WINDOWED_WEIGHTS = "favor with a window gives no attention weights"
 VARIANTS = ("positive", "hyperbolic")
 NORMS = ("chi", "fixed")
-EPS = kernels.RESCALED_EPS  # stabilised denominators: kernels says why
-LOWEST = kernels.LOWEST_LOG_SCALE
+# The kernel part's unit: phi_q.phi_k e^(a_i + b_j) estimates e^(s_ij) (the module docstring)
+UNIT = KernelUnit.LOG_SCALED
+EPS = RESCALED_EPS  # stabilised denominators: kernel.numerics says why
+LOWEST = LOWEST_LOG_SCALE
 
 
 @dataclasses.dataclass
@@ -74,11 +88,9 @@ class Options(MethodOptions, method=NAME):
     orthogonal: bool = option(True, "rows orthogonal in blocks of d; False: independent rows")
     norms: str = option("chi", 'row lengths: "chi" (as a Gaussian\'s) or "fixed" at sqrt(d)', choices=NORMS)
     chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
-    window: int = option(
-        0, "exact softmax over blocks of this many positions, FAVOR+ beyond (0: off)", valid=AtLeast(0)
-    )
-    window_next: bool = kernels.window_next_option()
-    sinks: int = kernels.sinks_option()
+    window: int = window_settings.window_option("FAVOR+")
+    window_next: bool = window_settings.window_next_option()
+    sinks: int = window_settings.sinks_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -95,9 +107,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
-    """Softmax attention itself on short sequences only with a window (kernels.window_exact_part)."""
-    return kernels.window_exact_part(options.window, options.window_next, options.sinks, causal)
+exact_part = window_settings.exact_part
 
 
 # --- random features -------------------------------------------------------------------------
@@ -190,9 +200,7 @@ class FavorAttention(Module):
         causal: bool,
         chunk: int,
         variant: str,
-        window: int = 0,
-        window_next: bool = False,
-        sinks: int = 0,
+        window: Window | None = None,
         linear_log_weight=None,
         learnable: bool = False,
     ):
@@ -207,9 +215,9 @@ class FavorAttention(Module):
         self.chunk = chunk
         self.variant = variant
         self.norm = 1 / math.sqrt(feature_count(projection, variant))
-        self.window, self.window_next, self.sinks = window, window_next, sinks
+        self.window = window
         self.linear_log_weight = None
-        if window:
+        if window is not None:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
     def forward(self, q, k, v, key_keep=None):
@@ -219,14 +227,14 @@ class FavorAttention(Module):
         log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
         log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
         phi_q = query_features(log_q, self.norm)
-        if self.window:
+        if self.window is not None:
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
         if self.causal:
             phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
-            out = kernels.causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v.float(), self.chunk, EPS)
+            out = causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v.float(), self.chunk, EPS)
         else:
             phi_k = key_features(log_k, keep, self.norm)
-            out = kernels.linear_attention(phi_q, phi_k, v.float(), EPS)
+            out = linear_attention(phi_q, phi_k, v.float(), EPS)
         return out.to(v.dtype)
 
     def windowed(self, phi_q, log_q, log_k, q, k, v, keep):
@@ -235,21 +243,18 @@ class FavorAttention(Module):
             phi_k, key_log_scale = causal_key_features(log_k, keep, self.norm)
         else:
             phi_k, key_log_scale = key_features(log_k, keep, self.norm), kept_head_max(log_k, keep)
-        return kernels.windowed_kernel_attention(
+        scales = KernelScales(self.linear_log_weight, log_q.amax(dim=-1, keepdim=True), key_log_scale)
+        return windowed_kernel_attention(
             phi_q,
             phi_k,
             q,
             k,
             v,
+            self.window,
             scale=self.scale,
-            window=self.window,
             causal=self.causal,
-            window_next=self.window_next,
-            sinks=self.sinks,
             key_keep=keep,
-            linear_log_weight=self.linear_log_weight,
-            query_log_scale=log_q.amax(dim=-1, keepdim=True),
-            key_log_scale=key_log_scale,
+            scales=scales,
             eps=EPS,
         )
 
@@ -258,7 +263,7 @@ class FavorAttention(Module):
         fitter's attention-weight cross-entropy, never for inference. phi(x_i).phi(y_j) =
         exp(a_i + b_j) phi'(x_i).phi'(y_j) with a_i, b_j each row's max log feature, so the
         product is taken in log space and nothing over- or underflows."""
-        if self.window:
+        if self.window is not None:
             raise ValueError(WINDOWED_WEIGHTS)
         w = self.projection.float()
         hyperbolic = self.variant == "hyperbolic"
@@ -278,23 +283,21 @@ class FavorAttention(Module):
         m, d = self.projection.shape
         return (
             f"features={m}, head_dim={d}, variant={self.variant}, causal={self.causal}, "
-            f"chunk={self.chunk}{kernels.window_repr(self)}"
+            f"chunk={self.chunk}{window_settings.window_repr(self.window)}"
         )
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> FavorAttention:
     """``learnable``: the projection W is a parameter (calibration fits it), else a buffer."""
     projection = torch.from_numpy(projection_for(site, options))
-    log_weight = kernels.initial_linear_log_weight(site) if options.window else None
+    log_weight = window_settings.initial_linear_log_weight(site) if options.window else None
     return FavorAttention(
         projection,
         site.scale,
         site.mask.causal,
         options.chunk,
         options.variant,
-        options.window,
-        options.window_next,
-        options.sinks,
+        Window.of(options),
         log_weight,
         learnable,
     )
@@ -308,14 +311,13 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (projection, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
-    projection = projection_for(site, options)
-    norm = 1 / math.sqrt(feature_count(projection, options.variant))
+    constants = onnx_constants(site, options, weights)
+    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
     project, log_features, half_square = _log_features_functions(op, options.variant)
-    constants = {"projection": projection}
-    if options.window:
+    window = Window.of(options)
+    if window is not None:
         features = _window_features_function(op, norm, site.mask.causal, project, half_square)
-        entry = _windowed_favor_function(site, options, opset_version, features)
-        constants["linear_log_weight"] = kernels.initial_linear_log_weight(site)
+        entry = _windowed_favor_function(site, window, opset_version, features)
     else:
         query_features = _query_features_function(op, norm)
         features = _favor_features_function(op, math.sqrt(site.scale), project, log_features, query_features)
@@ -326,9 +328,18 @@ def onnx_lowering(
             keys = _head_key_features_function(op, norm, site.mask.key_padding)
             entry = _favor_function(opset_version, features, keys)
     functions = [fn.to_function_proto() for fn in with_callees(entry)]
-    if options.window and site.mask.causal:
+    if window is not None and site.mask.causal:
         functions[-1].name = "CausalWindowedFavor"
-    return OnnxLowering(functions, constants).with_weights(weights)
+    return OnnxLowering(functions, constants)
+
+
+def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
+    """The constants onnx_lowering's entry takes: the seeded projection (and the window's
+    weight), or ``weights``' values."""
+    constants = {"projection": projection_for(site, options)}
+    if options.window:
+        constants["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
+    return weighted(constants, weights)
 
 
 def _log_features_functions(op, variant: str):
@@ -485,10 +496,10 @@ def _favor_features_function(op, root_scale: float, project, log_features, query
 
 
 def _favor_function(opset_version: int, favor_features, key_features):
-    """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernels.linear_attention)."""
+    """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernel.parallel.linear_attention)."""
     op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    kernel = kernels.linear_attention_functions(opset_version, EPS)[-1]
+    flatten = flatten_heads_function(opset_version)
+    kernel = linear_attention_functions(opset_version, EPS)[-1]
 
     @script(ATTNREWRITE, default_opset=op)
     def Favor(q, k, v, key_keep, projection):
@@ -503,10 +514,10 @@ def _favor_function(opset_version: int, favor_features, key_features):
 
 def _causal_favor_function(opset_version: int, chunk: int, favor_features, causal_key_features):
     """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
-    (kernels.causal_rescaled_linear_attention)."""
+    (kernel.parallel.causal_rescaled_linear_attention)."""
     op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    kernel = kernels.causal_rescaled_linear_attention_functions(opset_version, chunk, EPS)[-1]
+    flatten = flatten_heads_function(opset_version)
+    kernel = causal_rescaled_linear_attention_functions(opset_version, chunk, EPS)[-1]
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalFavor(q, k, v, key_keep, projection):
@@ -519,23 +530,13 @@ def _causal_favor_function(opset_version: int, chunk: int, favor_features, causa
     return CausalFavor
 
 
-def _windowed_favor_function(site: AttentionSite, options: Options, opset_version: int, features):
+def _windowed_favor_function(site: AttentionSite, window: Window, opset_version: int, features):
     """WindowedFavor(q, k, v, key_keep, projection, linear_log_weight): the window hybrid with
     the stabilisers' log scales (the module docstring says why); ``features``:
     _window_features_function's."""
     op = standard_opset(opset_version)
     root_scale = math.sqrt(site.scale)
-    kernel = kernels.windowed_kernel_attention_functions(
-        opset_version,
-        options.window,
-        site.scale,
-        site.mask.causal,
-        window_next=options.window_next,
-        sinks=options.sinks,
-        rescaled=True,
-        eps=EPS,
-    )[-1]
-    window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
+    window_inputs, kernel = windowed_kernel(window, site, opset_version, UNIT)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
@@ -560,9 +561,37 @@ def _windowed_favor_function(site: AttentionSite, options: Options, opset_versio
     return WindowedFavor
 
 
+# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
+
+
+def recurrence(options: Options) -> KernelRecurrence:
+    """Causal FAVOR+ is a recurrence over its features' sums, relative to the max of the
+    absorbed keys' log scales (carried in the state): window or not, its unit is UNIT."""
+    return KernelRecurrence(
+        options,
+        entry="Favor",
+        unit=UNIT,
+        feature_count=lambda site: feature_count(projection_for(site, options), options.variant),
+        torch_terms=causal_terms,
+        onnx_terms=causal_terms_function,
+        constants=onnx_constants,
+    )
+
+
+def causal_terms(module: FavorAttention, q, k, keep) -> CausalTerms:
+    """What the causal form reads of q, k and keep: each query over its row max and each key
+    over its own max (causal_key_features), the maxima as their log scales."""
+    w, hyperbolic = module.projection.float(), module.variant == "hyperbolic"
+    log_q = log_features(q.float() * module.root_scale, w, hyperbolic)
+    log_k = log_features(k.float() * module.root_scale, w, hyperbolic)
+    phi_k, key_log_scale = causal_key_features(log_k, keep, module.norm)
+    query_log_scale = log_q.amax(dim=-1, keepdim=True)
+    return CausalTerms(query_features(log_q, module.norm), phi_k, query_log_scale, key_log_scale)
+
+
 def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
     """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1] (passes/recurrent.py): FavorCausalTerms(q, k, keep, projection) ->
+    and keep [..., N', 1], as causal_terms: FavorCausalTerms(q, k, keep, projection) ->
     (phi_q, phi_k, query log scale, key log scale), each query over its row max and each key over
     its own max (causal_key_features), the maxima as their log scales."""
     op = standard_opset(opset_version)

@@ -8,9 +8,9 @@ q.k kernel expresses: the sums are elementwise in the feature, [..., N, F], neve
   causal form m also reads later keys: only its rounding depends on them, and a row loses its
   sums (to 0, never NaN) only where a later key exceeds every earlier one of that feature by
   more than ~87 (e^-87 underflows float32), which no scaled key of a trained model comes near.
-- Causal prefix sums without a CumSum along positions (DESIGN.md "Numerics": quadratic on
-  onnxruntime's CUDA): inside chunks a product with a lower-triangular [chunk, chunk] block,
-  across chunks kernels' ExclusivePrefixSum (a bounded two-level hierarchy). Memory O(N * F).
+- Causal prefix sums without a CumSum along positions (quadratic on onnxruntime's CUDA:
+  kernel/chunks.py): inside chunks a product with a lower-triangular [chunk, chunk] block,
+  across chunks kernel.chunks' ExclusivePrefixSum (a bounded two-level hierarchy). Memory O(N * F).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import math
 
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, standard_opset
-from attnrewrite.passes._torch import torch
+from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.layout import fitted_heads
+from attnrewrite.passes.lowering import ATTNREWRITE, standard_opset
+from attnrewrite.passes.optional_torch import torch
 
-LOWEST = kernels.LOWEST_LOG_SCALE  # a padded key's logit
+LOWEST = LOWEST_LOG_SCALE  # a padded key's logit
 # The lowest reference m: above LOWEST, so a padded key's weight exp(LOWEST - m) is 0 even where
 # every key is padded (m would be LOWEST, and the weight 1).
 NO_KEY = LOWEST / 2
@@ -95,7 +97,7 @@ def reference_function(opset_version: int):
 def causal_feature_sums_function(opset_version: int, chunk: int):
     """CausalFeatureSums(x): causal_feature_sums of x [..., N, F] (float32), no CumSum."""
     op = standard_opset(opset_version)
-    prefix_sum = kernels.exclusive_prefix_sum_function(opset_version)
+    prefix_sum = exclusive_prefix_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalFeatureSums(x):
@@ -122,7 +124,7 @@ def causal_feature_sums_function(opset_version: int, chunk: int):
 def head_value_shape(site) -> tuple[int, int, int]:
     """[heads, 1, head_dim] for a fitted per-head, per-feature value (1 where unknown): it
     broadcasts against q and k [..., heads, N, head_dim] and [G, N, head_dim] alike."""
-    return kernels.fitted_heads(site), 1, site.head_dim or 1
+    return fitted_heads(site), 1, site.head_dim or 1
 
 
 def site_scale(site) -> float | None:

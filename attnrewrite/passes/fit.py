@@ -29,8 +29,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._torch import torch
+from attnrewrite.passes.optional_torch import torch
+from attnrewrite.passes.window.reference import windowed_attention_weights
 
 # Measured on MiniLM (favor, layer 0, 100 texts): 200 steps of 4 examples at 3e-2 fit as well
 # as 200 of 8 at 1e-2 (loss 0.0367 -> 0.0131 vs 0.0147) in half the time. A module whose values
@@ -120,7 +120,7 @@ def exact_attention(q, k, v, scale: float, key_keep=None, causal: bool = False):
     k, v = k.expand(*lead, *k.shape[-2:]), v.expand(*lead, *v.shape[-2:])
     visible = None if key_keep is None else key_keep.transpose(-2, -1) != 0
     if causal:
-        earlier = ~kernels.future_keys(torch.arange(q.shape[-2], device=q.device), k.shape[-2])
+        earlier = ~future_keys(torch.arange(q.shape[-2], device=q.device), k.shape[-2])
         visible = earlier if visible is None else visible & earlier
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     return torch.nan_to_num(out, nan=0.0)
@@ -132,7 +132,7 @@ def _hidden_keys(logits, key_keep, causal: bool, rows):
     if key_keep is not None:
         hidden = hidden | (key_keep.transpose(-2, -1) == 0)
     if causal:
-        hidden = hidden | kernels.future_keys(rows, logits.shape[-1])
+        hidden = hidden | future_keys(rows, logits.shape[-1])
     return hidden
 
 
@@ -213,7 +213,7 @@ def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: f
     exact part, and ``attention_mass``, the share of the exact softmax weights on those far keys
     (mean over real queries). A short text inside the window fits the kernel part on nothing.
     Without a window every key is far: both 1."""
-    if not getattr(module, "window", 0):
+    if getattr(module, "window", None) is None:
         return {"queries": 1.0, "attention_mass": 1.0}
     seen = real = mass = 0.0
     with torch.no_grad():
@@ -232,21 +232,11 @@ def far_key_coverage(module, samples: SiteSamples, measured: list[int], scale: f
 
 def _far_keys(module, n: int, causal: bool, device):
     """[n, n] True where a key lies outside the window hybrid's exact part: the exact part as
-    kernels.windowed_attention_weights defines it, read off its weights on zero inputs (equal
+    windowed_attention_weights defines it, read off its weights on zero inputs (equal
     logits, no kernel), which are nonzero exactly on the visible exact keys. Positions decide
     it, not the data: one matrix for every example and head (padded keys are the caller's)."""
     zero = torch.zeros(n, 1, device=device)
-    exact = kernels.windowed_attention_weights(
-        zero,
-        zero,
-        zero,
-        zero,
-        scale=1.0,
-        window=module.window,
-        causal=causal,
-        window_next=module.window_next,
-        sinks=module.sinks,
-    )
+    exact = windowed_attention_weights(zero, zero, zero, zero, module.window, scale=1.0, causal=causal)
     return exact == 0
 
 
@@ -438,3 +428,8 @@ def fingerprint(arrays: Iterable[np.ndarray]) -> str:
         digest.update(f"{array.dtype.str}{list(array.shape)}".encode())
         digest.update(array.tobytes())
     return digest.hexdigest()
+
+
+def future_keys(rows, n_keys: int):
+    """[R, Nk] True where key j comes after query row rows[r] (hidden under a causal mask)."""
+    return torch.arange(n_keys, device=rows.device) > rows[:, None]

@@ -25,11 +25,19 @@ import types
 from typing import Any
 
 import numpy as np
-from onnx import helper
 from onnxscript import script
 
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, make_function, standard_opset, with_callees
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.lowering import (
+    ATTNREWRITE,
+    DOMAIN,
+    FLOAT,
+    FunctionNodes,
+    OnnxLowering,
+    make_function,
+    standard_opset,
+    with_callees,
+)
+from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.site import AttentionSite
 
 HEAD_AXIS = 1  # of q, k, v and the output: [batch, heads, seq, head_dim]
@@ -152,7 +160,7 @@ class ExactHeadsAttention(Module):
 
     def forward(self, q, k, v, key_keep=None):
         from attnrewrite.passes.fit import exact_attention
-        from attnrewrite.passes.kernels import expand_to_query_heads
+        from attnrewrite.passes.layout import expand_to_query_heads
 
         k, v = expand_to_query_heads(k, q), expand_to_query_heads(v, q)
 
@@ -226,37 +234,22 @@ def _entry_function(inner: OnnxLowering, softmax: str, opset_version: int):
     """ExactHeads<Entry>: gather the approximate heads for the method's entry and the exact ones
     for softmax, concatenate, and gather by the inverse permutation."""
     constants = list(inner.constants)
+    body = FunctionNodes()
+
+    def heads(index: str) -> list[str]:
+        """q, k, v and key_keep of the heads ``index`` names."""
+        return [
+            *(body("Gather", role, index, axis=HEAD_AXIS) for role in "qkv"),
+            body("ExactHeadsKeep", "key_keep", index, domain=DOMAIN),
+        ]
+
     approximate, exact, order = INDEX_CONSTANTS
-
-    def gathered(name: str, index: str):
-        return helper.make_node("Gather", [name, index], [f"{name}_{index}"], axis=HEAD_AXIS)
-
-    nodes = [gathered(role, index) for index in (approximate, exact) for role in "qkv"]
-    nodes += [
-        helper.make_node("ExactHeadsKeep", ["key_keep", index], [f"key_keep_{index}"], domain=ATTNREWRITE.domain)
-        for index in (approximate, exact)
-    ]
-    nodes += [
-        helper.make_node(
-            inner.op_type,
-            [*(f"{role}_{approximate}" for role in ("q", "k", "v", "key_keep")), *constants],
-            ["approximated"],
-            domain=ATTNREWRITE.domain,
-        ),
-        helper.make_node(
-            softmax, [f"{role}_{exact}" for role in ("q", "k", "v", "key_keep")], ["exact"], domain=ATTNREWRITE.domain
-        ),
-        helper.make_node("CastLike", ["exact", "approximated"], ["exact_typed"]),
-        helper.make_node("Concat", ["approximated", "exact_typed"], ["by_kind"], axis=HEAD_AXIS),
-        helper.make_node("Gather", ["by_kind", order], ["out"], axis=HEAD_AXIS),
-    ]
-    return make_function(
-        f"ExactHeads{inner.op_type}",
-        ["q", "k", "v", "key_keep", *constants, *INDEX_CONSTANTS],
-        ["out"],
-        nodes,
-        opset_version,
-    )
+    approximated = body(inner.op_type, *heads(approximate), *constants, domain=DOMAIN)
+    exactly = body("CastLike", body(softmax, *heads(exact), domain=DOMAIN), approximated)
+    by_kind = body("Concat", approximated, exactly, axis=HEAD_AXIS)
+    body.output("out", body("Gather", by_kind, order, axis=HEAD_AXIS))
+    inputs = ["q", "k", "v", "key_keep", *constants, *INDEX_CONSTANTS]
+    return make_function(f"ExactHeads{inner.op_type}", inputs, ["out"], body.nodes, opset_version)
 
 
 def _heads_of_keep_function(op):

@@ -4,7 +4,7 @@ with a feature map that is fitted to mimic softmax.
 phi(x) = [softmax(W x' + b), softmax(-(W x' + b))] over the feature axis (2d positive features),
 x' = x * scale^(1/2), with a per-head W [d, d] (identity before fitting) and b [d] (zeros), one
 per head when the layout [batch, heads, seq, head_dim] is known, else one shared by all heads.
-Attention is phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j)) (kernels.py): O(N * d^2). Softmax
+Attention is phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j)) (passes/kernel/): O(N * d^2). Softmax
 features keep the weights positive and, once fitted, spiky and monotone in q.k like exp; before
 fitting (W = I) the method is a rough stand-in for softmax, fitting is what makes it good.
 
@@ -14,7 +14,7 @@ footing (one W serves both, as in Hedgehog). With W = I the feature softmaxes th
 attention's temperature rather than at that of raw q and k (whose norms grow with sqrt(d)); any
 other constant factor would be something W has to learn first.
 
-``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
+``window=W`` (passes/window/): exact softmax over the query's own block of W
 positions, the previous one, the next one (bidirectional, ``window_next``) and the first
 ``sinks`` positions, Hedgehog over the rest, one normaliser. The exact part is in units of
 e^(s_ij - m_i) (m_i: the row's max over its exact keys); normalised features are in no such
@@ -37,10 +37,18 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions, linear_attention_functions
+from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
+from attnrewrite.passes.layout import fitted_heads, flatten_heads_function, key_mask_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import AtLeast, MethodOptions, option
+from attnrewrite.passes.window import settings as window_settings
+from attnrewrite.passes.window.lowering import windowed_kernel
+from attnrewrite.passes.window.reference import feature_map_attention_weights, windowed_attention_weights
+from attnrewrite.passes.window.settings import KernelScales, KernelUnit, Window
+from attnrewrite.passes.window.torch_form import feature_map_attention, windowed_kernel_attention
 from attnrewrite.site import AttentionSite
 
 NAME = "hedgehog"
@@ -50,16 +58,16 @@ INITIAL_LOCAL_MAX_WEIGHT = 0.5  # beta_h before fitting (the module docstring sa
 # scales are kept within +-KEY_LOG_SCALE_BOUND (b tanh(c.y' / b)), every key within e^-32 of it.
 KEY_LOG_SCALE_BOUND = 16.0
 WINDOW_VALUES = ("linear_log_weight", "query_log_scale", "key_log_scale", "local_max_weight")
+# The window's kernel part: fitted log scales, moved by e^(-beta_h m_i) (the module docstring says why)
+WINDOW_UNIT = KernelUnit.MAX_WEIGHTED
 
 
 @dataclasses.dataclass
 class Options(MethodOptions, method=NAME):
     chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
-    window: int = option(
-        0, "exact softmax over blocks of this many positions, Hedgehog beyond (0: off)", valid=AtLeast(0)
-    )
-    window_next: bool = kernels.window_next_option()
-    sinks: int = kernels.sinks_option()
+    window: int = window_settings.window_option("Hedgehog")
+    window_next: bool = window_settings.window_next_option()
+    sinks: int = window_settings.sinks_option()
     seed: int = option(
         0, "unused: the feature map starts at the identity; accepted for a uniform interface", valid=AtLeast(0)
     )
@@ -79,20 +87,18 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
-    """Softmax attention itself on short sequences only with a window (kernels.window_exact_part)."""
-    return kernels.window_exact_part(options.window, options.window_next, options.sinks, causal)
+exact_part = window_settings.exact_part
 
 
 def initial_values(site: AttentionSite, options: Options) -> dict[str, np.ndarray]:
     """The fittable values before fitting, by their state_dict names (W = I, b = 0)."""
-    heads, d = kernels.fitted_heads(site), site.head_dim
+    heads, d = fitted_heads(site), site.head_dim
     values = {
         "weight": np.tile(np.eye(d, dtype=np.float32), (heads, 1, 1)),
         "bias": np.zeros((heads, 1, d), np.float32),
     }
     if options.window:
-        values["linear_log_weight"] = kernels.initial_linear_log_weight(site)
+        values["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
         values["query_log_scale"] = np.zeros((heads, d, 1), np.float32)
         values["key_log_scale"] = np.zeros((heads, d, 1), np.float32)
         values["local_max_weight"] = np.full((heads, 1, 1), INITIAL_LOCAL_MAX_WEIGHT, np.float32)
@@ -109,9 +115,7 @@ class HedgehogAttention(Module):
         scale: float,
         causal: bool,
         chunk: int,
-        window: int,
-        window_next: bool,
-        sinks: int,
+        window: Window | None,
         learnable: bool,
     ):
         super().__init__()
@@ -121,16 +125,16 @@ class HedgehogAttention(Module):
                 self.register_parameter(name, torch.nn.Parameter(value))
             else:
                 self.register_buffer(name, value)
-        if window:  # the window's values are parameters either way, as in the other methods
+        if window is not None:  # the window's values are parameters either way, as in the other methods
             for name in WINDOW_VALUES:
                 self.register_parameter(name, torch.nn.Parameter(torch.from_numpy(values[name])))
         else:
-            self.linear_log_weight = None  # read by kernels.feature_map_attention
+            self.linear_log_weight = None  # read by feature_map_attention
         self.scale = scale
         self.root_scale = math.sqrt(scale)
         self.causal = causal
         self.chunk = chunk
-        self.window, self.window_next, self.sinks = window, window_next, sinks
+        self.window = window
 
     def features(self, x):
         """[softmax(z), softmax(-z)], z = W (x scale^(1/2)) + b, in float32."""
@@ -138,15 +142,16 @@ class HedgehogAttention(Module):
         return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
     def forward(self, q, k, v, key_keep=None):
-        if not self.window:
+        if self.window is None:
             phi_q, phi_k = self.features(q), self.features(k)
-            return kernels.feature_map_attention(self, phi_q, phi_k, q, k, v, key_keep).to(v.dtype)
+            return feature_map_attention(self, phi_q, phi_k, q, k, v, key_keep).to(v.dtype)
         phi_q, phi_k, terms = self.windowed_terms(q, k, key_keep)
         if not self.causal:  # one log scale per head: the keys' own go into their features
-            head_max = terms["key_log_scale"].amax(dim=-2, keepdim=True)
-            phi_k = phi_k * torch.exp(terms["key_log_scale"] - head_max)
-            terms["key_log_scale"] = head_max
-        return kernels.windowed_kernel_attention(phi_q, phi_k, q, k, v, **terms).to(v.dtype)
+            key_log_scale = terms["scales"].key_log_scale
+            head_max = key_log_scale.amax(dim=-2, keepdim=True)
+            phi_k = phi_k * torch.exp(key_log_scale - head_max)
+            terms["scales"] = terms["scales"]._replace(key_log_scale=head_max)
+        return windowed_kernel_attention(phi_q, phi_k, q, k, v, self.window, **terms).to(v.dtype)
 
     def log_scales(self, q, k, keep):
         """a_h.x'_i per query and c_h.y'_j per key, bounded ([..., N, 1]); padded keys get the
@@ -155,56 +160,36 @@ class HedgehogAttention(Module):
         key_log_scale = (k.float() * self.root_scale) @ self.key_log_scale
         key_log_scale = KEY_LOG_SCALE_BOUND * torch.tanh(key_log_scale / KEY_LOG_SCALE_BOUND)
         if keep is not None:
-            key_log_scale = torch.where(keep > 0, key_log_scale, kernels.LOWEST_LOG_SCALE)
+            key_log_scale = torch.where(keep > 0, key_log_scale, LOWEST_LOG_SCALE)
         return query_log_scale, key_log_scale
 
     def windowed_terms(self, q, k, key_keep):
         """phi_q, phi_k (zero on padded keys) and the keyword arguments of the window hybrid
-        (kernels.windowed_kernel_attention), the per-key log scales included."""
+        (windowed_kernel_attention, after the window), the per-key log scales included."""
         keep = None if key_keep is None else key_keep.float()
         phi_k = self.features(k)
         query_log_scale, key_log_scale = self.log_scales(q, k, keep)
-        terms = dict(
-            scale=self.scale,
-            window=self.window,
-            causal=self.causal,
-            window_next=self.window_next,
-            sinks=self.sinks,
-            key_keep=keep,
-            linear_log_weight=self.linear_log_weight,
-            local_max_weight=self.local_max_weight,
-            query_log_scale=query_log_scale,
-            key_log_scale=key_log_scale,
-            eps=kernels.RESCALED_EPS,
-        )
+        scales = KernelScales(self.linear_log_weight, query_log_scale, key_log_scale, self.local_max_weight)
+        terms = dict(scale=self.scale, causal=self.causal, key_keep=keep, scales=scales, eps=WINDOW_UNIT.eps)
         return self.features(q), phi_k if keep is None else phi_k * keep, terms
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalised weights [..., Nq, Nk] this module gives each key, N x N: for the
         attention-weight (cross-entropy) loss Hedgehog is fitted with, never for inference."""
-        if not self.window:
-            return kernels.feature_map_attention_weights(self, self.features(q), self.features(k), q, k, key_keep)
+        if self.window is None:
+            return feature_map_attention_weights(self, self.features(q), self.features(k), q, k, key_keep)
         phi_q, phi_k, terms = self.windowed_terms(q, k, key_keep)
-        return kernels.windowed_attention_weights(phi_q, phi_k, q.float(), k.float(), **terms)
+        return windowed_attention_weights(phi_q, phi_k, q.float(), k.float(), self.window, **terms)
 
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape
-        return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}{kernels.window_repr(self)}"
+        return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}{window_settings.window_repr(self.window)}"
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HedgehogAttention:
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
     values = initial_values(site, options)
-    return HedgehogAttention(
-        values,
-        site.scale,
-        site.mask.causal,
-        options.chunk,
-        options.window,
-        options.window_next,
-        options.sinks,
-        learnable,
-    )
+    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, Window.of(options), learnable)
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -215,25 +200,14 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (weight, bias, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
+    flatten = flatten_heads_function(opset_version)
     HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
+    window = Window.of(options)
 
-    if options.window:
-        kernel = kernels.windowed_kernel_attention_functions(
-            opset_version,
-            options.window,
-            site.scale,
-            site.mask.causal,
-            window_next=options.window_next,
-            sinks=options.sinks,
-            rescaled=True,
-            max_weighted=True,
-            eps=kernels.RESCALED_EPS,
-        )[-1]
-
+    if window is not None:
+        window_inputs, kernel = windowed_kernel(window, site, opset_version, WINDOW_UNIT)
         HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
-        window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
-        kept_keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
+        kept_keys = key_mask_function(opset_version, site.mask.key_padding)
 
         @script(ATTNREWRITE, default_opset=op)
         def HedgehogHeadKeys(phi_k, key_log_scale, keep):
@@ -277,9 +251,9 @@ def onnx_lowering(
         functions = with_callees(WindowedHedgehog)[:-1]
     else:
         if site.mask.causal:
-            *callees, kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk)
+            *callees, kernel = causal_linear_attention_functions(opset_version, options.chunk)
         else:
-            *callees, kernel = kernels.linear_attention_functions(opset_version)
+            *callees, kernel = linear_attention_functions(opset_version)
 
         @script(ATTNREWRITE, default_opset=op)
         def Hedgehog(q, k, v, key_keep, weight, bias):
@@ -292,8 +266,12 @@ def onnx_lowering(
         entry = Hedgehog.to_function_proto()
         entry.name = "CausalHedgehog" if site.mask.causal else "Hedgehog"
         functions = [HedgehogFeatures, flatten, *callees, kernel]
-    lowering = OnnxLowering([*(f.to_function_proto() for f in functions), entry], initial_values(site, options))
-    return lowering.with_weights(weights)
+    return OnnxLowering([*(f.to_function_proto() for f in functions), entry], onnx_constants(site, options, weights))
+
+
+def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
+    """The constants onnx_lowering's entry takes: initial_values, or ``weights``' values."""
+    return weighted(initial_values(site, options), weights)
 
 
 def _features_function(op, root_scale: float):
@@ -321,14 +299,41 @@ def _log_scale_functions(op, root_scale: float):
         bound = op.Constant(value_float=KEY_LOG_SCALE_BOUND)
         bounded = op.Tanh(HedgehogLogScale(k, key_log_scale) / bound) * bound
         kept = op.Greater(keep, op.Constant(value_float=0.0))
-        return op.Where(kept, bounded, op.Constant(value_float=kernels.LOWEST_LOG_SCALE))
+        return op.Where(kept, bounded, op.Constant(value_float=LOWEST_LOG_SCALE))
 
     return HedgehogLogScale, HedgehogKeyLogScale
 
 
+# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
+
+
+def recurrence(options: Options) -> KernelRecurrence:
+    """Causal Hedgehog is a recurrence over its features' sums; with a window, in log scaled
+    units (WINDOW_UNIT), the state carries their max log scale too."""
+    return KernelRecurrence(
+        options,
+        entry="Hedgehog",
+        unit=WINDOW_UNIT if options.window else KernelUnit.SHARED,
+        feature_count=lambda site: "F" if site.head_dim is None else 2 * site.head_dim,  # softmax(z), softmax(-z)
+        torch_terms=causal_terms,
+        onnx_terms=causal_terms_function,
+        constants=onnx_constants,
+    )
+
+
+def causal_terms(module: HedgehogAttention, q, k, keep) -> CausalTerms:
+    """What the causal form reads of q, k and keep: the features (padded keys' zero), and with
+    a window the log scales and local_max_weight."""
+    phi_q, phi_k = module.features(q), module.features(k) * keep
+    if module.window is None:
+        return CausalTerms(phi_q, phi_k)
+    query_log_scale, key_log_scale = module.log_scales(q, k, keep)
+    return CausalTerms(phi_q, phi_k, query_log_scale, key_log_scale, module.local_max_weight)
+
+
 def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
     """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1] (passes/recurrent.py), padded keys' features zero: HedgehogCausalTerms
+    and keep [..., N', 1], as causal_terms, padded keys' features zero: HedgehogCausalTerms
     (q, k, keep, weight, bias) -> (phi_q, phi_k), with a window HedgehogWindowedTerms(...,
     query_log_scale, key_log_scale) -> (phi_q, phi_k, query log scale, key log scale)."""
     op = standard_opset(opset_version)

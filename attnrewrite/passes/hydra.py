@@ -5,7 +5,7 @@ q and k are L2-normalized over all features (every head of a token together when
 global feature vector kv = sum_t k_t * v_t, and out_t = q_t * kv: O(N * D) time and memory.
 Causal sites use a cumulative sum over positions instead of the global sum; the ONNX body takes
 it with no CumSum along N (onnxruntime's CUDA CumSum is quadratic in its axis): a CumSum inside
-chunks of CAUSAL_CHUNK positions, kernels.ExclusivePrefixSum over the chunks. The logits' scale
+chunks of CAUSAL_CHUNK positions, kernel.chunks.ExclusivePrefixSum over the chunks. The logits' scale
 drops out of a cosine kernel.
 
 The ONNX body computes in float32, except for float16 sites (the GPU case) with a known
@@ -19,12 +19,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import onnx
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import UNUSED_SEED, Above, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module
+from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function
+from attnrewrite.passes.kernel.query_key_maps import (
+    add_query_key_maps,
+    map_queries_and_keys,
+    query_key_map_values,
+    with_learned_entry,
+)
+from attnrewrite.passes.layout import key_mask_function, sequence_sum_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
+from attnrewrite.passes.optional_torch import Module
+from attnrewrite.passes.options import UNUSED_SEED, Above, AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
 
 NAME = "hydra"
@@ -35,6 +43,10 @@ CAUSAL_CHUNK = 64
 NO_WINDOW = (
     "its cosine kernel folds all keys into one feature vector, with no per-key weights "
     "to share a normaliser with the window's softmax"
+)
+NO_RECURRENCE = (
+    "Hydra's causal form is a recurrence too (its state would be sum k_hat * v, [B, H, D]), "
+    "but it has no recurrent lowering yet"
 )
 
 
@@ -68,7 +80,7 @@ class HydraAttention(Module):
         return x / (x.square().sum(self.feature_axes, keepdim=True).sqrt() + self.eps)
 
     def forward(self, q, k, v, key_keep=None):
-        q, k = kernels.map_queries_and_keys(self, q, k)
+        q, k = map_queries_and_keys(self, q, k)
         q, k = self.normalize(q.float()), self.normalize(k.float())
         if key_keep is not None:
             k = k * key_keep
@@ -81,10 +93,10 @@ class HydraAttention(Module):
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HydraAttention:
-    """``learnable``: with identity query/key maps as parameters (kernels.add_query_key_maps)."""
+    """``learnable``: with identity query/key maps as parameters (kernel.query_key_maps)."""
     module = HydraAttention(site.mask.causal, feature_axes(site), options.eps)
     if learnable:
-        kernels.add_query_key_maps(module, site)
+        add_query_key_maps(module, site)
     return module
 
 
@@ -92,17 +104,15 @@ def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
 ) -> OnnxLowering:
     """``weights``: a learnable module's state (query_map, key_map), as numpy arrays."""
-    lowering = _plain_lowering(site, options, opset_version)
-    if weights is None:
-        return lowering
-    return kernels.with_query_key_maps(lowering, weights, opset_version)
+    functions = with_learned_entry(_plain_functions(site, options, opset_version), weights, opset_version)
+    return OnnxLowering(functions, query_key_map_values(weights))
 
 
-def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def _plain_functions(site: AttentionSite, options: Options, opset_version: int) -> list[onnx.FunctionProto]:
     op = standard_opset(opset_version)
     eps = options.eps
     over_heads = feature_axes(site) == [1, 3]
-    keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
+    keys = key_mask_function(opset_version, site.mask.key_padding)
     unit = _half_precision_unit(site)  # None: the float32 body
 
     @script(ATTNREWRITE, default_opset=op)
@@ -134,11 +144,7 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     def HydraNormalize(x):
         return x / (op.Sqrt(squared_norm(x)) + op.Constant(value_float=eps))
 
-    fold = (
-        _prefix_feature_sum_function(op, opset_version)
-        if site.mask.causal
-        else kernels.sequence_sum_function(opset_version)
-    )
+    fold = _prefix_feature_sum_function(op, opset_version) if site.mask.causal else sequence_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def Hydra(q, k, v, key_keep):
@@ -169,12 +175,12 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     proto = entry.to_function_proto()
     proto.name = "CausalHydra" if site.mask.causal else "Hydra"
     callees = [keys, row_square_sum, squared_norm, normalize, *with_callees(fold)]
-    return OnnxLowering([*(f.to_function_proto() for f in callees), proto])
+    return [*(f.to_function_proto() for f in callees), proto]
 
 
 def _prefix_feature_sum_function(op, opset_version: int):
     """PrefixFeatureSum(x): the causal fold, with every CumSum axis bounded by CAUSAL_CHUNK."""
-    prefix_sum = kernels.exclusive_prefix_sum_function(opset_version)
+    prefix_sum = exclusive_prefix_sum_function(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def PrefixFeatureSum(x):

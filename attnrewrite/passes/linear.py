@@ -4,22 +4,39 @@ softmax(q k^T) is replaced by the kernel phi(q) phi(k)^T with phi(x) = elu(x) + 
 the reassociated order phi(Q) (phi(K)^T V): O(N) in sequence length. The logits' scale is not
 applied: elu+1 is the kernel the method defines, not an estimate of exp(scale * q.k).
 
-``window=W`` (kernels.windowed_kernel_attention): exact softmax over the query's own block of W
-positions, the previous one, the next one (bidirectional, ``window_next``) and the first
-``sinks`` positions, elu+1 over the rest, one normaliser; a per-head ``linear_log_weight`` (an
-nn.Parameter, 0 at first) weighs the kernel part.
+``window=W`` (passes/window/): exact softmax over the query's own block of W positions, the
+previous one, the next one (bidirectional, ``window_next``) and the first ``sinks`` positions,
+elu+1 over the rest, one normaliser; a per-head ``linear_log_weight`` (an nn.Parameter, 0 at
+first) weighs the kernel part.
+
+Causal linear attention is a recurrence (``recurrence``, passes/kernel_recurrence.py): its state
+is sum phi(k) v^T and sum phi(k), with the window's last keys where it has one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import onnx
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
-from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions, linear_attention_functions
+from attnrewrite.passes.kernel.query_key_maps import (
+    add_query_key_maps,
+    map_queries_and_keys,
+    query_key_map_values,
+    with_learned_entry,
+)
+from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
+from attnrewrite.passes.layout import flatten_heads_function, key_mask_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
+from attnrewrite.passes.window import settings as window_settings
+from attnrewrite.passes.window.lowering import windowed_kernel
+from attnrewrite.passes.window.reference import feature_map_attention_weights
+from attnrewrite.passes.window.settings import KernelUnit, Window
+from attnrewrite.passes.window.torch_form import feature_map_attention
 from attnrewrite.site import AttentionSite
 
 NAME = "linear"
@@ -29,11 +46,9 @@ NAME = "linear"
 class Options(MethodOptions, method=NAME):
     chunk: int = option(64, "causal prefix-sum block length", valid=AtLeast(1))
     seed: int = option(0, UNUSED_SEED, valid=AtLeast(0))
-    window: int = option(
-        0, "exact softmax over blocks of this many positions, linear beyond (0: off)", valid=AtLeast(0)
-    )
-    window_next: bool = kernels.window_next_option()
-    sinks: int = kernels.sinks_option()
+    window: int = window_settings.window_option("linear")
+    window_next: bool = window_settings.window_next_option()
+    sinks: int = window_settings.sinks_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -46,9 +61,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
-    """Softmax attention itself on short sequences only with a window (kernels.window_exact_part)."""
-    return kernels.window_exact_part(options.window, options.window_next, options.sinks, causal)
+exact_part = window_settings.exact_part
 
 
 def elu_plus_one(x):
@@ -61,53 +74,44 @@ class LinearAttention(Module):
         causal: bool,
         chunk: int,
         scale: float = 1.0,
-        window: int = 0,
-        window_next: bool = False,
-        sinks: int = 0,
+        window: Window | None = None,
         linear_log_weight=None,
     ):
         super().__init__()
         self.causal = causal
         self.chunk = chunk
         self.scale = scale  # of the window's exact softmax only
-        self.window, self.window_next, self.sinks = window, window_next, sinks
+        self.window = window
         self.linear_log_weight = None
-        if window:
+        if window is not None:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
     def forward(self, q, k, v, key_keep=None):
-        q, k = kernels.map_queries_and_keys(self, q, k)  # learnable modules' maps (window too)
-        return kernels.feature_map_attention(self, elu_plus_one(q), elu_plus_one(k), q, k, v, key_keep).to(v.dtype)
+        q, k = map_queries_and_keys(self, q, k)  # learnable modules' maps (window too)
+        return feature_map_attention(self, elu_plus_one(q), elu_plus_one(k), q, k, v, key_keep).to(v.dtype)
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalized weights [..., Nq, Nk] this module gives each key, N x N: for the
         fitter's attention-weight cross-entropy, never for inference."""
-        q, k = kernels.map_queries_and_keys(self, q, k)
-        return kernels.feature_map_attention_weights(self, elu_plus_one(q), elu_plus_one(k), q, k, key_keep)
+        q, k = map_queries_and_keys(self, q, k)
+        return feature_map_attention_weights(self, elu_plus_one(q), elu_plus_one(k), q, k, key_keep)
 
     def extra_repr(self) -> str:
-        window = kernels.window_repr(self)
-        return f"causal={self.causal}, chunk={self.chunk}{window}"
+        return f"causal={self.causal}, chunk={self.chunk}{window_settings.window_repr(self.window)}"
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
-    """``learnable``: with identity query/key maps as parameters (kernels.add_query_key_maps);
+    """``learnable``: with identity query/key maps as parameters (query_key_maps.add_query_key_maps);
     the window's linear_log_weight is an nn.Parameter either way."""
-    if not options.window:
+    window = Window.of(options)
+    if window is None:
         module = LinearAttention(site.mask.causal, options.chunk)
     else:
-        log_weight = kernels.initial_linear_log_weight(site)
         module = LinearAttention(
-            site.mask.causal,
-            options.chunk,
-            site.scale,
-            options.window,
-            options.window_next,
-            options.sinks,
-            log_weight,
+            site.mask.causal, options.chunk, site.scale, window, window_settings.initial_linear_log_weight(site)
         )
     if learnable:
-        kernels.add_query_key_maps(module, site)
+        add_query_key_maps(module, site)
     return module
 
 
@@ -116,23 +120,29 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (linear_log_weight; query_map and key_map of a
     learnable module, which select the Learned<Entry> function that applies them)."""
-    if options.window:
-        lowering = _windowed_lowering(site, options, opset_version).with_weights(weights)
+    window = Window.of(options)
+    if window is not None:
+        functions = _windowed_functions(site, window, opset_version)
     else:
-        lowering = _plain_lowering(site, options, opset_version)
-    if weights is None or kernels.QUERY_KEY_MAPS[0] not in weights:
-        return lowering
-    return kernels.with_query_key_maps(lowering, weights, opset_version)
+        functions = _plain_functions(site, options, opset_version)
+    functions = with_learned_entry(functions, weights, opset_version)
+    return OnnxLowering(functions, onnx_constants(site, options, weights))
 
 
-def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
+    """The constants onnx_lowering's entry takes, by name and in order (``weights`` as there)."""
+    window_values = {"linear_log_weight": window_settings.initial_linear_log_weight(site)} if options.window else {}
+    return {**weighted(window_values, weights), **query_key_map_values(weights)}
+
+
+def _plain_functions(site: AttentionSite, options: Options, opset_version: int) -> list[onnx.FunctionProto]:
     op = standard_opset(opset_version)
     if site.mask.causal:
-        *callees, kernel = kernels.causal_linear_attention_functions(opset_version, options.chunk)
+        *callees, kernel = causal_linear_attention_functions(opset_version, options.chunk)
     else:
-        *callees, kernel = kernels.linear_attention_functions(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    keys = kernels.key_mask_function(opset_version, site.mask.key_padding)
+        *callees, kernel = linear_attention_functions(opset_version)
+    flatten = flatten_heads_function(opset_version)
+    keys = key_mask_function(opset_version, site.mask.key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def LinearAttention(q, k, v, key_keep):
@@ -146,25 +156,15 @@ def _plain_lowering(site: AttentionSite, options: Options, opset_version: int) -
     fn = LinearAttention.to_function_proto()
     if site.mask.causal:
         fn.name = "CausalLinearAttention"
-    functions = [keys, flatten, *callees, kernel]
-    return OnnxLowering([*(f.to_function_proto() for f in functions), fn])
+    return [*(f.to_function_proto() for f in (keys, flatten, *callees, kernel)), fn]
 
 
-def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int) -> OnnxLowering:
+def _windowed_functions(site: AttentionSite, window: Window, opset_version: int) -> list[onnx.FunctionProto]:
     op = standard_opset(opset_version)
-    kernel = kernels.windowed_kernel_attention_functions(
-        opset_version,
-        options.window,
-        site.scale,
-        site.mask.causal,
-        window_next=options.window_next,
-        sinks=options.sinks,
-    )[-1]
-
-    window_inputs = kernels.window_inputs_function(opset_version, options.window, site.mask.causal)
+    window_inputs, kernel = windowed_kernel(window, site, opset_version, KernelUnit.SHARED)
     # bidirectional: a key that is not kept weighs 0 through its [v, 1] row, so phi_k needs no
     # product by keep; causal: only with key padding (the far sums read phi_k as it is)
-    keys = kernels.key_mask_function(opset_version, site.mask.causal and site.mask.key_padding)
+    keys = key_mask_function(opset_version, site.mask.causal and site.mask.key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedLinearAttention(q, k, v, key_keep, linear_log_weight):
@@ -177,15 +177,33 @@ def _windowed_lowering(site: AttentionSite, options: Options, opset_version: int
     fn = WindowedLinearAttention.to_function_proto()
     if site.mask.causal:
         fn.name = "CausalWindowedLinearAttention"
-    functions = [f.to_function_proto() for f in with_callees(WindowedLinearAttention)[:-1]]
-    constants = {"linear_log_weight": kernels.initial_linear_log_weight(site)}
-    return OnnxLowering([*functions, fn], constants)
+    return [*(f.to_function_proto() for f in with_callees(WindowedLinearAttention)[:-1]), fn]
+
+
+# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
+
+
+def recurrence(options: Options) -> KernelRecurrence:
+    return KernelRecurrence(
+        options,
+        entry="LinearAttention",
+        unit=KernelUnit.SHARED,
+        feature_count=lambda site: "F" if site.head_dim is None else site.head_dim,
+        torch_terms=causal_terms,
+        onnx_terms=causal_terms_function,
+        constants=onnx_constants,
+    )
+
+
+def causal_terms(module: LinearAttention, q, k, keep) -> CausalTerms:
+    """What the causal form reads of q, k and keep: elu+1 features, padded keys' zero."""
+    return CausalTerms(elu_plus_one(q), elu_plus_one(k) * keep)
 
 
 def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
     """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1] (passes/recurrent.py): LinearCausalTerms(q, k, keep) -> (phi_q,
-    phi_k), padded keys' features zero."""
+    and keep [..., N', 1], as causal_terms: LinearCausalTerms(q, k, keep) -> (phi_q, phi_k),
+    padded keys' features zero."""
     op = standard_opset(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)

@@ -38,15 +38,20 @@ import numpy as np
 import onnx
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
-from attnrewrite.passes._options import AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.exact_part import ExactPart
+from attnrewrite.passes.layout import flatten_heads_function, key_keep_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
 
 NAME = "linformer"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
 NO_WINDOW = "every projected key mixes all positions, so no keys are left over for a window to split off"
+NO_RECURRENCE = (
+    "Linformer projects the keys along the sequence axis, mixing every position into each "
+    "projected key, so it has no causal form to carry as a state"
+)
 PROJECTIONS = ("gaussian", "learned", "pool", "identity")
 MASKED_LOGIT = -1e30  # finite, so a row whose projected keys are all padding stays NaN-free
 
@@ -78,12 +83,12 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+def exact_part(options: Options, causal: bool = False) -> ExactPart | None:
     """With N <= k the projection is the identity (pool, identity, or exact_if_short): softmax
     attention itself; past k every query sees k projected keys. None: never exact."""
     if options.projection in ("gaussian", "learned") and not options.exact_if_short:
         return None
-    return kernels.ExactPart(options.proj_dim, options.proj_dim, f"proj_dim={options.proj_dim}")
+    return ExactPart(options.proj_dim, options.proj_dim, f"proj_dim={options.proj_dim}")
 
 
 def projection_matrices(options: Options) -> tuple[np.ndarray, np.ndarray]:
@@ -198,8 +203,8 @@ def _low_rank_functions(op, key_padding: bool, pooled: bool):
     projections' attention, last: with key padding they zero padded keys and leave empty
     projected keys out; without (key_keep all ones) they neither multiply by key_keep nor
     select on the [G, N, k] logits. ``pooled``: a segment's mean over its (kept) keys."""
-    flatten = kernels.flatten_heads_function(op.version)
-    key_keep_3d = kernels.key_keep_function(op.version)
+    flatten = flatten_heads_function(op.version)
+    key_keep_3d = key_keep_function(op.version)
 
     @script(ATTNREWRITE, default_opset=op)
     def Project(k, v, keep, p_e, p_f):

@@ -40,8 +40,9 @@ import onnx
 from onnx import helper
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import (
+from attnrewrite.passes.exact_part import ExactPart
+from attnrewrite.passes.layout import flatten_heads_function, key_keep_function
+from attnrewrite.passes.lowering import (
     ATTNREWRITE,
     DOMAIN,
     FLOAT,
@@ -50,13 +51,17 @@ from attnrewrite.passes._onnx import (
     standard_opset,
     with_callees,
 )
-from attnrewrite.passes._options import ONE_OR_EVEN, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import ONE_OR_EVEN, AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
 
 NAME = "lsh"
 # Why ``window`` (exact softmax nearby, kernel beyond, one normaliser) is refused.
 NO_WINDOW = "it is already a softmax over a few keys per query (its bucket), with no kernel part to mix in"
+NO_RECURRENCE = (
+    "LSH attends exactly among the keys that share a query's hash bucket, and any past key "
+    "may share a future query's: it must keep every key, a cache that grows with the context"
+)
 MASKED_LOGIT = -1e30  # finite: max and exp stay NaN-free when a row has no visible key
 TINY = float(np.finfo(np.float32).tiny)  # divisor floor: a row with no visible key gives 0, not 0/0
 
@@ -82,10 +87,10 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart | None:
+def exact_part(options: Options, causal: bool = False) -> ExactPart | None:
     """Up to ``chunk`` positions every round's sorted items fit in one chunk: softmax attention
     itself. A query sees its chunk and the previous one, about 2 * chunk keys per round."""
-    return kernels.ExactPart(options.chunk, 2 * options.chunk, f"chunk={options.chunk}")
+    return ExactPart(options.chunk, 2 * options.chunk, f"chunk={options.chunk}")
 
 
 def rotations(options: Options, head_dim: int) -> np.ndarray:
@@ -455,8 +460,8 @@ def _items_function(opset_version: int, n_buckets: int, causal: bool):
     """Items(q, k, v, key_keep, scale, rotations, items), or CausalItems: the hashes and sorts
     of every round, and the per-item tables a round gathers from."""
     op = standard_opset(opset_version)
-    flatten = kernels.flatten_heads_function(opset_version)
-    key_keep_3d = kernels.key_keep_function(opset_version)
+    flatten = flatten_heads_function(opset_version)
+    key_keep_3d = key_keep_function(opset_version)
     item_order, item_positions = _item_order_functions(op, n_buckets)
 
     @script(ATTNREWRITE, default_opset=op)

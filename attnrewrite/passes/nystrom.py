@@ -44,25 +44,29 @@ import dataclasses
 
 import numpy as np
 import onnx
-from onnx import helper
 from onnxscript import script
 
-from attnrewrite.passes import kernels
-from attnrewrite.passes._onnx import (
+from attnrewrite.passes.exact_part import ExactPart
+from attnrewrite.passes.layout import fitted_heads, flatten_heads_function, key_keep_function
+from attnrewrite.passes.lowering import (
     ATTNREWRITE,
     DOMAIN,
     FLOAT,
+    FunctionNodes,
     OnnxLowering,
     make_function,
     standard_opset,
     with_callees,
 )
-from attnrewrite.passes._options import UNUSED_SEED, AtLeast, MethodOptions, option
-from attnrewrite.passes._torch import Module, torch
+from attnrewrite.passes.optional_torch import Module, torch
+from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
 
 NAME = "nystrom"
 NO_WINDOW = "every landmark mixes a whole segment of keys, so no keys are left over for a window to split off"
+NO_RECURRENCE = (
+    "Nystromformer's landmarks mix every position of a segment, so it has no causal form to carry as a state"
+)
 MASKED_LOGIT = -1e30  # finite, so a row with no visible landmark or key stays NaN-free
 # The three softmaxes, in the order of the fitted log scales' first axis.
 KERNELS = ("queries_to_landmarks", "landmarks_to_landmarks", "landmarks_to_keys")
@@ -86,15 +90,15 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     return None
 
 
-def exact_part(options: Options, causal: bool = False) -> kernels.ExactPart:
+def exact_part(options: Options, causal: bool = False) -> ExactPart:
     """With n <= M kept keys every landmark is one key: softmax attention itself."""
-    return kernels.ExactPart(options.landmarks, options.landmarks, f"landmarks={options.landmarks}")
+    return ExactPart(options.landmarks, options.landmarks, f"landmarks={options.landmarks}")
 
 
 def initial_log_scales(site: AttentionSite) -> np.ndarray:
     """[3, heads, 1, 1] zeros (KERNELS order): the zero-shot output. ``heads`` as
-    kernels.fitted_heads (1, shared, when the layout is not known)."""
-    return np.zeros((len(KERNELS), kernels.fitted_heads(site), 1, 1), np.float32)
+    fitted_heads (1, shared, when the layout is not known)."""
+    return np.zeros((len(KERNELS), fitted_heads(site), 1, 1), np.float32)
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def _kernel_functions(op, key_padding: bool):
     marks_values, exact): everything of the torch forward but the inverse and the last product.
     Without key padding (key_keep all ones, not read) the keep vector is one [1, N, 1] row, so
     the segments are built once, not once per head."""
-    flatten = kernels.flatten_heads_function(op.version)
+    flatten = flatten_heads_function(op.version)
     segments, means = _segment_functions(op)
 
     @script(ATTNREWRITE, default_opset=op)
@@ -237,7 +241,7 @@ def _kernel_functions(op, key_padding: bool):
             op.Concat(op.Constant(value_ints=[1]), op.Shape(k, start=-2, end=-1), op.Constant(value_ints=[1]), axis=0),
         )
 
-    keep_of = kernels.key_keep_function(op.version) if key_padding else AllKept
+    keep_of = key_keep_function(op.version) if key_padding else AllKept
 
     @script(ATTNREWRITE, default_opset=op)
     def QueryKeep(keep, q):
@@ -330,17 +334,14 @@ def _entry(iterations: int, opset_version: int) -> onnx.FunctionProto:
     """Nystrom(q, k, v, key_keep, scale, landmarks, log_scales): the kernels, ``iterations``
     Newton steps (unrolled: a script function cannot unroll a Python loop), the output."""
 
-    def call(name, inputs, outputs):
-        return helper.make_node(name, inputs, outputs, domain=DOMAIN)
-
+    body = FunctionNodes()
     inputs = ["q", "k", "v", "key_keep", "scale", "landmarks", "log_scales"]
-    nodes = [
-        call("NystromKernels", inputs, ["to_marks", "among_marks", "marks_values", "exact"]),
-        call("NewtonStart", ["among_marks"], ["z0"]),
-    ]
-    nodes += [call("NewtonStep", ["among_marks", f"z{i}"], [f"z{i + 1}"]) for i in range(iterations)]
-    nodes.append(call("NystromOutput", ["to_marks", f"z{iterations}", "marks_values", "exact", "q", "v"], ["out"]))
-    return make_function("Nystrom", inputs, ["out"], nodes, opset_version)
+    to_marks, among_marks, marks_values, exact = body("NystromKernels", *inputs, outputs=4, domain=DOMAIN)
+    z = body("NewtonStart", among_marks, domain=DOMAIN)
+    for _ in range(iterations):
+        z = body("NewtonStep", among_marks, z, domain=DOMAIN)
+    body.output("out", body("NystromOutput", to_marks, z, marks_values, exact, "q", "v", domain=DOMAIN))
+    return make_function("Nystrom", inputs, ["out"], body.nodes, opset_version)
 
 
 def onnx_lowering(

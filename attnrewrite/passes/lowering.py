@@ -15,6 +15,8 @@ ATTNREWRITE = Opset(DOMAIN, DOMAIN_VERSION)
 MIN_OPSET = 18  # bodies pass reduction axes as inputs (ReduceMax, ReduceSumSquare: opset 18)
 
 FLOAT = onnx.TensorProto.FLOAT
+BOOL = onnx.TensorProto.BOOL
+TO_THE_END = 2147483647  # a Slice end past any axis
 
 
 def standard_opset(version: int) -> Opset:
@@ -70,14 +72,46 @@ class OnnxLowering:
 
     def with_weights(self, weights: dict[str, np.ndarray] | None) -> OnnxLowering:
         """The constants that ``weights`` (a fitted module's state) names, replaced by its
-        values: the module's state_dict names are the constants' names."""
-        for name, value in (weights or {}).items():
-            if name in self.constants:
-                value = np.asarray(value, dtype=self.constants[name].dtype)
-                if value.shape != self.constants[name].shape:
-                    raise ValueError(
-                        f"weight {name!r} has shape {list(value.shape)}, "
-                        f"the lowering's {list(self.constants[name].shape)}"
-                    )
-                self.constants[name] = value
+        values (weighted)."""
+        self.constants = weighted(self.constants, weights)
         return self
+
+
+def weighted(constants: dict[str, np.ndarray], weights: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """``constants`` with the values that ``weights`` (a fitted module's state) names instead of
+    their own: the module's state_dict names are the constants' names. Order and dtypes are the
+    constants'."""
+    constants = dict(constants)
+    for name, value in (weights or {}).items():
+        if name in constants:
+            value = np.asarray(value, dtype=constants[name].dtype)
+            if value.shape != constants[name].shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {list(value.shape)}, the lowering's {list(constants[name].shape)}"
+                )
+            constants[name] = value
+    return constants
+
+
+class FunctionNodes:
+    """The nodes of a function written node by node (make_function), for bodies whose inputs
+    depend on options: each call adds one node and returns its output name(s)."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+
+    def __call__(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attributes):
+        names = [f"n{len(self.nodes)}_{i}" for i in range(outputs)]
+        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), names, domain=domain, **attributes))
+        return names[0] if outputs == 1 else names
+
+    def call(self, function: OnnxFunction, *inputs: str, outputs: int = 1):
+        """A call of one of our functions."""
+        return self(function.name, *inputs, outputs=outputs, domain=DOMAIN)
+
+    def ints(self, *values: int) -> str:
+        return self("Constant", value_ints=list(values))
+
+    def output(self, name: str, value: str) -> None:
+        """``value`` under the function output's ``name``."""
+        self.nodes.append(onnx.helper.make_node("Identity", [value], [name]))

@@ -1,0 +1,30 @@
+"""The argument parsing every command line shares (attnrewrite.cli and its subcommands, such as
+attnrewrite.generate_cli): a parser whose refusals are one line, and the argument types they
+have in common."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnrewrite.errors import AttnRewriteError
+
+
+class UsageError(AttnRewriteError):
+    """A command line argparse refused: one line, exit 2, like every other bad input."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse whose refusals are one UsageError line (exit 2), for every subcommand."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} -h')")
+
+
+def parse_positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

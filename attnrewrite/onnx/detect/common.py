@@ -1,0 +1,175 @@
+"""What the detectors share: the site a detector hands the splice (OnnxSite, with its masks,
+its KV cache and, for a fused contrib operator, how its heads are packed), the refusal
+(Unsupported), and the shape helpers they read the graph's shapes with."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import onnx_ir as ir
+
+from attnrewrite.onnx.constants import known_dims
+from attnrewrite.site import AttentionSite
+
+# An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
+MASKED_BELOW = -1e3
+
+
+class MaskForm(str, enum.Enum):
+    ADDITIVE = "additive"  # logits + m; m is 0 (keep) or <= MASKED_BELOW
+    KEEP_WHERE_TRUE = "keep_where_true"  # Where(cond, logits, fill) or a bool attn_mask
+    KEEP_WHERE_FALSE = "keep_where_false"  # Where(cond, fill, logits): masked_fill
+    # onnxruntime's fused attention (com.microsoft): a raw mask attends where it is > 0; a 1-D
+    # mask_index is one of two index forms, told apart when the mask is evaluated (masks.py)
+    KEEP_WHERE_POSITIVE = "keep_where_positive"
+    KEY_LENGTHS = "key_lengths"  # [batch]: keys before length[b] attend (right padding)
+    KEY_RANGES = "key_ranges"  # [2 * batch]: ends, then starts: start[b] <= key < end[b]
+
+
+@dataclasses.dataclass
+class MaskTerm:
+    value: ir.Value
+    form: MaskForm
+    rank: int | None = None  # learned when the mask is evaluated (masks.py)
+    # the contrib ops' layout: [batch, keys], [batch, queries, keys], [batch, 1, queries, keys]
+    # or a 1-D index, batch first and no head axis; otherwise aligned with the logits' last axes
+    batch_first: bool = False
+
+    @property
+    def key_only(self) -> bool:
+        """A key padding mask by the operator's definition, whatever its values."""
+        return self.batch_first and self.rank is not None and self.rank <= 2
+
+    @property
+    def keep_rank(self) -> int | None:
+        """The rank of the keep tensor the splice builds from this term."""
+        return 4 if self.batch_first else self.rank
+
+
+@dataclasses.dataclass
+class OnnxSite:
+    """An AttentionSite plus the graph values a replacement node reads and writes."""
+
+    site: AttentionSite
+    q: ir.Value
+    k_transposed: ir.Value | None  # the logits MatMul's right operand, [..., Dh, Nk]
+    k: ir.Value | None  # [..., Nk, Dh], when the graph has it (fused Attention)
+    v: ir.Value
+    output: ir.Value
+    masks: list[MaskTerm]
+    nodes: list[ir.Node]
+    causal_by_attribute: bool = False
+    # (queries, keys) when shape inference knows them: a model exported at a fixed sequence
+    # length keeps its masks at that length whatever length the mask probe asks for
+    static_lengths: tuple[int | None, int | None] = (None, None)
+    # a fused contrib operator holds q, k, v packed (q, k, v above are then its inputs, not
+    # [batch, heads, seq, head_dim] tensors): the splice unpacks them with this plan
+    packing: PackedHeads | None = None
+    static_batch: int | None = None  # tells a 1-D mask index's forms apart when the batch is fixed
+    # where the keys and values include a KV cache (site.kv_cache says it frontend-free)
+    key_cache: CachedTensor | None = None
+    value_cache: CachedTensor | None = None
+
+
+class Unsupported(Exception):
+    """The subgraph looks like attention but cannot be proven to be one we can replace."""
+
+
+# the KV cache a site reads its keys or values from (kv_cache.py finds it)
+@dataclasses.dataclass
+class CachedTensor:
+    """A site's keys or values: the past (a graph input) followed by this step's, as computed by
+    ``node`` (a Concat on the sequence axis, or a fused attention operator that appends)."""
+
+    node: ir.Node
+    past: ir.Value  # the graph input, [batch, kv_heads, past, head_dim]
+    new: ir.Value  # this step's keys or values, [batch, kv_heads, new, head_dim]
+    present: ir.Value | None  # past then new, [batch, kv_heads, past + new, head_dim]
+    output: ir.Value | None  # the graph output that returns ``present``, if the model returns it
+
+    @property
+    def kv_heads(self) -> int | None:
+        return next((d for d in (static_dims(v, 1)[0] for v in (self.past, self.new)) if d is not None), None)
+
+
+# how onnxruntime's fused contrib operators hold q, k and v (contrib.py reads it from them)
+class HeadLayout(str, enum.Enum):
+    FEATURES = "[batch, seq, heads * head_dim]"
+    PACKED = "[batch, seq, heads, n, head_dim]"  # packed kv (n = 2) or qkv (n = 3): take `index`
+    HEADS = "[batch, heads, seq, head_dim]"
+
+
+@dataclasses.dataclass
+class HeadSource:
+    value: ir.Value | None  # None: a slice of the Attention operator's projection
+    layout: HeadLayout = HeadLayout.FEATURES
+    index: int = 0
+
+
+@dataclasses.dataclass
+class PackedHeads:
+    """How a contrib operator holds q, k and v: the splice builds each as [batch, heads, seq,
+    head_dim] from its source (adding its slice of ``bias``), and merges the replacement's
+    output back to [batch, seq, heads * head_dim]."""
+
+    num_heads: int
+    sources: tuple[HeadSource, HeadSource, HeadSource]
+    sizes: tuple[int | None, int | None, int | None]  # hidden sizes of q, k, v (heads * head_dim)
+    projection: tuple[ir.Value, ir.Value] | None = None  # (input, weights): q | k | v = input @ weights
+    bias: ir.Value | None = None  # [q, k, v hidden sizes]
+
+
+# --- shapes ----------------------------------------------------------------------------------
+
+
+def rank_of(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
+
+
+def static_dim(dim) -> int | None:
+    return dim if isinstance(dim, int) else None
+
+
+def static_dims(value: ir.Value, *axes: int) -> tuple[int | None, ...]:
+    if value.shape is None:
+        return (None,) * len(axes)
+    rank = len(value.shape)
+    return tuple(static_dim(value.shape[axis]) if -rank <= axis < rank else None for axis in axes)
+
+
+def describe_shapes(site: AttentionSite, q: ir.Value, v: ir.Value, logits: ir.Value | None) -> None:
+    q_dims, v_dims = known_dims(q), known_dims(v)
+    site.rank = len(q_dims) if q_dims else rank_of(logits)
+    if q_dims:
+        site.head_dim = static_dim(q_dims[-1])
+        if site.rank == 4:
+            site.num_heads = _heads_of_split_layout(q)
+    if v_dims:
+        site.value_dim = static_dim(v_dims[-1])
+    if q.dtype is not None:
+        site.dtype = q.dtype.numpy().name  # "float32", as AttentionSite spells dtypes
+
+
+def _heads_of_split_layout(q: ir.Value) -> int | None:
+    """Heads, when q is [batch, heads, seq, head_dim] by one of the usual head splits:
+    - a Transpose(perm=[0, 2, 1, 3]) of [batch, seq, heads, head_dim];
+    - a Reshape of [batch * heads, seq, head_dim] to [batch, heads, seq, head_dim] (what
+      nn.MultiheadAttention does before scaled_dot_product_attention): the reshape keeps seq
+      and head_dim, so it only splits the leading axis, heads inner.
+    Possibly scaled after. Any other producer could put batch elsewhere, so heads stay unknown."""
+    node = q.producer()
+    while node is not None and node.op_type in ("Mul", "Div", "Cast"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type not in ("Transpose", "Reshape"):
+        return None
+    dims = known_dims(node.outputs[0])
+    if dims is None or len(dims) != 4:
+        return None
+    if node.op_type == "Transpose":
+        perm = node.attributes.get("perm")
+        return static_dim(dims[1]) if perm is not None and list(perm.as_ints()) == [0, 2, 1, 3] else None
+    source = known_dims(node.inputs[0])
+    if source is None or len(source) != 3 or None in (source[1], source[2]):
+        return None
+    return static_dim(dims[1]) if [source[1], source[2]] == dims[2:] else None

@@ -1,0 +1,14 @@
+"""The kernel family: attention out = phi(Q) (phi(K)^T V) / (phi(Q) sum_j phi(K_j)), whose feature
+maps each method computes (linear, hedgehog, favor; hydra and efficient use its pieces). Feature
+maps are the methods'; these modules only contract them, each form with its torch reference
+above its ONNX lowering:
+
+- numerics.py: the guards every form shares (denominators, log scales, exponents);
+- chunks.py: the chunk layout and the prefix sums and maxima over chunks, bounded in depth;
+- parallel.py: the bidirectional and causal forms over a whole sequence;
+- state.py: the causal forms continued from a state (a decoder's prefill and steps);
+- query_key_maps.py: calibration's learnable maps in front of a fixed feature map.
+
+The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/;
+how a kernel method runs as a recurrence, in passes/kernel_recurrence.py.
+"""

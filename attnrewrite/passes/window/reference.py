@@ -1,0 +1,84 @@
+"""The window hybrid written as its definition, an N x N matrix of weights (same exact keys, same
+units): for the fitter's attention-weight losses and as the reference the blocked forms are
+tested against; never for inference."""
+
+from __future__ import annotations
+
+from attnrewrite.passes.kernel.chunks import ChunkLayout
+from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.parallel import kernel_attention_weights
+from attnrewrite.passes.optional_torch import torch
+from attnrewrite.passes.window.settings import UNSCALED, KernelScales, Window
+
+
+def feature_map_attention_weights(module, phi_q, phi_k, q, k, key_keep=None):
+    """The normalised weights [..., Nq, Nk] feature_map_attention gives each key. N x N: for
+    the fitter's attention-weight cross-entropy, never for inference."""
+    if key_keep is not None:
+        phi_k = phi_k * key_keep
+    if module.window is None:
+        return kernel_attention_weights(phi_q, phi_k, module.causal)
+    scales = KernelScales(linear_log_weight=module.linear_log_weight)
+    return windowed_attention_weights(
+        phi_q,
+        phi_k,
+        q.float(),
+        k.float(),
+        module.window,
+        scale=module.scale,
+        causal=module.causal,
+        key_keep=key_keep,
+        scales=scales,
+    )
+
+
+def windowed_attention_weights(
+    phi_q,
+    phi_k,
+    q,
+    k,
+    window: Window,
+    *,
+    scale: float,
+    causal: bool,
+    key_keep=None,
+    scales: KernelScales = UNSCALED,
+    eps: float = DENOMINATOR_EPS,
+):
+    """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
+    matrix of its definition (same exact keys, same units), in the inputs' dtype: for
+    attention-weight losses when fitting, and as the reference the blocked form is tested
+    against; never for inference."""
+    linear_log_weight, query_log_scale, key_log_scale, local_max_weight = scales
+    n = q.shape[-2]
+    position = torch.arange(n, device=q.device)
+    block = (position + ChunkLayout(n, window.size, aligned_to_start=causal).pad) // window.size
+    offset = block.unsqueeze(0) - block.unsqueeze(1)  # key's block - query's block
+    following = window.following and not causal
+    local = (offset >= -1) & (offset <= int(following))
+    exact = local | (position < window.sinks)  # the sinks: for every query
+    visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if key_keep is not None:
+        visible = visible & (key_keep.transpose(-2, -1) > 0)
+    if causal:
+        visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    far = ~exact & visible
+    exact = exact & visible
+    logits = scale * q @ k.transpose(-2, -1)
+    row_max = torch.where(exact, logits, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+    exact_weights = torch.where(exact, torch.exp(torch.clamp_max(logits - row_max, 0.0)), 0.0)
+    kernel = phi_q @ phi_k.transpose(-2, -1)
+    if linear_log_weight is not None:
+        kernel = kernel * torch.exp(linear_log_weight)
+    if key_log_scale is not None:
+        # the kernel part in the exact part's units; both scaled <= 1 as in the blocked form
+        unit = row_max if local_max_weight is None else row_max * local_max_weight
+        kernel_log_scale = query_log_scale + key_log_scale.transpose(-2, -1)
+        # The larger of the two parts' units, before any difference is taken: a row without an
+        # exact key has unit LOWEST_LOG_SCALE, and (x - LOWEST) - (y - LOWEST) is not x - y.
+        far_max = torch.where(far, kernel_log_scale, LOWEST_LOG_SCALE).amax(-1, keepdim=True)
+        top = torch.maximum(unit, far_max)
+        exact_weights = exact_weights * torch.exp(unit - top)
+        kernel = kernel * torch.exp(torch.clamp_max(kernel_log_scale - top, 0.0))
+    weights = exact_weights + torch.where(far, kernel, 0.0)
+    return weights / (weights.sum(-1, keepdim=True) + eps)

@@ -1,0 +1,145 @@
+"""The package's shape (docs/ARCHITECTURE.md): no import cycle, no module reaching for another's
+underscore names (bench scripts included), no arrow from the passes or the frontends up to the
+modules above them, no file over 900 lines, and the recurrent forms declared by the methods."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from attnrewrite import passes
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "attnrewrite"
+MAX_LINES = 900
+# what each layer may import from the package, besides itself (docs/ARCHITECTURE.md)
+BELOW_PASSES = {"attnrewrite.site", "attnrewrite.errors"}
+BELOW_FRONTENDS = BELOW_PASSES | {
+    "attnrewrite.passes",
+    "attnrewrite.record",
+    "attnrewrite.data",
+    "attnrewrite.decision",
+}
+LAYERS = {
+    "attnrewrite.passes": BELOW_PASSES,
+    "attnrewrite.onnx": BELOW_FRONTENDS,
+    "attnrewrite.fx": BELOW_FRONTENDS,
+    "attnrewrite.site": set(),
+    "attnrewrite.errors": set(),
+    "attnrewrite.data": {"attnrewrite.errors"},
+    "attnrewrite.record": {"attnrewrite.site", "attnrewrite.errors", "attnrewrite.version"},
+    "attnrewrite.decision": BELOW_PASSES | {"attnrewrite.passes"},
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(folder: Path, root: Path) -> dict[str, ast.Module]:
+    return {module_name(p, root): ast.parse(p.read_text()) for p in sorted(folder.rglob("*.py"))}
+
+
+PACKAGE_MODULES = modules(PACKAGE, ROOT)
+
+
+def imported(tree: ast.Module, known) -> list[tuple[str, str]]:
+    """(module, name) for every import of ``known`` modules in ``tree``, function-level ones
+    included; ``from package import submodule`` counts as the submodule."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.append((submodule, "") if submodule in known else (node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+    return [(module, name) for module, name in found if module in known]
+
+
+def private_uses(tree: ast.Module, known) -> list[str]:
+    """Names starting with one underscore that ``tree`` takes from another module: imported by
+    name, or read as an attribute of a module it imported."""
+    names = [f"{module}.{name}" for module, name in imported(tree, known) if _private(name)]
+    aliases = {
+        alias.asname or alias.name: f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+            target = aliases.get(node.value.id)
+            if target in known:
+                names.append(f"{target}.{node.attr}")
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_import_cycle():
+    graph = nx.DiGraph()
+    for name, tree in PACKAGE_MODULES.items():
+        graph.add_edges_from((name, module) for module, _ in imported(tree, PACKAGE_MODULES) if module != name)
+    assert list(nx.simple_cycles(graph)) == []
+
+
+def test_no_module_takes_another_modules_private_names():
+    bench = modules(ROOT / "bench", ROOT / "bench")
+    known = {**PACKAGE_MODULES, **bench}
+    taken = {name: private_uses(tree, known) for name, tree in known.items()}
+    assert {name: uses for name, uses in taken.items() if uses} == {}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_arrow_up(layer):
+    """A layer imports itself and what lies below it, never what is built on it."""
+    allowed = LAYERS[layer] | {layer}
+    upward = {
+        (name, module)
+        for name, tree in PACKAGE_MODULES.items()
+        if name == layer or name.startswith(f"{layer}.")
+        for module, _ in imported(tree, PACKAGE_MODULES)
+        if not any(module == a or module.startswith(f"{a}.") for a in allowed)
+    }
+    assert upward == set()
+
+
+def test_no_file_over_the_limit():
+    long = {
+        str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_every_method_declares_its_recurrence_and_the_shared_code_names_none():
+    """A method has a recurrent form or says why not; what all recurrent forms share, and the
+    ONNX splice of them, import no method."""
+    for method in passes.PASSES.values():
+        assert hasattr(method, "recurrence") != hasattr(method, "NO_RECURRENCE"), method.NAME
+    methods = {f"attnrewrite.passes.{name}" for name in passes.PASSES}
+    for shared in (
+        "attnrewrite.passes.recurrent",
+        "attnrewrite.onnx.recurrent",
+        "attnrewrite.passes.kernel_recurrence",
+    ):
+        taken = {module for module, _ in imported(PACKAGE_MODULES[shared], PACKAGE_MODULES)}
+        assert taken & methods == set(), shared
+
+
+def test_the_window_hybrid_is_lowered_from_one_call():
+    """The methods reach the ONNX window hybrid through windowed_kernel, the one place that calls
+    windowed_kernel_attention_functions."""
+    calls = [
+        name
+        for name, tree in PACKAGE_MODULES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "windowed_kernel_attention_functions"
+    ]
+    assert calls == ["attnrewrite.passes.window.lowering"]
