@@ -33,6 +33,9 @@ def rewrite(
     calibrate_ce_weight: float = 0.0,
     calibrate_seed: int = 0,
     calibrate_end_to_end: int = 0,
+    finetune: int | bool = 0,
+    finetune_rank: int = calibration.DEFAULT_RANK,
+    finetune_lr: float = calibration.FINETUNE_LR,
     tokenizer: str | os.PathLike | None = None,
     max_length: int = calibration.DEFAULT_MAX_LENGTH,
     calibrate_pack: bool = True,
@@ -111,6 +114,15 @@ def rewrite(
     zero-shot ones, the zero-shot ones are kept (each site's ``calibration.held_out`` says both
     figures). For torch: a list of example inputs, each as ``example_inputs`` may be given.
 
+    ``finetune`` (steps, or True for the default; with ``calibrate``): then fine-tune, stage 2:
+    low-rank adapters of rank ``finetune_rank`` on every replaced site's query, key, value and
+    output projections, trained with the replacements' values on the calibration data (Adam,
+    ``finetune_lr``) so that the model matches the original (a decoder: its next-token
+    distribution at every real position; else its outputs), then merged into the weights, so the
+    model's graph keeps its shape. The held-out part judges it as it judges calibration, and the
+    record's ``finetune`` says what was trained and how it went (docs/calibration.md). Torch
+    models get peft's LoRA on their own ``nn.Linear`` projections, merged back when done.
+
     ``example_inputs`` (torch models): inputs as the model is called with them, a tuple of
     positional arguments, a dict of keyword arguments or a tokenizer's ``BatchEncoding``. A model
     ``torch.fx.symbolic_trace`` cannot trace (every transformers model) is captured with
@@ -140,6 +152,9 @@ def rewrite(
         calibrate_ce_weight=calibrate_ce_weight,
         calibrate_seed=calibrate_seed,
         calibrate_end_to_end=calibrate_end_to_end,
+        finetune=calibration.FINETUNE_STEPS if finetune is True else int(finetune),
+        finetune_rank=finetune_rank,
+        finetune_lr=finetune_lr,
         tokenizer=tokenizer,
         max_length=max_length,
         calibrate_pack=calibrate_pack,

@@ -29,6 +29,9 @@ import onnx_ir as ir
 from attnrewrite.data import conform, load_inputs, split_batch
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import model_around, prefill_filled, with_prefill_inputs
+from attnrewrite.passes.finetune import ALPHA_PER_RANK, DEFAULT_RANK
+from attnrewrite.passes.finetune import DEFAULT_LR as FINETUNE_LR
+from attnrewrite.passes.finetune import DEFAULT_STEPS as FINETUNE_STEPS
 from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
 
 DEFAULT_MAX_LENGTH = 256
@@ -59,6 +62,7 @@ class Calibration:
     seed: int = 0
     ce_weight: float = 0.0
     end_to_end: int = 0  # steps fitting all sites together on the model's outputs (passes.fit.fit_end_to_end)
+    finetune: Finetune | None = None  # stage 2: adapters on the sites' projections (passes/finetune.py)
     progress: Callable[[str], None] | None = None
     text: TextData | None = None  # for text data: how the lines became examples
     held_out: HeldOut | None = None  # what the guard compares on (never fitted on); None: no guard
@@ -130,6 +134,43 @@ class Calibration:
         entry = result.as_dict()
         del entry["rejected_loss"]  # said by _rejected, only where a fit was undone
         return {**entry, **_rejected(result), "examples": self.examples, "data_sha256": self.fingerprint}
+
+    def report_finetune(self, result, objective: str, held_out: dict | None, adapters: dict) -> dict[str, Any]:
+        """Say how fine-tuning went and what the guard kept; the record's entry for it."""
+        settings, loss = self.finetune, objective.replace("_", "-")
+        count = sum(len(site["projections"]) for site in adapters["adapted"])
+        self.say(
+            f"fine-tuning {count} adapters (rank {settings.rank}) on {len(adapters['adapted'])} sites with their "
+            f"replacements: {loss} {result.loss_before:.4g} -> {_after(result)} {_how(result)}"
+        )
+        if held_out is not None:
+            self.say(
+                f"kept {held_out['kept']}: held-out {loss} {held_out['loss_calibrated']:.4g} calibrated, "
+                f"{held_out['loss_fine_tuned']:.4g} fine-tuned (on {held_out['examples']} examples not fitted on)"
+            )
+        entry = {**result.as_dict(), **_rejected(result)}
+        del entry["rejected_loss"]
+        return {
+            **entry,
+            "rank": settings.rank,
+            "alpha": ALPHA_PER_RANK * settings.rank,
+            "lr": settings.lr,
+            "objective": objective,
+            **adapters,
+            "examples": self.examples,
+            "tokens": self.tokens,
+            "data_sha256": self.fingerprint,
+            **({"held_out": held_out} if held_out is not None else {}),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Finetune:
+    """Stage 2's settings (passes/finetune.py): steps, the adapters' rank, Adam's rate."""
+
+    steps: int = FINETUNE_STEPS
+    rank: int = DEFAULT_RANK
+    lr: float = FINETUNE_LR
 
 
 def _after(result) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from attnrewrite import __version__, calibration, passes, pipeline
 from attnrewrite import check as check_mod
 from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive
 from attnrewrite.data import load_inputs
+from attnrewrite.distributed import process_group
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.limits import position_limit
@@ -169,6 +171,31 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="after fitting site by site, fit all sites together on the model's outputs for N steps "
         "(one batch each; default: off)",
+    )
+    parser.add_argument(
+        "--finetune",
+        type=parse_positive,
+        nargs="?",
+        const=calibration.FINETUNE_STEPS,
+        default=0,
+        metavar="STEPS",
+        help="after calibrating, fine-tune: low-rank adapters on the replaced sites' query, key, value and output "
+        "projections, trained with the replacements on the calibration data against the original model "
+        "(a decoder's next-token distribution), then merged into the weights (default steps: %(const)s)",
+    )
+    parser.add_argument(
+        "--finetune-rank",
+        type=parse_positive,
+        default=calibration.DEFAULT_RANK,
+        metavar="R",
+        help="with --finetune: the adapters' rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--finetune-lr",
+        type=float,
+        default=calibration.FINETUNE_LR,
+        metavar="LR",
+        help="with --finetune: Adam's learning rate (default: %(default)s)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -442,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     run = _Run(argv)
     try:
-        with _quiet_libraries(verbose), run.report.times.measuring():
+        with process_group() as rank, _quiet_libraries(verbose), run.report.times.measuring():
+            if rank:  # under torchrun the first process speaks and writes: the others fine-tune with it
+                run.writes = False
+                return _silently(_dispatch, argv, run)
             code = _dispatch(argv, run)
             sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
             run.save_report()
@@ -467,6 +497,7 @@ class _Run:
     report: Report = dataclasses.field(init=False)
     report_path: str | None = None
     keep: list[str] = dataclasses.field(default_factory=list)
+    writes: bool = True  # False: a torchrun process other than the first, which stops after the rewrite
 
     def __post_init__(self):
         self.report = Report("check" if self.argv[:1] == ["check"] else "rewrite")
@@ -536,6 +567,11 @@ def _quiet_libraries(verbose: bool):
         logging.disable(previous)
 
 
+def _silently(function, *args) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return function(*args)
+
+
 def _reader_went_away() -> int:
     """stdout's reader closed it (``| head -1``): nothing more to say to anyone. stdout now
     points at /dev/null so the interpreter's own final flush does not complain either."""
@@ -588,6 +624,8 @@ def _run(argv: list[str], run: _Run) -> int:
         check_length_fits(model.graph, args, from_empty_cache=settings.recurrent)
     _check_calibration_arguments(args)
     result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings, report)
+    if not run.writes:
+        return 0
     if args.layers != "auto":
         check_layers_exist(args.layers, result.record)
     if result.record.outcomes:
@@ -628,6 +666,9 @@ def _settings(args) -> pipeline.Settings:
         calibrate_ce_weight=args.calibrate_ce,
         calibrate_seed=args.calibrate_seed,
         calibrate_end_to_end=args.calibrate_end_to_end,
+        finetune=args.finetune,
+        finetune_rank=args.finetune_rank,
+        finetune_lr=args.finetune_lr,
         tokenizer=args.tokenizer,
         max_length=args.max_length,
         calibrate_pack=args.calibrate_pack != "off",
@@ -644,6 +685,8 @@ def _check_calibration_arguments(args) -> None:
         raise AttnRewriteError("--calibrate-pack is for a text --calibrate file; give --calibrate too")
     if args.calibrate_end_to_end:
         raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
+    if args.finetune:
+        raise AttnRewriteError("--finetune trains on the calibration data; give --calibrate DATA too")
 
 
 def _write_proved(result: pipeline.Result, output: str) -> None:

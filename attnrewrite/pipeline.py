@@ -83,6 +83,9 @@ class Settings:
     calibrate_ce_weight: float = 0.0
     calibrate_seed: int = 0
     calibrate_end_to_end: int = 0
+    finetune: int = 0  # steps of stage 2 (calibration.Finetune): adapters on the projections; 0: off
+    finetune_rank: int = calibration.DEFAULT_RANK
+    finetune_lr: float = calibration.FINETUNE_LR
     tokenizer: str | os.PathLike | None = None  # with a text file to calibrate on
     max_length: int = calibration.DEFAULT_MAX_LENGTH
     calibrate_pack: bool = True  # text data: consecutive texts packed into passages of max_length tokens
@@ -106,6 +109,9 @@ class Settings:
             ce_weight=self.calibrate_ce_weight,
             seed=self.calibrate_seed,
             end_to_end=self.calibrate_end_to_end,
+            finetune=calibration.Finetune(self.finetune, self.finetune_rank, self.finetune_lr)
+            if self.finetune
+            else None,
         )
 
 
@@ -183,6 +189,7 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
         "allow_exact": settings.allow_exact,
     }
     _check_selection(settings)
+    _check_finetune(settings)
     with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
         method, options = passes.method_and_options(settings.method, **settings.options)
     with stage("load"):
@@ -216,6 +223,11 @@ def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactP
         seq, why = check_mod.default_length(model.graph, parts, from_empty_cache=settings.recurrent)
     prepare = check_mod.prepare_decoder_inputs if settings.recurrent else check_mod.prepare_inputs
     return check_mod.with_reason(prepare(model, settings.inputs, seq=seq or check_mod.DEFAULT_SEQ), why)
+
+
+def _check_finetune(settings: Settings) -> None:
+    if settings.finetune and settings.calibrate is None:
+        raise AttnRewriteError("finetune trains on the calibration data: give calibrate too")
 
 
 def _check_selection(settings: Settings) -> None:

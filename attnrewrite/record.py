@@ -65,6 +65,7 @@ class RewriteRecord:
     notes: list[str] = dataclasses.field(default_factory=list)
     selection: dict[str, Any] | None = None  # --layers auto: what each site cost and why it was chosen
     end_to_end: dict[str, Any] | None = None  # calibration's stage that fitted all sites together
+    finetune: dict[str, Any] | None = None  # stage 2: adapters on the projections (onnx/ and fx/finetune.py)
     # per layer, the values calibration left in each replacement (what exact heads are sliced
     # from: attnrewrite.passes.heads); not part of the record as written
     fitted: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
@@ -90,6 +91,7 @@ class RewriteRecord:
             **({"notes": self.notes} if self.notes else {}),
             **({"selection": self.selection} if self.selection is not None else {}),
             **({"end_to_end": self.end_to_end} if self.end_to_end is not None else {}),
+            **({"finetune": self.finetune} if self.finetune is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -262,6 +264,7 @@ class Report:
             "notes": [*notes, *(n for n in self.notes if n not in notes)],
             "selection": record.get("selection"),
             "end_to_end": record.get("end_to_end"),
+            "finetune": record.get("finetune"),
             "check": None if self.fidelity is None else self.fidelity.as_dict(**self.thresholds),
             "seconds": self.times.as_dict(),
         }

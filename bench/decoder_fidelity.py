@@ -421,13 +421,14 @@ def side_by_side(trained: Trained, rewritten: str, prompts: list[str], new_token
 # --- the report ------------------------------------------------------------------------------------
 
 
-def write_section(path: Path, section: str) -> None:
-    """This script's section of the file replaced (its hand-written notes kept) or appended; the
-    rest of the file left as it is."""
+def write_section(path: Path, section: str, markers: tuple[str, str] = (SECTION_START, SECTION_END)) -> None:
+    """A script's section of the file (between ``markers``, this one's by default) replaced (its
+    hand-written notes kept) or appended; the rest of the file left as it is."""
+    start, end = markers
     text = path.read_text() if path.is_file() else ""
-    old = _between(text, SECTION_START, SECTION_END)
+    old = _between(text, start, end)
     notes = _between(old or "", NOTES_START, NOTES_END) or f"{NOTES_START}\n{NOTES_END}"
-    block = f"{SECTION_START}\n{section.strip()}\n\n{notes}\n{SECTION_END}"
+    block = f"{start}\n{section.strip()}\n\n{notes}\n{end}"
     if old is not None:
         text = text.replace(old, block)
     else:

@@ -52,6 +52,7 @@ WINDOW = 32
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
 DECODERS_MARKERS = ("<!-- DECODERS -->", "<!-- /DECODERS -->")  # bench/decoder_fidelity.py's section
+SMOLLM2_MARKERS = ("<!-- SMOLLM2 -->", "<!-- /SMOLLM2 -->")  # bench/smollm2_fidelity.py's section
 MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected", "exact heads", "heads auto")
 HEADS_MODES = ("exact heads", "heads auto")  # --heads: one calibrated fit, some heads kept exact
 HEADS_CURVE = (0, 1, 2, 3)  # --heads: the curve's heads kept exact per site, the costliest by the selection's costs
@@ -592,7 +593,7 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
     if results.get("calibration"):
         lines += ["", f"Calibrated rows: {results['calibration']}."]
-    lines += ["", _kept_analysis(path), *_kept_decoders(path)]
+    lines += ["", _kept_analysis(path), *_kept_sections(path)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -810,13 +811,15 @@ def _kept_analysis(path: Path) -> str:
     return f"{ANALYSIS_START}\n{ANALYSIS_END}"
 
 
-def _kept_decoders(path: Path) -> list[str]:
-    """bench/decoder_fidelity.py's section, kept when this script rewrites the file."""
+def _kept_sections(path: Path) -> list[str]:
+    """bench/decoder_fidelity.py's and bench/smollm2_fidelity.py's sections, kept when this
+    script rewrites the file."""
     text = path.read_text() if path.is_file() else ""
-    start, end = DECODERS_MARKERS
-    if start not in text or end not in text:
-        return []
-    return ["", text[text.index(start) : text.index(end) + len(end)]]
+    kept = []
+    for start, end in (DECODERS_MARKERS, SMOLLM2_MARKERS):
+        if start in text and end in text:
+            kept += ["", text[text.index(start) : text.index(end) + len(end)]]
+    return kept
 
 
 def _order(name: str) -> int:

@@ -15,6 +15,9 @@ From 20 examples up, the last tenth is held out (attnrewrite.calibration.held_ou
 guard: the model's outputs there with the zero-shot and with the fitted values, against those
 with every module standing in for the exact attention; the zero-shot values are put back where
 fitting made them worse.
+
+Last, with ``finetune``, stage 2 (fx/finetune.py): peft's LoRA on the sites' projections, trained
+with the modules' parameters and merged into the weights where its own guard keeps them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.utils import _pytree
 
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx.capture import call, first_line
+from attnrewrite.fx.finetune import Finetuning, objective_of
 from attnrewrite.passes.fit import SiteSamples, exact_stand_in, fit_end_to_end, fit_site, zero_padded_queries
 
 
@@ -35,19 +39,36 @@ class _Collected(Exception):
     """Raised by the hook: this site's inputs are in, the rest of the forward is not needed."""
 
 
-def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict | None:
+def calibrate_modules(gm: GraphModule, fitting: list, calibration) -> dict:
     """``fitting``: (outcome, learnable pass module) per rewritten site, in graph order. Returns
-    the record's entry for the end-to-end stage (None without one). A calibration example the
-    model does not run on, or a site that cannot be fitted, is one AttnRewriteError line."""
+    the record's entries of the stages after the per-site fits that ran ("end_to_end",
+    "finetune"). A calibration example the model does not run on, or a site that cannot be
+    fitted, is one AttnRewriteError line."""
     zero_shot = [{name: p.detach().clone() for name, p in module.named_parameters()} for _, module in fitting]
+    finetuning = Finetuning(gm, fitting) if calibration.finetune else None  # refused before any fitting
+    stages = {}
     with _submodules_in_eval_mode(gm):
         for index, (outcome, module) in enumerate(fitting):
             result = _fit(outcome.site, module, _collect(gm, module, calibration.batches), calibration)
             outcome.calibration = calibration.report(index, len(fitting), outcome.site.layer, result)
-        end_to_end = _fit_end_to_end(gm, fitting, calibration) if calibration.end_to_end else None
+        if calibration.end_to_end:
+            stages["end_to_end"] = _fit_end_to_end(gm, fitting, calibration)
         if calibration.held_out is not None:
             _guard(gm, fitting, zero_shot, calibration)
-        return end_to_end
+        if finetuning is not None:
+            stages["finetune"] = _finetune(gm, fitting, finetuning, calibration)
+    return stages
+
+
+def _finetune(gm: GraphModule, fitting: list, finetuning: Finetuning, calibration) -> dict:
+    def outputs(example, exact: bool) -> list:
+        with _outputs_replaced(fitting, exact):
+            return _floating_outputs(gm, example)
+
+    first = calibration.batches[0]
+    with torch.no_grad():
+        objective = objective_of(_run(gm, first), first)
+    return finetuning.run(outputs, objective, calibration)
 
 
 def _fit(site, module, samples: SiteSamples, calibration):

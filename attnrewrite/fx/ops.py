@@ -275,6 +275,37 @@ def dropout_call(node: Node, module_of) -> DropoutCall | None:
     return None
 
 
+# --- weighted projections (fine-tuning's adapters go on these) ----------------------------------
+
+
+@dataclasses.dataclass
+class WeightedCall:
+    """A projection of ``input`` by the tensor ``weight``: x W^T + b with W [out, in] (F.linear),
+    or, ``weight_last``, x W + b with W [in, out] (addmm, mm, matmul: GPT-2's Conv1D)."""
+
+    input: Node
+    weight: Node
+    bias: Node | None
+    weight_last: bool
+
+
+_LINEAR_FUNCTIONS = frozenset({F.linear, torch._C._nn.linear}) | aten_overloads("linear.default")
+_ADDMM_FUNCTIONS = frozenset({torch.addmm}) | aten_overloads("addmm.default")
+_MM_FUNCTIONS = frozenset({torch.mm}) | aten_overloads("mm.default")
+
+
+def weighted_call(node: Node) -> WeightedCall | None:
+    if _call(node, _LINEAR_FUNCTIONS):
+        return WeightedCall(arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias"), False)
+    if _call(node, _ADDMM_FUNCTIONS) and node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1:
+        bias, x, weight = node.args[:3]
+        return WeightedCall(x, weight, bias, True)
+    if _call(node, _MM_FUNCTIONS, {"mm"}):
+        return WeightedCall(node.args[0], node.args[1], None, True)
+    operands = matmul_operands(node)
+    return None if operands is None else WeightedCall(*operands, None, True)
+
+
 # --- decomposed matmul (run_decompositions): view(bmm(view(expand(a)), view(expand(b)))) ---------
 
 _VIEW_FUNCTIONS = aten_overloads("view.default", "_unsafe_view.default", "reshape.default")

@@ -184,7 +184,8 @@ def rewrite_graph_module(
     if fitting_data is not None and fitting:
         from attnrewrite.fx.calibrate import calibrate_modules
 
-        record.end_to_end = calibrate_modules(gm, fitting, fitting_data)
+        stages = calibrate_modules(gm, fitting, fitting_data)
+        record.end_to_end, record.finetune = stages.get("end_to_end"), stages.get("finetune")
     gm.meta[METADATA_KEY] = record.as_dict() | ({"capture": captured} if captured is not None else {})
     return gm
 

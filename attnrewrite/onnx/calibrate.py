@@ -10,13 +10,15 @@ site l's inputs (_Runs: what lies before is fed back from site l-1's run), fitte
 the device), and its values are written into its initializers. The model is restored afterwards.
 
 With ``end_to_end`` steps, all sites are then fitted together against the model's outputs
-(passes.fit.fit_end_to_end), on the graph evaluated in torch (attnrewrite.onnx.torch_graph):
-the targets are the same graph with every replacement computing exact attention. That stage
-runs on the CPU, as the evaluator keeps every tensor there.
+(passes.fit.fit_end_to_end), on the graph evaluated in torch (attnrewrite.onnx.torch_graph, on
+the fitting device too): the targets are the same graph with every replacement computing exact
+attention.
 
-Last, the guard (where the calibration holds a part out, attnrewrite.calibration.HeldOut): the
+Then the guard (where the calibration holds a part out, attnrewrite.calibration.HeldOut): the
 whole rewritten model runs on the held-out data with the zero-shot values and with the fitted
 ones, and the zero-shot ones are written back where fitting left it further from the original.
+Last, with ``finetune``, stage 2 (onnx/finetune.py): adapters on the sites' projections, trained
+with the replacements' values and merged into the weights where its own guard keeps them.
 """
 
 from __future__ import annotations
@@ -31,23 +33,27 @@ import onnx_ir as ir
 
 from attnrewrite.data import split_batch
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.finetune import Finetuning
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.io import saved_copy
 from attnrewrite.onnx.validate import make_session
+from attnrewrite.passes.optional_torch import torch
 from attnrewrite.record import SiteOutcome
 
 ROLES = ("q", "k", "v", "key_keep")
 
 
-def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: list, calibration) -> dict | None:
+def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: list, calibration) -> dict:
     """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
     in graph order; ``calls``: site name -> replacement node. Fits in place; returns the
-    record's entry for the end-to-end stage (None without one)."""
+    record's entries of the stages after the per-site fits that ran ("end_to_end", "finetune")."""
     from attnrewrite.passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     zero_shot = [site.fitted() for site in sites]  # the initial values, the guard's fallback
-    whole = _torch_graph(model, sites) if calibration.end_to_end else None  # refused before any fitting
+    # what the later stages need, refused before any fitting
+    finetuning = Finetuning(sites) if calibration.finetune else None
+    whole = _torch_graph(model, sites) if calibration.end_to_end or calibration.finetune else None
     device = _fitting_device()
     batches = [with_prefill_inputs(model.graph, feeds) for feeds in calibration.batches]  # a recurrent model's states
     with _collecting(model, sites) as runs:
@@ -73,13 +79,17 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
                 ce_weight=calibration.ce_weight,
                 device=device,
             )
-            site.module.cpu()  # where the end-to-end stage evaluates it
+            site.module.to(whole.device if whole is not None else "cpu")  # where the later stages evaluate it
             site.write_fitted()
             site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
-    end_to_end = None if whole is None else _fit_end_to_end(whole, sites, calibration)
+    stages = {}
+    if calibration.end_to_end:
+        stages["end_to_end"] = _fit_end_to_end(whole, sites, calibration)
     if calibration.held_out is not None:
         _guard(model, sites, zero_shot, calibration)
-    return end_to_end
+    if finetuning is not None:
+        stages["finetune"] = finetuning.run(whole, calibration)
+    return stages
 
 
 def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibration) -> None:
@@ -101,6 +111,8 @@ def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibrati
     entry = calibration.judge(*figures)
     if entry["kept"] == "zero-shot":
         _write(zero_shot)
+        for site, values in zip(sites, zero_shot):  # what a later stage starts from
+            site.load(values)
     for site in sites:
         site.outcome.calibration["held_out"] = entry
 
@@ -126,15 +138,13 @@ def _write(values: list[dict[ir.Value, np.ndarray]]) -> None:
 
 
 def _fitting_device():
-    from attnrewrite.passes.optional_torch import torch
-
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _torch_graph(model: ir.Model, sites: list[_Site]):
     from attnrewrite.onnx.torch_graph import TorchGraph
 
-    return TorchGraph(model.graph, [site.call for site in sites])
+    return TorchGraph(model.graph, [site.call for site in sites], _fitting_device())
 
 
 def _fit_end_to_end(whole, sites: list[_Site], calibration) -> dict:
@@ -190,6 +200,12 @@ class _Site:
     def feeds(self) -> dict[str, np.ndarray]:
         """The fitted values under the initializers' names, to feed the collecting session."""
         return {value.name: array for value, array in self.fitted().items()}
+
+    def load(self, values: dict[ir.Value, np.ndarray]) -> None:
+        """The module's fittable values set to ``values`` (as fitted() gives them)."""
+        names = {value: name for name, value in self.constants.items()}
+        state = {names[value]: torch.from_numpy(np.asarray(array, np.float32)) for value, array in values.items()}
+        self.module.load_state_dict(state, strict=False)
 
     def write_fitted(self) -> None:
         for value, array in self.fitted().items():

@@ -118,7 +118,8 @@ def rewrite_model(
         from attnrewrite.onnx.calibrate import calibrate_replacements
 
         with stage("calibrate"):
-            record.end_to_end = calibrate_replacements(model, splicer.calls, fitting, calibration)
+            stages = calibrate_replacements(model, splicer.calls, fitting, calibration)
+        record.end_to_end, record.finetune = stages.get("end_to_end"), stages.get("finetune")
         record.fitted = {
             outcome.site.layer: _fitted_values(splicer.calls[outcome.site.name], names, module)
             for outcome, module, names in fitting
@@ -208,7 +209,7 @@ def with_fitting_of(record: RewriteRecord, fitted: RewriteRecord) -> None:
     calibration = {o.site.name: o.calibration for o in fitted.outcomes}
     for outcome in record.rewritten:
         outcome.calibration = calibration.get(outcome.site.name)
-    record.end_to_end, record.fitted = fitted.end_to_end, fitted.fitted
+    record.end_to_end, record.finetune, record.fitted = fitted.end_to_end, fitted.finetune, fitted.fitted
 
 
 def _splicer(model: ir.Model, sites: list[OnnxSite], decisions: list[str | None], recurrent: bool):

@@ -1,7 +1,8 @@
 """An ONNX graph evaluated in torch, so that a loss on its outputs reaches the replacements'
 parameters (end-to-end calibration; onnxruntime gives no gradients).
 
-Every node of the main graph runs as the torch op of the same meaning (``OPS``), in graph order;
+Every node of the main graph runs as the torch op of the same meaning (``OPS``), in graph order,
+on one device (the graph's constants are moved there once; tensors an op makes go there too);
 each replacement call runs as the callable the caller gives for it (the learnable module, or the
 exact attention it stands in for). Only what exported transformers use is covered: a graph with
 any other op, a subgraph or an op setting not implemented here is refused up front by
@@ -21,13 +22,14 @@ class TorchGraph:
     """``calls``: the replacement nodes (read as (q, k, v, key_keep, *constants)); whatever
     runs in their place is given to ``run``."""
 
-    def __init__(self, graph: ir.Graph, calls: list[ir.Node]):
+    def __init__(self, graph: ir.Graph, calls: list[ir.Node], device=None):
         reason = uncovered(graph, calls)
         if reason:
             raise AttnRewriteError(f"cannot fit end to end: {reason}")
         self.graph = graph
+        self.device = torch.device(device or "cpu")
         self.constants = {
-            value.name: _tensor(value.const_value.numpy())
+            value.name: _tensor(value.const_value.numpy()).to(self.device)
             for value in graph.initializers.values()
             if value.const_value is not None
         }
@@ -35,17 +37,26 @@ class TorchGraph:
         # what is fitted on: the model's outputs, not the states a recurrent replacement returns
         self.outputs = [v for v in graph.outputs if v.producer() not in calls]
 
-    def run(self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object]) -> list[torch.Tensor]:
+    def run(
+        self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object], adapters: dict | None = None
+    ) -> list[torch.Tensor]:
         """The graph's floating-point outputs on ``feeds``, ``stand_ins[call](q, k, v,
-        key_keep)`` computing each replacement."""
+        key_keep)`` computing each replacement, and ``adapters[node](x)`` added to the product of
+        each projection (MatMul, or Gemm without transA) it names, scaled as the product is."""
+        with self.device:  # where the ops' own tensors (shapes, ranges, constants) are made
+            return self._run(feeds, stand_ins, adapters or {})
+
+    def _run(self, feeds, stand_ins, adapters) -> list[torch.Tensor]:
         values: dict[str, torch.Tensor] = dict(self.constants)
-        values.update((name, _tensor(array)) for name, array in feeds.items())
+        values.update((name, _tensor(array).to(self.device)) for name, array in feeds.items())
         for node in self.graph:
             inputs = [values[v.name] if v is not None and v.name in values else None for v in node.inputs]
             if node in stand_ins:
                 outputs = [stand_ins[node](*inputs[:4])]
             else:
                 outputs = OPS[node.op_type](node, *inputs)
+                if node in adapters:
+                    outputs = outputs + _attr(node, "alpha", 1.0) * adapters[node](inputs[0]).to(outputs.dtype)
                 outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             for value, tensor in zip(node.outputs, outputs):
                 values[value.name] = tensor
@@ -247,7 +258,7 @@ def _shape(node, data):
 def _constant(node):
     for name in ("value", "sparse_value"):
         if name in node.attributes:
-            return _tensor(_attr(node, name).numpy())
+            return _tensor(_attr(node, name).numpy()).to(torch.get_default_device())
     for name, dtype in (("value_float", torch.float32), ("value_int", torch.int64)):
         if name in node.attributes:
             return torch.tensor(_attr(node, name), dtype=dtype)
@@ -259,7 +270,7 @@ def _constant(node):
 
 def _constant_of_shape(node, shape):
     value = _attr(node, "value")
-    fill = _tensor(value.numpy()) if value is not None else torch.zeros(1, dtype=torch.float32)
+    fill = _tensor(value.numpy()).to(torch.get_default_device()) if value is not None else torch.zeros(1)
     return fill.reshape(()).expand(_ints(shape)).clone()
 
 

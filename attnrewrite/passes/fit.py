@@ -168,7 +168,7 @@ def fit_site(
     module.to(device)
     started = time.perf_counter()
     targets = [_targets(samples, i, scale, causal, device) for i in range(len(samples))]
-    measured = _spread(len(samples), MEASURED_BATCHES)
+    measured = spread_indices(len(samples), MEASURED_BATCHES)
     loss_before, query_rows = _mean_loss(module, samples, targets, measured, device)
     generator = torch.Generator().manual_seed(seed)
     sizes = torch.tensor([float(q.shape[0]) for q in samples.q])
@@ -286,7 +286,7 @@ def fit_end_to_end(
     it is measured on MEASURED_BATCHES batches spread over the data."""
     params = list(params)
     started = time.perf_counter()
-    measured = _spread(len(batches), MEASURED_BATCHES)
+    measured = spread_indices(len(batches), MEASURED_BATCHES)
 
     def measured_loss() -> float:
         return _mean_end_to_end_loss(run, [batches[i] for i in measured], [targets[i] for i in measured])
@@ -316,7 +316,7 @@ def fit_end_to_end(
     )
 
 
-def _spread(total: int, wanted: int) -> list[int]:
+def spread_indices(total: int, wanted: int) -> list[int]:
     """``wanted`` indices (all when there are fewer) evenly spread over range(total)."""
     if total <= wanted:
         return list(range(total))

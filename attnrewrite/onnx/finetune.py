@@ -1,0 +1,170 @@
+"""Fine-tuning an ONNX rewrite (stage 2, passes/finetune.py): low-rank adapters on each replaced
+site's projections (onnx/projections.py), trained with the replacements' values on the graph
+evaluated in torch (onnx/torch_graph.py), then merged into the projections' weights.
+
+The teacher is the same graph with every replacement computing the exact attention it replaced,
+that is the original model, run on each step's batch. The objective: where the model's output
+is next-token logits ([batch, sequence, vocabulary], named ``logits``), the KL divergence from
+the original's next-token distribution at every real position (the attention mask's); else the
+outputs' relative squared error. Where the calibration holds data out (its guard), the rewrite
+with the fine-tuned values and the one with the calibrated values are both scored there, and
+the fine-tuned ones are kept only where they score better.
+
+Merging writes W + B A into each projection's weight in the weight's own dtype; a weight that
+any other node reads too (tied embeddings, a shared layer) is first copied for the projection,
+so the other reader keeps it as it was. The graph gains no node and no op type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from attnrewrite.data import split_batch
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.inputs import with_prefill_inputs
+from attnrewrite.onnx.projections import Projection, site_projections
+from attnrewrite.onnx.torch_graph import TorchGraph
+from attnrewrite.passes import finetune
+from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, zero_padded_queries
+
+MASK = "attention_mask"
+
+
+class Finetuning:
+    """Stage 2 of one rewrite: the sites' projections found before anything is fitted (a
+    quantized one refuses the whole stage), the training run after stage 1."""
+
+    def __init__(self, sites: list):
+        self.sites = sites
+        self.adapted, self.skipped = _adapted_projections(sites)
+        if not self.adapted:
+            raise AttnRewriteError(f"cannot fine-tune: no site has projections to adapt ({self.skipped[0]['reason']})")
+
+    def run(self, whole: TorchGraph, calibration) -> dict:
+        """Fine-tune in place on ``whole`` (the graph in torch): the sites' modules' values
+        written back, the adapters merged where the guard keeps them. Returns the record's entry."""
+        settings, sites = calibration.finetune, self.sites
+        projections = [p for ps in self.adapted.values() for p in ps]
+        alpha = finetune.ALPHA_PER_RANK * settings.rank
+        adapters = {
+            p.node: finetune.LowRankAdapter(*p.shape, settings.rank, alpha, seed=i).to(whole.device)
+            for i, p in enumerate(projections)
+        }
+        exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
+        fitted = {s.call: _fitted_stand_in(s.module) for s in sites}
+        objective = objective_of(whole.graph)
+
+        def teacher(feeds):
+            return whole.run(feeds, exact)
+
+        def student(feeds, with_adapters=True):
+            return whole.run(feeds, fitted, adapters if with_adapters else None)
+
+        replacement_values = [p for s in sites for p in s.module.parameters() if p.requires_grad]
+        calibrated = [p.detach().clone() for p in replacement_values]
+        result = finetune.finetune(
+            student,
+            teacher,
+            [*replacement_values, *(p for adapter in adapters.values() for p in adapter.parameters())],
+            _step_batches(whole.graph, calibration.batches),
+            objective,
+            steps=settings.steps,
+            lr=settings.lr,
+            seed=calibration.seed,
+        )
+        held = calibration.held_out
+        held_out = (
+            None
+            if held is None
+            else finetune.judge(
+                _step_batches(whole.graph, held.batches),
+                held.examples,
+                student,
+                lambda feeds: student(feeds, with_adapters=False),
+                teacher,
+                objective,
+                replacement_values,
+                calibrated,
+            )
+        )
+        if held_out is None or held_out["kept"] == "fine-tuned":
+            for projection in projections:
+                merge(projection, adapters[projection.node].delta().detach().cpu().numpy())
+        for site in sites:
+            site.write_fitted()
+        return calibration.report_finetune(
+            result, objective.kind, held_out, _adapter_entries(self.adapted, self.skipped)
+        )
+
+
+def objective_of(graph: ir.Graph) -> finetune.Objective:
+    """Next-token KL on a decoder's logits (an output named like ``logits`` of rank 3), else
+    the outputs' relative squared error."""
+    floats = [v for v in graph.outputs if v.dtype is not None and v.dtype.is_floating_point()]
+    for index, value in enumerate(floats):
+        if "logits" in value.name.lower() and value.shape is not None and len(value.shape) == 3:
+            inputs = {v.name for v in graph.inputs}
+            return finetune.Objective(finetune.NEXT_TOKEN_KL, index, MASK if MASK in inputs else None)
+    return finetune.Objective(finetune.OUTPUT_ERROR)
+
+
+def merge(projection: Projection, delta: np.ndarray) -> None:
+    """W + delta (delta [in, out], as x W_eff sees it) into the projection's weight, in its
+    dtype; a weight another node reads too is copied for this projection first."""
+    weight = projection.weight
+    stored = weight.const_value.numpy()
+    merged = (stored.astype(np.float32) + (delta.T if projection.transposed else delta)).astype(stored.dtype)
+    reader = _reader(projection)
+    if len(weight.uses()) == 1:
+        weight.const_value = ir.tensor(merged, name=weight.name)
+        return
+    copy = ir.Value(name=f"{projection.node.name}/weight", const_value=ir.tensor(merged))
+    copy.name = copy.const_value.name = _fresh_name(reader.graph, copy.name)
+    reader.graph.register_initializer(copy)
+    reader.replace_input_with(list(reader.inputs).index(weight), copy)
+
+
+def _reader(projection: Projection) -> ir.Node:
+    """The node that reads the weight for the projection: the projection, or its Transpose."""
+    producer = projection.node.inputs[1].producer()
+    return producer if producer is not None and producer.op_type == "Transpose" else projection.node
+
+
+def _fresh_name(graph: ir.Graph, name: str) -> str:
+    taken, fresh, number = set(graph.initializers), name, 1
+    while fresh in taken:
+        fresh, number = f"{name}_{number}", number + 1
+    return fresh
+
+
+def _adapted_projections(sites: list) -> tuple[dict, list[dict]]:
+    """({site: its projections}, [{site, reason}] for the sites without). A projection shared by
+    two sites is adapted once, under the first."""
+    adapted, skipped, taken = {}, [], set()
+    for site in sites:
+        try:
+            projections = site_projections(site.call)
+        except finetune.Quantized as why:
+            raise AttnRewriteError(f"cannot fine-tune: {why}") from None
+        except finetune.Unadaptable as why:
+            skipped.append({"site": site.outcome.site.name, "reason": str(why)})
+            continue
+        adapted[site] = [p for p in projections.all if id(p.node) not in taken]
+        taken.update(id(p.node) for p in projections.all)
+    return adapted, skipped
+
+
+def _adapter_entries(adapted: dict, skipped: list[dict]) -> dict:
+    sites = [{"site": s.outcome.site.name, "projections": [p.node.name for p in ps]} for s, ps in adapted.items()]
+    return {"adapted": sites, "not_adapted": skipped}
+
+
+def _step_batches(graph: ir.Graph, batches: list) -> list:
+    """The data as one step takes it: EXAMPLES_PER_STEP examples a batch, completed for a
+    prefill from nothing (a recurrent model's zero states)."""
+    return [with_prefill_inputs(graph, part) for feeds in batches for part in split_batch(feeds, EXAMPLES_PER_STEP)]
+
+
+def _fitted_stand_in(module):
+    return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)

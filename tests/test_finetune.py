@@ -1,0 +1,337 @@
+"""Fine-tuning around the new attention (issue 48, ``--finetune``): low-rank adapters on the replaced
+sites' projections, trained with the replacements against the original as teacher and merged into
+the weights. The projections are found in real exports (separate, packed, rotary, grouped heads;
+both exporters); merging is exact in every weight layout and dtype and never changes a weight
+under another reader; the record says what was trained; the guard keeps the calibrated values
+where fine-tuning does no better on held-out data; a recurrent model fine-tuned equals its
+fine-tuned parallel twin stepped token by token; two processes under torchrun fit what one does;
+quantized projections are refused in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from conftest import decoder_exported, exported, read_record
+from decoders import DECODERS, logits_error
+from models import SAMPLE_BERT
+from test_recurrent_fidelity import session, tokens, with_positions
+
+import attnrewrite
+from attnrewrite.cli import main
+from attnrewrite.generate import forced_logits
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.finetune import merge
+from attnrewrite.onnx.projections import Projection, site_projections
+from attnrewrite.onnx.rewrite import rewrite_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12  # calibration and fine-tuning steps: enough to move every value
+
+
+def rewritten_calls(model) -> list[ir.Node]:
+    return [node for node in model.graph if node.domain == "attnrewrite"]
+
+
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def save_tokens(path, spec, examples: int, length: int = 20, seed: int = 1, positions: bool = True) -> str:
+    data = tokens(spec.vocab, examples, length, seed)
+    np.savez(path, **(with_positions(spec, data) if positions else data))
+    return str(path)
+
+
+# --- the projections ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name, per_site", [("llama", 4), ("qwen2", 4), ("gpt2", 2), ("opt", 4)])
+def test_projections_of_real_decoders(decoder_exports, name, per_site, exporter):
+    """q, k, v and output projections of every site: separate (llama: rotary, grouped heads) or
+    packed into one qkv MatMul (gpt2's c_attn)."""
+    export = decoder_exported(decoder_exports, name, exporter, cache=False)
+    model, record = rewrite_model(onnx_io.load_model(export.path), "hedgehog")
+    calls = rewritten_calls(model)
+    assert len(calls) == DECODERS[name].layers
+    for call in calls:
+        projections = site_projections(call)
+        assert len(projections.all) == per_site, call.name
+        assert projections.output is not None
+        assert all(p.shape[0] == DECODERS[name].heads * DECODERS[name].head_dim for p in projections.inputs)
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_projections_of_a_bert(exports, exporter):
+    model, _ = rewrite_model(onnx_io.load_model(exported(exports, "bert-eager", exporter).path), "hedgehog")
+    for call in rewritten_calls(model):
+        names = [p.node.name for p in site_projections(call).all]
+        assert len(names) == 4 and len(set(names)) == 4, names
+
+
+# --- merging --------------------------------------------------------------------------------------
+
+
+def weight_model(stored: np.ndarray, layout: str, shared: bool) -> ir.Model:
+    """y = x W_eff ([2, 3] x [3, 4]) as a MatMul on W, a Gemm with transB, or a MatMul on W's
+    Transpose; ``shared``: W is also read by an Identity (output w), another reader."""
+    dtype = onnx.helper.np_dtype_to_tensor_dtype(stored.dtype)
+    x = onnx.helper.make_tensor_value_info("x", dtype, [2, 3])
+    outputs = [onnx.helper.make_tensor_value_info("y", dtype, [2, 4])]
+    if layout == "matmul":
+        nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")]
+    elif layout == "gemm":
+        nodes = [onnx.helper.make_node("Gemm", ["x", "W"], ["y"], name="proj", transB=1)]
+    else:
+        nodes = [
+            onnx.helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+            onnx.helper.make_node("MatMul", ["x", "Wt"], ["y"], name="proj"),
+        ]
+    if shared:
+        nodes.append(onnx.helper.make_node("Identity", ["W"], ["w"]))
+        outputs.append(onnx.helper.make_tensor_value_info("w", dtype, list(stored.shape)))
+    initializer = onnx.numpy_helper.from_array(stored, "W")
+    graph = onnx.helper.make_graph(nodes, "g", [x], outputs, [initializer])
+    return onnx_io.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)]))
+
+
+def merged(layout: str, shared: bool, dtype) -> tuple[ir.Model, np.ndarray, np.ndarray, np.ndarray]:
+    """(the model after merging delta into its projection, W_eff, delta, W as stored)."""
+    rng = np.random.default_rng(0)
+    effective = rng.standard_normal((3, 4)).astype(np.float32)
+    transposed = layout != "matmul"
+    stored = (effective.T if transposed else effective).astype(dtype)
+    model = weight_model(stored, layout, shared)
+    delta = rng.standard_normal((3, 4)).astype(np.float32)
+    node = next(n for n in model.graph if n.name == "proj")
+    merge(Projection(node, model.graph.initializers["W"], transposed), delta)
+    return model, stored.astype(np.float32).T if transposed else stored.astype(np.float32), delta, stored
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-weight", "shared-weight"])
+@pytest.mark.parametrize("layout", ["matmul", "gemm", "transposed"])
+def test_merging_adds_the_change_and_leaves_another_reader_alone(layout, shared):
+    model, effective, delta, stored = merged(layout, shared, np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+    outputs = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString()).run(None, {"x": x})
+    np.testing.assert_allclose(outputs[0], x @ (effective + delta), rtol=1e-5, atol=1e-5)
+    if shared:  # copied for the projection: the other reader sees W as it was
+        assert outputs[1].tobytes() == stored.tobytes()
+        assert len(model.graph.initializers) == 2
+    else:  # merged in place: no copy
+        assert list(model.graph.initializers) == ["W"]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["matmul", "transposed"])
+def test_merging_keeps_the_weights_dtype(layout, dtype):
+    """W + delta computed in float32 and stored in W's own dtype, in W's own layout."""
+    model, effective, delta, stored = merged(layout, True, dtype)
+    node = next(n for n in model.graph if n.name == "proj")
+    reader = node if layout == "matmul" else node.inputs[1].producer()
+    written = reader.inputs[1 if layout == "matmul" else 0].const_value.numpy()
+    expected = effective + delta
+    assert written.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(written, (expected.T if layout != "matmul" else expected).astype(dtype))
+    assert model.graph.initializers["W"].const_value.numpy().tobytes() == stored.tobytes()
+
+
+# --- the stage, as users run it -------------------------------------------------------------------
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_finetuned_decoder_has_its_record_and_no_new_op(decoder_exports, tmp_path, capsys):
+    spec = DECODERS["llama"]
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", spec, 16)
+    common = [export.path, "--to", "hedgehog", "-O", "window=4", "--calibrate", data, "--calibrate-steps", STEPS]
+    assert cli(capsys, *common, "-o", tmp_path / "calibrated.onnx")[0] == 0
+    code, _, err = cli(capsys, *common, "--finetune", STEPS, "--finetune-rank", 4, "-o", tmp_path / "tuned.onnx")
+    assert code == 0
+    assert "fine-tuning 8 adapters (rank 4) on 2 sites with their replacements: next-token-kl" in err
+    tuned, calibrated = onnx.load(tmp_path / "tuned.onnx"), onnx.load(tmp_path / "calibrated.onnx")
+    entry = read_record(tuned)["finetune"]
+    assert (entry["rank"], entry["alpha"], entry["steps"], entry["objective"]) == (4, 8.0, STEPS, "next_token_kl")
+    assert entry["examples"] == 16 and entry["processes"] == 1 and "held_out" not in entry  # 16 < the guard's 20
+    assert entry["data_sha256"] == read_record(calibrated)["sites"][0]["calibration"]["data_sha256"]
+    assert entry["loss_after"] < entry["loss_before"]
+    assert [len(site["projections"]) for site in entry["adapted"]] == [4, 4]
+    # merged into the weights: the graph is the calibrated one's, its projection weights moved
+    assert [n.op_type for n in tuned.graph.node] == [n.op_type for n in calibrated.graph.node]
+    before, after = initializers(calibrated), initializers(tuned)
+    assert set(before) == set(after)
+    changed = {name for name in before if before[name].tobytes() != after[name].tobytes()}
+    projections = {p for site in entry["adapted"] for p in site["projections"]}
+    weights_of = {n.name: n.input[1] for n in tuned.graph.node if n.name in projections}
+    assert set(weights_of.values()) <= changed
+
+
+def test_the_guard_keeps_the_calibrated_model_where_finetuning_does_no_better(decoder_exports, tmp_path, capsys):
+    """A rate so high that fine-tuning only makes things worse: it is undone, the held-out part
+    cannot tell the two apart, and the model written is the calibrated one, byte for byte."""
+    spec = DECODERS["gpt2"]
+    export = decoder_exported(decoder_exports, "gpt2", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", spec, 24)  # from 20 examples a part is held out
+    common = [export.path, "--to", "linear", "--calibrate", data, "--calibrate-steps", STEPS]
+    assert cli(capsys, *common, "-o", tmp_path / "calibrated.onnx")[0] == 0
+    code, _, err = cli(capsys, *common, "--finetune", 4, "--finetune-lr", 10, "-o", tmp_path / "tuned.onnx")
+    assert code == 0
+    entry = read_record(onnx.load(tmp_path / "tuned.onnx"))["finetune"]
+    assert entry["held_out"]["kept"] == "calibrated" and entry["held_out"]["examples"] == 8  # the last batch
+    assert "kept calibrated: held-out next-token-kl" in err
+    assert (
+        initializers(onnx.load(tmp_path / "tuned.onnx")).keys()
+        == initializers(onnx.load(tmp_path / "calibrated.onnx")).keys()
+    )
+    for name, value in initializers(onnx.load(tmp_path / "calibrated.onnx")).items():
+        assert initializers(onnx.load(tmp_path / "tuned.onnx"))[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_finetuned_recurrent_model_equals_its_finetuned_parallel_twin(decoder_exports, name):
+    """The same tokens fine-tune both alike (each batch a prefill from nothing): the recurrent
+    model, a prefill then one token per call, gives the parallel model's logits."""
+    spec = DECODERS[name]
+    cached = decoder_exported(decoder_exports, name, "legacy")
+    uncached = decoder_exported(decoder_exports, name, "legacy", cache=False)
+    data = tokens(spec.vocab, 16, 20, seed=1)
+    settings = {"calibrate_steps": STEPS, "finetune": STEPS, "finetune_lr": 1e-4, "window": 4, "sinks": 1}
+    recurrent_model = attnrewrite.rewrite(str(cached.path), "hedgehog", recurrent=True, calibrate=data, **settings)
+    parallel = attnrewrite.rewrite(str(uncached.path), "hedgehog", calibrate=with_positions(spec, data), **settings)
+    assert (
+        read_record(recurrent_model)["finetune"]["loss_after"] < read_record(recurrent_model)["finetune"]["loss_before"]
+    )
+    sequence = tokens(spec.vocab, 2, 14, seed=2)
+    expected = session(parallel).run(["logits"], with_positions(spec, sequence))[0]
+    actual = forced_logits(session(recurrent_model), "recurrent", sequence["input_ids"], sequence["attention_mask"], 9)
+    assert logits_error(actual, expected, sequence["attention_mask"]) <= 1e-5 * np.abs(expected).max()
+
+
+def test_an_encoder_is_finetuned_on_its_outputs(tmp_path, capsys):
+    """No next-token logits: the objective is the outputs' relative error (the end-to-end stage's)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, (12, 16)).astype(np.int64)
+    np.savez(tmp_path / "data.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    argv = [SAMPLE_BERT, "--to", "hedgehog", "--calibrate", tmp_path / "data.npz", "--calibrate-steps", STEPS]
+    code, _, err = cli(capsys, *argv, "--finetune", STEPS, "-o", tmp_path / "tuned.onnx")
+    assert code == 0, err
+    entry = read_record(onnx.load(tmp_path / "tuned.onnx"))["finetune"]
+    assert entry["objective"] == "output_error" and len(entry["adapted"]) == 2
+    assert "output-error" in err
+
+
+def test_shared_layers_are_split_for_their_adapters(exports, tmp_path):
+    """ALBERT's layers share one set of weights: each site's projections get their own merged
+    copy, so no site's change reaches another's."""
+    model = onnx.load(exported(exports, "albert", "legacy").path)
+    shared = [t.name for t in model.graph.initializer if sum(t.name in n.input for n in model.graph.node) > 1]
+    data = {"input_ids": np.random.default_rng(0).integers(0, 50, (8, 12)).astype(np.int64)}
+    data["attention_mask"] = np.ones_like(data["input_ids"])
+    tuned = attnrewrite.rewrite(model, "hedgehog", calibrate=data, calibrate_steps=2, finetune=3, finetune_lr=0.05)
+    entry = read_record(tuned)["finetune"]
+    sites = len(entry["adapted"])
+    assert sites >= 2 and shared
+    weights = {
+        n.name: n.input[1]
+        for n in tuned.graph.node
+        if n.name in {p for s in entry["adapted"] for p in s["projections"]}
+    }
+    assert len(set(weights.values())) == len(weights)  # one weight per projection, none shared any more
+
+
+def test_two_processes_under_torchrun_fit_what_one_does(decoder_exports, tmp_path):
+    spec = DECODERS["llama"]
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", spec, 16, length=24)
+    argv = [str(export.path), "--to", "hedgehog", "-O", "window=4", "--calibrate", data]
+    argv += ["--calibrate-steps", str(STEPS), "--finetune", str(STEPS)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [sys.executable, "-m", "attnrewrite", *argv, "-o", str(tmp_path / "one.onnx")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0, one.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533"]
+    two = subprocess.run(
+        [*torchrun, "-m", "attnrewrite", *argv, "-o", str(tmp_path / "two.onnx")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("wrote ") == 1  # only the first process writes and speaks
+    record = read_record(onnx.load(tmp_path / "two.onnx"))["finetune"]
+    assert record["processes"] == 2 and read_record(onnx.load(tmp_path / "one.onnx"))["finetune"]["processes"] == 1
+    a, b = initializers(onnx.load(tmp_path / "one.onnx")), initializers(onnx.load(tmp_path / "two.onnx"))
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        if value.dtype.kind == "f":
+            assert np.abs(value - b[name]).max() <= 1e-5 * max(np.abs(value).max(), 1e-30), name
+
+
+def quantized_copy(path, tmp_path) -> str:
+    """The model with every projection weight behind a DequantizeLinear (a QDQ int8 weight)."""
+    model = onnx.load(path)
+    for node in model.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        weight = next((t for t in model.graph.initializer if t.name == node.input[1]), None)
+        if weight is None or len(weight.dims) != 2:
+            continue
+        array = onnx.numpy_helper.to_array(weight)
+        scale = np.abs(array).max() / 127
+        model.graph.initializer.remove(weight)
+        model.graph.initializer.extend(
+            [
+                onnx.numpy_helper.from_array(np.round(array / scale).astype(np.int8), f"{weight.name}/q"),
+                onnx.numpy_helper.from_array(np.array(scale, np.float32), f"{weight.name}/scale"),
+            ]
+        )
+        model.graph.node.insert(
+            0,
+            onnx.helper.make_node(
+                "DequantizeLinear",
+                [f"{weight.name}/q", f"{weight.name}/scale"],
+                [weight.name],
+                name=f"{weight.name}/dequantize",
+            ),
+        )
+    path = tmp_path / "quantized.onnx"
+    onnx.save(model, path)
+    return str(path)
+
+
+def test_quantized_projections_are_refused_in_one_line(decoder_exports, tmp_path, capsys):
+    spec = DECODERS["llama"]
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", spec, 8)
+    model = quantized_copy(export.path, tmp_path)
+    out = tmp_path / "out.onnx"
+    code, _, err = cli(capsys, model, "--to", "hedgehog", "--calibrate", data, "--finetune", 2, "-o", out)
+    assert code == 2 and not out.exists()
+    assert err.startswith("attnrewrite: error: cannot fine-tune: the projection ") and err.count("\n") == 1
+    assert "is quantized (a DequantizeLinear weight), and adapters on quantized weights are not supported yet" in err
+
+
+def test_finetune_needs_the_calibration_data(decoder_exports, tmp_path, capsys):
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    code, _, err = cli(capsys, export.path, "--to", "hedgehog", "--finetune", "-o", tmp_path / "out.onnx")
+    assert (code, err) == (
+        2,
+        "attnrewrite: error: --finetune trains on the calibration data; give --calibrate DATA too\n",
+    )
