@@ -184,7 +184,7 @@ def _how(result) -> str:
 
 
 def _rejected(result) -> dict[str, Any]:
-    """The record says when a fit was undone (passes.fit._kept_if_lower) and what it had reached."""
+    """The record says when a fit was undone (passes.fit.kept_if_lower) and what it had reached."""
     return {} if result.rejected_loss is None else {"kept_unfitted": True, "rejected_loss": result.rejected_loss}
 
 

@@ -34,6 +34,7 @@ from torch.utils import _pytree
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx.projections import Projection, site_projections
 from attnrewrite.passes import finetune
+from attnrewrite.passes.fit import snapshot
 
 MASK = "attention_mask"
 LIFTED = "attnrewrite_lora"  # the lifted projections' module names: LIFTED_0, LIFTED_1, ...
@@ -59,6 +60,7 @@ class Finetuning:
 
         settings, gm = calibration.finetune, self.gm
         requires_grad = {p: p.requires_grad for p in gm.parameters()}
+        values = [p for _, module in self.fitting for p in module.parameters() if p.requires_grad]
         projections = [p for _, ps in self.adapted for p in ps]
         in_place = [p.module is not None and _adaptable_in_place(gm, p) for p in projections]  # before any lifting
         hosts = [
@@ -76,7 +78,7 @@ class Finetuning:
             lora = peft.LoraModel(gm, config, ADAPTER)
         keep = False
         try:
-            result, held_out = self._train(lora, outputs, objective, calibration)
+            result, held_out = self._train(lora, values, outputs, objective, calibration)
             keep = held_out is None or held_out["kept"] == "fine-tuned"
         finally:
             if keep:
@@ -86,9 +88,9 @@ class Finetuning:
             _put_back(gm, hosts, merged=keep, requires_grad=requires_grad)
         return calibration.report_finetune(result, objective.kind, held_out, self._entries())
 
-    def _train(self, lora, outputs: Callable, objective: finetune.Objective, calibration) -> tuple:
-        """(passes.finetune's result, the guard's entry or None)."""
-        values = [p for _, module in self.fitting for p in module.parameters()]
+    def _train(self, lora, values: list, outputs: Callable, objective: finetune.Objective, calibration) -> tuple:
+        """(passes.finetune's result, the guard's entry or None); ``values``: the replacements'
+        trainable parameters."""
         for p in values:  # peft froze everything but its adapters
             p.requires_grad_(True)
         adapters = [p for name, p in self.gm.named_parameters() if "lora_" in name]
@@ -104,7 +106,7 @@ class Finetuning:
             with _adapters_off(lora):
                 return outputs(example, exact=False)
 
-        calibrated = [p.detach().clone() for p in values]
+        calibrated = snapshot(values)
         settings = calibration.finetune
         result = finetune.finetune(
             student,

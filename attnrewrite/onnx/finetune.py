@@ -26,7 +26,7 @@ from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.projections import Projection, site_projections
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
-from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, zero_padded_queries
+from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, snapshot, zero_padded_queries
 
 MASK = "attention_mask"
 
@@ -62,7 +62,7 @@ class Finetuning:
             return whole.run(feeds, fitted, adapters if with_adapters else None)
 
         replacement_values = [p for s in sites for p in s.module.parameters() if p.requires_grad]
-        calibrated = [p.detach().clone() for p in replacement_values]
+        calibrated = snapshot(replacement_values)
         result = finetune.finetune(
             student,
             teacher,

@@ -29,7 +29,7 @@ import typing
 
 import numpy as np
 
-from attnrewrite.passes.fit import spread_indices
+from attnrewrite.passes.fit import kept_if_lower, snapshot, spread_indices
 from attnrewrite.passes.optional_torch import Module, torch
 
 DEFAULT_RANK = 8
@@ -136,8 +136,9 @@ class FinetuneResult:
 def finetune(student, teacher, params, batches: list, objective: Objective, *, steps: int, lr: float, seed: int = 0):
     """Train ``params`` (in place, Adam) so that ``student(feeds)`` (a list of output tensors)
     matches ``teacher(feeds)`` under ``objective``, one batch of ``batches`` (model-input dicts
-    of numpy arrays, examples on the leading axis) per step, drawn at random (seeded, the same in
-    every process). A fit that ends with a higher loss than it started with is undone."""
+    of numpy arrays, examples on the leading axis) per step, every batch once per pass over them,
+    in a seeded random order (the same in every process). A fit that ends with a higher loss
+    than it started with is undone."""
     params = list(params)
     started = time.perf_counter()
     world = _World()
@@ -151,20 +152,16 @@ def finetune(student, teacher, params, batches: list, objective: Objective, *, s
         return mean_loss(student, teacher, measured, objective, world)
 
     loss_before = measured_loss()
-    start = [p.detach().clone() for p in params]
-    generator = torch.Generator().manual_seed(seed)
+    start = snapshot(params)
     optimizer = torch.optim.Adam(params, lr=lr)
-    for _ in range(steps):
-        feeds = batches[int(torch.randint(len(batches), (1,), generator=generator))]
+    for index in _passes(len(batches), steps, seed):
+        feeds = batches[index]
         numerators, denominators = _loss_parts(student, teacher, feeds, objective, world)
         optimizer.zero_grad(set_to_none=True)
         (numerators / denominators).mean().backward()  # this process's share of the batch's loss
         world.sum_gradients(params)
         optimizer.step()
-    loss_after, rejected = measured_loss(), None
-    if loss_after > loss_before:
-        rejected, loss_after = loss_after, loss_before
-        _load(params, start)
+    loss_after, rejected = kept_if_lower(params, start, loss_before, measured_loss())
     return FinetuneResult(
         loss_before,
         loss_after,
@@ -176,6 +173,14 @@ def finetune(student, teacher, params, batches: list, objective: Objective, *, s
         world.size,
         rejected,
     )
+
+
+def _passes(batches: int, steps: int, seed: int) -> list[int]:
+    """The batch of each step: passes over all of them, each in a seeded random order."""
+    generator, order = torch.Generator().manual_seed(seed), []
+    while len(order) < steps:
+        order += torch.randperm(batches, generator=generator).tolist()
+    return order[:steps]
 
 
 def mean_loss(student, teacher, batches: list, objective: Objective, world=None) -> float:
@@ -190,7 +195,7 @@ def judge(batches: list, examples: int, student, without_adapters, teacher, obje
     """The guard on held-out ``batches`` (``examples`` of them): the loss fine-tuned (``student``)
     and calibrated (``without_adapters``, run with ``values`` set to ``calibrated``). The
     calibrated values stay where they score better. Returns the record's entry."""
-    tuned = [p.detach().clone() for p in values]
+    tuned = snapshot(values)
     loss_tuned = mean_loss(student, teacher, batches, objective)
     _load(values, calibrated)
     loss_calibrated = mean_loss(without_adapters, teacher, batches, objective)

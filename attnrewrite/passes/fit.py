@@ -41,7 +41,7 @@ DEFAULT_LR = 3e-2
 # MiniLM (hedgehog, window 32, ONNX path, bench/FIDELITY.md): 200 steps at 3e-3 take the
 # held-out embedding cosine from 0.987 to 0.990 (minimum 0.941 to 0.955).
 DEFAULT_END_TO_END_LR = 3e-3
-# A fit's loss before and after (what it is judged by, _kept_if_lower, and what it reports) is
+# A fit's loss before and after (what it is judged by, kept_if_lower, and what it reports) is
 # measured on at most this many batches, spread over the data. End to end each is a run of the
 # whole model: on all of MiniLM's 38 batches of 8 the two took as long as 36 steps of 8. Per
 # site, on all of them they took 4-5 s of each site's ~21 s (hedgehog, window 32, 300 steps).
@@ -103,7 +103,7 @@ class FitResult:
     seconds: float
     measured_batches: int  # of the samples' batches, those the losses are measured on
     batches: int
-    rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
+    rejected_loss: float | None = None  # where fitting ended higher than it started (see kept_if_lower)
     coverage: dict | None = None  # what the kernel part was fitted on (far_key_coverage)
 
     def as_dict(self) -> dict:
@@ -173,7 +173,7 @@ def fit_site(
     generator = torch.Generator().manual_seed(seed)
     sizes = torch.tensor([float(q.shape[0]) for q in samples.q])
     lr = lr if lr is not None else getattr(module, "CALIBRATION_LR", DEFAULT_LR)
-    start = _snapshot(params)
+    start = snapshot(params)
     optimizer = torch.optim.Adam(params, lr=lr)
     module.train()
     for _ in range(steps):
@@ -190,7 +190,7 @@ def fit_site(
         optimizer.step()
     module.eval()
     loss_after = _mean_loss(module, samples, targets, measured, device)[0]
-    loss_after, rejected = _kept_if_lower(params, start, loss_before, loss_after)
+    loss_after, rejected = kept_if_lower(params, start, loss_before, loss_after)
     coverage = far_key_coverage(module, samples, measured, scale, causal, device)
     return FitResult(
         loss_before,
@@ -249,7 +249,7 @@ class EndToEndResult:
     seconds: float
     measured_batches: int  # of the data's batches, those the losses are measured on
     batches: int
-    rejected_loss: float | None = None  # where fitting ended higher than it started (see _kept_if_lower)
+    rejected_loss: float | None = None  # where fitting ended higher than it started (see kept_if_lower)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -292,7 +292,7 @@ def fit_end_to_end(
         return _mean_end_to_end_loss(run, [batches[i] for i in measured], [targets[i] for i in measured])
 
     loss_before = measured_loss()
-    start = _snapshot(params)
+    start = snapshot(params)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(params, lr=lr)
     for _ in range(steps):
@@ -303,7 +303,7 @@ def fit_end_to_end(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    loss_after, rejected = _kept_if_lower(params, start, loss_before, measured_loss())
+    loss_after, rejected = kept_if_lower(params, start, loss_before, measured_loss())
     return EndToEndResult(
         loss_before,
         loss_after,
@@ -323,11 +323,11 @@ def spread_indices(total: int, wanted: int) -> list[int]:
     return [round(i * (total - 1) / max(wanted - 1, 1)) for i in range(wanted)]
 
 
-def _snapshot(params: list) -> list:
+def snapshot(params: list) -> list:
     return [p.detach().clone() for p in params]
 
 
-def _kept_if_lower(params: list, start: list, loss_before: float, loss_after: float) -> tuple[float, float | None]:
+def kept_if_lower(params: list, start: list, loss_before: float, loss_after: float) -> tuple[float, float | None]:
     """A fit that ends with a higher loss on its own data than it started with (a rate too high
     for these values, e.g. a Linformer projection) would leave the model worse than unfitted:
     then the starting values are put back. Returns (the kept values' loss, the rejected loss or None)."""
