@@ -26,7 +26,7 @@ from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.projections import Projection, site_projections
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
-from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, snapshot, zero_padded_queries
+from attnrewrite.passes.fit import exact_stand_in, snapshot, zero_padded_queries
 
 MASK = "attention_mask"
 
@@ -161,9 +161,18 @@ def _adapter_entries(adapted: dict, skipped: list[dict]) -> dict:
 
 
 def _step_batches(graph: ir.Graph, batches: list) -> list:
-    """The data as one step takes it: EXAMPLES_PER_STEP examples a batch, completed for a
+    """The data as one step takes it (passes.finetune.examples_per_step), completed for a
     prefill from nothing (a recurrent model's zero states)."""
-    return [with_prefill_inputs(graph, part) for feeds in batches for part in split_batch(feeds, EXAMPLES_PER_STEP)]
+    return [
+        with_prefill_inputs(graph, part)
+        for feeds in batches
+        for part in split_batch(feeds, finetune.examples_per_step(_tokens_per_example(feeds)))
+    ]
+
+
+def _tokens_per_example(feeds: dict) -> int:
+    """The sequence length: the longest second axis among the inputs (1 where none has one)."""
+    return max((array.shape[1] for array in feeds.values() if array.ndim >= 2), default=1)
 
 
 def _fitted_stand_in(module):
