@@ -64,7 +64,7 @@ def held_out_cosine(model: onnx.ModelProto, inputs: CheckInputs) -> float:
 def test_the_guard_writes_the_zero_shot_values_back_when_fitting_made_the_model_worse(monkeypatch, capsys):
     data = [batch(8, 16, first) for first in (0, 100, 200)]  # 24 examples: the last batch is held out
     # a fit that keeps whatever it reached, at a rate that wrecks it: only the guard is left
-    monkeypatch.setattr(fit, "_kept_if_lower", lambda params, start, before, after: (after, None))
+    monkeypatch.setattr(fit, "kept_if_lower", lambda params, start, before, after: (after, None))
     settings = dict(window=4, calibrate=data, calibrate_steps=20, calibrate_lr=3.0)
     model = attnrewrite.rewrite(str(SAMPLE_BERT), "hedgehog", **settings)
     said = [GUARD_LINE.fullmatch(line) for line in capsys.readouterr().err.splitlines()]
@@ -101,7 +101,7 @@ def test_a_held_out_part_that_cannot_tell_the_values_apart_keeps_zero_shot(zero_
 def test_the_fx_frontend_guards_its_modules_the_same_way(monkeypatch, capsys):
     spec = models.MODELS["torch-encoder-padded"]
     examples = [spec.inputs(1, 10 + i % 4) for i in range(22)]  # a tenth: the last 3 are held out
-    monkeypatch.setattr(fit, "_kept_if_lower", lambda params, start, before, after: (after, None))
+    monkeypatch.setattr(fit, "kept_if_lower", lambda params, start, before, after: (after, None))
     gm = attnrewrite.rewrite(spec.build(), to="hydra", calibrate=examples, calibrate_steps=15, calibrate_lr=100.0)
     said = [m.groups()[:4] for m in map(GUARD_LINE.fullmatch, capsys.readouterr().err.splitlines()) if m]
     assert said == [("zero-shot", "0.9785", "0.9765", "3")]
