@@ -4,14 +4,41 @@ model is built and exported once per session and every test reads the same files
 from __future__ import annotations
 
 import json
+import os
 
 import onnx
+import onnxruntime
 import pytest
 from decoders import DecoderCache, DecoderExport
 from models import Export, ExportCache, ExportUnsupported
 
 import attnrewrite
 from attnrewrite.record import METADATA_KEY
+
+
+def pytest_configure(config):
+    """Under xdist each worker gets its share of the cores: torch and onnxruntime would each start
+    a thread per core in every worker, and the surplus threads only contend (and spin)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    import torch
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the processes tests start: torch's threads
+    onnxruntime.SessionOptions = _options_with_threads(onnxruntime.SessionOptions, threads)
+
+
+def _options_with_threads(options: type, threads: int) -> type:
+    """SessionOptions whose default intra-op thread count is ``threads`` (a setting still wins)."""
+
+    class WorkerSessionOptions(options):
+        def __init__(self):
+            super().__init__()
+            self.intra_op_num_threads = threads
+
+    return WorkerSessionOptions
 
 
 @pytest.fixture(scope="session")

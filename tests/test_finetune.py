@@ -31,6 +31,7 @@ from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.finetune import merge
 from attnrewrite.onnx.projections import Projection, site_projections
 from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.passes import finetune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12  # calibration and fine-tuning steps: enough to move every value
@@ -128,6 +129,10 @@ def test_merging_adds_the_change_and_leaves_another_reader_alone(layout, shared)
         assert len(model.graph.initializers) == 2
     else:  # merged in place: no copy
         assert list(model.graph.initializers) == ["W"]
+
+
+def test_a_step_takes_about_1024_tokens_and_at_most_4_examples():
+    assert [finetune.examples_per_step(n) for n in (1, 16, 256, 257, 512, 600, 4096)] == [4, 4, 4, 3, 2, 1, 1]
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
