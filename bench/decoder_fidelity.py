@@ -4,8 +4,8 @@ A Llama-style model (4 layers, 256 wide, grouped-query, rotary) is trained on be
 calibration passages, exported for generation with a KV cache, rewritten by the CLI into a
 constant-memory recurrent model (``--to hedgehog --recurrent``, with and without ``-O window=64``,
 zero-shot, ``--calibrate``d, and calibrated then ``--finetune``d), and measured on the held-out
-passages. Writes the "Decoders"
-section of bench/FIDELITY.md (the rest of the file is left alone) and bench/decoder_fidelity.json.
+passages. Writes the "Decoders" section of bench/FIDELITY.md (the rest of the file is left alone)
+and bench/decoder_fidelity.json.
 
     python bench/decoder_fidelity.py                   # train (or reuse the cached model), rewrite, measure
     python bench/decoder_fidelity.py --only-zero-shot  # skip the calibrated and fine-tuned rewrites
