@@ -24,6 +24,7 @@ from attnrewrite.data import split_batch
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.projections import Projection, site_projections
+from attnrewrite.onnx.splice import unique_initializer_name
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
 from attnrewrite.passes.fit import exact_stand_in, snapshot, zero_padded_queries
@@ -115,12 +116,12 @@ def merge(projection: Projection, delta: np.ndarray) -> None:
     weight = projection.weight
     stored = weight.const_value.numpy()
     merged = (stored.astype(np.float32) + (delta.T if projection.transposed else delta)).astype(stored.dtype)
-    reader = _reader(projection)
     if len(weight.uses()) == 1:
         weight.const_value = ir.tensor(merged, name=weight.name)
         return
-    copy = ir.Value(name=f"{projection.node.name}/weight", const_value=ir.tensor(merged))
-    copy.name = copy.const_value.name = _fresh_name(reader.graph, copy.name)
+    reader = _reader(projection)
+    name = unique_initializer_name(reader.graph, f"{projection.node.name}/weight")
+    copy = ir.Value(name=name, const_value=ir.tensor(merged, name=name))
     reader.graph.register_initializer(copy)
     reader.replace_input_with(list(reader.inputs).index(weight), copy)
 
@@ -129,13 +130,6 @@ def _reader(projection: Projection) -> ir.Node:
     """The node that reads the weight for the projection: the projection, or its Transpose."""
     producer = projection.node.inputs[1].producer()
     return producer if producer is not None and producer.op_type == "Transpose" else projection.node
-
-
-def _fresh_name(graph: ir.Graph, name: str) -> str:
-    taken, fresh, number = set(graph.initializers), name, 1
-    while fresh in taken:
-        fresh, number = f"{name}_{number}", number + 1
-    return fresh
 
 
 def _adapted_projections(sites: list) -> tuple[dict, list[dict]]:

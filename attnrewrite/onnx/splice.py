@@ -316,7 +316,7 @@ class Splicer:
         return self._constants[key]
 
     def _initializer(self, name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=_unique_name(self.graph, name), const_value=ir.tensor(array))
+        value = ir.Value(name=unique_initializer_name(self.graph, name), const_value=ir.tensor(array))
         value.type = ir.TensorType(value.const_value.dtype)
         value.shape = ir.Shape(array.shape)
         self.graph.register_initializer(value)
@@ -374,7 +374,8 @@ def _same_body(existing: ir.Function, proto: onnx.FunctionProto) -> bool:
     return mine.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
 
 
-def _unique_name(graph: ir.Graph, name: str) -> str:
+def unique_initializer_name(graph: ir.Graph, name: str) -> str:
+    """``name``, or ``name_2``, ``name_3``, ... where an initializer already has it."""
     candidate, n = name, 2
     while candidate in graph.initializers:
         candidate, n = f"{name}_{n}", n + 1

@@ -37,8 +37,9 @@ ALPHA_PER_RANK = 2.0  # LoRA's alpha = 2 r (LoLCATs: rank 8, alpha 16): the upda
 DEFAULT_STEPS = 100
 DEFAULT_LR = 1e-3
 # A step takes about this many tokens (LoLCATs trains on 1024-token chunks) and at most
-# fit.EXAMPLES_PER_STEP examples: SmolLM2-135M's 512-token passages go two at a time, a step of
-# 12 s and 10 GB on the 2-core CPU where four took 24 s and 20 GB.
+# fit.EXAMPLES_PER_STEP examples, for memory: on SmolLM2-135M (2-core CPU) a step of two
+# 512-token passages peaks at 10 GB (12 s), of four at 18 GB (19 s), more than a 24 GB machine
+# holds beside the rest of the run (14.5 GB at its peak with two).
 TOKENS_PER_STEP = 1024
 MEASURED_BATCHES = 4  # batches the loss before and after is measured on, spread over the data
 NEXT_TOKEN_KL, OUTPUT_ERROR = "next_token_kl", "output_error"
