@@ -28,7 +28,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from attnrewrite import __version__, calibration, passes, pipeline
+from attnrewrite import __version__, calibration, genai_folder, passes, pipeline
 from attnrewrite import check as check_mod
 from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive
 from attnrewrite.data import load_inputs
@@ -70,9 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
         "'attnrewrite generate MODEL [REWRITTEN] --tokenizer T --prompt TEXT' continues text with a decoder "
         "(each with -h for its options)",
     )
-    parser.add_argument("model", nargs="?", help="the ONNX model to read (never modified)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="the ONNX model to read, or a folder holding one (an onnxruntime-genai folder: its genai_config.json names it); never modified",
+    )
     parser.add_argument("--to", type=method_name, choices=list(passes.PASSES), help="the replacement method")
-    parser.add_argument("-o", "--output", help="where to write the rewritten model")
+    parser.add_argument(
+        "-o",
+        "--output",
+        help="where to write the rewritten model; DIR/ (trailing slash): a folder onnxruntime-genai opens, with "
+        "genai_config.json and the tokenizer beside model.onnx",
+    )
     parser.add_argument("--list", action="store_true", help="only report the attention sites found")
     parser.add_argument(
         "--layers",
@@ -611,6 +620,10 @@ def _run(argv: list[str], run: _Run) -> int:
         return _print_options(args, report)
     if args.model is None:
         parser.error("the following arguments are required: model")
+    args.model, source = genai_folder.input_model(args.model)
+    genai_output = None
+    if args.output and not args.list:
+        args.output, genai_output = genai_folder.output_model(args.output)
     report.input = args.model
     with stage("load"):
         model = onnx_io.load_model(args.model)
@@ -622,7 +635,7 @@ def _run(argv: list[str], run: _Run) -> int:
     settings = _settings(args)
     if settings.compares:
         check_length_fits(model.graph, args, from_empty_cache=settings.recurrent)
-    _check_calibration_arguments(args)
+    _check_calibration_arguments(args, genai_output is not None)
     result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings, report)
     if not run.writes:
         return 0
@@ -635,12 +648,17 @@ def _run(argv: list[str], run: _Run) -> int:
     if not result.record.rewritten:
         raise pipeline.refusal(result)
     with stage("write"):
+        beside = source or Path(args.model).parent
+        folder = genai_folder.folder_files(result.model, beside, args.tokenizer) if genai_output else None
         _write_proved(result, args.output)
+        written = folder.write(genai_output) if folder else None
     record = result.record
     print(
         f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}"
         + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
     )
+    if written:
+        print(f"wrote {', '.join(written)} beside it: {genai_output} is a folder onnxruntime-genai opens")
     report.end(WRITTEN, 0, output=args.output)
     return 0
 
@@ -675,11 +693,12 @@ def _settings(args) -> pipeline.Settings:
     )
 
 
-def _check_calibration_arguments(args) -> None:
-    """Calibration's own flags mean nothing without --calibrate: refused, not ignored."""
+def _check_calibration_arguments(args, genai_output: bool) -> None:
+    """Calibration's own flags mean nothing without --calibrate: refused, not ignored (but
+    --tokenizer, whose files a genai folder gets)."""
     if args.calibrate:
         return
-    if args.tokenizer:
+    if args.tokenizer and not genai_output:
         raise AttnRewriteError("--tokenizer is for a text --calibrate file; give --calibrate too")
     if args.calibrate_pack:
         raise AttnRewriteError("--calibrate-pack is for a text --calibrate file; give --calibrate too")

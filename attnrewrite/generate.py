@@ -18,6 +18,7 @@ transformers' own generate() makes them. On CUDA the carried values stay on the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import time
@@ -59,15 +60,27 @@ class Carried:
     output: str
     shape: tuple[int | str | None, ...]  # as declared
     dtype: np.dtype
+    # axes the output declares under the input's symbol: a size the model fixes, not a length
+    # (onnxruntime-genai's builder declares its caches' head size so: "kv_cache_dim")
+    fixed_axes: tuple[int, ...] = ()
 
-    def initial(self, batch: int, batch_axis_name) -> np.ndarray:
-        """Zeros of the declared shape: a symbolic batch axis is ``batch``, any other symbolic
-        axis a past length, empty at the start."""
+    def initial(self, batch: int, batch_axis_name, head_size: int | None = None) -> np.ndarray:
+        """Zeros of the declared shape: a symbolic batch axis is ``batch``, a fixed axis
+        ``head_size``, any other symbolic axis a past length, empty at the start."""
 
         def size(axis: int, dim) -> int:
             if isinstance(dim, int):
                 return dim
-            return batch if axis == 0 or (dim is not None and dim == batch_axis_name) else 0
+            if axis == 0 or (dim is not None and dim == batch_axis_name):
+                return batch
+            if axis in self.fixed_axes:
+                if head_size is None:
+                    raise AttnRewriteError(
+                        f"the input {self.input} declares its axis {axis} as {dim!r}, a size generate() cannot "
+                        f"tell; the genai_config.json beside the model gives it (head_size)"
+                    )
+                return head_size
+            return 0
 
         return np.zeros(tuple(size(axis, dim) for axis, dim in enumerate(self.shape)), self.dtype)
 
@@ -83,6 +96,7 @@ class Decoder:
     merged: bool  # takes use_cache_branch
     carried: tuple[Carried, ...]
     batch_axis_name: int | str | None
+    head_size: int | None = None  # for caches that declare it symbolically (Carried.fixed_axes)
 
     @classmethod
     def of(cls, session, label: str) -> Decoder:
@@ -118,10 +132,11 @@ class Decoder:
             merged=MERGED_BRANCH in inputs,
             carried=carried,
             batch_axis_name=(inputs["input_ids"].shape or [None])[0],
+            head_size=_genai_head_size(getattr(session, "_model_path", None)),  # the file it was made from
         )
 
     def initial_state(self, batch: int) -> dict[str, np.ndarray]:
-        return {c.input: c.initial(batch, self.batch_axis_name) for c in self.carried}
+        return {c.input: c.initial(batch, self.batch_axis_name, self.head_size) for c in self.carried}
 
     def feeds(self, new_ids: np.ndarray, mask: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The tokens of this call, the mask over every token so far, their positions."""
@@ -133,6 +148,21 @@ class Decoder:
         if self.merged:
             feeds[MERGED_BRANCH] = np.array([step > 0])
         return feeds
+
+
+def _genai_head_size(path) -> int | None:
+    """``model.decoder.head_size`` of the genai_config.json beside a model file, if any."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return None
+    config = os.path.join(os.path.dirname(path), "genai_config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as file:
+            size = json.load(file)["model"]["decoder"]["head_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) else None
 
 
 def _pair_carried(inputs: dict, outputs: dict, label: str) -> tuple[Carried, ...]:
@@ -155,7 +185,13 @@ def _pair_carried(inputs: dict, outputs: dict, label: str) -> tuple[Carried, ...
                     f"{label}: the output {present} is {outputs[present].type} but the input {past} it feeds "
                     f"is {declared.type}"
                 )
-            carried.append(Carried(past, present, tuple(declared.shape), dtype))
+            returned = outputs[present].shape or []
+            fixed = tuple(
+                axis
+                for axis, dim in enumerate(declared.shape)
+                if axis > 0 and isinstance(dim, str) and axis < len(returned) and returned[axis] == dim
+            )
+            carried.append(Carried(past, present, tuple(declared.shape), dtype, fixed))
         if presents:
             present = sorted(presents)[0]
             raise AttnRewriteError(
@@ -179,30 +215,38 @@ def _numpy_dtype(onnxruntime_type: str, name: str, label: str) -> np.dtype:
 # --- the prompts, the choice of the next token --------------------------------------------------
 
 
-def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts of any lengths as one batch: ids [B, N] padded on the left, and their mask."""
+PADDINGS = ("left", "right")
+
+
+def padded(
+    prompts: Sequence[Sequence[int]], pad_token_id: int = 0, side: str = "left"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts of any lengths as one batch: ids [B, N] padded on ``side``, and their mask."""
     longest = max(len(prompt) for prompt in prompts)
     ids = np.full((len(prompts), longest), pad_token_id, np.int64)
     mask = np.zeros((len(prompts), longest), np.int64)
     for row, prompt in enumerate(prompts):
         if len(prompt):
-            ids[row, longest - len(prompt) :] = prompt
-            mask[row, longest - len(prompt) :] = 1
+            columns = slice(longest - len(prompt), None) if side == "left" else slice(0, len(prompt))
+            ids[row, columns] = prompt
+            mask[row, columns] = 1
     return ids, mask
 
 
-def _prompt_batch(input_ids, attention_mask, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+def _prompt_batch(input_ids, attention_mask, pad_token_id: int, side: str) -> tuple[np.ndarray, np.ndarray]:
     """input_ids as generate() takes them (a 2-D batch, one prompt, or a list of prompts of any
-    lengths) -> ids and mask [B, N], every row ending in a real token."""
+    lengths) -> ids and mask [B, N], padded on ``side`` (left: every row ends in a real token)."""
+    if side not in PADDINGS:
+        raise AttnRewriteError(f"padding must be one of {', '.join(PADDINGS)}, got {side!r}")
     prompts = isinstance(input_ids, (list, tuple)) and input_ids and not np.isscalar(input_ids[0])
     if prompts and attention_mask is None:
         for row, prompt in enumerate(map(np.asarray, input_ids)):
             if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
                 raise AttnRewriteError(f"input_ids: prompt {row} is not a list of token ids")
-        ids, mask = left_padded(input_ids, pad_token_id)
+        ids, mask = padded(input_ids, pad_token_id, side)
     else:
         if prompts and len({len(prompt) for prompt in input_ids}) > 1:
-            raise AttnRewriteError("prompts of different lengths take no attention_mask: they are left padded here")
+            raise AttnRewriteError("prompts of different lengths take no attention_mask: they are padded here")
         ids = np.atleast_2d(np.asarray(input_ids))
         mask = np.ones(ids.shape, np.int64) if attention_mask is None else np.atleast_2d(np.asarray(attention_mask))
     if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -215,12 +259,24 @@ def _prompt_batch(input_ids, attention_mask, pad_token_id: int) -> tuple[np.ndar
     if empty.size:
         raise AttnRewriteError(f"row {empty[0]} of the prompts has no token")
     padded_last = np.flatnonzero(mask[:, -1] == 0)
-    if padded_last.size:
+    if padded_last.size and side == "left":
         raise AttnRewriteError(
             f"row {padded_last[0]} of the prompts ends in padding (attention_mask 0): pad on the left, "
             "so that every row's last token is a real one"
         )
     return ids.astype(np.int64), mask.astype(np.int64)
+
+
+def _at_last_tokens(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The scores [B, V] at each row's last real token of the call (right-padded prompts end in
+    padding)."""
+    if logits.ndim == 2:
+        return logits
+    if mask is None:
+        return logits[:, -1]
+    fed = mask[:, -logits.shape[1] :]
+    last = fed.shape[1] - 1 - np.argmax(fed[:, ::-1] != 0, axis=1)
+    return logits[np.arange(len(logits)), last]
 
 
 def token_chooser(do_sample: bool, temperature: float, top_k: int | None, seed: int) -> Callable:
@@ -379,13 +435,15 @@ def generate(
     seed: int = 0,
     eos_token_id: int | Iterable[int] | None = None,
     pad_token_id: int | None = None,
+    padding: str = "left",
     provider: str = "cpu",
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens with a decoder ONNX model.
 
     ``model``: a path or an onnxruntime InferenceSession. ``input_ids``: token ids [B, N] (with
-    ``attention_mask`` [B, N], 0 on left padding), one prompt [N], or a list of prompts of any
-    lengths (left padded here). Greedy unless ``do_sample``: then a draw from the softmax of the
+    ``attention_mask`` [B, N], 0 on padding), one prompt [N], or a list of prompts of any
+    lengths, padded here on the ``padding`` side: "left" (transformers' way) or "right"
+    (onnxruntime-genai's: each row's first new token follows its last real one). Greedy unless ``do_sample``: then a draw from the softmax of the
     logits / ``temperature`` over the ``top_k`` best, from a generator seeded with ``seed``.
     A row that chooses one of ``eos_token_id`` (an id or several) stops: it continues with
     ``pad_token_id`` (default: the first stop id); the loop ends when every row stopped.
@@ -393,7 +451,7 @@ def generate(
     """
     stops = _token_ids(eos_token_id)
     pad = int(pad_token_id if pad_token_id is not None else (stops[0] if stops.size else 0))
-    ids, mask = _prompt_batch(input_ids, attention_mask, pad)
+    ids, mask = _prompt_batch(input_ids, attention_mask, pad, padding)
     choose = token_chooser(do_sample, temperature, top_k, seed)
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise AttnRewriteError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens}")
@@ -422,7 +480,7 @@ def _decode(run, decoder: Decoder, ids, mask, max_new_tokens: int, choose, stops
             when = "on the prompts" if step == 0 else f"at decoding step {step}"
             raise AttnRewriteError(f"{decoder.label} fails to run {when}: {_first_line(error)}") from error
         times.append((time.perf_counter() - start) * 1e3)
-        scores = logits[:, -1] if logits.ndim == 3 else logits
+        scores = _at_last_tokens(logits, feeds["attention_mask"] if "attention_mask" in feeds else None)
         chosen = np.where(finished, pad, choose(scores)).astype(np.int64)
         chosen_per_step.append(chosen)
         finished |= np.isin(chosen, stops)

@@ -11,7 +11,7 @@ import numpy as np
 
 from attnrewrite.cli_parsing import CommandParser, parse_positive
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.generate import Generation, generate
+from attnrewrite.generate import PADDINGS, Generation, generate
 from attnrewrite.record import format_bytes
 
 DEFAULT_MAX_NEW_TOKENS = 20
@@ -42,6 +42,13 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=_positive_float, metavar="T", help="with --sample (default: 1)")
     parser.add_argument("--top-k", type=parse_positive, metavar="K", help="with --sample: draw among the K likeliest")
     parser.add_argument("--seed", type=int, metavar="S", help="with --sample (default: 0)")
+    parser.add_argument(
+        "--padding",
+        choices=PADDINGS,
+        default="left",
+        help="the side prompts of different lengths are padded on: left (transformers) or right (onnxruntime-genai) "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
     return parser
@@ -76,6 +83,7 @@ def generate_command(args) -> int:
             top_k=args.top_k,
             seed=args.seed or 0,
             eos_token_id=stops,
+            padding=args.padding,
             provider=args.provider,
         )
         for model in models

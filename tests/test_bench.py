@@ -357,8 +357,9 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
 
     # layers x (key, value) x [2 kv heads, C + 1, head_dim 8], fp32
     kv_bytes = {c: 2 * 2 * (2 * (c + 1) * 8) * 4 for c in (16, 32)}
-    # layers x (kernel state [4 heads, F = 2 x 8 features, 8] + normaliser [4 heads, F]), fp32
-    state_bytes = 2 * (4 * 16 * 8 + 4 * 16) * 4
+    # layers x (kernel state [4 heads, F = 2 x 8 features, 8] + normaliser [4 heads, F] + the one
+    # column of conv_state genai needs beside them), fp32
+    state_bytes = 2 * (4 * 16 * 8 + 4 * 16 + 1) * 4
     assert results.carried["original"] == kv_bytes
     assert results.carried["hedgehog"] == {16: state_bytes, 32: state_bytes}
     assert results.carried["hedgehog-w"][16] == results.carried["hedgehog-w"][32] > state_bytes

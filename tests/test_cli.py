@@ -186,7 +186,10 @@ def test_already_rewritten_model_is_refused_and_nothing_written(tmp_path, capsys
     "make_input,message",
     [
         (lambda d: d / "missing.onnx", "{p}: no such file"),
-        (lambda d: d, "{p}: is a directory, not an ONNX file"),
+        (
+            lambda d: d,
+            "{p}: is a directory, not an ONNX file (nor a model folder: no genai_config.json, no model.onnx)",
+        ),
         (lambda d: _write(d / "empty.onnx", b""), "{p}: is empty"),
     ],
 )

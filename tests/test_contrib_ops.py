@@ -36,8 +36,11 @@ from onnx import TensorProto, helper
 
 import attnrewrite
 from attnrewrite import passes
+from attnrewrite.decision import KV_CACHE
+from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.masks import inputs_marking_padding
+from attnrewrite.site import KvCache
 
 TOLERANCE = 1e-5  # fp32 relative error: implementation parity (docs/ARCHITECTURE.md)
 METHODS = tuple(passes.PASSES)
@@ -49,7 +52,7 @@ LENGTHS = np.array([SEQ, SEQ - 2, SEQ - 4], np.int32)
 
 FUSED_ADVICE = (
     "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
-    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat, opset-23 Attention or GroupQueryAttention)"
 )
 
 
@@ -318,7 +321,7 @@ def test_attention_bias_that_is_not_a_mask_is_refused():
     assert [s["status"] for s in read_record(out)["sites"]] == ["skipped"]
 
 
-def test_group_query_attention_is_listed_and_refused_for_its_kv_cache():
+def test_group_query_attention_is_a_kv_cache_site_refused_without_recurrent():
     kv_heads, past = 1, 5
     graph_inputs = {
         "query": (TensorProto.FLOAT, ["batch", 1, FEATURES]),
@@ -332,13 +335,15 @@ def test_group_query_attention_is_listed_and_refused_for_its_kv_cache():
     model = _contrib_model(
         "GroupQueryAttention", list(graph_inputs), graph_inputs, {}, num_heads=NUM_HEADS, kv_num_heads=kv_heads
     )
-    assert _refusal(model) == (
-        "unknown",
-        "com.microsoft.GroupQueryAttention keeps its KV cache inside the operator (past_key, past_value, seqlens_k, "
-        "total_sequence_length): " + FUSED_ADVICE,
+    (site,) = attnrewrite.find_sites(model)
+    assert (site.kv_cache, site.skip_reason, site.mask_label) == (
+        KvCache("past_key", "past_value", None, None, kv_heads),
+        None,
+        "causal (kv cache)",
     )
-    record = read_record(attnrewrite.rewrite(model, to="linear"))
-    assert [(s["status"], s["mask"]) for s in record["sites"]] == [("skipped", "unknown")]
+    with pytest.warns(NothingRewritten):
+        record = read_record(attnrewrite.rewrite(model, to="linear"))
+    assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", KV_CACHE)]
 
 
 @pytest.mark.parametrize(

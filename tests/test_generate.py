@@ -67,6 +67,16 @@ def test_greedy_with_the_cache_equals_rerunning_the_whole_sequence(decoder_expor
     assert result.prefill_ms > 0 and len(result.step_ms) == STEPS - 1
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["kv-cache", "no-cache"])
+def test_right_padded_prompts_give_the_left_padded_tokens(decoder_exports, cache):
+    """Padding on the right (onnxruntime-genai's way) leaves the pads between a row's prompt and
+    its new tokens; the attention mask and positions keep them out, so the tokens are the same."""
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=cache)
+    left = generate(export.path, PROMPTS, STEPS).tokens
+    right = generate(export.path, PROMPTS, STEPS, padding="right").tokens
+    np.testing.assert_array_equal(right, left)
+
+
 def test_llama_does_not_just_repeat_its_prompt(llama):
     """gpt2's random tied embeddings make it repeat its last token: llama's tokens carry the test."""
     tokens = generate(llama, PROMPTS, STEPS).tokens
@@ -238,7 +248,7 @@ def test_a_model_that_is_not_a_decoder_is_refused(tmp_path, inputs, outputs, mes
     [
         (
             {"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [0, 1]]},
-            "prompts of different lengths take no attention_mask: they are left padded here",
+            "prompts of different lengths take no attention_mask: they are padded here",
         ),
         (
             {"input_ids": [[1, 2], [3, 4]], "attention_mask": [[1, 1], [1, 0]]},
@@ -251,6 +261,7 @@ def test_a_model_that_is_not_a_decoder_is_refused(tmp_path, inputs, outputs, mes
         ({"do_sample": True, "top_k": 0}, "top_k must be a positive integer, got 0"),
         ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
         ({"provider": "tpu"}, "provider must be one of cpu, cuda, got 'tpu'"),
+        ({"padding": "middle"}, "padding must be one of left, right, got 'middle'"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(llama, kwargs, message):

@@ -134,6 +134,29 @@ def test_model_failing_the_checker(tmp_path, capsys, output):
     assert_untouched(output)
 
 
+def test_what_onnxruntime_runs_is_not_refused_by_the_checker_alone(tmp_path, capsys, output):
+    """onnxruntime's SimplifiedLayerNormalization in the default domain (onnxruntime-genai's
+    builder writes it) and a value_info declaring a constant's rank wrongly: the ONNX checker
+    refuses both, onnxruntime runs them, and so the tool reads and rewrites the model."""
+    model = build_attention_model(AttentionSpec())
+    first = model.graph.input[0].name
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(AttentionSpec().head_dim, np.float32), "norm_w"))
+    model.graph.node.insert(
+        0, helper.make_node("SimplifiedLayerNormalization", [f"{first}_raw", "norm_w"], [first], axis=-1)
+    )
+    model.graph.input[0].name = f"{first}_raw"
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["unused_one"], value_ints=[1]))
+    model.graph.value_info.append(helper.make_tensor_value_info("unused_one", TensorProto.INT64, []))
+    path = tmp_path / "runtime_ops.onnx"
+    onnx.save(model, path)
+    with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
+        onnx.checker.check_model(str(path), full_check=True)
+    code, out, err = run(capsys, path, "--to", "linear", "-o", output)
+    assert (code, err) == (0, "")
+    assert "1 of 1 attention sites replaced by linear" in out
+    ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+
+
 def _attention_at(tmp_path, name: str, opset: int | None = None, ir_version: int | None = None) -> Path:
     model = build_attention_model(AttentionSpec(mask="key_padding"))
     if opset is not None:

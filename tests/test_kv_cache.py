@@ -307,7 +307,7 @@ def test_opset23_attention_cache_must_come_from_the_graph_inputs():
 
 FUSED_ADVICE = (
     "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
-    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat, opset-23 Attention or GroupQueryAttention)"
 )
 CONTRIB_CASES = {
     "MultiHeadAttention": (
@@ -316,13 +316,6 @@ CONTRIB_CASES = {
         KvCache("past_key", "past_value", "present_key", "present_value", HEADS),
         "com.microsoft.MultiHeadAttention keeps its KV cache inside the operator (past_key, past_value): "
         + FUSED_ADVICE,
-    ),
-    "GroupQueryAttention": (
-        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
-        {"num_heads": HEADS, "kv_num_heads": KV_HEADS},
-        KvCache("past_key", "past_value", "present_key", "present_value", KV_HEADS),
-        "com.microsoft.GroupQueryAttention keeps its KV cache inside the operator (past_key, past_value, seqlens_k, "
-        "total_sequence_length): " + FUSED_ADVICE,
     ),
     "Attention": (
         ["input", "weights", "", "", "past"],

@@ -38,6 +38,7 @@ import attnrewrite
 from attnrewrite import cli
 from attnrewrite.decision import KV_CACHE
 from attnrewrite.errors import NothingRewritten
+from attnrewrite.generate import forced_logits
 from attnrewrite.onnx.detect import fused_cache_before, fused_cache_inside
 from attnrewrite.site import KvCache, MaskKind
 
@@ -199,6 +200,50 @@ def group_query_decoder() -> onnx.ModelProto:
     return _decoder_graph("group_query_decoder", layer, inputs, outputs, lengths, weights)
 
 
+def with_attributes(model: onnx.ModelProto, **attributes) -> onnx.ModelProto:
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            node.attribute.extend(helper.make_attribute(name, value) for name, value in attributes.items())
+    return model
+
+
+@pytest.mark.parametrize(
+    "attributes, reason",
+    [
+        ({"softcap": 30.0}, "GroupQueryAttention caps its scores (softcap=30): not a softmax of q k^T"),
+        (
+            {"smooth_softmax": 1},
+            "GroupQueryAttention with smooth_softmax=1 (an extra zero logit per row): not a plain softmax",
+        ),
+        (
+            {"local_window_size": 4},
+            "GroupQueryAttention attends to a local window of 4 keys (sliding-window attention), which the "
+            "replacement would widen to the whole context",
+        ),
+    ],
+)
+def test_a_group_query_attention_it_does_not_describe_is_left_alone_with_the_reason(attributes, reason):
+    sites = attnrewrite.find_sites(with_attributes(group_query_decoder(), **attributes))
+    assert [s.skip_reason for s in sites] == [reason] * LAYERS
+
+
+def test_a_group_query_decoder_becomes_recurrent_and_steps_as_it_prefills(tmp_path):
+    """q, k and v as three inputs, no rotary: stepped token by token, the recurrent model gives
+    the logits of one prefill over the whole sequence."""
+    path = saved(group_query_decoder(), tmp_path / "gqa.onnx")
+    assert [s.kv_cache.kv_heads for s in attnrewrite.find_sites(str(path))] == [KV_HEADS] * LAYERS
+    out = tmp_path / "recurrent.onnx"
+    code, stdout, _ = cli_output(str(path), "--to", "hedgehog", "--recurrent", "-o", str(out))
+    assert code == 0 and f"{LAYERS} of {LAYERS} attention sites replaced by hedgehog" in stdout
+    assert op_counts(onnx.load(out))[("com.microsoft", "GroupQueryAttention")] == 0
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 9)).astype(np.int64)
+    mask = np.ones((2, 9), np.int64)
+    mask[1, :2] = 0
+    whole = forced_logits(session(onnx.load(out)), "recurrent", ids, mask, prefill=9)
+    stepped = forced_logits(session(onnx.load(out)), "recurrent", ids, mask, prefill=1)
+    assert logits_error(stepped, whole, mask) <= TOLERANCE * np.abs(whole).max()
+
+
 @pytest.mark.parametrize("build", [onnxruntime_gpt2_attention, group_query_decoder])
 def test_the_hand_built_fused_decoders_run_on_onnxruntime(build):
     """They are models onnxruntime runs (a decoding step: a past of 3, one new token per row),
@@ -231,12 +276,6 @@ FUSED_FORMS = {
         [fused_cache_inside("Attention", ["past"])] * LAYERS,
         [KvCache(f"past_{i}", f"past_{i}", f"present_{i}", f"present_{i}", HEADS) for i in range(LAYERS)],
     ),
-    "group-query": (
-        "a GroupQueryAttention decoder, by hand",
-        [fused_cache_inside("GroupQueryAttention", ["past_key", "past_value", "seqlens_k", "total_sequence_length"])]
-        * LAYERS,
-        layer_caches(*STANDARD_CACHES, KV_HEADS),
-    ),
 }
 
 
@@ -249,7 +288,7 @@ def fused_decoder(request, decoder_exports, tmp_path_factory) -> tuple[Path, lis
     elif form == "multi-head-over-concat":
         fused_by_onnxscript(decoder_exported(decoder_exports, "llama", "dynamo"), path, "sdpa")
     else:
-        saved(onnxruntime_gpt2_attention() if form == "attention-packed-past" else group_query_decoder(), path)
+        saved(onnxruntime_gpt2_attention(), path)
     _, reasons, caches = FUSED_FORMS[form]
     return path, reasons, caches
 

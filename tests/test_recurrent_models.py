@@ -115,8 +115,7 @@ def test_the_interface_is_states_of_fixed_size(decoder_exports, exporter):
     inputs = {i.name: i for i in model.graph.input}
     assert not any(name.endswith((".key", ".value")) for name in inputs)
     assert not any(o.name.endswith((".key", ".value")) for o in model.graph.output)
-    parts = ["kernel_state", "normaliser", "log_scale", "window_keys", "window_values", "window_keep"]
-    parts += ["sink_keys", "sink_values", "sink_keep", "position"]
+    parts = ["recurrent_state", "conv_state"]  # onnxruntime-genai's layout
     layers = range(cached.spec.layers)
     assert [n for n in inputs if n.startswith("past_key_values.")] == [
         f"past_key_values.{i}.{p}" for i in layers for p in parts
@@ -124,17 +123,19 @@ def test_the_interface_is_states_of_fixed_size(decoder_exports, exporter):
     assert [o.name for o in model.graph.output][1:] == [f"present.{i}.{p}" for i in layers for p in parts]
     dims = {name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for name, v in inputs.items()}
     batch = dims["input_ids"][0]
-    # 4 query heads (2 key/value heads repeated), head dim 8, hedgehog's 16 features, 2W - 1 = 7 window rows
-    assert dims["past_key_values.0.kernel_state"] == [batch, 4, 16, 8]
-    assert dims["past_key_values.0.window_keys"] == [batch, 4, 7, 8]
-    assert dims["past_key_values.0.sink_keep"] == [batch, 4, 1, 1]
-    assert dims["past_key_values.0.position"] == []
-    assert inputs["past_key_values.0.position"].type.tensor_type.elem_type == onnx.TensorProto.INT64
+    # 4 query heads (2 key/value heads repeated), head dim 8, hedgehog's 16 features: the kernel
+    # state with the normaliser as a 9th column
+    assert dims["past_key_values.0.recurrent_state"] == [batch, 4, 16, 9]
+    # log scale 4, window keys and values 2 x 4 x 7 x 8, their keep flags 4 x 7, one sink's key,
+    # value (2 x 4 x 8) and flag (4); the position is not stored (the mask gives it)
+    assert dims["past_key_values.0.conv_state"] == [batch, 4 + 2 * 224 + 28 + 2 * 32 + 4]
+    assert {inputs[f"past_key_values.0.{p}"].type.tensor_type.elem_type for p in parts} == {onnx.TensorProto.FLOAT}
     record = read_record(model)
     assert record["options"]["recurrent"] is True
-    assert any(
-        "past_key_values.1.position" in note and "attention mask's length minus" in note for note in record["notes"]
-    )
+    note = next(note for note in record["notes"] if note.startswith("recurrent:"))
+    assert "kernel_state: recurrent_state[..., 0:8]; normaliser: recurrent_state[..., 8:9]" in note
+    assert "window_keys: conv_state[:, 4:228]" in note
+    assert "position: the attention mask's length minus input_ids' length" in note
 
 
 def test_states_do_not_grow_with_the_context(decoder_exports):
@@ -193,7 +194,7 @@ def test_cli_writes_a_model_that_takes_states(decoder_exports, tmp_path, capsys)
     assert "2 of 2 attention sites replaced by hedgehog" in capsys.readouterr().out
     names = [i.name for i in onnx.load(out).graph.input]
     assert names == ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{p}" for i in range(2) for p in ("kernel_state", "normaliser")
+        f"past_key_values.{i}.{part}" for i in range(2) for part in ("recurrent_state", "conv_state")
     ]
 
 

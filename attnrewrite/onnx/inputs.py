@@ -23,7 +23,7 @@ import onnxruntime as ort
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import cache_inputs
-from attnrewrite.passes.lowering import DOMAIN
+from attnrewrite.onnx.state_layout import STATE_NAMES
 from attnrewrite.site import KV_PROBE_PAST
 
 # A convolutional front end rejects short inputs (wav2vec2's feature encoder needs 400
@@ -160,14 +160,12 @@ def with_prefill_inputs(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> dict[s
 
 
 def recurrent_state_inputs(graph: ir.Graph) -> set[str]:
-    """The inputs carrying a recurrent state (attnrewrite.onnx.recurrent): those a replacement
-    node reads after its q, k, v and key_keep (constants are initializers)."""
+    """The inputs carrying a recurrent state (attnrewrite.onnx.recurrent), by their
+    onnxruntime-genai names: ``past_key_values.{i}.recurrent_state`` and ``.conv_state``."""
     return {
-        use.node.inputs[use.idx].name
+        value.name
         for value in graph.inputs
-        if not value.is_initializer()
-        for use in value.uses()
-        if use.node.domain == DOMAIN and use.idx >= 4
+        if not value.is_initializer() and value.name.startswith("past_key_values.") and value.name.endswith(STATE_NAMES)
     }
 
 

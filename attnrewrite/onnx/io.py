@@ -158,11 +158,58 @@ def _runtime_loads(ir_version: int) -> bool:
 
 
 def _check_with_onnx_checker(proto: onnx.ModelProto, path: Path) -> None:
-    checkable = _without_weights(proto)
     try:
-        onnx.checker.check_model(checkable, full_check=True)
+        check_graph(proto)
     except Exception as error:  # ValidationError, InferenceError, or anything the C++ side raises
         raise AttnRewriteError(f"{path}: fails the ONNX checker: {_short(error)}") from error
+
+
+def check_graph(proto: onnx.ModelProto) -> None:
+    """The ONNX checker (full check) on ``proto``'s graph, its weights and its external data
+    left unread. Operators onnxruntime registers in the default domain beside the standard
+    ones (SimplifiedLayerNormalization, written by onnxruntime-genai's model builder) are
+    checked as the custom operators they are, and the declared shapes of intermediate values
+    (value_info, hints onnxruntime infers again: the builder declares some constants with the
+    wrong rank) are not held against the graph. Everything else keeps the checker's full
+    strength, and onnxruntime loading the model is the gate that proves the rest."""
+    checkable = _without_weights(proto)
+    del checkable.graph.value_info[:]
+    runtime_only = runtime_default_domain_ops()
+    relabelled = False
+    for node in _all_nodes(checkable):
+        if node.domain in ("", "ai.onnx") and node.op_type in runtime_only:
+            node.domain, relabelled = _RUNTIME_DEFAULT_DOMAIN, True
+    if relabelled:
+        checkable.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DEFAULT_DOMAIN, 1))
+    onnx.checker.check_model(checkable, full_check=True)
+
+
+# the private domain a check moves onnxruntime's default-domain operators into
+_RUNTIME_DEFAULT_DOMAIN = "attnrewrite.onnxruntime-default-domain"
+
+
+@functools.cache
+def runtime_default_domain_ops() -> frozenset[str]:
+    """Operators onnxruntime registers in the default domain that no ONNX opset defines."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as runtime
+
+    standard = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx")}
+    registered = {s.name for s in runtime.get_all_operator_schema() if s.domain in ("", "ai.onnx")}
+    return frozenset(registered - standard)
+
+
+def _all_nodes(proto: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the main graph, its subgraphs and the model's functions."""
+    graphs = [proto.graph]
+    nodes = [n for f in proto.functions for n in f.node]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            nodes.append(node)
+            for attr in node.attribute:
+                graphs += [attr.g] if attr.HasField("g") else []
+                graphs.extend(attr.graphs)
+    yield from nodes
 
 
 _WEIGHT_BYTES = 1024  # initializers above this are weights: typed, never read by the checks

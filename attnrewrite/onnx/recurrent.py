@@ -6,11 +6,13 @@ this step's NEW keys and values (after rotary; each key/value head repeated for 
 it serves, as the model's own repeat does), the new tokens' key_keep (the attention mask's last N
 columns) and the layer's state, and returns the attention's output and the state after it. The
 graph interface changes with it: the ``past_key_values.{i}.key/value`` inputs and
-``present.{i}.key/value`` outputs give way to ``past_key_values.{i}.<part>`` and
-``present.{i}.<part>`` (onnxruntime-genai's naming), one per state tensor, the batch symbolic and
-every other size fixed. Whatever read the past length from a cache input (Shape nodes: the
-model's own position and mask arithmetic) reads it from what the model still takes:
-PAST_LENGTH. An all-zero state is the initial one.
+``present.{i}.key/value`` outputs give way to onnxruntime-genai's ``past_key_values.{i}.
+recurrent_state`` and ``conv_state`` and their ``present.{i}.*``, the batch symbolic and every
+other size fixed (state_layout.py). A GroupQueryAttention's q, k and v are built from its
+inputs first (grouped_query.py). Whatever
+read the past length from a cache input (Shape nodes: the model's own position and mask
+arithmetic) reads it from what the model still takes: state_layout.PAST_LENGTH. An all-zero state is the
+initial one.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import onnx_ir as ir
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import CachedTensor, OnnxSite
+from attnrewrite.onnx.grouped_query import GroupedQueryNodes
 from attnrewrite.onnx.inputs import cache_contract, embedding_rows
 from attnrewrite.onnx.splice import INT64_MAX, Splicer
+from attnrewrite.onnx.state_layout import Packing, layout
 from attnrewrite.passes.lowering import DOMAIN
-from attnrewrite.passes.recurrent import RecurrentLowering, state_shape
+from attnrewrite.passes.recurrent import RecurrentLowering
 
-PAST_LENGTH = "the attention mask's length minus input_ids' length"
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
 
 
@@ -65,7 +68,7 @@ def _site_refusal(s: OnnxSite) -> str | None:
         needed = "q as [batch, heads, seq, head_dim] with a known number of heads"
     elif site.head_dim is None or site.value_dim is None:
         needed = "the head dims known (the state's sizes are fixed)"
-    elif _static_dims(s.key_cache.past) is None:
+    elif _kv_dims(s) is None:
         return f"--recurrent needs the KV cache {s.key_cache.past.name!r}'s heads and head dim fixed"
     else:
         return None
@@ -97,9 +100,18 @@ def _past_readers(past: ir.Value) -> list[ir.Node]:
 
 
 def _query_heads(s: OnnxSite) -> int | None:
+    if s.grouped_query is not None:
+        return s.grouped_query.num_heads
     dims = known_dims(s.q)
     heads = dims[1] if dims is not None and len(dims) == 4 else None
     return heads if isinstance(heads, int) else s.site.num_heads
+
+
+def _kv_dims(s: OnnxSite) -> tuple[int, int] | None:
+    """(kv heads, head dim) of the site's cache: the operator's, or the cache input's."""
+    if s.grouped_query is not None:
+        return s.grouped_query.kv_heads, s.grouped_query.head_size
+    return _static_dims(s.key_cache.past)
 
 
 def _static_dims(past: ir.Value) -> tuple[int, int] | None:
@@ -117,8 +129,12 @@ class RecurrentSplicer(Splicer):
         super().__init__(model)
         self.interface = interface
         self._new_key_keep: ir.Value | None = None
+        self._past_length_value: ir.Value | None = None
         self.state_inputs: list[str] = []
+        self.parts: list[str] = []  # where each state part lives (Layout.describe)
         self._caches: list[CachedTensor] = []
+        self._cache_dims: dict[str, tuple[int, int]] = {}  # cache input -> (kv heads, head dim)
+        self._grouped_query = GroupedQueryNodes(self._node, self._const, interface.mask)
 
     def check(self, s: OnnxSite) -> None:
         """Nothing more to check: this splice takes k and v from the caches' new tokens and
@@ -128,35 +144,44 @@ class RecurrentSplicer(Splicer):
     def splice(self, s: OnnxSite, lowering: RecurrentLowering, own: frozenset[str] = frozenset()) -> str:
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
-        heads = _query_heads(s)
-        q = self._current(s.q)
-        k, v = (self._repeated_heads(c, heads, new_nodes) for c in (s.key_cache, s.value_cache))
-        inputs, outputs = self._state_values(s, lowering.state, heads)
+        heads, (kv_heads, head_dim) = _query_heads(s), _kv_dims(s)
+        if s.grouped_query is not None:
+            q, k, v = self._grouped_query.heads(s.grouped_query, self._current, new_nodes)
+        else:
+            q, k, v = (self._current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
+        k, v = (self._repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
+        packing, packed, state = self._state(s, lowering.state, heads, new_nodes)
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
             op_type,
-            [q, k, v, self._key_keep_of_new_tokens(q, new_nodes), *inputs, *constants],
+            [q, k, v, self._key_keep_of_new_tokens(q, new_nodes), *state, *constants],
             name=f"{s.site.name}/{op_type}",
-            num_outputs=1 + len(outputs),
+            num_outputs=1 + len(state),
         )
-        call.outputs[0].type, call.outputs[0].shape = s.output.type, s.output.shape
-        for value, declared in zip(call.outputs[1:], outputs):
-            value.name, value.type, value.shape = declared.name, declared.type, declared.shape
+        after: list[ir.Node] = []
+        output = call.outputs[0]
+        if s.grouped_query is not None:
+            output = self._grouped_query.merged(output, s.grouped_query, after)
+        output.type, output.shape = s.output.type, s.output.shape
+        layer = _layer_number(s)
+        for tensor, value in packing.pack(packed, list(call.outputs[1:]), after).items():
+            value.name = f"present.{layer}.{tensor}"
+            value.type, value.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(packing.layout.shapes[tensor])
             self.graph.outputs.append(value)
         self.calls[s.site.name] = call
-        self.graph.insert_before(anchor, [*new_nodes, call])
-        self._take_over(s.output, call.outputs[0])
+        self.graph.insert_before(anchor, [*new_nodes, call, *after])
+        self._take_over(s.output, output)
         self._remove_dead(s.nodes)
         self._caches += [s.key_cache, s.value_cache]
+        for cache in (s.key_cache, s.value_cache):
+            self._cache_dims[cache.past.name] = (kv_heads, head_dim)
         return f"{DOMAIN}.{op_type}"
 
-    def _repeated_heads(self, cache: CachedTensor, heads: int, new_nodes: list[ir.Node]) -> ir.Value:
+    def _repeated_heads(self, new: ir.Value, heads: int, kv_heads: int, head_dim: int, new_nodes) -> ir.Value:
         """The new keys or values [B, Hkv, N, D] as [B, heads, N, D], query head h reading
         key/value head h // (heads / Hkv)."""
-        new = self._current(cache.new)
-        kv_heads, head_dim = _static_dims(cache.past)
         if kv_heads == heads:
             return new
         grouped = self._node(new_nodes, "Unsqueeze", [new, self._const([2])])
@@ -175,21 +200,33 @@ class RecurrentSplicer(Splicer):
             self._new_key_keep.name = "attnrewrite/new_key_keep"
         return self._new_key_keep
 
-    def _state_values(self, s: OnnxSite, description, heads: int) -> tuple[list[ir.Value], list[ir.Value]]:
-        """The layer's state inputs (added to the graph) and its outputs as declared."""
-        layer = _layer_number(s)
+    def _state(self, s: OnnxSite, description, heads: int, new_nodes: list[ir.Node]):
+        """(the packing, the layer's packed state inputs (added to the graph), the parts
+        unpacked from them)."""
         sizes = {"B": self.interface.mask.shape[0], "H": heads, "D": s.site.head_dim, "Dv": s.site.value_dim}
         model_dtype = s.key_cache.past.dtype
-        inputs, outputs = [], []
-        for t in description:
-            dtype = _DTYPES.get(t.dtype, model_dtype)
-            shape = ir.Shape(state_shape(t, sizes))
-            value = ir.Value(name=f"past_key_values.{layer}.{t.name}", type=ir.TensorType(dtype), shape=shape)
+        dtypes = [_DTYPES.get(t.dtype, model_dtype) for t in description]
+        packing = Packing(layout(description, sizes), dtypes, self._const, self._node)
+        self.parts = packing.layout.describe()
+        packed = {}
+        for tensor, shape in packing.layout.shapes.items():
+            value = ir.Value(
+                name=f"past_key_values.{_layer_number(s)}.{tensor}",
+                type=ir.TensorType(ir.DataType.FLOAT),
+                shape=ir.Shape(shape),
+            )
             self.graph.inputs.append(value)
             self.state_inputs.append(value.name)
-            inputs.append(value)
-            outputs.append(ir.Value(name=f"present.{layer}.{t.name}", type=ir.TensorType(dtype), shape=shape))
-        return inputs, outputs
+            packed[tensor] = value
+        return packing, packed, packing.unpack(packed, self._past_length(new_nodes), new_nodes)
+
+    def _past_length(self, new_nodes: list[ir.Node]) -> ir.Value:
+        """The positions consumed before this call, padding included (PAST_LENGTH), a scalar."""
+        if self._past_length_value is None:
+            mask, ids = self.interface.mask, self.interface.input_ids
+            past = self._node(new_nodes, "Sub", [self._dim(mask, 1, new_nodes), self._dim(ids, 1, new_nodes)])
+            self._past_length_value = self._node(new_nodes, "Squeeze", [past, self._const([0])])
+        return self._past_length_value
 
     def finish(self) -> None:
         """The KV caches leave the interface; what read their shapes reads them from the mask
@@ -240,7 +277,7 @@ class RecurrentSplicer(Splicer):
         """[batch, kv_heads, length, head_dim] of the cache input (length: PAST_LENGTH) or of
         past and new keys (the mask's length)."""
         mask, ids = self.interface.mask, self.interface.input_ids
-        kv_heads, head_dim = _static_dims(cache.past)
+        kv_heads, head_dim = self._cache_dims[cache.past.name]
         total = self._dim(mask, 1, nodes)
         length = self._node(nodes, "Sub", [total, self._dim(ids, 1, nodes)]) if past else total
         shape = [self._dim(mask, 0, nodes), self._const([kv_heads]), length, self._const([head_dim])]
@@ -280,8 +317,8 @@ def _layer_number(s: OnnxSite) -> int | str:
     return found.group(1) if found else s.site.layer
 
 
-def record_note(state_inputs: list[str]) -> str:
+def record_note(state_inputs: list[str], parts: list[str]) -> str:
     return (
-        f"recurrent: the KV caches became fixed-size states, inputs {', '.join(state_inputs)} (start from zeros; "
-        f"outputs present.*); the past length the model reads is {PAST_LENGTH}"
+        f"recurrent: the KV caches became fixed-size states in onnxruntime-genai's layout, inputs "
+        f"{', '.join(state_inputs)} (start from zeros; outputs present.*); each layer's parts: {'; '.join(parts)}"
     )

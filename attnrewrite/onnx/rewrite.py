@@ -113,7 +113,7 @@ def rewrite_model(
     if recurrent and record.rewritten:
         splicer.finish()
         record.options["recurrent"] = True
-        record.notes.append(recurrent_note(splicer.state_inputs))
+        record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts))
     if fitting:
         from attnrewrite.onnx.calibrate import calibrate_replacements
 

@@ -16,6 +16,7 @@ import onnx_ir as ir
 import torch
 
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.state_layout import STATE_NAMES
 
 
 class TorchGraph:
@@ -35,7 +36,9 @@ class TorchGraph:
         }
         self.spent = _spent_after(graph)
         # what is fitted on: the model's outputs, not the states a recurrent replacement returns
-        self.outputs = [v for v in graph.outputs if v.producer() not in calls]
+        self.outputs = [
+            v for v in graph.outputs if not (v.name.startswith("present.") and v.name.endswith(STATE_NAMES))
+        ]
 
     def run(
         self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object], adapters: dict | None = None
@@ -51,6 +54,8 @@ class TorchGraph:
         values.update((name, _tensor(array).to(self.device)) for name, array in feeds.items())
         for node in self.graph:
             inputs = [values[v.name] if v is not None and v.name in values else None for v in node.inputs]
+            if node not in stand_ins and any(v is not None and x is None for v, x in zip(node.inputs, inputs)):
+                continue  # reads a recurrent replacement's state, which a stand-in does not return
             if node in stand_ins:
                 outputs = [stand_ins[node](*inputs[:4])]
             else:
@@ -61,7 +66,7 @@ class TorchGraph:
             for value, tensor in zip(node.outputs, outputs):
                 values[value.name] = tensor
             for name in self.spent.get(node, ()):  # kept only as long as a later node reads it
-                del values[name]
+                values.pop(name, None)
         results = [values[v.name] for v in self.outputs]
         return [t for t in results if t.is_floating_point()]
 

@@ -5,8 +5,9 @@ MatMul (q @ k^T), and forward through NaN guards, Cast and Dropout to the MatMul
 The standard ``Attention`` operator (opset 23) and onnxruntime's fused ``com.microsoft``
 Attention / MultiHeadAttention are accepted as already-fused sites (the latter with a plan for
 unpacking their q, k, v). Each site's KV cache is found too, a Concat(past, new) before the
-attention or the past inputs of a fused operator; a contrib operator with a cache is listed with
-it and refused. Mask kinds are not decided here: masks.py probes them numerically.
+attention or the past inputs of a fused operator; a contrib Attention or MultiHeadAttention with
+a cache is listed with it and refused. GroupQueryAttention (gqa.py) is a KV-cache site with a
+plan for unpacking its packed, rotated q, k, v. Mask kinds are not decided here: masks.py probes them numerically.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from attnrewrite.onnx.detect.contrib import (
     match_contrib_attention,
 )
 from attnrewrite.onnx.detect.fused import match_fused_attention
+from attnrewrite.onnx.detect.gqa import GroupedQueryPlan, match_group_query_attention
 from attnrewrite.onnx.detect.kv_cache import cache_inputs, cached_tensor, past_input
 from attnrewrite.onnx.detect.softmax import match_softmax
 from attnrewrite.passes.lowering import DOMAIN as REPLACEMENT_DOMAIN
@@ -42,6 +44,7 @@ __all__ = [
     "CONTRIB_ATTENTION",
     "CONTRIB_DOMAIN",
     "FUSED_DECODER_ADVICE",
+    "GroupedQueryPlan",
     "MASKED_BELOW",
     "CachedTensor",
     "HeadLayout",
@@ -67,6 +70,10 @@ def find_onnx_sites(graph: ir.Graph) -> list[OnnxSite]:
     for node in graph:
         if node.domain == REPLACEMENT_DOMAIN:
             # keeps layer numbers (and so --layers) stable when a model is rewritten in steps
+            layer += 1
+            continue
+        if node.domain == CONTRIB_DOMAIN and node.op_type == "GroupQueryAttention":
+            sites.append(match_group_query_attention(node, index=layer))
             layer += 1
             continue
         if node.domain == CONTRIB_DOMAIN and node.op_type in CONTRIB_ATTENTION:

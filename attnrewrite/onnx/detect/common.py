@@ -70,6 +70,8 @@ class OnnxSite:
     # where the keys and values include a KV cache (site.kv_cache says it frontend-free)
     key_cache: CachedTensor | None = None
     value_cache: CachedTensor | None = None
+    # a GroupQueryAttention (gqa.py): its q, k, v packed, rotated and cached inside the operator
+    grouped_query: GroupedQueryPlan | None = None
 
 
 class Unsupported(Exception):
@@ -84,13 +86,16 @@ class CachedTensor:
 
     node: ir.Node
     past: ir.Value  # the graph input, [batch, kv_heads, past, head_dim]
-    new: ir.Value  # this step's keys or values, [batch, kv_heads, new, head_dim]
+    # this step's keys or values, [batch, kv_heads, new, head_dim]; None inside a
+    # GroupQueryAttention, where the splice computes them (OnnxSite.grouped_query)
+    new: ir.Value | None
     present: ir.Value | None  # past then new, [batch, kv_heads, past + new, head_dim]
     output: ir.Value | None  # the graph output that returns ``present``, if the model returns it
 
     @property
     def kv_heads(self) -> int | None:
-        return next((d for d in (static_dims(v, 1)[0] for v in (self.past, self.new)) if d is not None), None)
+        values = (v for v in (self.past, self.new) if v is not None)
+        return next((d for d in (static_dims(v, 1)[0] for v in values) if d is not None), None)
 
 
 # how onnxruntime's fused contrib operators hold q, k and v (contrib.py reads it from them)
@@ -118,6 +123,29 @@ class PackedHeads:
     sizes: tuple[int | None, int | None, int | None]  # hidden sizes of q, k, v (heads * head_dim)
     projection: tuple[ir.Value, ir.Value] | None = None  # (input, weights): q | k | v = input @ weights
     bias: ir.Value | None = None  # [q, k, v hidden sizes]
+
+
+# how a GroupQueryAttention holds q, k and v (gqa.py reads it from the operator)
+@dataclasses.dataclass(frozen=True)
+class GroupedQueryPlan:
+    """How a GroupQueryAttention (gqa.py) holds q, k and v: the splice unpacks them with it."""
+
+    node: ir.Node
+    num_heads: int
+    kv_heads: int
+    head_size: int
+    query: ir.Value  # packed qkv when ``key`` is None
+    key: ir.Value | None
+    value: ir.Value | None
+    rotary: tuple[ir.Value, ir.Value] | None  # (cos_cache, sin_cache) when do_rotary=1
+    interleaved: bool  # rotary pairs (x0, x1), (x2, x3)... rather than halves
+
+    @property
+    def rotary_dim(self) -> int | None:
+        if self.rotary is None:
+            return None
+        half = static_dims(self.rotary[0], 1)[0]
+        return 2 * half if half is not None else None
 
 
 # --- shapes ----------------------------------------------------------------------------------
@@ -173,3 +201,32 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
     if source is None or len(source) != 3 or None in (source[1], source[2]):
         return None
     return static_dim(dims[1]) if [source[1], source[2]] == dims[2:] else None
+
+
+def projected_features(value: ir.Value) -> int | None:
+    """The last dim, from the shape or, where shape inference stopped (at a contrib op), from
+    the constant weights of the MatMul (and bias Add) that produced it."""
+    last = static_dims(value, -1)[0]
+    if last is not None:
+        return last
+    node = value.producer()
+    for _ in range(4):
+        if node is None or node.op_type not in ("MatMul", "Add"):
+            return None
+        constants = [v for v in node.inputs if v is not None and is_constant(v)]
+        if (
+            node.op_type == "MatMul"
+            and len(constants) == 1
+            and constants[0] is node.inputs[1]
+            and rank_of(constants[0]) == 2
+        ):
+            return static_dims(constants[0], -1)[0]
+        others = [v for v in node.inputs if v is not None and v not in constants]
+        node = others[0].producer() if len(others) == 1 else None
+    return None
+
+
+def is_constant(value: ir.Value) -> bool:
+    """An initializer or Constant output, judged without reading it (it may be a big weight)."""
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")

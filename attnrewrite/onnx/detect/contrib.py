@@ -1,6 +1,6 @@
-"""onnxruntime's fused attention (``com.microsoft`` Attention, MultiHeadAttention and
-GroupQueryAttention), accepted as already-fused sites with a plan for unpacking their q, k, v;
-one with a KV cache is listed with it and refused."""
+"""onnxruntime's fused attention (``com.microsoft`` Attention and MultiHeadAttention), accepted
+as already-fused sites with a plan for unpacking their q, k, v; one with a KV cache is listed
+with it and refused. GroupQueryAttention, a KV-cache site the splice unpacks, is gqa.py's."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from attnrewrite.onnx.detect.common import (
     OnnxSite,
     PackedHeads,
     Unsupported,
+    projected_features,
     rank_of,
     static_dims,
 )
@@ -31,7 +32,7 @@ from attnrewrite.site import KvCache
 # docs/ContribOperators.md.
 
 CONTRIB_DOMAIN = "com.microsoft"
-CONTRIB_ATTENTION = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
+CONTRIB_ATTENTION = ("Attention", "MultiHeadAttention")
 
 
 def match_contrib_attention(node: ir.Node, index: int) -> OnnxSite:
@@ -109,7 +110,7 @@ def _contrib_lengths(packing: PackedHeads) -> tuple[int | None, int | None]:
 # what the user can do instead.
 FUSED_DECODER_ADVICE = (
     "attnrewrite rewrites it neither in parallel nor with --recurrent; rewrite the decoder as exported, before "
-    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat or by opset-23 Attention)"
+    "onnxruntime's fusion (--recurrent takes KV caches appended by Concat, opset-23 Attention or GroupQueryAttention)"
 )
 
 
@@ -126,14 +127,13 @@ def fused_cache_before(op: str, past: str) -> str:
     )
 
 
-# the inputs through which each contrib operator holds a cache; GroupQueryAttention always does
-# (seqlens_k and total_sequence_length are required: it runs against the cache it appends to)
-_CACHE_INPUTS = {"Attention": (4, 6), "MultiHeadAttention": (6, 7, 8, 9), "GroupQueryAttention": (3, 4, 5, 6)}
+# the inputs through which each contrib operator holds a cache
+_CACHE_INPUTS = {"Attention": (4, 6), "MultiHeadAttention": (6, 7, 8, 9)}
 
 
 def _check_no_cache_inside(node: ir.Node) -> None:
     names = [_input_name(node, i) for i in _CACHE_INPUTS[node.op_type] if _has_input(node, i)]
-    if names or node.op_type == "GroupQueryAttention":
+    if names:
         raise Unsupported(fused_cache_inside(node.op_type, names))
 
 
@@ -166,7 +166,6 @@ def _check_contrib_limits(node: ir.Node) -> None:
 
 _CONTRIB_INPUT_NAMES = {
     "Attention": ("input", "weights", "bias", "mask_index", "past", "attention_bias", "past_sequence_length"),
-    "GroupQueryAttention": ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"),
     "MultiHeadAttention": (
         "query",
         "key",
@@ -248,7 +247,7 @@ def _key_value_layout(value: ir.Value) -> HeadLayout:
     rank = rank_of(value)
     if rank == 4:
         return HeadLayout.HEADS
-    if rank == 3 or _projected_features(value) is not None:
+    if rank == 3 or projected_features(value) is not None:
         return HeadLayout.FEATURES  # a projection's output: heads still packed into features
     raise Unsupported(
         f"cannot tell whether {value.name!r} is [batch, seq, hidden] or [batch, heads, seq, head_dim] (unknown rank)"
@@ -296,33 +295,4 @@ def _hidden_features(value: ir.Value, heads: int | None = None) -> int | None:
     if rank_of(value) == 4:
         head_dim = static_dims(value, -1)[0]
         return heads * head_dim if heads and head_dim is not None else None
-    return _projected_features(value)
-
-
-def _projected_features(value: ir.Value) -> int | None:
-    """The last dim, from the shape or, where shape inference stopped (at a contrib op), from
-    the constant weights of the MatMul (and bias Add) that produced it."""
-    last = static_dims(value, -1)[0]
-    if last is not None:
-        return last
-    node = value.producer()
-    for _ in range(4):
-        if node is None or node.op_type not in ("MatMul", "Add"):
-            return None
-        constants = [v for v in node.inputs if v is not None and _is_constant(v)]
-        if (
-            node.op_type == "MatMul"
-            and len(constants) == 1
-            and constants[0] is node.inputs[1]
-            and rank_of(constants[0]) == 2
-        ):
-            return static_dims(constants[0], -1)[0]
-        others = [v for v in node.inputs if v is not None and v not in constants]
-        node = others[0].producer() if len(others) == 1 else None
-    return None
-
-
-def _is_constant(value: ir.Value) -> bool:
-    """An initializer or Constant output, judged without reading it (it may be a big weight)."""
-    producer = value.producer()
-    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+    return projected_features(value)

@@ -1,0 +1,238 @@
+"""onnxruntime-genai in and out: the decoders its model builder writes (GroupQueryAttention over
+a packed, rotated qkv; SimplifiedLayerNormalization; MatMulNBits at int4) are read, listed and
+made recurrent; a recurrent rewrite written as a folder (-o DIR/) is one genai generates with,
+the same tokens as ``attnrewrite generate`` on the same model.
+
+Builder models are made here from tiny random transformers folders (samples/export_decoder.py):
+Llama and Qwen2, fp32 and int4. Skipped with the reason where onnxruntime-genai does not install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import decoder_exported
+from decoders import DecoderSpec, export_decoder
+
+from attnrewrite import cli, find_sites
+from attnrewrite.generate import forced_logits, generate
+from attnrewrite.site import KvCache
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai does not install here")
+
+SAMPLE = Path(__file__).parent.parent / "samples" / "export_decoder.py"
+PROMPTS = [[1, 5, 9, 20, 33, 40, 41], [1, 7, 8]]  # two lengths: genai pads the shorter on the right
+NEW_TOKENS = 20
+
+
+def _sample():
+    spec = importlib.util.spec_from_file_location("export_decoder", SAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def builder(tmp_path_factory):
+    """(arch, precision) -> the builder's folder; arch -> the transformers folder it came from."""
+    sample, root = _sample(), tmp_path_factory.mktemp("genai")
+    made: dict = {}
+
+    def get(arch: str, precision: str | None = None) -> Path:
+        if arch not in made:
+            made[arch] = sample.tiny_decoder(root / f"hf-{arch}", arch)
+        if precision is None:
+            return made[arch]
+        if (arch, precision) not in made:
+            made[arch, precision] = sample.builder_folder(made[arch], root / f"{arch}-{precision}", precision)
+        return made[arch, precision]
+
+    return get
+
+
+def rewrite_to_folder(source: Path, out: Path, *args: str) -> Path:
+    out.mkdir()
+    assert cli.main([str(source), "--recurrent", "-o", f"{out}/", *args]) == 0
+    return out
+
+
+def genai_tokens(folder: Path) -> list[list[int]]:
+    """genai's greedy continuation of PROMPTS, right padded with the pad token as genai reads
+    padding (batch_size given: without it genai reads a [2, N] array as one row)."""
+    longest = max(map(len, PROMPTS))
+    pad = json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"]
+    ids = np.array([p + [pad] * (longest - len(p)) for p in PROMPTS], np.int32)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=longest + NEW_TOKENS, batch_size=len(PROMPTS))
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [generator.get_sequence(row).tolist()[longest:] for row in range(len(PROMPTS))]
+
+
+def our_tokens(folder: Path) -> list[list[int]]:
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    eos, pad = config["eos_token_id"], config["pad_token_id"]
+    result = generate(folder / "model.onnx", PROMPTS, NEW_TOKENS, padding="right", eos_token_id=eos, pad_token_id=pad)
+    return result.tokens.tolist()
+
+
+def padded_to(tokens: list[list[int]], length: int, pad: int) -> list[list[int]]:
+    return [row + [pad] * (length - len(row)) for row in tokens]
+
+
+# --- reading what the builder writes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, precision", [("llama", "fp32"), ("llama", "int4"), ("qwen2", "fp32")])
+def test_builder_models_are_read_and_every_site_listed_with_its_cache(builder, arch, precision, capsys):
+    path = builder(arch, precision) / "model.onnx"
+    with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
+        onnx.checker.check_model(str(path))  # the ONNX checker alone refuses what onnxruntime runs
+    assert cli.main([str(path.parent), "--list"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[-1] == "2 attention sites, 2 rewritable"
+    assert all("causal (kv cache)" in row and row.startswith("/model/layers.") for row in rows[1:-1])
+    caches = [site.kv_cache for site in find_sites(str(path))]
+    assert caches == [
+        KvCache(f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value", 2)
+        for i in range(2)
+    ]
+
+
+def test_attnrewrite_generate_runs_the_builder_model_as_genai_does(builder):
+    """The builder declares its caches' head size symbolically ("kv_cache_dim"): generate()
+    reads it from the folder's genai_config.json."""
+    folder = builder("llama", "fp32")
+    assert genai_tokens(folder) == padded_to(our_tokens(folder), NEW_TOKENS, 0)
+
+
+def test_without_recurrent_a_builder_site_is_refused_as_a_kv_cache_site(builder, tmp_path, capsys):
+    code = cli.main([str(builder("llama", "fp32")), "--to", "hedgehog", "-o", str(tmp_path / "out.onnx")])
+    assert code == 1 and not (tmp_path / "out.onnx").exists()
+    assert "skipped: a KV-cache site: its past keys cannot enter a parallel linear attention" in capsys.readouterr().out
+
+
+# --- the GroupQueryAttention unpacking, rotary included ---------------------------------------------
+
+
+def transformers_export(builder, arch: str, folder: Path) -> Path:
+    """The same weights as the builder's model, exported with their KV cache as optimum does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(builder(arch), attn_implementation="sdpa").eval()
+    spec = DecoderSpec(arch, lambda: model, kv_heads=2, position_ids=True, heads=4, head_dim=16, vocab=256)
+    return export_decoder(spec, model, folder / f"{arch}-kv.onnx", "legacy", cache=True)
+
+
+def recurrent_logits(path: Path, out: Path, method: list[str], mask: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    assert cli.main([str(path), "--recurrent", "-o", str(out), "--to", *method]) == 0
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    return forced_logits(session, out.name, ids, mask, prefill=5)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [["linear"], ["hedgehog"], ["hedgehog", "-O", "window=4", "-O", "sinks=1"], ["favor"], ["aft"]],
+    ids=["linear", "hedgehog", "hedgehog-window", "favor", "aft"],
+)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_export(builder, arch, method, tmp_path):
+    """The builder's GroupQueryAttention (packed qkv, rotary inside, a bias for Qwen2) unpacked
+    and rotated here gives the recurrent model of the same weights exported by transformers:
+    stepped through left and right padded batches, their logits agree."""
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
+    left, right = np.ones((2, 12), np.int64), np.ones((2, 12), np.int64)
+    left[1, :3] = 0
+    right[1, 9:] = 0
+    exported = transformers_export(builder, arch, tmp_path)
+    for mask in (left, right):
+        ours = recurrent_logits(builder(arch, "fp32") / "model.onnx", tmp_path / "builder.onnx", method, mask, ids)
+        reference = recurrent_logits(exported, tmp_path / "reference.onnx", method, mask, ids)
+        real = mask.astype(bool)
+        assert np.abs(ours - reference)[real].max() <= 1e-4 * np.abs(reference).max()
+        for path in tmp_path.glob("*.onnx*"):
+            if path.name.startswith(("builder", "reference")):
+                path.unlink()
+
+
+# --- genai runs the recurrent folders ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arch, precision, method",
+    [
+        ("llama", "fp32", ["hedgehog"]),
+        ("llama", "fp32", ["hedgehog", "-O", "window=4"]),
+        ("llama", "int4", ["hedgehog"]),
+        ("qwen2", "fp32", ["favor"]),
+    ],
+    ids=["llama-hedgehog", "llama-hedgehog-window", "llama-int4", "qwen2-favor"],
+)
+def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_does(
+    builder, arch, precision, method, tmp_path
+):
+    source = builder(arch, precision)
+    out = rewrite_to_folder(source, tmp_path / "out", "--to", *method)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "genai_config.json",
+        "model.onnx",
+        "model.onnx.data",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
+    # everything in the builder's config is kept but the decoder's inputs and outputs
+    given, written = (json.loads((f / "genai_config.json").read_text()) for f in (source, out))
+    given_decoder, written_decoder = given["model"].pop("decoder"), written["model"].pop("decoder")
+    assert written["model"] == given["model"]
+    assert {k: v for k, v in written_decoder.items() if k not in ("inputs", "outputs")} == {
+        k: v for k, v in given_decoder.items() if k not in ("inputs", "outputs")
+    }
+    assert written_decoder["inputs"] == {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "past_recurrent_names": "past_key_values.%d.recurrent_state",
+        "past_conv_names": "past_key_values.%d.conv_state",
+    }
+    assert written["search"] == {**given["search"], "past_present_share_buffer": False}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_genai_runs_the_recurrent_rewrite_of_an_optimum_style_export(decoder_exports, name, tmp_path, capsys):
+    """tests/decoders.py's KV-cache exports (position_ids among their inputs), beside the
+    transformers config.json they would ship with: the genai_config.json is built from it."""
+    cached = decoder_exported(decoder_exports, name, "legacy")
+    source = tmp_path / "export"
+    source.mkdir()
+    shutil.copyfile(cached.path, source / "model.onnx")
+    cached.model.config.save_pretrained(source)
+    out = rewrite_to_folder(source / "model.onnx", tmp_path / "out", "--to", "hedgehog", "-O", "window=4")
+    assert "genai_config.json beside it" in capsys.readouterr().out
+    config = json.loads((out / "genai_config.json").read_text())["model"]
+    assert config["type"] == "llama" and config["vocab_size"] == cached.spec.vocab  # genai's plain decoder
+    assert config["decoder"]["num_hidden_layers"] == cached.spec.layers
+    assert config["decoder"]["inputs"]["position_ids"] == "position_ids"
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, config["pad_token_id"])
+
+
+def test_a_folder_output_without_any_config_is_refused_in_one_line(decoder_exports, tmp_path, capsys):
+    cached = decoder_exported(decoder_exports, "llama", "legacy")
+    source = tmp_path / "model.onnx"
+    shutil.copyfile(cached.path, source)
+    (tmp_path / "out").mkdir()
+    assert cli.main([str(source), "--to", "linear", "--recurrent", "-o", f"{tmp_path}/out/"]) == 2
+    assert capsys.readouterr().err == (
+        f"attnrewrite: error: no genai_config.json and no transformers config.json beside the model (in {tmp_path}): "
+        "a genai folder needs the model's context length and special tokens from one of them\n"
+    )
+    assert not any((tmp_path / "out").iterdir())  # refused before anything was written
