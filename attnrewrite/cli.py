@@ -623,7 +623,7 @@ def _run(argv: list[str], run: _Run) -> int:
     args.model, source = genai_folder.input_model(args.model)
     genai_output = None
     if args.output and not args.list:
-        args.output, genai_output = genai_folder.output_model(args.output)
+        args.output, genai_output = genai_folder.output_model(args.output, args.model)
     report.input = args.model
     with stage("load"):
         model = onnx_io.load_model(args.model)

@@ -3,10 +3,11 @@ and the tokenizer's files side by side (what its model builder writes and ``og.M
 opens).
 
 A folder given as the input names its decoder (its genai_config.json's ``decoder.filename``, or
-``model.onnx``). An output folder (``-o DIR/``, the trailing separator saying so) gets ``model.onnx`` and a genai_config.json: the
-input's, everything kept but the decoder's file, inputs and outputs, or one built from the model
-and the transformers ``config.json`` / ``generation_config.json`` beside the input; and the
-tokenizer files of the input's folder (or of ``--tokenizer``).
+``model.onnx``). An output folder (``-o DIR/``, the trailing separator saying so) gets
+``model.onnx`` and a genai_config.json: the input's, everything kept but the decoder's file,
+inputs and outputs, or one built from the model and the transformers ``config.json`` /
+``generation_config.json`` beside the input; and the tokenizer files of the input's folder (or
+of ``--tokenizer``). The input's own folder is never the output's: its files stay as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, RewriteFailed
 from attnrewrite.onnx.io import write_text
 from attnrewrite.onnx.state_layout import CONV_STATE, RECURRENT_STATE
 
@@ -51,15 +52,17 @@ def input_model(path: str) -> tuple[str, Path | None]:
     return str(model), folder
 
 
-def output_model(path: str) -> tuple[str, Path | None]:
+def output_model(path: str, model: str) -> tuple[str, Path | None]:
     """(the ONNX file to write, the folder to complete for genai or None): ``DIR/``, its trailing
-    separator saying so, means a genai folder."""
-    if path.endswith(("/", os.sep)):
-        folder = Path(path)
-        if not folder.is_dir():
-            raise AttnRewriteError(f"{path}: folder does not exist")
-        return str(folder / DECODER_FILE), folder
-    return path, None
+    separator saying so, means a genai folder; never the folder ``model`` (the input) is in."""
+    if not path.endswith(("/", os.sep)):
+        return path, None
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AttnRewriteError(f"{path}: folder does not exist")
+    if folder.resolve() == Path(model).parent.resolve():
+        raise AttnRewriteError(f"{path}: is the input model's folder; its files would be overwritten")
+    return str(folder / DECODER_FILE), folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +76,12 @@ class FolderFiles:
         """Write them into ``folder`` (the model is there already); the names written."""
         write_text(folder / CONFIG, json.dumps(self.config, indent=4) + "\n")
         for path in self.tokenizer_files:
-            if path.parent.resolve() != folder.resolve():
+            if path.resolve() == (folder / path.name).resolve():
+                continue  # --tokenizer named the one already there
+            try:
                 shutil.copyfile(path, folder / path.name)
+            except OSError as error:
+                raise RewriteFailed(f"{folder / path.name}: cannot write it ({error.strerror or error})") from error
         return [CONFIG, *(path.name for path in self.tokenizer_files)]
 
 

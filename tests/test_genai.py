@@ -93,7 +93,9 @@ def padded_to(tokens: list[list[int]], length: int, pad: int) -> list[list[int]]
 # --- reading what the builder writes -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch, precision", [("llama", "fp32"), ("llama", "int4"), ("qwen2", "fp32")])
+@pytest.mark.parametrize(
+    "arch, precision", [("llama", "fp32"), ("llama", "int4"), ("qwen2", "fp32"), ("qwen2", "int4")]
+)
 def test_builder_models_are_read_and_every_site_listed_with_its_cache(builder, arch, precision, capsys):
     path = builder(arch, precision) / "model.onnx"
     with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
@@ -175,8 +177,9 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
         ("llama", "fp32", ["hedgehog", "-O", "window=4"]),
         ("llama", "int4", ["hedgehog"]),
         ("qwen2", "fp32", ["favor"]),
+        ("qwen2", "int4", ["linear"]),
     ],
-    ids=["llama-hedgehog", "llama-hedgehog-window", "llama-int4", "qwen2-favor"],
+    ids=["llama-hedgehog", "llama-hedgehog-window", "llama-int4", "qwen2-favor", "qwen2-int4"],
 )
 def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_does(
     builder, arch, precision, method, tmp_path
@@ -205,6 +208,25 @@ def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_doe
         "past_conv_names": "past_key_values.%d.conv_state",
     }
     assert written["search"] == {**given["search"], "past_present_share_buffer": False}
+
+
+def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_path, capsys):
+    """Calibration collects the recurrent replacements' q, k, v from prefills of the builder
+    model (its caches sized from the operator, not their symbolic declaration), and --check runs
+    both models as they generate."""
+    rng = np.random.default_rng(0)
+    texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    source = builder("llama", "fp32")
+    tokenizer = str(source / "tokenizer.json")
+    out = rewrite_to_folder(
+        source, tmp_path / "out", "--to", "hedgehog", "-O", "window=4", "--calibrate", str(tmp_path / "texts.txt"),
+        "--tokenizer", tokenizer, "--max-length", "48", "--check",
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    assert "calibrating site 2/2 (layer 1)" in printed.err and "kept calibrated" in printed.err
+    assert "prefill of 56 tokens, then 8 one at a time" in printed.out  # the check, as both generate
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -236,3 +258,14 @@ def test_a_folder_output_without_any_config_is_refused_in_one_line(decoder_expor
         "a genai folder needs the model's context length and special tokens from one of them\n"
     )
     assert not any((tmp_path / "out").iterdir())  # refused before anything was written
+
+
+def test_the_input_folder_is_never_the_output_folder(builder, capsys):
+    folder = builder("llama", "fp32")
+    capsys.readouterr()  # what making the folder printed
+    before = {path.name: path.read_bytes() for path in folder.iterdir() if path.suffix == ".json"}
+    assert cli.main([str(folder), "--to", "linear", "--recurrent", "-o", f"{folder}/"]) == 2
+    assert capsys.readouterr().err == (
+        f"attnrewrite: error: {folder}/: is the input model's folder; its files would be overwritten\n"
+    )
+    assert {path.name: path.read_bytes() for path in folder.iterdir() if path.suffix == ".json"} == before

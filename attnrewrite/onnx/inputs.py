@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.constants import known_dims
-from attnrewrite.onnx.detect import cache_inputs
+from attnrewrite.onnx.detect import cache_inputs, declared_cache_sizes
 from attnrewrite.onnx.state_layout import STATE_NAMES
 from attnrewrite.site import KV_PROBE_PAST
 
@@ -80,6 +80,18 @@ class CacheContract:
     past_dims: frozenset[str]
     total_dims: frozenset[str]
     past: int = KV_PROBE_PAST
+    # sizes a cache's declaration leaves symbolic but its operator fixes (GroupQueryAttention's
+    # head size): cache input -> {axis: size}
+    fixed: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+
+    def zeros(self, value: ir.Value, batch: int) -> np.ndarray:
+        """An empty cache (past length 0) for ``batch`` rows."""
+        fixed = self.fixed.get(value.name, {})
+        shape = [
+            d if isinstance(d, int) else fixed.get(axis, batch if axis == 0 else 0)
+            for axis, d in enumerate(value.shape)
+        ]
+        return np.zeros(shape, value.dtype.numpy())
 
     def conform(self, graph: ir.Graph, feeds: dict[str, np.ndarray], padding_marked_by_one: Collection[str]) -> None:
         """Masks padded on the left only (the padding is in the past, as in batched generation),
@@ -142,6 +154,7 @@ def with_prefill_inputs(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> dict[s
     filled = (carried | positions) - set(feeds)
     if not filled:
         return feeds
+    contract, states = cache_contract(graph), recurrent_state_inputs(graph)
     tokens = next(iter(feeds.values()))
     batch, length = tokens.shape[0], tokens.shape[-1]
     mask = feeds.get("attention_mask")
@@ -153,9 +166,10 @@ def with_prefill_inputs(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> dict[s
         if value.name in positions:
             counted = positions_of(mask) if mask is not None else np.broadcast_to(np.arange(length), (batch, length))
             completed[value.name] = np.ascontiguousarray(counted, dtype)
-        else:  # a cache's symbolic past axis is 0 long, a state's only symbolic axis is the batch
-            shape = [d if isinstance(d, int) else (batch if axis == 0 else 0) for axis, d in enumerate(value.shape)]
-            completed[value.name] = np.zeros(shape, dtype)
+        elif value.name in states:  # a state's only symbolic axis is the batch
+            completed[value.name] = np.zeros([batch if axis == 0 else d for axis, d in enumerate(value.shape)], dtype)
+        else:
+            completed[value.name] = contract.zeros(value, batch)
     return completed
 
 
@@ -192,7 +206,7 @@ def cache_contract(graph: ir.Graph) -> CacheContract | None:
                 continue
             if _is_integer(value) or any(p in name for p in past_dims):
                 total.add(name)
-    return CacheContract(past_axes, frozenset(past_dims), frozenset(total))
+    return CacheContract(past_axes, frozenset(past_dims), frozenset(total), fixed=declared_cache_sizes(graph))
 
 
 def _symbol(dim) -> str | None:
@@ -213,6 +227,8 @@ def _bind(
         return dim
     if contract is not None and contract.past_axes.get(value.name) == axis:
         return contract.past
+    if contract is not None and axis in contract.fixed.get(value.name, {}):
+        return contract.fixed[value.name][axis]
     key = _symbol(dim) or f"?{axis}"
     if key not in bound:
         bound[key] = batch if axis == 0 else seq

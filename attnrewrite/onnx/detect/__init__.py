@@ -34,7 +34,7 @@ from attnrewrite.onnx.detect.contrib import (
     match_contrib_attention,
 )
 from attnrewrite.onnx.detect.fused import match_fused_attention
-from attnrewrite.onnx.detect.gqa import GroupedQueryPlan, match_group_query_attention
+from attnrewrite.onnx.detect.gqa import GroupedQueryPlan, declared_cache_sizes, match_group_query_attention
 from attnrewrite.onnx.detect.kv_cache import cache_inputs, cached_tensor, past_input
 from attnrewrite.onnx.detect.softmax import match_softmax
 from attnrewrite.passes.lowering import DOMAIN as REPLACEMENT_DOMAIN
@@ -56,6 +56,7 @@ __all__ = [
     "Unsupported",
     "cache_inputs",
     "cached_tensor",
+    "declared_cache_sizes",
     "find_onnx_sites",
     "fused_cache_before",
     "fused_cache_inside",

@@ -24,6 +24,7 @@ from attnrewrite.onnx.detect.common import (
     projected_features,
     static_dims,
 )
+from attnrewrite.onnx.detect.contrib import CONTRIB_DOMAIN
 from attnrewrite.onnx.detect.fused import fused_site, refused, set_scale
 from attnrewrite.onnx.detect.kv_cache import returned
 from attnrewrite.site import KvCache
@@ -147,3 +148,20 @@ def _cached(node: ir.Node, inputs: dict[str, ir.Value], output: int) -> CachedTe
     past = inputs["past_key" if output == 1 else "past_value"]
     present = node.outputs[output] if output < len(node.outputs) else None
     return CachedTensor(node, past, None, present, returned(present) if present is not None else None)
+
+
+def declared_cache_sizes(graph: ir.Graph) -> dict[str, dict[int, int]]:
+    """The sizes of GroupQueryAttention caches that their declarations leave symbolic (the
+    builder declares [batch, kv_heads, past, "kv_cache_dim"]): cache input -> {axis: size}, the
+    key/value heads and head size the operator reads them with."""
+    sizes = {}
+    for node in graph:
+        if node.domain != CONTRIB_DOMAIN or node.op_type != "GroupQueryAttention":
+            continue
+        try:
+            plan = _plan(node, {name: v for name, v in zip(_INPUTS, node.inputs) if v is not None})
+        except Unsupported:
+            continue
+        for past in node.inputs[3:5]:
+            sizes[past.name] = {1: plan.kv_heads, 3: plan.head_size}
+    return sizes
