@@ -127,19 +127,27 @@ def test_without_recurrent_a_builder_site_is_refused_as_a_kv_cache_site(builder,
 # --- the GroupQueryAttention unpacking, rotary included ---------------------------------------------
 
 
-def transformers_export(builder, arch: str, folder: Path) -> Path:
-    """The same weights as the builder's model, exported with their KV cache as optimum does."""
+@pytest.fixture(scope="module")
+def transformers_export(builder, tmp_path_factory):
+    """arch -> the same weights as the builder's model, exported with their KV cache as optimum
+    does (once per arch)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(builder(arch), attn_implementation="sdpa").eval()
-    spec = DecoderSpec(arch, lambda: model, kv_heads=2, position_ids=True, heads=4, head_dim=16, vocab=256)
-    return export_decoder(spec, model, folder / f"{arch}-kv.onnx", "legacy", cache=True)
+    folder, made = tmp_path_factory.mktemp("transformers"), {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            model = AutoModelForCausalLM.from_pretrained(builder(arch), attn_implementation="sdpa").eval()
+            spec = DecoderSpec(arch, lambda: model, kv_heads=2, position_ids=True, heads=4, head_dim=16, vocab=256)
+            made[arch] = export_decoder(spec, model, folder / f"{arch}-kv.onnx", "legacy", cache=True)
+        return made[arch]
+
+    return get
 
 
-def recurrent_logits(path: Path, out: Path, method: list[str], mask: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def recurrent_session(path: Path, out: Path, method: list[str]) -> ort.InferenceSession:
     assert cli.main([str(path), "--recurrent", "-o", str(out), "--to", *method]) == 0
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    return forced_logits(session, out.name, ids, mask, prefill=5)
+    return ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize(
@@ -148,7 +156,9 @@ def recurrent_logits(path: Path, out: Path, method: list[str], mask: np.ndarray,
     ids=["linear", "hedgehog", "hedgehog-window", "favor", "aft"],
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_export(builder, arch, method, tmp_path):
+def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_export(
+    builder, transformers_export, arch, method, tmp_path
+):
     """The builder's GroupQueryAttention (packed qkv, rotary inside, a bias for Qwen2) unpacked
     and rotated here gives the recurrent model of the same weights exported by transformers:
     stepped through left and right padded batches, their logits agree."""
@@ -156,15 +166,13 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
     left, right = np.ones((2, 12), np.int64), np.ones((2, 12), np.int64)
     left[1, :3] = 0
     right[1, 9:] = 0
-    exported = transformers_export(builder, arch, tmp_path)
+    ours = recurrent_session(builder(arch, "fp32") / "model.onnx", tmp_path / "builder.onnx", method)
+    reference = recurrent_session(transformers_export(arch), tmp_path / "reference.onnx", method)
     for mask in (left, right):
-        ours = recurrent_logits(builder(arch, "fp32") / "model.onnx", tmp_path / "builder.onnx", method, mask, ids)
-        reference = recurrent_logits(exported, tmp_path / "reference.onnx", method, mask, ids)
+        expected = forced_logits(reference, "reference", ids, mask, prefill=5)
+        actual = forced_logits(ours, "builder", ids, mask, prefill=5)
         real = mask.astype(bool)
-        assert np.abs(ours - reference)[real].max() <= 1e-4 * np.abs(reference).max()
-        for path in tmp_path.glob("*.onnx*"):
-            if path.name.startswith(("builder", "reference")):
-                path.unlink()
+        assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
 # --- genai runs the recurrent folders ------------------------------------------------------------
