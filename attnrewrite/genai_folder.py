@@ -6,8 +6,8 @@ A folder given as the input names its decoder (its genai_config.json's ``decoder
 ``model.onnx``). An output folder (``-o DIR/``, the trailing separator saying so) gets
 ``model.onnx`` and a genai_config.json: the input's, everything kept but the decoder's file,
 inputs and outputs, or one built from the model and the transformers ``config.json`` /
-``generation_config.json`` beside the input; and the tokenizer files of the input's folder (or
-of ``--tokenizer``). The input's own folder is never the output's: its files stay as they were.
+``generation_config.json`` beside the input; and the tokenizer files of the input's folder (those
+it lacks from ``--tokenizer``'s). The input's own folder is never the output's: its files stay as they were.
 """
 
 from __future__ import annotations
@@ -87,13 +87,14 @@ class FolderFiles:
 
 def folder_files(model: ir.Model, source: Path, tokenizer: str | None) -> FolderFiles:
     """The genai_config.json for ``model`` (read from ``source``, the input's folder, or built
-    from what lies there) and the tokenizer files to copy (``tokenizer``'s folder, else the
-    input's); AttnRewriteError before anything is written where no config can be made."""
+    from what lies there) and the tokenizer files to copy: each from the input's folder, else
+    from ``tokenizer``'s (a calibration's tokenizer.json may lie alone); AttnRewriteError before
+    anything is written where no config can be made."""
     config = _config(model, source)
     config.pop("__path__", None)
-    tokenizer_folder = Path(tokenizer).parent if tokenizer else source
-    files = [tokenizer_folder / name for name in TOKENIZER_FILES if (tokenizer_folder / name).is_file()]
-    return FolderFiles(config, files)
+    folders = [source, *([Path(tokenizer).parent] if tokenizer else [])]  # the model's own first
+    files = [next((f / name for f in folders if (f / name).is_file()), None) for name in TOKENIZER_FILES]
+    return FolderFiles(config, [path for path in files if path is not None])
 
 
 def _config(model: ir.Model, source: Path) -> dict:

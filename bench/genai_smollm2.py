@@ -48,12 +48,15 @@ def builder_folder(model: Path, out: Path) -> Path:
     return out if (out / "genai_config.json").is_file() else sample.builder_folder(model, out, "fp32")
 
 
-def recurrent_folder(builder: Path, out: Path, cache: Path, calibrate: bool, log=print) -> dict:
+def recurrent_folder(builder: Path, out: Path, cache: Path, calibrate: bool, reuse: bool, log=print) -> dict:
     command = ["attnrewrite", str(builder), "--to", "hedgehog", "-O", f"window={WINDOW}", "--recurrent"]
     if calibrate:
         command += ["--calibrate", str(cache / smollm2_fidelity.CALIBRATION)]
         command += ["--tokenizer", str(cache / smollm2_fidelity.TOKENIZER)]
     command += ["-o", f"{out}/"]
+    if reuse and (out / "genai_config.json").is_file():
+        log(f"reusing {out} (made by: {' '.join(command)})")
+        return {"command": " ".join(command), "seconds": None}
     out.mkdir(parents=True, exist_ok=True)
     log("$ " + " ".join(command))
     start = time.perf_counter()
@@ -129,8 +132,12 @@ def context_tokens(cache: Path, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
+def _took(rewrite: dict) -> str:
+    return f"{rewrite['seconds']} s" if rewrite["seconds"] is not None else "written by an earlier run"
+
+
 def markdown(results: dict) -> str:
-    rewrites = "; ".join(f"{label}: `{r['command']}` ({r['seconds']} s)" for label, r in results["rewrites"].items())
+    rewrites = "; ".join(f"{label}: `{r['command']}` ({_took(r)})" for label, r in results["rewrites"].items())
     lines = [
         "## onnxruntime-genai: SmolLM2-135M-Instruct, builder folder -> recurrent folder",
         "",
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=smollm2_fidelity.DEFAULT_CACHE)
     parser.add_argument("--folder", type=Path, help="where the builder and recurrent folders go (default: in --cache)")
     parser.add_argument("--calibrate", action="store_true", help="calibrate the recurrent model (tens of minutes)")
+    parser.add_argument("--reuse", action="store_true", help="keep recurrent folders an earlier run wrote")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for calibrate in (False, True) if args.calibrate else (False,):
         label = f"{recurrent}, {'calibrated' if calibrate else 'zero-shot'}"
         folders[label] = folder / ("recurrent-calibrated" if calibrate else "recurrent")
-        rewrites[label] = recurrent_folder(builder, folders[label], cache, calibrate)
+        rewrites[label] = recurrent_folder(builder, folders[label], cache, calibrate, args.reuse)
     timed = list(folders)[:2]  # a calibrated model runs the same graph as the zero-shot one
     # the prompt and its new tokens within the model's context (8192 for SmolLM2: "8k" is 8160 + 32)
     limit = json.loads((builder / "genai_config.json").read_text())["model"]["context_length"]

@@ -226,7 +226,8 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
     texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
     source = builder("llama", "fp32")
-    tokenizer = str(source / "tokenizer.json")
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer = str(shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer"))  # alone, as a calibration's may be
     out = rewrite_to_folder(
         source, tmp_path / "out", "--to", "hedgehog", "-O", "window=4", "--calibrate", str(tmp_path / "texts.txt"),
         "--tokenizer", tokenizer, "--max-length", "48", "--check",
@@ -234,6 +235,7 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
     printed = capsys.readouterr()
     assert "calibrating site 2/2 (layer 1)" in printed.err and "kept calibrated" in printed.err
     assert "prefill of 56 tokens, then 8 one at a time" in printed.out  # the check, as both generate
+    assert (out / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json").read_bytes()
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
