@@ -43,7 +43,7 @@ def input_model(path: str) -> tuple[str, Path | None]:
     if not folder.is_dir():
         return path, None
     config = folder / CONFIG
-    name = _decoder(_read(config)).get("filename", DECODER_FILE) if config.is_file() else DECODER_FILE
+    name = _decoder(_read(config), config).get("filename", DECODER_FILE) if config.is_file() else DECODER_FILE
     model = folder / name
     if not model.is_file() and config.is_file():
         raise AttnRewriteError(f"{path}: its {CONFIG} names the decoder {name}, which is not in the folder")
@@ -91,7 +91,6 @@ def folder_files(model: ir.Model, source: Path, tokenizer: str | None) -> Folder
     from ``tokenizer``'s (a calibration's tokenizer.json may lie alone); AttnRewriteError before
     anything is written where no config can be made."""
     config = _config(model, source)
-    config.pop("__path__", None)
     folders = [source, *([Path(tokenizer).parent] if tokenizer else [])]  # the model's own first
     files = [next((f / name for f in folders if (f / name).is_file()), None) for name in TOKENIZER_FILES]
     return FolderFiles(config, [path for path in files if path is not None])
@@ -102,7 +101,7 @@ def _config(model: ir.Model, source: Path) -> dict:
     or one built from ``model`` and the transformers configs in ``source``."""
     given = source / CONFIG
     config = _read(given) if given.is_file() else _built(model, source)
-    decoder = _decoder(config)
+    decoder = _decoder(config, given)
     decoder["filename"] = DECODER_FILE
     names = {v.name for v in model.graph.inputs}
     inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids") if name in names}
@@ -189,13 +188,12 @@ def _read(path: Path) -> dict:
         raise AttnRewriteError(f"{path}: cannot read it as JSON ({error})") from error
     if not isinstance(config, dict):
         raise AttnRewriteError(f"{path}: not a JSON object")
-    config["__path__"] = str(path)
     return config
 
 
-def _decoder(config: dict) -> dict:
-    """The ``model.decoder`` section, or one line saying the file has none."""
+def _decoder(config: dict, path: Path) -> dict:
+    """The ``model.decoder`` section of ``config`` (read from ``path``), or one line saying it has none."""
     decoder = config.get("model", {}).get("decoder") if isinstance(config.get("model"), dict) else None
     if not isinstance(decoder, dict):
-        raise AttnRewriteError(f"{config.get('__path__', CONFIG)}: has no model.decoder section")
+        raise AttnRewriteError(f"{path}: has no model.decoder section")
     return decoder

@@ -18,15 +18,16 @@ transformers' own generate() makes them. On CUDA the carried values stay on the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import onnx_ir as ir
 
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.detect import declared_cache_sizes
 from attnrewrite.onnx.inputs import positions_of
 
 # (carried input prefix, returned output prefix): optimum's and onnxruntime-genai's names, and
@@ -63,24 +64,18 @@ class Carried:
     # axes the output declares under the input's symbol: a size the model fixes, not a length
     # (onnxruntime-genai's builder declares its caches' head size so: "kv_cache_dim")
     fixed_axes: tuple[int, ...] = ()
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # theirs, from the operator
 
-    def initial(self, batch: int, batch_axis_name, head_size: int | None = None) -> np.ndarray:
-        """Zeros of the declared shape: a symbolic batch axis is ``batch``, a fixed axis
-        ``head_size``, any other symbolic axis a past length, empty at the start."""
+    def initial(self, batch: int, batch_axis_name) -> np.ndarray:
+        """Zeros of the declared shape: a symbolic batch axis is ``batch``, a fixed axis its
+        size, any other symbolic axis a past length, empty at the start."""
 
         def size(axis: int, dim) -> int:
             if isinstance(dim, int):
                 return dim
             if axis == 0 or (dim is not None and dim == batch_axis_name):
                 return batch
-            if axis in self.fixed_axes:
-                if head_size is None:
-                    raise AttnRewriteError(
-                        f"the input {self.input} declares its axis {axis} as {dim!r}, a size generate() cannot "
-                        f"tell; the genai_config.json beside the model gives it (head_size)"
-                    )
-                return head_size
-            return 0
+            return self.sizes.get(axis, 0)
 
         return np.zeros(tuple(size(axis, dim) for axis, dim in enumerate(self.shape)), self.dtype)
 
@@ -96,7 +91,6 @@ class Decoder:
     merged: bool  # takes use_cache_branch
     carried: tuple[Carried, ...]
     batch_axis_name: int | str | None
-    head_size: int | None = None  # for caches that declare it symbolically (Carried.fixed_axes)
 
     @classmethod
     def of(cls, session, label: str) -> Decoder:
@@ -112,7 +106,7 @@ class Decoder:
                 f"{label} has no output named logits, so it is not a decoder generate() can run "
                 f"(outputs: {', '.join(outputs)})"
             )
-        carried = _pair_carried(inputs, outputs, label)
+        carried = _with_operator_sizes(_pair_carried(inputs, outputs, label), session, label)
         taken = {c.input for c in carried}
         unknown = [name for name in inputs if name not in FED_INPUTS and name not in taken]
         if unknown:
@@ -132,11 +126,10 @@ class Decoder:
             merged=MERGED_BRANCH in inputs,
             carried=carried,
             batch_axis_name=(inputs["input_ids"].shape or [None])[0],
-            head_size=_genai_head_size(getattr(session, "_model_path", None)),  # the file it was made from
         )
 
     def initial_state(self, batch: int) -> dict[str, np.ndarray]:
-        return {c.input: c.initial(batch, self.batch_axis_name, self.head_size) for c in self.carried}
+        return {c.input: c.initial(batch, self.batch_axis_name) for c in self.carried}
 
     def feeds(self, new_ids: np.ndarray, mask: np.ndarray, step: int) -> dict[str, np.ndarray]:
         """The tokens of this call, the mask over every token so far, their positions."""
@@ -150,19 +143,21 @@ class Decoder:
         return feeds
 
 
-def _genai_head_size(path) -> int | None:
-    """``model.decoder.head_size`` of the genai_config.json beside a model file, if any."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-        return None
-    config = os.path.join(os.path.dirname(path), "genai_config.json")
-    if not os.path.isfile(config):
-        return None
-    try:
-        with open(config) as file:
-            size = json.load(file)["model"]["decoder"]["head_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return size if isinstance(size, int) else None
+def _with_operator_sizes(carried: tuple[Carried, ...], session, label: str) -> tuple[Carried, ...]:
+    """``carried`` with the sizes of their fixed axes, read from the operator that reads them in
+    the model file the session was made from (detect.declared_cache_sizes)."""
+    if not any(c.fixed_axes for c in carried):
+        return carried
+    path = getattr(session, "_model_path", None)  # onnxruntime keeps the file a session loaded
+    sizes = declared_cache_sizes(ir.load(path).graph) if isinstance(path, str) and os.path.isfile(path) else {}
+    for c in carried:
+        unknown = [axis for axis in c.fixed_axes if axis not in sizes.get(c.input, {})]
+        if unknown:
+            raise AttnRewriteError(
+                f"{label}: the input {c.input} declares its axis {unknown[0]} as {c.shape[unknown[0]]!r}, a size "
+                "no operator of the model fixes, so generate() cannot start it"
+            )
+    return tuple(dataclasses.replace(c, sizes=sizes.get(c.input, {})) for c in carried)
 
 
 def _pair_carried(inputs: dict, outputs: dict, label: str) -> tuple[Carried, ...]:

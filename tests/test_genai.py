@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from conftest import decoder_exported
-from decoders import DecoderSpec, export_decoder
+from decoders import DecoderSpec, export_decoder, positions_of
 
 from attnrewrite import cli, find_sites
 from attnrewrite.generate import forced_logits, generate
@@ -113,7 +113,7 @@ def test_builder_models_are_read_and_every_site_listed_with_its_cache(builder, a
 
 def test_attnrewrite_generate_runs_the_builder_model_as_genai_does(builder):
     """The builder declares its caches' head size symbolically ("kv_cache_dim"): generate()
-    reads it from the folder's genai_config.json."""
+    takes it from the GroupQueryAttention that reads them."""
     folder = builder("llama", "fp32")
     assert genai_tokens(folder) == padded_to(our_tokens(folder), NEW_TOKENS, 0)
 
@@ -129,24 +129,25 @@ def test_without_recurrent_a_builder_site_is_refused_as_a_kv_cache_site(builder,
 
 @pytest.fixture(scope="module")
 def transformers_export(builder, tmp_path_factory):
-    """arch -> the same weights as the builder's model, exported with their KV cache as optimum
-    does (once per arch)."""
+    """(arch, cache) -> the same weights as the builder's model, exported as optimum does, with
+    their KV cache or without one (once each)."""
     from transformers import AutoModelForCausalLM
 
     folder, made = tmp_path_factory.mktemp("transformers"), {}
 
-    def get(arch: str) -> Path:
-        if arch not in made:
+    def get(arch: str, cache: bool) -> Path:
+        if (arch, cache) not in made:
             model = AutoModelForCausalLM.from_pretrained(builder(arch), attn_implementation="sdpa").eval()
             spec = DecoderSpec(arch, lambda: model, kv_heads=2, position_ids=True, heads=4, head_dim=16, vocab=256)
-            made[arch] = export_decoder(spec, model, folder / f"{arch}-kv.onnx", "legacy", cache=True)
-        return made[arch]
+            path = folder / f"{arch}{'-kv' if cache else ''}.onnx"
+            made[arch, cache] = export_decoder(spec, model, path, "legacy", cache=cache)
+        return made[arch, cache]
 
     return get
 
 
-def recurrent_session(path: Path, out: Path, method: list[str]) -> ort.InferenceSession:
-    assert cli.main([str(path), "--recurrent", "-o", str(out), "--to", *method]) == 0
+def rewritten_session(path: Path, out: Path, method: list[str], *flags: str) -> ort.InferenceSession:
+    assert cli.main([str(path), *flags, "-o", str(out), "--to", *method]) == 0
     return ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
 
 
@@ -160,19 +161,22 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
     builder, transformers_export, arch, method, tmp_path
 ):
     """The builder's GroupQueryAttention (packed qkv, rotary inside, a bias for Qwen2) unpacked
-    and rotated here gives the recurrent model of the same weights exported by transformers:
-    stepped through left and right padded batches, their logits agree."""
+    and rotated here gives, stepped token by token through left and right padded batches, the
+    logits of the recurrent model of the same weights exported by transformers, and those of
+    the parallel rewrite of their no-cache export on the whole sequence."""
     ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
     left, right = np.ones((2, 12), np.int64), np.ones((2, 12), np.int64)
     left[1, :3] = 0
     right[1, 9:] = 0
-    ours = recurrent_session(builder(arch, "fp32") / "model.onnx", tmp_path / "builder.onnx", method)
-    reference = recurrent_session(transformers_export(arch), tmp_path / "reference.onnx", method)
+    ours = rewritten_session(builder(arch, "fp32") / "model.onnx", tmp_path / "builder.onnx", method, "--recurrent")
+    recurrent = rewritten_session(transformers_export(arch, True), tmp_path / "recurrent.onnx", method, "--recurrent")
+    parallel = rewritten_session(transformers_export(arch, False), tmp_path / "parallel.onnx", method)
     for mask in (left, right):
-        expected = forced_logits(reference, "reference", ids, mask, prefill=5)
         actual = forced_logits(ours, "builder", ids, mask, prefill=5)
-        real = mask.astype(bool)
-        assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
+        whole = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_of(mask)}
+        for expected in (forced_logits(recurrent, "recurrent", ids, mask, prefill=5), parallel.run(None, whole)[0]):
+            real = mask.astype(bool)
+            assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
 # --- genai runs the recurrent folders ------------------------------------------------------------

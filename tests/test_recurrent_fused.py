@@ -448,3 +448,95 @@ def test_ort_optimized_gpt2_becomes_recurrent(decoder_exports, ort_optimized_gpt
     assert code == 0 and f"{LAYERS} of {LAYERS} attention sites replaced by hedgehog" in out
     uncached = decoder_exported(decoder_exports, "gpt2", "legacy", cache=False)
     assert_steps_equal_the_parallel_rewrite(onnx.load(ort_optimized_gpt2), uncached, "hedgehog", "plain")
+
+
+# --- GroupQueryAttention's rotation, against the operator's own ------------------------------------
+
+GQA_HEADS, GQA_KV_HEADS, GQA_HEAD, GQA_POSITIONS = 4, 2, 32, 64
+
+
+def _rotary_tables(rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.outer(np.arange(GQA_POSITIONS), 10000.0 ** (-np.arange(0, rotary_dim, 2) / rotary_dim))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _operator_keys(query, past, seqlens, rotary_dim: int, interleaved: int) -> np.ndarray:
+    """present_key of onnxruntime's GroupQueryAttention (do_rotary=1) on packed ``query``."""
+    cos, sin = _rotary_tables(rotary_dim)
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["query", "", "", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"],
+        ["output", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=GQA_HEADS,
+        kv_num_heads=GQA_KV_HEADS,
+        do_rotary=1,
+        rotary_interleaved=interleaved,
+    )
+    graph = helper.make_graph(
+        [node],
+        "gqa",
+        [
+            helper.make_tensor_value_info("query", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("past_key", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("past_value", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, None),
+            helper.make_tensor_value_info("total", TensorProto.INT32, None),
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
+        [onnx.numpy_helper.from_array(cos, "cos"), onnx.numpy_helper.from_array(sin, "sin")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    total = np.array(past.shape[2] + query.shape[1], np.int32)
+    feeds = {"query": query, "past_key": past, "past_value": past, "seqlens_k": seqlens, "total": total}
+    return session(model).run(["present_key"], feeds)[0]
+
+
+def _our_keys(query, mask, rotary_dim: int, interleaved: int) -> np.ndarray:
+    """The rotated keys [B, kv_heads, N, D] grouped_query.py builds for the same operator."""
+    from attnrewrite.onnx.detect import GroupedQueryPlan
+    from attnrewrite.onnx.grouped_query import GroupedQueryNodes
+
+    cos, sin = (ir.Value(name=n, const_value=ir.tensor(t)) for n, t in zip(("cos", "sin"), _rotary_tables(rotary_dim)))
+    x = ir.Value(name="query", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["b", "n", query.shape[2]]))
+    keep = ir.Value(name="mask", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["b", "t"]))
+    nodes: list[ir.Node] = []
+
+    def node(into, op, inputs, attributes=()):
+        into.append(ir.Node("", op, inputs, attributes, num_outputs=1))
+        return into[-1].outputs[0]
+
+    def const(array):
+        return node(nodes, "Constant", [], [ir.AttrTensor("value", ir.tensor(np.asarray(array, np.int64)))])
+
+    plan = GroupedQueryPlan(GQA_HEADS, GQA_KV_HEADS, GQA_HEAD, x, None, None, (cos, sin), rotary_dim, bool(interleaved))
+    _, k, _ = GroupedQueryNodes(node, const, keep).heads(plan, lambda v: v, nodes)
+    k.name = "k"
+    graph = ir.Graph([x, keep], [k], nodes=nodes, initializers=[cos, sin], opset_imports={"": 18})
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
+    return session(model).run(["k"], {"query": query, "mask": mask})[0]
+
+
+@pytest.mark.parametrize("interleaved", [0, 1], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [GQA_HEAD, GQA_HEAD // 2], ids=["full", "partial"])
+def test_the_unpacked_keys_are_rotated_as_group_query_attention_rotates_them(rotary_dim, interleaved):
+    """A prompt of three rows right padded as onnxruntime-genai pads them (lengths 7, 4, 1),
+    then a decoding step after them: the keys grouped_query.py rotates are the ones the operator
+    writes into its cache, at every real position."""
+    rng = np.random.default_rng(0)
+    width = (GQA_HEADS + 2 * GQA_KV_HEADS) * GQA_HEAD
+    lengths = np.array([7, 4, 1])
+    prompt = rng.standard_normal((3, 7, width)).astype(np.float32)
+    mask = (np.arange(7) < lengths[:, None]).astype(np.int64)
+    empty = np.zeros((3, GQA_KV_HEADS, 0, GQA_HEAD), np.float32)
+    cache = _operator_keys(prompt, empty, (lengths - 1).astype(np.int32), rotary_dim, interleaved)
+    ours = _our_keys(prompt, mask, rotary_dim, interleaved)
+    for row, length in enumerate(lengths):
+        np.testing.assert_allclose(ours[row, :, :length], cache[row, :, :length], atol=1e-5)
+    step = rng.standard_normal((3, 1, width)).astype(np.float32)
+    cache = _operator_keys(step, cache, lengths.astype(np.int32), rotary_dim, interleaved)
+    ours = _our_keys(step, np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1), rotary_dim, interleaved)
+    for row, length in enumerate(lengths):  # the new key lies right after the row's real tokens
+        np.testing.assert_allclose(ours[row, :, 0], cache[row, :, length], atol=1e-5)

@@ -23,7 +23,7 @@ class GroupedQueryNodes:
 
     def __init__(self, node, const, mask: ir.Value):
         self._node, self._const, self._mask = node, const, mask
-        self._tables: dict[tuple[int, int, int], tuple[ir.Value, ir.Value]] = {}
+        self._tables: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin) tables
 
     def heads(self, plan: GroupedQueryPlan, current, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value, ir.Value]:
         """q [B, heads, N, D] and k, v [B, kv_heads, N, D], rotated where the operator rotates;

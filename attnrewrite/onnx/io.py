@@ -176,7 +176,7 @@ def check_graph(proto: onnx.ModelProto) -> None:
     del checkable.graph.value_info[:]
     runtime_only = runtime_default_domain_ops()
     relabelled = False
-    for node in _all_nodes(checkable):
+    for node in _graphs_and_nodes(checkable)[1]:
         if node.domain in ("", "ai.onnx") and node.op_type in runtime_only:
             node.domain, relabelled = _RUNTIME_DEFAULT_DOMAIN, True
     if relabelled:
@@ -196,20 +196,6 @@ def runtime_default_domain_ops() -> frozenset[str]:
     standard = {s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx")}
     registered = {s.name for s in runtime.get_all_operator_schema() if s.domain in ("", "ai.onnx")}
     return frozenset(registered - standard)
-
-
-def _all_nodes(proto: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every node of the main graph, its subgraphs and the model's functions."""
-    graphs = [proto.graph]
-    nodes = [n for f in proto.functions for n in f.node]
-    while graphs:
-        graph = graphs.pop()
-        for node in graph.node:
-            nodes.append(node)
-            for attr in node.attribute:
-                graphs += [attr.g] if attr.HasField("g") else []
-                graphs.extend(attr.graphs)
-    yield from nodes
 
 
 _WEIGHT_BYTES = 1024  # initializers above this are weights: typed, never read by the checks
@@ -339,29 +325,39 @@ def _inside(path: str, folder: str) -> bool:
 def _tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto of the model: initializers, sparse ones, tensor attributes, in the main
     graph, its subgraphs, the model's functions and training graphs."""
-    graphs: list[onnx.GraphProto] = [proto.graph]
-    graphs += [g for info in proto.training_info for g in (info.initialization, info.algorithm)]
-    node_lists = [f.node for f in proto.functions]
-    while graphs or node_lists:
-        if graphs:
-            graph = graphs.pop()
-            yield from graph.initializer
-            for sparse in graph.sparse_initializer:
+    graphs, nodes = _graphs_and_nodes(proto)
+    for graph in graphs:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
                 yield sparse.values
                 yield sparse.indices
-            node_lists.append(graph.node)
+
+
+def _graphs_and_nodes(proto: onnx.ModelProto) -> tuple[list[onnx.GraphProto], list[onnx.NodeProto]]:
+    """Every graph (the main one, the training graphs, every subgraph) and every node (theirs
+    and the model's functions')."""
+    pending = [proto.graph, *(g for info in proto.training_info for g in (info.initialization, info.algorithm))]
+    node_lists = [f.node for f in proto.functions]
+    graphs, nodes = [], []
+    while pending or node_lists:
+        if pending:
+            graphs.append(pending.pop())
+            node_lists.append(graphs[-1].node)
             continue
         for node in node_lists.pop():
+            nodes.append(node)
             for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
-                for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
-                    yield sparse.values
-                    yield sparse.indices
-                if attr.HasField("g"):
-                    graphs.append(attr.g)
-                graphs.extend(attr.graphs)
+                pending += [attr.g] if attr.HasField("g") else []
+                pending.extend(attr.graphs)
+    return graphs, nodes
 
 
 def files_read_by(model: ir.Model) -> list[str]:

@@ -130,7 +130,6 @@ class PackedHeads:
 class GroupedQueryPlan:
     """How a GroupQueryAttention (gqa.py) holds q, k and v: the splice unpacks them with it."""
 
-    node: ir.Node
     num_heads: int
     kv_heads: int
     head_size: int
@@ -138,14 +137,8 @@ class GroupedQueryPlan:
     key: ir.Value | None
     value: ir.Value | None
     rotary: tuple[ir.Value, ir.Value] | None  # (cos_cache, sin_cache) when do_rotary=1
+    rotary_dim: int | None  # the leading features rotated: twice the tables' width
     interleaved: bool  # rotary pairs (x0, x1), (x2, x3)... rather than halves
-
-    @property
-    def rotary_dim(self) -> int | None:
-        if self.rotary is None:
-            return None
-        half = static_dims(self.rotary[0], 1)[0]
-        return 2 * half if half is not None else None
 
 
 # --- shapes ----------------------------------------------------------------------------------
@@ -205,12 +198,15 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
 
 def projected_features(value: ir.Value) -> int | None:
     """The last dim, from the shape or, where shape inference stopped (at a contrib op), from
-    the constant weights of the MatMul (and bias Add) that produced it."""
+    the constant weights of the MatMul (and bias Add) that produced it, or the N of a
+    MatMulNBits (a quantized projection)."""
     last = static_dims(value, -1)[0]
     if last is not None:
         return last
     node = value.producer()
     for _ in range(4):
+        if node is not None and node.op_type == "MatMulNBits" and "N" in node.attributes:
+            return node.attributes["N"].as_int()
         if node is None or node.op_type not in ("MatMul", "Add"):
             return None
         constants = [v for v in node.inputs if v is not None and is_constant(v)]

@@ -113,11 +113,11 @@ def _plan(node: ir.Node, inputs: dict[str, ir.Value]) -> GroupedQueryPlan:
     query, key, value = inputs["query"], inputs.get("key"), inputs.get("value")
     if (key is None) != (value is None):
         raise Unsupported("GroupQueryAttention with only one of key and value is not understood")
-    hidden = _last_dim(query)
+    hidden = projected_features(query)
     if hidden is None:
         raise Unsupported("GroupQueryAttention's query width is unknown: its heads cannot be split")
     size = hidden // (heads + 2 * kv_heads) if key is None else hidden // heads
-    rotary = None
+    rotary, rotary_dim = None, None
     if attr("do_rotary", 0):
         if "cos_cache" not in inputs or "sin_cache" not in inputs:
             raise Unsupported("GroupQueryAttention rotates (do_rotary=1) without cos_cache and sin_cache")
@@ -125,21 +125,9 @@ def _plan(node: ir.Node, inputs: dict[str, ir.Value]) -> GroupedQueryPlan:
         half = static_dims(rotary[0], 1)[0]
         if half is None or 2 * half > size:
             raise Unsupported("GroupQueryAttention's cos_cache does not say its rotary dimension")
-    return GroupedQueryPlan(node, heads, kv_heads, size, query, key, value, rotary, bool(attr("rotary_interleaved", 0)))
-
-
-def _last_dim(value: ir.Value) -> int | None:
-    """The width of a [batch, seq, width] input, from its shape or its producer's weights (a
-    MatMul, a MatMulNBits, a bias Add)."""
-    width = static_dims(value, -1)[0]
-    if width is not None:
-        return width
-    node = value.producer()
-    if node is not None and node.op_type == "MatMulNBits" and "N" in node.attributes:
-        return node.attributes["N"].as_int()
-    if node is not None and node.op_type == "Add":
-        return next((w for v in node.inputs if v is not None and (w := _last_dim(v)) is not None), None)
-    return projected_features(value)
+        rotary_dim = 2 * half
+    interleaved = bool(attr("rotary_interleaved", 0))
+    return GroupedQueryPlan(heads, kv_heads, size, query, key, value, rotary, rotary_dim, interleaved)
 
 
 def _cached(node: ir.Node, inputs: dict[str, ir.Value], output: int) -> CachedTensor:
