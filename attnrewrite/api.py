@@ -25,6 +25,7 @@ def rewrite(
     include_single_query: bool = False,
     *,
     recurrent: bool = False,
+    standard_ops: bool = False,
     heads: dict[int, list[int]] | str | None = None,
     seq: int | None = None,
     calibrate: Any = None,
@@ -66,6 +67,9 @@ def rewrite(
     ``recurrent`` (ONNX decoders exported with a KV cache; linear, hedgehog, favor and their
     windows): each KV-cache site becomes a recurrence and its cache a fixed-size state, inputs
     ``past_key_values.{i}.<part>`` and outputs ``present.{i}.<part>`` (docs/cli.md, "Decoders").
+    A decoding step updates and reads the kernel state with onnxruntime's
+    ``com.microsoft.LinearAttention`` where the installed onnxruntime runs it; ``standard_ops``
+    keeps to standard ONNX operators, for other runtimes.
 
     Fidelity gates (ONNX models), as the CLI's ``--min-cosine`` and ``--min-agreement``: with
     ``min_cosine`` (the per-example cosine of every output) or ``min_agreement`` (the argmax
@@ -140,6 +144,7 @@ def rewrite(
         heads=heads,
         include_single_query=include_single_query,
         recurrent=recurrent,
+        standard_ops=standard_ops,
         seq=seq,
         validate=validate,
         min_cosine=min_cosine,

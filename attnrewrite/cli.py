@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         "outputs present.{i}.<part>",
     )
     parser.add_argument(
+        "--standard-ops",
+        action="store_true",
+        help="with --recurrent: standard ONNX operators only, for runtimes without onnxruntime's contrib "
+        "operators (a decoding step otherwise updates the kernel state with com.microsoft.LinearAttention "
+        "where the installed onnxruntime runs it)",
+    )
+    parser.add_argument(
         "-O",
         "--option",
         action="append",
@@ -672,6 +679,7 @@ def _settings(args) -> pipeline.Settings:
         heads=merged_heads(args.heads),
         include_single_query=args.include_single_query,
         recurrent=args.recurrent,
+        standard_ops=args.standard_ops,
         seq=args.seq,
         check=args.check,
         min_cosine=args.min_cosine,

@@ -67,6 +67,7 @@ class Settings:
     heads: dict[int, list[int]] | str | None = None
     include_single_query: bool = False
     recurrent: bool = False  # KV caches become recurrent states (attnrewrite.onnx.recurrent)
+    standard_ops: bool = False  # no onnxruntime contrib operator in the recurrent steps
     # generated inputs' length: the fidelity check's (default check.default_length: past every
     # replaced site's exact part); the mask probe and the run gate start there and double it
     # until the original runs
@@ -205,6 +206,7 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
         "include_single_query": settings.include_single_query,
         "seq": probe_seq(settings.seq, model.graph, given),
         "recurrent": settings.recurrent,
+        "standard_ops": settings.standard_ops,
     }
     with stage("rewrite"):
         model, record, selection = _rewrite(source, model, settings, options, run, fitting, inputs)

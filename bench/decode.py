@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
@@ -46,8 +47,11 @@ SECTION_START, SECTION_END = DECODING_MARKERS
 COMMAND = "python bench/run_benchmarks.py --decode"
 # the issue's targets
 FLAT_WITHIN = 0.15
+FLAT_FROM = 1024
 FASTER_AT_LONGEST = 5.0
 SMALLER_AT_LONGEST = 50.0
+SHORT_CONTEXT_BOUNDS = {"hedgehog": {256: 1.0, 1024: 1.0, 4096: 0.5}, "hedgehog-w": {256: 1.1, 1024: 1.1}}  # issue 47
+MAX_NODES_PER_SITE = 40
 
 
 def _import_decoders():
@@ -131,7 +135,8 @@ class Variant:
     key: str
     label: str
     cached: bool  # made from the KV-cache export (else from the no-cache one)
-    options: dict | None  # rewrite(..., to="hedgehog", **options); None: the export itself
+    options: dict | None  # rewrite(..., to=method, **options); None: the export itself
+    method: str = "hedgehog"
 
     @property
     def decodes(self) -> bool:
@@ -142,27 +147,51 @@ class Variant:
 VARIANTS = (
     Variant("original", "original (KV cache)", True, None),
     Variant("hedgehog", "hedgehog, recurrent", True, {"recurrent": True}),
+    Variant("hedgehog-std", "hedgehog, recurrent, --standard-ops", True, {"recurrent": True, "standard_ops": True}),
     Variant("hedgehog-w", f"hedgehog window={WINDOW}, recurrent", True, {"recurrent": True, "window": WINDOW}),
     Variant("hedgehog-parallel", "hedgehog, parallel", False, {}),
     Variant("hedgehog-w-parallel", f"hedgehog window={WINDOW}, parallel", False, {"window": WINDOW}),
 )
+# the tiny Llama of issue 47 (2 layers, 64 wide), one thread: its rows say what a step runs beyond
+# the model's own work
+TINY = dataclasses.replace(Shape(), layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=1000)
+TINY_WINDOW = 4
+TINY_VARIANTS = (
+    Variant("original", "original (KV cache)", True, None),
+    Variant("linear", "linear, recurrent", True, {"recurrent": True}, "linear"),
+    Variant("hedgehog", "hedgehog, recurrent", True, {"recurrent": True}),
+    Variant(
+        "hedgehog-w", f"hedgehog window={TINY_WINDOW}, recurrent", True, {"recurrent": True, "window": TINY_WINDOW}
+    ),
+    Variant(
+        "hedgehog-w0",
+        f"hedgehog window={TINY_WINDOW} sinks=0, recurrent",
+        True,
+        {"recurrent": True, "window": TINY_WINDOW, "sinks": 0},
+    ),
+)
+TINY_CONTEXTS = (64, 1024)
 BY_KEY = {v.key: v for v in VARIANTS}
 RECURRENT_VS_PARALLEL = (("hedgehog", "hedgehog-parallel"), ("hedgehog-w", "hedgehog-w-parallel"))
+RECURRENT_KEYS = ("hedgehog", "hedgehog-std", "hedgehog-w")
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     shape: Shape = Shape()
-    contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
+    contexts: tuple[int, ...] = (256, 1024, 4096, 16384, 65536)
     prefill: tuple[int, ...] = (1024, 4096)
     threads: int = os.cpu_count() or 1
     steps: int = 20  # timed decoding steps per (model, context), after ``warmup``
     warmup: int = 3
     prefill_runs: int = 3  # timed prefills per (model, N), after one warm-up
     prompt: int = 256  # tokens each recurrent state has absorbed before the timed steps
+    tiny_contexts: tuple[int, ...] = TINY_CONTEXTS  # the tiny Llama's (none: not measured)
 
 
-QUICK = dict(contexts=(1024, 4096), prefill=(1024,), steps=5, warmup=1, prefill_runs=2)
+VOCAB_IN_USE = 100  # token ids are drawn below it: under every vocabulary benched here
+QUICK = dict(contexts=(256, 1024), prefill=(1024,), steps=5, warmup=1, prefill_runs=2)
+PREFILLED_UP_TO = 4096  # a context up to this is a real prefill's; past it, a stand-in (method_lines)
 
 
 def exports(shape: Shape, cache: Path) -> dict[bool, Path]:
@@ -181,18 +210,18 @@ def exports(shape: Shape, cache: Path) -> dict[bool, Path]:
     return paths
 
 
-def model_files(shape: Shape, cache: Path, folder: Path) -> dict[str, Path]:
+def model_files(shape: Shape, cache: Path, folder: Path, variants=VARIANTS) -> dict[str, Path]:
     """Variant key -> its ONNX file: the exports, and their rewrites by the public API into ``folder``."""
     exported = exports(shape, cache)
     paths = {}
-    for variant in VARIANTS:
+    for variant in variants:
         source = exported[variant.cached]
         if variant.options is None:
             paths[variant.key] = source
             continue
         print(f"== rewriting: {variant.label}", file=sys.stderr)
-        paths[variant.key] = folder / f"{variant.key}.onnx"
-        onnx.save(attnrewrite.rewrite(str(source), to="hedgehog", **variant.options), paths[variant.key])
+        paths[variant.key] = folder / f"{shape.name}-{variant.key}.onnx"
+        onnx.save(attnrewrite.rewrite(str(source), to=variant.method, **variant.options), paths[variant.key])
     return paths
 
 
@@ -215,30 +244,27 @@ class Model:
         """The tokens ``ids`` [1, N] from an empty cache or a zero state: a prefill."""
         return {**self.decoder.feeds(ids, np.ones(ids.shape, np.int64), step=0), **self.decoder.initial_state(1)}
 
-    def step_feeds(self, token: np.ndarray, context: int, state: dict[str, np.ndarray], rng) -> dict[str, np.ndarray]:
-        """``token`` [1, 1] after ``context`` tokens (a mask of context + 1, position context), with
-        a KV cache of that length (random values: a step's time does not depend on them) or the
-        fixed-size ``state``, its position counter (a windowed state's) set to ``context``."""
-        feeds = self.decoder.feeds(token, np.ones((1, context + 1), np.int64), step=1)
-        for carried in self.decoder.carried:
-            if carried.input in state:
-                value = state[carried.input]
-                feeds[carried.input] = np.array(context, value.dtype) if carried.input.endswith(".position") else value
-            else:
-                shape = [
-                    1 if axis == 0 else d if isinstance(d, int) else context for axis, d in enumerate(carried.shape)
-                ]
-                feeds[carried.input] = rng.standard_normal(shape, np.float32).astype(carried.dtype)
-        return feeds
+    def carried_after(self, context: int, prompt: np.ndarray, rng) -> dict[str, np.ndarray]:
+        """What the model carries into the token after ``context`` tokens, by input name: the
+        cache or state a prefill of ``context`` tokens leaves (up to PREFILLED_UP_TO); past it,
+        a KV cache of random values (a step's time does not depend on them) or the state
+        ``prompt`` left (a state has one size at every context)."""
+        if context <= PREFILLED_UP_TO:
+            ids = rng.integers(0, VOCAB_IN_USE, (1, context))
+            return self.carried_of(self.run(self.prompt_feeds(ids)))
+        carried = self.carried_of(self.run(self.prompt_feeds(prompt)))
+        for c in self.decoder.carried:
+            if not all(isinstance(d, int) for d in c.shape[1:]):
+                shape = [1 if axis == 0 else d if isinstance(d, int) else context for axis, d in enumerate(c.shape)]
+                carried[c.input] = rng.standard_normal(shape, np.float32).astype(c.dtype)
+        return carried
 
-    def state_after(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The fixed-size carried values (a recurrent state) after the prompt ``ids``, by input
-        name; none for a KV cache."""
-        fixed = [c for c in self.decoder.carried if all(isinstance(d, int) for d in c.shape[1:])]
-        if not fixed:
-            return {}
-        outputs = self.run(self.prompt_feeds(ids))
-        return {c.input: outputs[c.output] for c in fixed}
+    def step_feeds(self, token: np.ndarray, context: int, carried: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``token`` [1, 1] after ``context`` tokens (a mask of context + 1, position context)."""
+        return {**self.decoder.feeds(token, np.ones((1, context + 1), np.int64), step=1), **carried}
+
+    def carried_of(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {c.input: outputs[c.output] for c in self.decoder.carried}
 
     def carried_bytes(self, outputs: dict[str, np.ndarray]) -> int:
         """The cache or state a run returns to be fed back (present.*)."""
@@ -256,31 +282,67 @@ def timed(model: Model, feeds: dict, n: int, warmup: int, runs: int) -> tuple[be
             if run >= warmup:
                 times.append(time.perf_counter() - start)
     except Exception as error:  # one failed cell (out of memory at 64k) must not lose the others
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        return bench.Measurement(model.variant.key, n, "failed", detail=first), {}
+        return bench.Measurement(model.variant.key, n, "failed", detail=_first_line(error)), {}
     return bench.Measurement(model.variant.key, n, "ok", times), outputs
 
 
-def measure_decoding(paths: dict[str, Path], settings: Settings) -> tuple[list[bench.Measurement], dict]:
-    """Per model that decodes, one step at each context, the recurrent models first:
-    (measurements, {key: {context: carried bytes}}). Not interleaved: a step just after the
-    original's at 64k (gigabytes of KV cache through memory) ran up to 20% slower."""
+def timed_steps(model: Model, context: int, carried: dict, settings: Settings, rng) -> tuple[bench.Measurement, dict]:
+    """Consecutive decoding steps after ``context`` tokens, each fed what the one before returned
+    (so a window's block boundaries come in their turn): the times after ``settings.warmup``, and
+    the first step's feeds and outputs."""
+    times, first = [], None
+    try:
+        for step in range(settings.warmup + settings.steps):
+            feeds = model.step_feeds(rng.integers(0, VOCAB_IN_USE, (1, 1)), context + step, carried)
+            carried = outputs = None  # a 64k KV cache's presents are gigabytes: never two sets at once
+            start = time.perf_counter()
+            outputs = model.run(feeds)
+            if step >= settings.warmup:
+                times.append(time.perf_counter() - start)
+            first = first or (feeds, model.carried_bytes(outputs))
+            carried = model.carried_of(outputs)
+    except Exception as error:  # one failed cell (out of memory at 64k) must not lose the others
+        return bench.Measurement(model.variant.key, context, "failed", detail=_first_line(error)), {}
+    return bench.Measurement(model.variant.key, context, "ok", times), first
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def nodes_per_step(path: Path, feeds: dict, threads: int) -> int:
+    """The nodes onnxruntime runs for one step (its profiler, after its graph optimizations; an
+    If's branch nodes included)."""
+    with tempfile.TemporaryDirectory(prefix="attnrewrite-profile-") as folder:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.log_severity_level = threads, 3
+        options.enable_profiling, options.profile_file_prefix = True, str(Path(folder) / "step")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    return sum(1 for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+
+
+def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIANTS) -> tuple[list, dict, dict]:
+    """Per model that decodes, consecutive steps after each context, the recurrent models first:
+    (measurements, {key: {context: carried bytes}}, {key: nodes run per step}). Not interleaved:
+    a step just after the original's at 64k (gigabytes of KV cache through memory) ran up to
+    20% slower."""
     rng = np.random.default_rng(0)
-    models = [Model(v, paths[v.key], settings.threads) for v in VARIANTS if v.decodes]
-    prompt = rng.integers(0, settings.shape.vocab, (1, min(settings.prompt, min(settings.contexts))))
-    states = {m.variant.key: m.state_after(prompt) for m in models}
-    measurements, carried = [], {m.variant.key: {} for m in models}
-    tokens = {context: rng.integers(0, settings.shape.vocab, (1, 1)) for context in settings.contexts}
+    models = [Model(v, paths[v.key], settings.threads) for v in variants if v.decodes]
+    prompt = rng.integers(0, VOCAB_IN_USE, (1, settings.prompt))
+    measurements, carried, nodes = [], {m.variant.key: {} for m in models}, {}
     for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
-        for context, token in tokens.items():
-            print(f"== decoding step: {model.variant.label} at context {context}", file=sys.stderr)
-            feeds = model.step_feeds(token, context, states[model.variant.key], rng)
-            measurement, outputs = timed(model, feeds, context, settings.warmup, settings.steps)
+        for context in settings.contexts:
+            print(f"== decoding steps: {model.variant.label} after {context} tokens", file=sys.stderr)
+            measurement, first = timed_steps(model, context, model.carried_after(context, prompt, rng), settings, rng)
             measurements.append(measurement)
-            if outputs:
-                carried[model.variant.key][context] = model.carried_bytes(outputs)
-            del feeds, outputs  # a 64k KV cache is gigabytes: not two at once
-    return measurements, carried
+            if first:
+                feeds, carried[model.variant.key][context] = first
+                if context == settings.contexts[0]:
+                    nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
+            del first  # a 64k KV cache is gigabytes: not two at once
+    return measurements, carried, nodes
 
 
 def measure_prefill(paths: dict[str, Path], settings: Settings) -> list[bench.Measurement]:
@@ -290,7 +352,7 @@ def measure_prefill(paths: dict[str, Path], settings: Settings) -> list[bench.Me
     rng = np.random.default_rng(1)
     prompts = {n: rng.integers(0, settings.shape.vocab, (1, n)) for n in settings.prefill}
     measurements = []
-    for variant in VARIANTS:
+    for variant in (BY_KEY[key] for key in PREFILL_ORDER):  # --standard-ops prefills as hedgehog does
         model = Model(variant, paths[variant.key], settings.threads)
         for n, ids in prompts.items():
             print(f"== prefill: {variant.label} at N = {n}", file=sys.stderr)
@@ -299,7 +361,36 @@ def measure_prefill(paths: dict[str, Path], settings: Settings) -> list[bench.Me
     return measurements
 
 
+def measure_tiny(paths: dict[str, Path], settings: Settings) -> TinyResults:
+    """The tiny Llama's decoding steps at ``settings.tiny_contexts`` on one thread, and the nodes
+    each runs."""
+    contexts = settings.tiny_contexts
+    tiny = dataclasses.replace(settings, shape=TINY, contexts=contexts, threads=1, steps=4 * settings.steps)
+    steps, _, nodes = measure_decoding(paths, tiny, TINY_VARIANTS)
+    return TinyResults(contexts, steps, nodes)
+
+
 # --- results and targets ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TinyResults:
+    contexts: tuple[int, ...]
+    steps: list[bench.Measurement]  # variant = the model's key, n = the context
+    nodes: dict[str, int]  # key -> nodes onnxruntime runs per step
+
+    def step_ms(self, key: str, context: int) -> float | None:
+        return _step_ms(self.steps, key, context)
+
+    def as_dict(self) -> dict:
+        return {
+            "shape": dataclasses.asdict(TINY),
+            "contexts": list(self.contexts),
+            "threads": 1,
+            "models": {v.key: {"label": v.label, "method": v.method, "options": v.options} for v in TINY_VARIANTS},
+            "decode": [m.as_dict() for m in self.steps],
+            "nodes_per_step": self.nodes,
+        }
 
 
 @dataclasses.dataclass
@@ -310,9 +401,11 @@ class Results:
     prefill: list[bench.Measurement]  # n = the prompt's length
     machine: dict  # {"start": ..., "end": ...}: common.machine_state, others_cores at the end
     cache: Path  # where the exports are kept
+    nodes: dict[str, int]  # key -> nodes onnxruntime runs per step (at the first context)
+    tiny: TinyResults | None = None
 
     def step_ms(self, key: str, context: int) -> float | None:
-        return _ms(next((m for m in self.steps if m.variant == key and m.n == context), None))
+        return _step_ms(self.steps, key, context)
 
     def prefill_of(self, key: str) -> list[bench.Measurement]:
         return [m for m in self.prefill if m.variant == key]
@@ -326,7 +419,9 @@ class Results:
             "exports": str(self.cache),
             "models": {v.key: {"label": v.label, "options": v.options} for v in VARIANTS},
             "decode": [{**m.as_dict(), "carried_bytes": self.carried.get(m.variant, {}).get(m.n)} for m in self.steps],
+            "nodes_per_step": self.nodes,
             "prefill": [m.as_dict() for m in self.prefill],
+            "tiny": None if self.tiny is None else self.tiny.as_dict(),
             "targets": [dataclasses.asdict(t) for t in evaluate(self)],
         }
 
@@ -335,9 +430,15 @@ def _ms(m: bench.Measurement | None) -> float | None:
     return m.median_s * 1e3 if m is not None and m.status == "ok" else None
 
 
+def _step_ms(steps: list[bench.Measurement], key: str, context: int) -> float | None:
+    return _ms(next((m for m in steps if m.variant == key and m.n == context), None))
+
+
 def evaluate(results: Results) -> list[Target]:
-    """The issue's targets, per recurrent model: a flat step latency, faster and smaller than the
-    KV cache at the longest context, a prefill no slower than the parallel rewrite's."""
+    """The issues' targets, per recurrent model: a flat step latency from 1k on, faster and
+    smaller than the KV cache at the longest context, a prefill no slower than the parallel
+    rewrite's (issue 26); a step no slower than the KV cache's at short contexts, and at most
+    MAX_NODES_PER_SITE more nodes per attention site than the original runs (issue 47)."""
     targets = []
     for key, parallel in RECURRENT_VS_PARALLEL:
         targets += [
@@ -346,11 +447,39 @@ def evaluate(results: Results) -> list[Target]:
             smaller_target(results, key),
             prefill_target(results, key, parallel),
         ]
+    for key, bounds in SHORT_CONTEXT_BOUNDS.items():
+        targets += [short_context_target(results, key, context, bound) for context, bound in bounds.items()]
+    targets += [nodes_target(results.nodes, BY_KEY[key], results.settings.shape.layers) for key in RECURRENT_KEYS]
+    if results.tiny is not None:
+        targets += [nodes_target(results.tiny.nodes, v, TINY.layers, "tiny Llama") for v in TINY_VARIANTS[1:]]
     return targets
 
 
+def short_context_target(results: Results, key: str, context: int, bound: float) -> Target:
+    times = f"at most {bound:g}x" if bound != 1 else "no slower than"
+    text = f"{BY_KEY[key].label}: step {times} the KV-cache original's at C={context}"
+    ours, original = results.step_ms(key, context), results.step_ms("original", context)
+    if ours is None or original is None:
+        return Target(text, "not measured", None)
+    measured = f"{_ms_text(ours)} ms / original {_ms_text(original)} ms = {ours / original:.2f}x"
+    return Target(text, measured, ours <= bound * original)
+
+
+def nodes_target(nodes: dict[str, int], variant: Variant, layers: int, model: str = "12 layers") -> Target:
+    key = variant.key
+    text = (
+        f"{variant.label} ({model}): at most {MAX_NODES_PER_SITE} more nodes run per step and attention site "
+        "than the original"
+    )
+    if key not in nodes or "original" not in nodes:
+        return Target(text, "not measured", None)
+    extra = (nodes[key] - nodes["original"]) / layers
+    measured = f"{nodes[key]} nodes, original {nodes['original']}: {extra:+.0f} per site"
+    return Target(text, measured, extra <= MAX_NODES_PER_SITE)
+
+
 def flat_target(results: Results, key: str) -> Target:
-    contexts = results.settings.contexts
+    contexts = [c for c in results.settings.contexts if c >= FLAT_FROM] or results.settings.contexts
     first, last = contexts[0], contexts[-1]
     text = f"{BY_KEY[key].label}: step latency flat within {FLAT_WITHIN:.0%} from C={first} to C={last}"
     times = {c: results.step_ms(key, c) for c in contexts}
@@ -419,6 +548,67 @@ def _mib(nbytes: int | None) -> str:
 PREFILL_ORDER = ("original", "hedgehog", "hedgehog-parallel", "hedgehog-w", "hedgehog-w-parallel")
 
 
+def nodes_table(results: Results) -> list[str]:
+    layers = results.settings.shape.layers
+    rows = [
+        [v.label, str(results.nodes[v.key]), _per_site(results.nodes, v.key, layers)]
+        for v in VARIANTS
+        if v.key in results.nodes
+    ]
+    return [
+        f"### Nodes run per decoding step (C = {results.settings.contexts[0]})",
+        "",
+        "Counted by onnxruntime's profiler after its graph optimizations, the nodes of the branch an `If` takes "
+        f"included; per attention site: beyond the original's, over its {layers} layers.",
+        "",
+        table(["model", "nodes per step", "per attention site, beyond the original"], rows),
+        "",
+    ]
+
+
+def tiny_table(results: Results) -> list[str]:
+    tiny = results.tiny
+    if tiny is None:
+        return []
+    header = [
+        "model",
+        *(f"step at C={c}, ms" for c in tiny.contexts),
+        "nodes per step",
+        "per site, beyond the original",
+    ]
+    rows = [
+        [
+            v.label,
+            *(
+                _cell(
+                    _ms_text(tiny.step_ms(v.key, c) or 0),
+                    tiny.step_ms("original", c) if v.cached and v.options else None,
+                    tiny.step_ms(v.key, c),
+                )
+                for c in tiny.contexts
+            ),
+            str(tiny.nodes.get(v.key, "")),
+            _per_site(tiny.nodes, v.key, TINY.layers),
+        ]
+        for v in TINY_VARIANTS
+    ]
+    return [
+        "### The tiny Llama, one thread",
+        "",
+        f"{TINY.describe()}, one intra-op thread, steps as above ({4 * results.settings.steps} timed). In "
+        "parentheses: the original's time / the model's.",
+        "",
+        table(header, rows),
+        "",
+    ]
+
+
+def _per_site(nodes: dict[str, int], key: str, layers: int) -> str:
+    if key == "original" or key not in nodes or "original" not in nodes:
+        return ""
+    return f"{(nodes[key] - nodes['original']) / layers:+.0f}"
+
+
 def render(results: Results, plotted: bool) -> str:
     """The Decoding section of RESULTS.md, its markers included."""
     targets = evaluate(results)
@@ -432,14 +622,16 @@ def render(results: Results, plotted: bool) -> str:
         "",
         *method_lines(results),
         "",
-        "### Targets (issue 26)",
+        "### Targets (issues 26 and 47)",
         "",
         table(
             ["target", "measured", "result"], [[t.text, t.measured, verdict[t.reached]] for t in targets], numeric=False
         ),
         "",
         *step_tables(results),
+        *nodes_table(results),
         *prefill_table(results),
+        *tiny_table(results),
         "![decode.png](decode.png)" if plotted else "(no plot: matplotlib is not installed)",
         "",
         SECTION_END,
@@ -467,12 +659,16 @@ def method_lines(results: Results) -> list[str]:
             else "the machine was NOT idle (shared with other work): the timings are noisy."
         ),
         f"- onnxruntime CPU, fp32, batch 1, {s.threads} intra-op thread{'s' if s.threads > 1 else ''}, one process; one model "
-        "after another (each decoding at every context, the KV-cache original last), the prefills too. A step: one new token after C tokens (attention mask of C + 1, position C), "
-        f"median of {s.steps} steps on the same inputs after {s.warmup} warm-up. A prefill: N tokens from an empty "
-        f"cache or a zero state, median of {s.prefill_runs} runs after 1 warm-up.",
-        "- The KV cache the original is fed holds random values (a step's time does not depend on them); each "
-        f"recurrent model is fed the state a {min(s.prompt, min(s.contexts))}-token prompt left, its position "
-        "counter set to C (a state has one size at every C).",
+        "after another (each decoding at every context, the KV-cache original last), the prefills too. Steps at "
+        f"context C: {s.warmup} warm-up and {s.steps} timed consecutive calls of one new token each, from position "
+        "C on, each fed the cache or state the one before returned (a window's block boundaries come in their "
+        f"turn); the median. A prefill: N tokens from an empty cache or a zero state, median of {s.prefill_runs} "
+        "runs after 1 warm-up.",
+        f"- Up to C = {PREFILLED_UP_TO} the cache or state is what a prefill of C tokens left. Past it the original "
+        "is fed a KV cache of C random positions (a step's time does not depend on its values) and each recurrent "
+        f"model the state a {s.prompt}-token prefill left, its position C (a state has one size at every C).",
+        "- `hedgehog, recurrent` updates and reads its kernel state in one `com.microsoft.LinearAttention` node "
+        "per step (the installed onnxruntime runs it); `--standard-ops` is the same model in standard operators.",
     ]
 
 
@@ -605,12 +801,14 @@ def run(settings: Settings, output: Path, cache: Path = CACHE) -> Results:
     decode.json beside it."""
     with tempfile.TemporaryDirectory(prefix="attnrewrite-decode-") as folder:
         paths = model_files(settings.shape, cache, Path(folder))
+        tiny_paths = model_files(TINY, cache, Path(folder), TINY_VARIANTS) if settings.tiny_contexts else None
         started, cpu_start = machine_state(), cpu_seconds()
-        steps, carried = measure_decoding(paths, settings)
+        steps, carried, nodes = measure_decoding(paths, settings)
         prefill = measure_prefill(paths, settings)
+        tiny = measure_tiny(tiny_paths, settings) if tiny_paths else None
         ended = machine_state()
         ended["others_cores"] = round(others_cores(cpu_start, cpu_seconds()), 2)
-    results = Results(settings, steps, carried, prefill, {"start": started, "end": ended}, cache)
+    results = Results(settings, steps, carried, prefill, {"start": started, "end": ended}, cache, nodes, tiny)
     output.parent.mkdir(parents=True, exist_ok=True)
     plotted = plot(results, output.parent / "decode.png")
     (output.parent / "decode.json").write_text(json.dumps(results.as_dict(), indent=2) + "\n")

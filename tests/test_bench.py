@@ -349,7 +349,7 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
     decode = load_bench_module("decode")
     shape = decode.Shape(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=100, max_positions=128)
     settings = decode.Settings(
-        shape=shape, contexts=(16, 32), prefill=(16,), threads=1, steps=2, warmup=1, prefill_runs=2
+        shape=shape, contexts=(16, 32), prefill=(16,), threads=1, steps=2, warmup=1, prefill_runs=2, tiny_contexts=()
     )
     report = tmp_path / "RESULTS.md"
     report.write_text("# Benchmark results\n\nthe other sections\n")
@@ -357,15 +357,17 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
 
     # layers x (key, value) x [2 kv heads, C + 1, head_dim 8], fp32
     kv_bytes = {c: 2 * 2 * (2 * (c + 1) * 8) * 4 for c in (16, 32)}
-    # layers x (kernel state [4 heads, F = 2 x 8 features, 8] + normaliser [4 heads, F] + the one
-    # column of conv_state genai needs beside them), fp32
+    # layers x (kernel state [4 heads, F = 2 x 8 features, 8 + the normaliser's column] + the one
+    # column of conv_state genai needs beside it), fp32
     state_bytes = 2 * (4 * 16 * 8 + 4 * 16 + 1) * 4
     assert results.carried["original"] == kv_bytes
     assert results.carried["hedgehog"] == {16: state_bytes, 32: state_bytes}
     assert results.carried["hedgehog-w"][16] == results.carried["hedgehog-w"][32] > state_bytes
-    decoding = [(key, c) for key in ("hedgehog", "hedgehog-w", "original") for c in (16, 32)]  # one model at a time
+    recurrent = ("hedgehog", "hedgehog-std", "hedgehog-w")
+    decoding = [(key, c) for key in (*recurrent, "original") for c in (16, 32)]  # one model at a time
     assert [(m.variant, m.n) for m in results.steps] == decoding
-    assert [m.variant for m in results.prefill] == [v.key for v in decode.VARIANTS]
+    assert [m.variant for m in results.prefill] == list(decode.PREFILL_ORDER)
+    assert set(results.nodes) == {*recurrent, "original"} and all(n > 100 for n in results.nodes.values())
     for m in results.steps + results.prefill:
         assert m.status == "ok" and len(m.times_s) == 2 and m.median_s > 0
 
@@ -378,15 +380,27 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
     steps = _table_rows(text, "### Per-token decoding step, ms")
     assert [row[0] for row in steps] == ["16", "32"]
     for row, c in zip(steps, (16, 32)):
-        for cell, key in zip(row[1:], ("original", "hedgehog", "hedgehog-w")):
+        for cell, key in zip(row[1:], ("original", *recurrent), strict=True):
             assert float(cell.split(" (")[0]) == pytest.approx(results.step_ms(key, c), abs=0.051)
     sizes = _table_rows(text, "### Cache or state carried per step, MiB")
     assert [row[:3] for row in sizes] == [["16", "0.0042", "0.0044 (0.9x)"], ["32", "0.0081", "0.0044 (1.8x)"]]
     [prefill] = _table_rows(text, "### Prefill, ms")
     assert prefill[0] == "16" and len(prefill) == 6 and "x the parallel's)" in prefill[2]
 
-    targets = _table_rows(text, "### Targets (issue 26)")
-    assert len(targets) == 8 and all(row[2] in ("**met**", "**not met**") for row in targets)
+    nodes = _table_rows(text, "### Nodes run per decoding step (C = 16)")
+    per_site = {key: (results.nodes[key] - results.nodes["original"]) / 2 for key in recurrent}
+    assert nodes == [["original (KV cache)", str(results.nodes["original"]), ""]] + [
+        [decode.BY_KEY[key].label, str(results.nodes[key]), f"{per_site[key]:+.0f}"] for key in recurrent
+    ]
+
+    targets = _table_rows(text, "### Targets (issues 26 and 47)")
+    # issue 47's short contexts (256 .. 4096) are not among these: not measured
+    verdicts = {"**met**": True, "**not met**": False, "not measured": None}
+    assert len(targets) == 8 + 5 + 3 and all(row[2] in verdicts for row in targets)
+    assert [row[2] for row in targets[8:13]] == ["not measured"] * 5
+    assert [row[2] for row in targets[13:]] == [
+        "**met**" if per_site[key] <= decode.MAX_NODES_PER_SITE else "**not met**" for key in recurrent
+    ]
     assert [
         "hedgehog, recurrent: state >= 50x smaller than the KV cache at C=32",
         "KV cache 0.0081 MiB / state 0.0044 MiB = 1.8x",
@@ -401,7 +415,7 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
     assert [(d["variant"], d["n"], d["carried_bytes"]) for d in data["decode"]] == [
         (key, c, results.carried[key][c]) for key, c in decoding
     ]
-    assert [t["reached"] for t in data["targets"]] == [row[2] == "**met**" for row in targets]
+    assert [t["reached"] for t in data["targets"]] == [verdicts[row[2]] for row in targets]
     assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
 
     decode.write_section(report, "<!-- DECODING -->\nagain\n<!-- /DECODING -->")  # a rerun replaces it

@@ -10,6 +10,7 @@ no earlier output (what makes the recurrence possible)."""
 from __future__ import annotations
 
 import functools
+import types
 
 import numpy as np
 import onnx
@@ -21,6 +22,7 @@ from models import relative_error
 from onnx import TensorProto, helper, numpy_helper
 
 from attnrewrite import passes
+from attnrewrite.onnx.validate import runs_linear_attention
 from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh, recurrent
 from attnrewrite.passes.kernel.chunks import PREFIX_GROUP
 from attnrewrite.passes.window.reference import windowed_attention_weights
@@ -133,8 +135,8 @@ def test_heads_folded_into_the_batch():
         for piece in pieces(SCHEDULES["uneven-pieces"]):
             out, *state = module(rows(q, piece), rows(k, piece), rows(v, piece), rows(keep, piece), *state)
             assert relative_error(out.numpy(), expected[..., piece, :].numpy()) < 1e-5, piece
-    kernel_state, normaliser = recurrent_form(site, options).state(site)[:2]
-    assert (kernel_state.shape, normaliser.shape) == (("G", D, "Dv"), ("G", D))
+    kernel_state = recurrent_form(site, options).state(site)[0]
+    assert kernel_state.shape == ("G", D, "Dv+1")  # the normaliser is the last column
 
 
 def test_parameters_are_the_parallel_modules():
@@ -178,8 +180,7 @@ def test_state_description_of_a_windowed_hedgehog():
     site, options = make_site(), passes.make_options(hedgehog, window=4, sinks=1)
     described = [(t.name, t.shape, t.dtype) for t in recurrent_form(site, options).state(site)]
     assert described == [
-        ("kernel_state", ("B", "H", 2 * D, "Dv"), "float32"),
-        ("normaliser", ("B", "H", 2 * D), "float32"),
+        ("kernel_state", ("B", "H", 2 * D, "Dv+1"), "float32"),
         ("log_scale", ("B", "H"), "float32"),
         ("window_keys", ("B", "H", 7, "D"), "model"),
         ("window_values", ("B", "H", 7, "Dv"), "model"),
@@ -190,10 +191,9 @@ def test_state_description_of_a_windowed_hedgehog():
         ("position", (), "int64"),
     ]
     plain = [t.name for t in recurrent_form(site, passes.make_options(linear)).state(site)]
-    assert plain == ["kernel_state", "normaliser"]
+    assert plain == ["kernel_state"]
     assert [t.shape for t in recurrent_form(site, passes.make_options(favor, variant="hyperbolic")).state(site)] == [
-        ("B", "H", 2 * favor.default_features(D), "Dv"),
-        ("B", "H", 2 * favor.default_features(D)),
+        ("B", "H", 2 * favor.default_features(D), "Dv+1"),
         ("B", "H"),
     ]
 
@@ -205,7 +205,7 @@ def test_state_size_does_not_grow_with_the_context(method, config):
     method = METHODS[method]
     site, options = make_site(), method_options(method, config)
     module = recurrent_form(site, options).torch_module(site, fitted_parallel(method, site, options))
-    described = [tuple(axis_sizes(site, options).get(a, a) for a in t.shape) for t in module.description]
+    described = [recurrent.state_shape(t, axis_sizes(site, options)) for t in module.description]
     session = recurrent_session(method.NAME, config)
     for length in (3, 40):
         q, k, v, keep = sequence(True, length)
@@ -246,27 +246,29 @@ def recurrent_model(lowering, description, rank: int = 4) -> onnx.ModelProto:
         [value("out"), *(state_value(t, "_out") for t in description)],
         initializer=[numpy_helper.from_array(array, name) for name, array in lowering.constants.items()],
     )
+    imported = {o.domain: o.version for f in lowering.functions for o in f.opset_import}  # com.microsoft too
     model = helper.make_model(
         graph,
         functions=lowering.functions,
         ir_version=10,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("attnrewrite", 1)],
+        opset_imports=[helper.make_opsetid(*d) for d in {**imported, "": OPSET, "attnrewrite": 1}.items()],
     )
     onnx.checker.check_model(model, full_check=True)
     return model
 
 
-def session_for(site, options, weights) -> ort.InferenceSession:
-    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, weights)
+def session_for(site, options, weights, contrib_ops: bool = False) -> ort.InferenceSession:
+    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, weights, contrib_ops=contrib_ops)
     model = recurrent_model(lowering, recurrent_form(site, options).state(site))
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 @functools.cache
-def recurrent_session(method: str, config: str) -> ort.InferenceSession:
+def recurrent_session(method: str, config: str, contrib_ops: bool = False) -> ort.InferenceSession:
     """The recurrent lowering of fitted_parallel(method, config)'s values."""
     site, options = make_site(), method_options(METHODS[method], config)
-    return session_for(site, options, state_dict(fitted_parallel(METHODS[method], site, options)))
+    weights = state_dict(fitted_parallel(METHODS[method], site, options))
+    return session_for(site, options, weights, contrib_ops)
 
 
 def axis_sizes(site, options) -> dict[str, int]:
@@ -292,13 +294,67 @@ def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("method", METHODS)
 def test_onnx_steps_equal_the_parallel_form(method, config, padding, schedule):
+    assert_steps_equal_the_parallel_form(method, config, padding, schedule, contrib_ops=False)
+
+
+@pytest.mark.skipif(not runs_linear_attention(), reason="this onnxruntime has no com.microsoft.LinearAttention")
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("method", METHODS)
+def test_onnx_steps_through_linear_attention_equal_the_parallel_form(method, padding):
+    """With onnxruntime's contrib operator a step updates and reads the kernel state in one
+    LinearAttention node; the outputs are the standard operators'."""
+    site, options = make_site(), method_options(METHODS[method], "no-window")
+    lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, contrib_ops=True)
+    assert ("com.microsoft", "LinearAttention") in {(n.domain, n.op_type) for n in lowering_nodes(lowering)}
+    assert_steps_equal_the_parallel_form(method, "no-window", padding, "prefill-then-tokens", contrib_ops=True)
+
+
+def assert_steps_equal_the_parallel_form(method, config, padding, schedule, contrib_ops):
     site, options = make_site(), method_options(METHODS[method], config)
     q, k, v, keep = sequence(padding)
     with torch.no_grad():
         expected = fitted_parallel(METHODS[method], site, options)(q, k, v, keep).numpy()
-    steps = run_onnx_steps(recurrent_session(method, config), site, options, SCHEDULES[schedule], (q, k, v, keep))
+    session = recurrent_session(method, config, contrib_ops)
+    steps = run_onnx_steps(session, site, options, SCHEDULES[schedule], (q, k, v, keep))
     for piece, (out, *_) in zip(pieces(SCHEDULES[schedule]), steps):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+
+
+def lowering_nodes(lowering):
+    """Every node of the lowering's functions, those of If branches included."""
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(attribute.g.node)
+
+    return [node for function in lowering.functions for node in walk(function.node)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("method", METHODS)
+def test_one_token_runs_the_step_branch(method, config):
+    """The entry chooses by the number of new tokens: one takes the step branch, which runs
+    nothing of the chunked form (its entries, triangles, prefix sums), the others that form."""
+    site, options = make_site(), method_options(METHODS[method], config)
+    entry = recurrent_form(site, options).onnx_lowering(site, OPSET).functions[-1]
+    (choice,) = [node for node in entry.node if node.op_type == "If"]
+    branches = {a.name: a.g for a in choice.attribute}
+    chunked = {
+        "CausalKernelAttentionFromState",
+        "CausalRescaledKernelAttentionFromState",
+        "RecurrentWindowedKernelAttention",
+        "Trilu",
+        "CumSum",
+    }
+
+    def runs(graph):
+        return {node.op_type for node in lowering_nodes(types.SimpleNamespace(functions=[graph]))}
+
+    assert runs(branches["then_branch"]).isdisjoint(chunked)
+    assert runs(branches["else_branch"]) & chunked
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import attnrewrite
 from attnrewrite import cli, decision, passes
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.generate import generate
+from attnrewrite.onnx.validate import runs_linear_attention
 
 CONFIGS = {"plain": {}, "window": {"window": 4, "sinks": 1}}
 METHODS = ("hedgehog", "linear", "favor")
@@ -133,7 +134,7 @@ def test_the_interface_is_states_of_fixed_size(decoder_exports, exporter):
     record = read_record(model)
     assert record["options"]["recurrent"] is True
     note = next(note for note in record["notes"] if note.startswith("recurrent:"))
-    assert "kernel_state: recurrent_state[..., 0:8]; normaliser: recurrent_state[..., 8:9]" in note
+    assert "kernel_state: recurrent_state[..., 0:9]; log_scale: conv_state[:, 0:4]" in note
     assert "window_keys: conv_state[:, 4:228]" in note
     assert "position: the attention mask's length minus input_ids' length" in note
 
@@ -185,6 +186,25 @@ def test_without_recurrent_a_cache_site_points_to_it(decoder_exports):
     record = read_record(model)
     assert {site["reason"] for site in record["sites"]} == {decision.KV_CACHE}
     assert "--recurrent" in decision.KV_CACHE
+
+
+@pytest.mark.skipif(not runs_linear_attention(), reason="this onnxruntime has no com.microsoft.LinearAttention")
+def test_standard_ops_keeps_the_steps_to_standard_operators(decoder_exports, tmp_path, capsys):
+    """By default a step updates the kernel state with com.microsoft.LinearAttention;
+    --standard-ops writes the same model in standard operators only, with the same logits."""
+    cached = decoder_exported(decoder_exports, "llama", "legacy")
+    outputs = {}
+    for flags in ([], ["--standard-ops"]):
+        out = tmp_path / f"out{len(flags)}.onnx"
+        assert cli.main([str(cached.path), "--to", "hedgehog", "--recurrent", *flags, "-o", str(out)]) == 0
+        model = onnx.load(out)
+        domains = {o.domain for o in model.opset_import} | {o.domain for f in model.functions for o in f.opset_import}
+        assert ("com.microsoft" in domains) is not bool(flags), flags
+        full = full_sequence(cached.spec)
+        outputs[bool(flags)] = [logits for logits, _ in stepped(session(model), full, prefill_then_steps())]
+    capsys.readouterr()
+    for contrib, standard in zip(outputs[False], outputs[True]):
+        np.testing.assert_allclose(contrib, standard, rtol=0, atol=TOLERANCE * np.abs(standard).max())
 
 
 def test_cli_writes_a_model_that_takes_states(decoder_exports, tmp_path, capsys):

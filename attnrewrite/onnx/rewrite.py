@@ -17,6 +17,7 @@ from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
+from attnrewrite.onnx.validate import runs_linear_attention
 from attnrewrite.passes import heads
 from attnrewrite.passes import recurrent as passes_recurrent
 from attnrewrite.passes.lowering import DOMAIN, MIN_OPSET
@@ -52,6 +53,7 @@ def rewrite_model(
     calibration=None,
     seq: int | None = None,
     recurrent: bool = False,
+    standard_ops: bool = False,
     exact_heads: dict[int, list[int]] | None = None,
     fitted: dict[int, dict[str, np.ndarray]] | None = None,
     **options,
@@ -62,7 +64,8 @@ def rewrite_model(
     ``include_single_query``. ``calibration`` (attnrewrite.calibration.Calibration): fit every
     replacement, in order, to the attention it replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
     (default: attnrewrite.site.MASK_PROBE_LENGTHS). ``recurrent``: the KV-cache sites become
-    recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay.
+    recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay;
+    their steps use com.microsoft.LinearAttention where onnxruntime runs it, unless ``standard_ops``.
     ``exact_heads`` (layer -> head indices): those heads stay softmax inside the site's
     replacement (attnrewrite.passes.heads); with ``calibration`` every head is fitted first and
     the exact heads' values are sliced out (_fitted_on_every_head). Not with ``recurrent``: a
@@ -89,6 +92,7 @@ def rewrite_model(
         sites = analyze(model, seq)
         decisions = [decide(s) for s in sites]
     decisions, splicer = _splicer(model, sites, decisions, recurrent)
+    contrib_ops = recurrent and not standard_ops and runs_linear_attention()  # for decoding steps
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
     note = probe_note([s.site for s in sites])
     if note:
@@ -97,8 +101,9 @@ def rewrite_model(
     for s, reason in zip(sites, decisions):
         exact = exact_heads.get(s.site.layer)
         if reason is None:
+            weights = fitted.get(s.site.layer)
             plan = _plan(
-                splicer, s, method, opts, default_opset(model), calibration, fitted.get(s.site.layer), exact, recurrent
+                splicer, s, method, opts, default_opset(model), calibration, weights, exact, recurrent, contrib_ops
             )
             reason = plan if isinstance(plan, str) else None
         if reason is not None:
@@ -135,9 +140,12 @@ class _Plan(NamedTuple):
     weights: dict | None  # the values the lowering holds instead of its initial ones
 
 
-def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact, recurrent: bool) -> _Plan | str:
+def _plan(
+    splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact, recurrent: bool, contrib_ops: bool
+) -> _Plan | str:
     """How a site decided for is replaced (weights: values given for it, fitted earlier): by
-    the method's ``recurrent`` form or its parallel one; or why it cannot be after all."""
+    the method's ``recurrent`` form (its steps with onnxruntime's contrib operators where
+    ``contrib_ops``) or its parallel one; or why it cannot be after all."""
     try:
         splicer.check(s)
     except Unsupported as why:
@@ -149,7 +157,8 @@ def _plan(splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, 
             return reason
         weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
     if recurrent:
-        lowering = passes_recurrent.form_for(method, s.site, opts).onnx_lowering(s.site, opset, weights)
+        form = passes_recurrent.form_for(method, s.site, opts)
+        lowering = form.onnx_lowering(s.site, opset, weights, contrib_ops=contrib_ops)
         return _Plan(lowering, module, weights)
     if not exact:
         return _Plan(method.onnx_lowering(s.site, opts, opset, weights=weights), module, weights)

@@ -272,6 +272,8 @@ class Splicer:
         different one under the same name is renamed (callers' references follow)."""
         renamed: dict[str, str] = {}
         for proto in lowering.functions:
+            for opset in proto.opset_import:  # com.microsoft, where a step uses LinearAttention
+                self.model.opset_imports.setdefault(opset.domain, opset.version)
             proto = _with_callees_renamed(proto, renamed)
             base, name, suffix = proto.name, proto.name, 2
             while (DOMAIN, name, "") in self.model.functions:

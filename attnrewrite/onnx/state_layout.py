@@ -60,14 +60,21 @@ class Layout:
 
 def layout(description: list[StateTensor], sizes: dict) -> Layout:
     """The packed layout of ``description`` (the method's parts, in its order) with the symbolic
-    sizes in ``sizes`` (batch left symbolic). The first two parts are the sums: [B, H, F, Dv]
-    (or [B, H, D]) and [B, H, F] (or [B, H, D])."""
-    first, second, *rest = description
+    sizes in ``sizes`` (batch left symbolic). The sums come first: one [B, H, F, Dv + 1] part
+    (the kernel state with its normaliser column) taken as it is, or two [B, H, D] parts
+    (AFT's numerator and denominator) side by side."""
+    first, *rest = description
     head = state_shape(first, sizes)
-    columns = head[3] if len(head) == 4 else 1
-    sums = state_shape(second, sizes)
-    slots = [Slot(first, head, RECURRENT_STATE, 0, columns), Slot(second, sums, RECURRENT_STATE, columns, columns + 1)]
-    shapes = {RECURRENT_STATE: (*sums, columns + 1)}
+    if len(head) == 4:
+        slots = [Slot(first, head, RECURRENT_STATE, 0, head[3])]
+        shapes = {RECURRENT_STATE: head}
+    else:
+        second, *rest = rest
+        slots = [
+            Slot(first, head, RECURRENT_STATE, 0, 1),
+            Slot(second, state_shape(second, sizes), RECURRENT_STATE, 1, 2),
+        ]
+        shapes = {RECURRENT_STATE: (*head, 2)}
     offset = 0
     for part in rest:
         shape = state_shape(part, sizes)
@@ -99,7 +106,10 @@ class Packing:
                 parts.append(position)
                 continue
             axis = -1 if slot.tensor == RECURRENT_STATE else 1
-            columns = self._slice(packed[slot.tensor], slot.start, slot.stop, axis, nodes)
+            if slot.shape == self.layout.shapes[slot.tensor]:  # the whole tensor
+                columns = packed[slot.tensor]
+            else:
+                columns = self._slice(packed[slot.tensor], slot.start, slot.stop, axis, nodes)
             if slot.tensor == RECURRENT_STATE:
                 value = columns if len(slot.shape) == 4 else self._node(nodes, "Squeeze", [columns, self._const([-1])])
             else:
@@ -124,12 +134,14 @@ class Packing:
             else:
                 value = self._node(nodes, "Reshape", [value, self._const([0, -1])])
             pieces[slot.tensor].append(value)
-        return {
-            tensor: self._node(nodes, "Concat", values, [ir.AttrInt64("axis", -1 if tensor == RECURRENT_STATE else 1)])
-            if values
-            else self._node(nodes, "Identity", [packed[tensor]])
-            for tensor, values in pieces.items()
-        }
+        return {tensor: self._joined(tensor, values, packed, nodes) for tensor, values in pieces.items()}
+
+    def _joined(self, tensor: str, values: list[ir.Value], packed: dict[str, ir.Value], nodes) -> ir.Value:
+        if not values:
+            return self._node(nodes, "Identity", [packed[tensor]])
+        if len(values) == 1 and tensor == RECURRENT_STATE:
+            return values[0]
+        return self._node(nodes, "Concat", values, [ir.AttrInt64("axis", -1 if tensor == RECURRENT_STATE else 1)])
 
     def _slice(self, value: ir.Value, start: int, stop: int, axis: int, nodes: list[ir.Node]) -> ir.Value:
         return self._node(nodes, "Slice", [value, self._const([start]), self._const([stop]), self._const([axis])])

@@ -4,6 +4,7 @@ the full ONNX check, an onnxruntime session, and a run on inputs of the original
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -15,6 +16,7 @@ from attnrewrite.errors import InputFails, RewriteFailed
 from attnrewrite.onnx import bfloat16
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs, searched_lengths
 from attnrewrite.onnx.io import check_graph, saved_copy
+from attnrewrite.passes.lowering import MICROSOFT
 
 DEFAULT_SEQ = 16  # generated inputs' length when the user gives none
 GATE_BATCH = 2  # generate_inputs' batch
@@ -110,6 +112,33 @@ def _lengths_tried(seq: int, graph: ir.Graph) -> str:
     constants = searched_lengths(seq, graph)[len(doubled) :]
     said = f"{seq} to {doubled[-1]}, doubling" if len(doubled) > 2 else ", ".join(map(str, doubled))
     return f"{said}, then {', '.join(map(str, constants))}" if constants else said
+
+
+@functools.cache
+def runs_linear_attention() -> bool:
+    """Whether the installed onnxruntime runs ``com.microsoft.LinearAttention`` (1.25 and later):
+    a recurrent decoding step then updates and reads its kernel state with that one node."""
+    q = onnx.helper.make_tensor_value_info("q", onnx.TensorProto.FLOAT, [1, 1, 2])
+    state = onnx.helper.make_tensor_value_info("state", onnx.TensorProto.FLOAT, [1, 1, 2, 2])
+    out = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("out", "present")]
+    node = onnx.helper.make_node(
+        "LinearAttention",
+        ["q", "q", "q", "state"],
+        ["out", "present"],
+        domain=MICROSOFT,
+        q_num_heads=1,
+        kv_num_heads=1,
+        update_rule="linear",
+        scale=1.0,
+    )
+    graph = onnx.helper.make_graph([node], "linear_attention", [q, state], out)
+    opsets = [onnx.helper.make_opsetid("", 20), onnx.helper.make_opsetid(MICROSOFT, 1)]
+    try:
+        session = make_session(onnx.helper.make_model(graph, opset_imports=opsets).SerializeToString())
+        session.run(None, {"q": np.ones((1, 1, 2), np.float32), "state": np.zeros((1, 1, 2, 2), np.float32)})
+    except Exception:  # an older onnxruntime, or one built without contrib operators
+        return False
+    return True
 
 
 def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):

@@ -318,7 +318,7 @@ class _Recurrence(recurrent.Recurrence):
         return RecurrentAft(parallel, _state(site))
 
     def onnx_lowering(
-        self, site: AttentionSite, opset_version: int, weights: dict | None = None
+        self, site: AttentionSite, opset_version: int, weights: dict | None = None, contrib_ops: bool = False
     ) -> recurrent.RecurrentLowering:
         return _recurrent_lowering(site, self.options, opset_version, weights)
 

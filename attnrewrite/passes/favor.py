@@ -574,6 +574,7 @@ def recurrence(options: Options) -> KernelRecurrence:
         feature_count=lambda site: feature_count(projection_for(site, options), options.variant),
         torch_terms=causal_terms,
         onnx_terms=causal_terms_function,
+        onnx_query_terms=query_terms_function,
         constants=onnx_constants,
     )
 
@@ -598,16 +599,33 @@ def causal_terms_function(site: AttentionSite, options: Options, opset_version: 
     norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
     root_scale = math.sqrt(site.scale)
     log_features = _log_features_functions(op, options.variant)[1]
-    query_features = _query_features_function(op, norm)
     causal_key_features = _causal_key_features_function(op, norm, masked=True)
+    FavorQueryTerms = query_terms_function(site, options, opset_version)[0]
 
     @script(ATTNREWRITE, default_opset=op)
     def FavorCausalTerms(q, k, keep, projection):
         w = op.Cast(projection, to=FLOAT)
-        root = op.Constant(value_float=root_scale)
-        log_q = log_features(op.Cast(q, to=FLOAT) * root, w)
-        phi_k, key_log_scale = causal_key_features(log_features(op.Cast(k, to=FLOAT) * root, w), keep)
-        query_log_scale = op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-        return query_features(log_q), phi_k, query_log_scale, key_log_scale
+        log_k = log_features(op.Cast(k, to=FLOAT) * op.Constant(value_float=root_scale), w)
+        phi_k, key_log_scale = causal_key_features(log_k, keep)
+        phi_q, query_log_scale = FavorQueryTerms(q, projection)
+        return phi_q, phi_k, query_log_scale, key_log_scale
 
     return FavorCausalTerms, ("projection",)
+
+
+def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): what a step's query reads (the keys' terms are read when they
+    join the state): FavorQueryTerms(q, projection) -> (phi_q, query log scale), the query
+    over its row max, which is its log scale."""
+    op = standard_opset(opset_version)
+    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
+    root_scale = math.sqrt(site.scale)
+    log_features = _log_features_functions(op, options.variant)[1]
+    query_features = _query_features_function(op, norm)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorQueryTerms(q, projection):
+        log_q = log_features(op.Cast(q, to=FLOAT) * op.Constant(value_float=root_scale), op.Cast(projection, to=FLOAT))
+        return query_features(log_q), op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
+
+    return FavorQueryTerms, ("projection",)

@@ -317,6 +317,7 @@ def recurrence(options: Options) -> KernelRecurrence:
         feature_count=lambda site: "F" if site.head_dim is None else 2 * site.head_dim,  # softmax(z), softmax(-z)
         torch_terms=causal_terms,
         onnx_terms=causal_terms_function,
+        onnx_query_terms=query_terms_function,
         constants=onnx_constants,
     )
 
@@ -353,3 +354,20 @@ def causal_terms_function(site: AttentionSite, options: Options, opset_version: 
         return phi_q, phi_k, HedgehogLogScale(q, query_log_scale), HedgehogKeyLogScale(k, key_log_scale, keep)
 
     return HedgehogWindowedTerms, ("weight", "bias", "query_log_scale", "key_log_scale")
+
+
+def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): what a step's query reads (the keys' terms are read when they
+    join the state): HedgehogFeatures(q, weight, bias), with a window HedgehogQueryTerms(q,
+    weight, bias, query_log_scale) -> (phi_q, query log scale)."""
+    op = standard_opset(opset_version)
+    HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
+    if not options.window:
+        return HedgehogFeatures, ("weight", "bias")
+    HedgehogLogScale = _log_scale_functions(op, math.sqrt(site.scale))[0]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def HedgehogQueryTerms(q, weight, bias, query_log_scale):
+        return HedgehogFeatures(q, weight, bias), HedgehogLogScale(q, query_log_scale)
+
+    return HedgehogQueryTerms, ("weight", "bias", "query_log_scale")

@@ -30,6 +30,8 @@ import dataclasses
 import typing
 from collections.abc import Callable
 
+import numpy as np
+from onnx import numpy_helper
 from onnxscript import script
 
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
@@ -47,6 +49,7 @@ from attnrewrite.passes.layout import flatten_heads_function
 from attnrewrite.passes.lowering import (
     ATTNREWRITE,
     FLOAT,
+    MICROSOFT,
     TO_THE_END,
     FunctionNodes,
     make_function,
@@ -56,6 +59,7 @@ from attnrewrite.passes.lowering import (
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.recurrent import Recurrence, RecurrentLowering, StateTensor, leading_axes, state_shape
 from attnrewrite.passes.window.onnx_state import (
+    window_step_functions,
     windowed_kernel_attention_from_state_functions,
     without_sinks_from_function,
 )
@@ -85,8 +89,9 @@ class KernelRecurrence(Recurrence):
     carries a log scale); ``feature_count(site)``: F ("F" where unknown); ``torch_terms(parallel
     module, q, k, keep) -> CausalTerms``; ``onnx_terms(site, options, opset_version) ->
     (function, its constants)``, the function (q, k, keep, *constants) -> (phi_q, phi_k[, query
-    log scale, key log scale]); ``constants(site, options, weights)``: the parallel lowering's
-    constants, by name and in order."""
+    log scale, key log scale]), and ``onnx_query_terms`` the same for the query alone, (q,
+    *constants) -> phi_q[, query log scale] (a windowed step's); ``constants(site, options,
+    weights)``: the parallel lowering's constants, by name and in order."""
 
     options: typing.Any
     entry: str
@@ -94,6 +99,7 @@ class KernelRecurrence(Recurrence):
     feature_count: Callable[[AttentionSite], int | str]
     torch_terms: Callable[..., CausalTerms]
     onnx_terms: Callable
+    onnx_query_terms: Callable
     constants: Callable[..., dict]
 
     @property
@@ -103,8 +109,13 @@ class KernelRecurrence(Recurrence):
     def state(self, site: AttentionSite) -> list[StateTensor]:
         lead, f = leading_axes(site), self.feature_count(site)
         state = [
-            StateTensor("kernel_state", (*lead, f, "Dv"), "float32", 0.0, "sum of phi(k) v^T over absorbed keys"),
-            StateTensor("normaliser", (*lead, f), "float32", 0.0, "sum of phi(k) over absorbed keys"),
+            StateTensor(
+                "kernel_state",
+                (*lead, f, "Dv+1"),
+                "float32",
+                0.0,
+                "sum of phi(k) [v, 1]^T over absorbed keys: sum phi(k) v^T, and sum phi(k) (the normaliser) as the last column",
+            )
         ]
         if self.unit.rescaled:
             state.append(
@@ -130,22 +141,26 @@ class KernelRecurrence(Recurrence):
     def torch_module(self, site: AttentionSite, parallel) -> RecurrentKernelAttention:
         return RecurrentKernelAttention(parallel, self, self.state(site))
 
-    def onnx_lowering(self, site: AttentionSite, opset_version: int, weights: dict | None = None) -> RecurrentLowering:
+    def onnx_lowering(
+        self, site: AttentionSite, opset_version: int, weights: dict | None = None, contrib_ops: bool = False
+    ) -> RecurrentLowering:
         """The recurrent form as ONNX, the state in ``state``'s order. The constants are the
-        parallel lowering's, without building it."""
+        parallel lowering's, without building it. With ``contrib_ops`` a step updates and reads
+        the kernel state with com.microsoft.LinearAttention (a [B, H, ...] site whose heads are
+        known); the prefill stays the chunked form, faster on CPU (docs/cli.md says by how much)."""
         constants = self.constants(site, self.options, weights)
         description = self.state(site)
         state = [t.name for t in description]
-        glue = _Glue(self, site, opset_version, mapped=QUERY_KEY_MAPS[0] in constants)
+        glue = _Glue(self, site, opset_version, QUERY_KEY_MAPS[0] in constants, contrib_ops)
         windowed = self.window is not None
-        (glue.windowed if windowed else glue.plain)()
+        outputs = ["out", *(f"{s}_out" for s in state)]
+        if windowed:
+            glue.one_token_or_more(glue.windowed_step, glue.windowed, outputs)
+        else:
+            glue.one_token_or_more(glue.plain_step, glue.plain, outputs)
         name = ("Learned" if glue.mapped else "") + "Recurrent" + ("Windowed" if windowed else "")
         entry = make_function(
-            name + self.entry,
-            ["q", "k", "v", "key_keep", *state, *constants],
-            ["out", *(f"{s}_out" for s in state)],
-            glue.body.nodes,
-            opset_version,
+            name + self.entry, ["q", "k", "v", "key_keep", *state, *constants], outputs, glue.body.nodes, opset_version
         )
         return RecurrentLowering([*_unique(glue.functions), entry], constants, description)
 
@@ -191,7 +206,7 @@ class RecurrentKernelAttention(Module):
     def _plain(self, q, k, v, keep, state):
         q, k = map_queries_and_keys(self.parallel, q, k)
         terms = self._terms(q, k, keep)
-        absorbed = KernelState(state["kernel_state"], state["normaliser"], state.get("log_scale"))
+        absorbed = _absorbed(state)
         chunk, eps = self.parallel.chunk, self.recurrence.unit.eps
         if terms.key_log_scale is None:
             out, absorbed = causal_linear_attention_from_state(
@@ -214,7 +229,7 @@ class RecurrentKernelAttention(Module):
         q, mapped_k_x = map_queries_and_keys(self.parallel, q, k_x)  # the window keeps k unmapped
         terms = self._terms(q, mapped_k_x, keep_x)
         far_phi_k, far_key_log_scale = far_key_features(terms.phi_k, terms.key_log_scale, start, sinks)
-        absorbed = KernelState(state["kernel_state"], state["normaliser"], state.get("log_scale"))
+        absorbed = _absorbed(state)
         scales = KernelScales(
             self.parallel.linear_log_weight, terms.query_log_scale, far_key_log_scale, terms.local_max_weight
         )
@@ -233,10 +248,15 @@ class RecurrentKernelAttention(Module):
             scales=scales,
             eps=self.recurrence.unit.eps,
         )
-        leaving = None if far_key_log_scale is None else far_key_log_scale[..., :n, :]
-        absorbed = absorb_keys(absorbed, far_phi_k[..., :n, :], v_x[..., :n, :], leaving)
+        # the state stays block-aligned: the rows behind the next query's previous block join it
+        # too (their keep flags turn 0), so a decoding step reads the state alone for the far keys
+        behind = self.window.size - 1 - (position + n) % self.window.size
+        joining = n + behind
+        leaving = None if far_key_log_scale is None else far_key_log_scale[..., :joining, :]
+        absorbed = absorb_keys(absorbed, far_phi_k[..., :joining, :], v_x[..., :joining, :], leaving)
         state = _with_kernel_state(state, absorbed)
-        state.update(window_keys=k_x[..., n:, :], window_values=v_x[..., n:, :], window_keep=keep_x[..., n:, :])
+        window_keep = torch.cat([torch.zeros_like(keep_x[..., :behind, :]), keep_x[..., joining:, :]], dim=-2)
+        state.update(window_keys=k_x[..., n:, :], window_values=v_x[..., n:, :], window_keep=window_keep)
         if sink_keys is not None:
             state.update(sink_keys=sink_keys.k, sink_values=sink_keys.v, sink_keep=sink_keys.keep)
         state["position"] = state["position"] + n
@@ -249,8 +269,13 @@ class RecurrentKernelAttention(Module):
         return f"method={self.recurrence.options.method_name}, state={[t.name for t in self.description]}"
 
 
-def _with_kernel_state(state: dict, absorbed) -> dict:
-    state = dict(state, kernel_state=absorbed.kv, normaliser=absorbed.key_sum)
+def _absorbed(state: dict) -> KernelState:
+    """The state's kernel part as KernelState (kernel_state's last column is the normaliser)."""
+    return KernelState(state["kernel_state"][..., :-1], state["kernel_state"][..., -1], state.get("log_scale"))
+
+
+def _with_kernel_state(state: dict, absorbed: KernelState) -> dict:
+    state = dict(state, kernel_state=torch.cat([absorbed.kv, absorbed.key_sum.unsqueeze(-1)], dim=-1))
     if absorbed.log_scale is not None:
         state["log_scale"] = absorbed.log_scale
     return state
@@ -275,21 +300,56 @@ def _with_new_sinks(state: dict, k, v, keep, position: int) -> SinkKeys:
 class _Glue:
     """The entry's body, node by node: its inputs depend on the options."""
 
-    def __init__(self, recurrence: KernelRecurrence, site: AttentionSite, opset_version: int, mapped: bool):
+    def __init__(
+        self, recurrence: KernelRecurrence, site: AttentionSite, opset_version: int, mapped: bool, contrib_ops: bool
+    ):
         self.site, self.opset_version, self.mapped = site, opset_version, mapped
+        features, columns = recurrence.feature_count(site), site.value_dim
+        # LinearAttention with each head of each batch row as its own row: their sizes fixed
+        known = contrib_ops and isinstance(features, int) and columns is not None
+        self.linear_attention_rows = (features, columns + 1) if known else None
         self.options, self.unit, self.window = recurrence.options, recurrence.unit, recurrence.window
         self.body = FunctionNodes()
         self.rescaled = self.unit.rescaled
         self.terms, self.terms_constants = recurrence.onnx_terms(site, self.options, opset_version)
+        self.query_terms, self.query_terms_constants = recurrence.onnx_query_terms(site, self.options, opset_version)
         self.flatten = flatten_heads_function(opset_version)
-        self.functions = [self.flatten.to_function_proto(), *_protos(self.terms)]
+        self.functions = [self.flatten.to_function_proto(), *_protos(self.terms), *_protos(self.query_terms)]
         self._flat_state = None
+
+    def one_token_or_more(self, step, prefill, outputs: list[str]) -> None:
+        """The body: If one new token, ``step`` (a decoding step: what one token needs, nothing
+        chunked), else ``prefill`` (the chunked form); both return ``outputs``."""
+        b = self.body
+        one_token = b("Equal", b("Shape", "q", start=-2, end=-1), b.ints(1))
+        branches = {
+            "then_branch": self.branch(step, "step", outputs),
+            "else_branch": self.branch(prefill, "prefill", outputs),
+        }
+        values = b("If", one_token, outputs=len(outputs), **branches)
+        for name, value in zip(outputs, [values] if len(outputs) == 1 else values):
+            b.output(name, value)
+
+    def branch(self, build, name: str, outputs: list[str]):
+        """``build``'s nodes as an If branch graph returning ``outputs``."""
+        body, flat_state = self.body, self._flat_state
+        self.body, self._flat_state = FunctionNodes(prefix=f"{name}_"), None
+        try:
+            build()
+            return self.body.graph(name, outputs)
+        finally:
+            self.body, self._flat_state = body, flat_state
 
     def call_terms(self, q, k, keep):
         """(phi_q, phi_k[, query log scale, key log scale]) of the method, q and k mapped
         first where the module has query/key maps."""
         q, k = self.map("q", q), self.map("k", k)
         return self.body.call(self.terms, q, k, keep, *self.terms_constants, outputs=4 if self.rescaled else 2)
+
+    def call_query_terms(self, q: str):
+        """(phi_q[, query log scale]): a step's query's terms alone."""
+        outputs = 2 if self.rescaled else 1
+        return self.body.call(self.query_terms, self.map("q", q), *self.query_terms_constants, outputs=outputs)
 
     def map(self, which: str, x: str) -> str:
         if not self.mapped:
@@ -300,13 +360,13 @@ class _Glue:
         return self.body.call(self.flatten, x)
 
     def flat_state(self) -> list[str]:
-        """The incoming kernel_state, normaliser (and log_scale) as [G, F, Dv], [G, F] (and
-        [G, 1]), flattened once."""
+        """The incoming kernel state's sum phi(k) v^T and normaliser (and log_scale) as [G, F,
+        Dv], [G, F] (and [G, 1]), flattened once."""
         if self._flat_state is None:
             b = self.body
-            normaliser_shape = b("Concat", b.ints(-1), b("Shape", "normaliser", start=-1), axis=0)
-            normaliser = b("Reshape", "normaliser", normaliser_shape)
-            self._flat_state = [self.flat("kernel_state"), normaliser]
+            flat = self.flat("kernel_state")
+            normaliser = b("Gather", flat, b("Constant", value_int=-1), axis=-1)
+            self._flat_state = [b("Slice", flat, b.ints(0), b.ints(-1), b.ints(-1)), normaliser]
             if self.rescaled:
                 self._flat_state.append(self.empty_state_log_scale(normaliser))
         return self._flat_state
@@ -320,9 +380,13 @@ class _Glue:
         return b("Where", empty, b("Constant", value_float=LOWEST), b("Reshape", "log_scale", b.ints(-1, 1)))
 
     def state_outputs(self, new_state: list[str]) -> None:
-        names = ["kernel_state", "normaliser", "log_scale"][: len(new_state)]
-        for name, value in zip(names, new_state):
-            self.body.output(f"{name}_out", self.body("Reshape", value, self.body("Shape", name)))
+        """The flat [G, F, Dv] and [G, F] sums (and [G, 1] log scale) as the state's outputs."""
+        b = self.body
+        kv, normaliser, *log_scale = new_state
+        kernel_state = b("Concat", kv, b("Unsqueeze", normaliser, b.ints(-1)), axis=-1)
+        b.output("kernel_state_out", b("Reshape", kernel_state, b("Shape", "kernel_state")))
+        if log_scale:
+            b.output("log_scale_out", b("Reshape", log_scale[0], b("Shape", "log_scale")))
 
     def output(self, out_flat: str) -> None:
         b = self.body
@@ -333,6 +397,75 @@ class _Glue:
         """key_keep as float32 with k's leading axes: [..., N, 1]."""
         b = self.body
         return b("Expand", b("Cast", "key_keep", to=FLOAT), b("Concat", b("Shape", "k", end=-1), b.ints(1), axis=0))
+
+    def plain_step(self) -> None:
+        """One token: the kernel state gains phi(k) [v, 1]^T (rank one) and is read once by
+        phi(q), numerator and normaliser together; rescaled, it first moves to the new max log
+        scale (the chunked form's references at N = 1)."""
+        b = self.body
+        terms = self.call_terms("q", "k", self.keep())
+        phi_q, phi_k, state = terms[0], terms[1], "kernel_state"
+        if self.rescaled:
+            log_scale = self.step_log_scale()
+            new_log_scale = b("Max", log_scale, b("Squeeze", terms[3], b.ints(-1)))
+            held = b("Exp", b("Sub", log_scale, new_log_scale))  # <= 1
+            phi_k = b("Mul", phi_k, b("Exp", b("Sub", terms[3], b("Unsqueeze", new_log_scale, b.ints(-1)))))
+            state = b("Mul", state, b("Unsqueeze", held, b.ints(-1)))
+            b.output("log_scale_out", b("Squeeze", new_log_scale, b.ints(-1)))
+        read, new_state = self.update_and_read(phi_q, phi_k, state)
+        b.output("out", b("CastLike", self.normalised(read), "v"))
+        b.output("kernel_state_out", new_state)
+
+    def update_and_read(self, phi_q: str, phi_k: str, state: str) -> tuple[str, str]:
+        """(phi_q S' [..., 1, Dv + 1], S'): S' = state + phi_k^T [v, 1], one token's update."""
+        b = self.body
+        values = self.values_and_ones()
+        if self.linear_attention_rows:  # one token: [..., 1, X] is [G, 1, X] as it lies
+            features, columns = self.linear_attention_rows
+            sized = ((phi_q, features), (phi_k, features), (values, columns))
+            rows = [b("Reshape", x, b.ints(-1, 1, size)) for x, size in sized]
+            folded = b("Reshape", state, b.ints(-1, 1, features, columns))
+            read, new_state = b(
+                "LinearAttention",
+                *rows,
+                folded,
+                outputs=2,
+                domain=MICROSOFT,
+                q_num_heads=1,
+                kv_num_heads=1,
+                update_rule="linear",
+                scale=1.0,
+            )
+            # typed again (CastLike: no conversion) for the ONNX checker, which cannot type a contrib
+            # operator and then finds the If's branches disagree
+            read, new_state = b("CastLike", read, values), b("CastLike", new_state, state)
+            return b("Reshape", read, b("Shape", values)), b("Reshape", new_state, b("Shape", state))
+        new_state = b("Add", state, b("MatMul", b("Transpose", phi_k, perm=self.swap_last()), values))
+        return b("MatMul", phi_q, new_state), new_state
+
+    def values_and_ones(self) -> str:
+        """[v, 1] [..., N, Dv + 1] float32: what the kernel state sums (its last column the normaliser)."""
+        b, rank = self.body, self.site.rank
+        pads = b.ints(*[0] * (2 * rank - 1), 1)
+        return b("Pad", b("Cast", "v", to=FLOAT), pads, b("Constant", value_float=1.0))
+
+    def normalised(self, read: str) -> str:
+        """A read of the kernel state [..., Dv + 1] as numerator / (normaliser + eps)."""
+        b = self.body
+        numerator = b("Slice", read, b.ints(0), b.ints(-1), b.ints(-1))
+        denominator = b("Slice", read, b.ints(-1), b.ints(TO_THE_END), b.ints(-1))
+        return b("Div", numerator, b("Add", denominator, b("Constant", value_float=self.unit.eps)))
+
+    def swap_last(self) -> list[int]:
+        rank = self.site.rank
+        return [*range(rank - 2), rank - 1, rank - 2]
+
+    def step_log_scale(self) -> str:
+        """The incoming log scale [..., 1] in the state's own layout (empty_state_log_scale)."""
+        b = self.body
+        normaliser = b("Gather", "kernel_state", b("Constant", value_int=-1), axis=-1)
+        empty = b("Equal", b("ReduceSum", normaliser, b.ints(-1), keepdims=1), b("Constant", value_float=0.0))
+        return b("Where", empty, b("Constant", value_float=LOWEST), b("Unsqueeze", "log_scale", b.ints(-1)))
 
     def plain(self) -> None:
         terms = self.call_terms("q", "k", self.keep())
@@ -349,13 +482,19 @@ class _Glue:
         self.output(out)
         self.state_outputs(new_state)
 
-    def windowed(self) -> None:
-        b, window = self.body, self.window
-        keep = self.keep()
+    def with_window(self, keep: str) -> tuple[str, str, str, str]:
+        """(k_x, v_x, keep_x, position): the kept window's rows, then the new ones; the
+        position of the first new one as [1]."""
+        b = self.body
         k_x = b("Concat", "window_keys", b("CastLike", "k", "window_keys"), axis=-2)
         v_x = b("Concat", "window_values", b("CastLike", "v", "window_values"), axis=-2)
         keep_x = b("Concat", "window_keep", keep, axis=-2)
-        position = b("Reshape", "position", b.ints(1))
+        return k_x, v_x, keep_x, b("Reshape", "position", b.ints(1))
+
+    def windowed(self) -> None:
+        b, window = self.body, self.window
+        keep = self.keep()
+        k_x, v_x, keep_x, position = self.with_window(keep)
         start = b("Sub", position, b.ints(2 * window.size - 1))
         terms = self.call_terms("q", k_x, keep_x)
         far_phi_k, far_key_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
@@ -373,8 +512,15 @@ class _Glue:
         )
         self.functions += functions
         self.output(b.call(functions[-1], *inputs))
-        self.absorb_leaving_keys(far_phi_k, v_x, far_key_log_scale)
-        self.roll_window(k_x, v_x, keep_x, position)
+        n = b("Shape", "q", start=-2, end=-1)
+        # block-aligned state: the rows behind the next query's previous block join the state
+        behind = b("Sub", b.ints(window.size - 1), b("Mod", b("Add", position, n), b.ints(window.size)))
+        self.absorb_first_rows(b("Add", n, behind), far_phi_k, v_x, far_key_log_scale)
+        rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * window.size - 1).reshape(-1, 1)))
+        in_reach = b("Cast", b("GreaterOrEqual", rows, behind), to=FLOAT)
+        self.roll_window(k_x, v_x, n)
+        b.output("window_keep_out", b("Mul", self.rolled(keep_x, n), in_reach))
+        b.output("position_out", b("Squeeze", b("Add", position, n), b.ints(0)))
 
     def far_features(self, phi_k: str, key_log_scale: str | None, start: str):
         """far_key_features: the sinks' features zero, their log scales the lowest."""
@@ -400,14 +546,13 @@ class _Glue:
             b.output(f"{name}_out", new[name])
         return [self.flat(self.map("k", new["sink_keys"])), self.flat(new["sink_values"]), self.flat(new["sink_keep"])]
 
-    def absorb_leaving_keys(self, far_phi_k: str, v_x: str, far_key_log_scale: str | None) -> None:
-        """The oldest N keys leave the window into the kernel state (2W - 1 stay)."""
+    def absorb_first_rows(self, count: str, far_phi_k: str, v_x: str, far_key_log_scale: str | None) -> None:
+        """The first ``count`` rows ([1]) of the window's keys join the kernel state."""
         b = self.body
-        n = b("Shape", "q", start=-2, end=-1)
         zero, one = b.ints(0), b.ints(1)
 
         def leaving(x):
-            return b("Slice", self.flat(x), zero, n, one)
+            return b("Slice", self.flat(x), zero, count, one)
 
         absorb, absorb_rescaled = absorb_keys_functions(self.opset_version)
         if self.rescaled:
@@ -419,13 +564,121 @@ class _Glue:
             new_state = b.call(absorb, leaving(far_phi_k), leaving(v_x), *self.flat_state(), outputs=2)
         self.state_outputs(new_state)
 
-    def roll_window(self, k_x: str, v_x: str, keep_x: str, position: str) -> None:
-        b = self.body
-        n = b("Shape", "q", start=-2, end=-1)
-        to_the_end, axis = b.ints(TO_THE_END), b.ints(-2)
-        for name, x in (("window_keys", k_x), ("window_values", v_x), ("window_keep", keep_x)):
-            b.output(f"{name}_out", b("Slice", x, n, to_the_end, axis))
-        b.output("position_out", b("Squeeze", b("Add", position, n), b.ints(0)))
+    def roll_window(self, k_x: str, v_x: str, n: str) -> None:
+        """The window's keys and values after the ``n`` ([1]) new rows: the last 2W - 1."""
+        self.body.output("window_keys_out", self.rolled(k_x, n))
+        self.body.output("window_values_out", self.rolled(v_x, n))
+
+    def rolled(self, x: str, n: str) -> str:
+        return self.body("Slice", x, n, self.body.ints(TO_THE_END), self.body.ints(-2))
+
+    def windowed_step(self) -> None:
+        """One token of the window hybrid: exact softmax over the window's kept rows and the
+        sinks before its blocks, the kernel over the state alone, which holds every key before
+        the query's previous block (the state is block-aligned); at a block's last position the
+        previous block joins the state (block_joins_state), the only features of keys computed."""
+        b, window = self.body, self.window
+        keep = self.keep()
+        k_x, v_x, keep_x, position = self.with_window(keep)
+        terms = self.call_query_terms("q")  # the key's features wait for its block to join the state
+        terms = [terms] if isinstance(terms, str) else terms
+        step = window_step_functions(self.opset_version, self.site.scale, self.unit)
+        self.functions += [f.to_function_proto() for f in step]
+        exact_k, exact_v, allowed = self.map("k", k_x), v_x, self.taken(keep_x)
+        if window.sinks:
+            sink_k, sink_v, sink_allowed = self.step_sinks(keep, position)
+            exact_k = b("Concat", exact_k, self.map("k", sink_k), axis=-2)
+            exact_v = b("Concat", exact_v, sink_v, axis=-2)
+            allowed = b("Concat", allowed, sink_allowed, axis=-1)
+        as_block = self.as_block
+        local = b.call(
+            step.local_sums,
+            as_block(self.map("q", "q")),
+            as_block(exact_k),
+            as_block(exact_v),
+            as_block(allowed),
+            outputs=3,
+        )
+        weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
+        read = as_block(b("MatMul", weighted_q, "kernel_state"))  # the far keys': all in the state
+        minus_one = b.ints(-1)
+        far = [
+            b("Slice", read, b.ints(0), minus_one, minus_one),
+            b("Slice", read, minus_one, b.ints(TO_THE_END), minus_one),
+        ]
+        if self.rescaled:
+            weight = b("Constant", value_float=1.0)
+            if self.unit.max_weighted:
+                weight = as_block(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[1])))
+            far_log_scale = as_block(b("Unsqueeze", self.step_log_scale(), b.ints(-1)))
+            mixed = b.call(step.mix, *local, *far, far_log_scale, as_block(terms[1]), weight)
+        else:
+            mixed = b.call(step.mix, local[0], local[1], *far)
+        if self.site.rank == 3:
+            mixed = b("Squeeze", mixed, b.ints(1))
+        b.output("out", b("CastLike", mixed, "v"))
+        self.roll_window(k_x, v_x, b.ints(1))
+        after = b("Add", position, b.ints(1))
+        b.output("position_out", b("Squeeze", after, b.ints(0)))
+        self.block_joins_state(k_x, v_x, keep_x, position, after)
+
+    def as_block(self, x: str) -> str:
+        """A step's [B, H, ...] as the window functions' [G, blocks, ...] (rank 3 sites: [G, 1, ...])."""
+        return x if self.site.rank == 4 else self.body("Unsqueeze", x, self.body.ints(1))
+
+    def taken(self, keep: str) -> str:
+        """Which keys [..., K, 1] the step's query takes: [..., 1, K] bool."""
+        return self.body(
+            "Greater", self.body("Transpose", keep, perm=self.swap_last()), self.body("Constant", value_float=0.0)
+        )
+
+    def step_sinks(self, keep: str, position: str) -> tuple[str, str, str]:
+        """The sinks with the new token's filled in (outputs of the state), and which of them the
+        query takes: those before its previous block."""
+        b, w, sinks = self.body, self.window.size, self.window.sinks
+        new = b("Equal", b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(-1, 1))), position)
+        after = {}
+        for name, x in (
+            ("sink_keys", b("CastLike", "k", "sink_keys")),
+            ("sink_values", b("CastLike", "v", "sink_values")),
+            ("sink_keep", keep),
+        ):
+            after[name] = b("Where", new, x, name)
+            b.output(f"{name}_out", after[name])
+        sink_block = b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(1, -1) // w))
+        outside = b("Less", sink_block, b("Sub", b("Div", position, b.ints(w)), b.ints(1)))
+        return after["sink_keys"], after["sink_values"], b("And", self.taken(after["sink_keep"]), outside)
+
+    def block_joins_state(self, k_x: str, v_x: str, keep_x: str, position: str, after: str) -> None:
+        """At a block's last position (``after``, the next one, starts a block), the previous
+        block (the window's first W rows) joins the kernel state and its keep flags turn 0; else
+        the state is carried as it came."""
+        b, w = self.body, self.window.size
+        names = ["kernel_state_out", *(["log_scale_out"] if self.rescaled else []), "window_keep_out"]
+        kept = self.rolled(keep_x, b.ints(1))
+
+        def joins():
+            b = self.body  # the branch's
+            k, v, keep = (b("Slice", x, b.ints(0), b.ints(w), b.ints(-2)) for x in (k_x, v_x, keep_x))
+            terms = self.call_terms("q", k, keep)
+            start = b("Sub", position, b.ints(2 * w - 1))  # k_x's first row's
+            far_phi_k, far_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
+            self.absorb_first_rows(b.ints(w), far_phi_k, v, far_log_scale)
+            left = numpy_helper.from_array(np.repeat([[0.0], [1.0]], [w - 1, w], axis=0).astype(np.float32))
+            b.output("window_keep_out", b("Mul", kept, b("Constant", value=left)))
+
+        def carried():
+            for name in names[:-1]:
+                self.body.output(name, name.removesuffix("_out"))
+            self.body.output("window_keep_out", kept)
+
+        at_block_end = b("Equal", b("Mod", after, b.ints(w)), b.ints(0))
+        branches = {
+            "then_branch": self.branch(joins, "joins", names),
+            "else_branch": self.branch(carried, "carried", names),
+        }
+        for name, value in zip(names, b("If", at_block_end, outputs=len(names), **branches)):
+            b.output(name, value)
 
 
 def _sinks_after_function(opset_version: int):

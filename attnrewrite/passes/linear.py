@@ -191,6 +191,7 @@ def recurrence(options: Options) -> KernelRecurrence:
         feature_count=lambda site: "F" if site.head_dim is None else site.head_dim,
         torch_terms=causal_terms,
         onnx_terms=causal_terms_function,
+        onnx_query_terms=query_terms_function,
         constants=onnx_constants,
     )
 
@@ -206,9 +207,22 @@ def causal_terms_function(site: AttentionSite, options: Options, opset_version: 
     padded keys' features zero."""
     op = standard_opset(opset_version)
 
+    LinearFeatures = query_terms_function(site, options, opset_version)[0]
+
     @script(ATTNREWRITE, default_opset=op)
     def LinearCausalTerms(q, k, keep):
-        one = op.Constant(value_float=1.0)
-        return op.Elu(op.Cast(q, to=FLOAT)) + one, (op.Elu(op.Cast(k, to=FLOAT)) + one) * keep
+        return LinearFeatures(q), LinearFeatures(k) * keep
 
     return LinearCausalTerms, ()
+
+
+def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
+    """(function, its constants): LinearFeatures(x) -> elu(x) + 1 in float32, what a step's
+    query reads (the keys' are read when they join the state)."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def LinearFeatures(x):
+        return op.Elu(op.Cast(x, to=FLOAT)) + op.Constant(value_float=1.0)
+
+    return LinearFeatures, ()

@@ -11,6 +11,7 @@ from onnxscript.values import Opset
 
 DOMAIN = "attnrewrite"
 DOMAIN_VERSION = 1
+MICROSOFT = "com.microsoft"  # onnxruntime's contrib operators: only where the runtime is known to run them
 ATTNREWRITE = Opset(DOMAIN, DOMAIN_VERSION)
 MIN_OPSET = 18  # bodies pass reduction axes as inputs (ReduceMax, ReduceSumSquare: opset 18)
 
@@ -39,7 +40,18 @@ def make_function(name: str, inputs: list[str], outputs: list[str], nodes, opset
         onnx.helper.make_opsetid("", max(opset_version, MIN_OPSET)),
         onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION),
     ]
+    if any(node.domain == MICROSOFT for node in _with_branches(nodes)):
+        opsets.append(onnx.helper.make_opsetid(MICROSOFT, 1))
     return onnx.helper.make_function(DOMAIN, name, inputs, outputs, nodes, opsets)
+
+
+def _with_branches(nodes):
+    """``nodes`` and those of their If branches, at any depth."""
+    for node in nodes:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _with_branches(attribute.g.node)
 
 
 def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
@@ -97,11 +109,13 @@ class FunctionNodes:
     """The nodes of a function written node by node (make_function), for bodies whose inputs
     depend on options: each call adds one node and returns its output name(s)."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = ""):
         self.nodes: list[onnx.NodeProto] = []
+        self.prefix = prefix  # of every name it makes: a branch's names are unique in its function
+        self.outputs: dict[str, str] = {}  # output() names -> the values' names
 
     def __call__(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attributes):
-        names = [f"n{len(self.nodes)}_{i}" for i in range(outputs)]
+        names = [f"{self.prefix}n{len(self.nodes)}_{i}" for i in range(outputs)]
         self.nodes.append(onnx.helper.make_node(op_type, list(inputs), names, domain=domain, **attributes))
         return names[0] if outputs == 1 else names
 
@@ -113,5 +127,16 @@ class FunctionNodes:
         return self("Constant", value_ints=list(values))
 
     def output(self, name: str, value: str) -> None:
-        """``value`` under the function output's ``name``."""
-        self.nodes.append(onnx.helper.make_node("Identity", [value], [name]))
+        """``value`` under the function output's ``name``. A branch returns a value it made as
+        it is (an Identity there is one more node run each time), others under its own name."""
+        made = {made for node in self.nodes for made in node.output}
+        if self.prefix and value in made and value not in self.outputs.values():
+            self.outputs[name] = value
+            return
+        self.outputs[name] = self.prefix + name
+        self.nodes.append(onnx.helper.make_node("Identity", [value], [self.prefix + name]))
+
+    def graph(self, name: str, outputs: list[str]) -> onnx.GraphProto:
+        """The nodes as an If branch returning the values output() named ``outputs``, in order."""
+        values = [onnx.helper.make_value_info(self.outputs[o], onnx.TypeProto()) for o in outputs]
+        return onnx.helper.make_graph(self.nodes, name, [], values)

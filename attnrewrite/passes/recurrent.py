@@ -69,9 +69,13 @@ class Recurrence(abc.ABC):
         uses as they are."""
 
     @abc.abstractmethod
-    def onnx_lowering(self, site: AttentionSite, opset_version: int, weights: dict | None = None) -> RecurrentLowering:
+    def onnx_lowering(
+        self, site: AttentionSite, opset_version: int, weights: dict | None = None, contrib_ops: bool = False
+    ) -> RecurrentLowering:
         """The entry (q, k, v, key_keep, *state, *constants) -> (out, *state after); constants
-        named as the torch module's state_dict entries, so fitted values (``weights``) carry over."""
+        named as the torch module's state_dict entries, so fitted values (``weights``) carry over.
+        ``contrib_ops``: the runtime runs onnxruntime's contrib operators (LinearAttention), which
+        a form may use where they beat standard ones; else standard operators only."""
 
 
 def recurrence(method: types.ModuleType, options) -> Recurrence | str:
@@ -108,5 +112,12 @@ def zero_state(description: list[StateTensor], sizes: dict[str, int], model_dtyp
 
 def state_shape(tensor: StateTensor, sizes: dict) -> tuple:
     """``tensor``'s shape with its symbolic axes looked up in ``sizes`` (left as they are where
-    ``sizes`` does not have them)."""
-    return tuple(sizes.get(axis, axis) if isinstance(axis, str) else axis for axis in tensor.shape)
+    ``sizes`` does not have them); "X+1" is one more than X."""
+    return tuple(_size(axis, sizes) if isinstance(axis, str) else axis for axis in tensor.shape)
+
+
+def _size(axis: str, sizes: dict):
+    base, plus_one, _ = axis.partition("+1")
+    if plus_one and base in sizes:
+        return sizes[base] + 1
+    return sizes.get(axis, axis)

@@ -74,6 +74,22 @@ def windowed_from_state_inputs(window: Window, unit: KernelUnit) -> list[str]:
     return inputs
 
 
+class WindowStepFunctions(typing.NamedTuple):
+    """What a decoding step of the window hybrid shares with the chunked form, for one query
+    block of one query: LocalSoftmaxSums(q4, k_x, v_x, allowed) and WindowMix or
+    RescaledWindowMix (their inputs as in RecurrentWindowedKernelAttention)."""
+
+    local_sums: OnnxFunction
+    mix: OnnxFunction
+
+
+def window_step_functions(opset_version: int, scale: float, unit: KernelUnit) -> WindowStepFunctions:
+    op = standard_opset(opset_version)
+    return WindowStepFunctions(
+        _local_softmax_sums_function(op, scale), _window_mix_function(op, unit.rescaled, unit.eps)
+    )
+
+
 class _RecurrentWindowPieces(typing.NamedTuple):
     """The functions RecurrentWindowedKernelAttention calls (its variant's)."""
 
