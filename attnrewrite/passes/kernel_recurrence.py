@@ -155,7 +155,9 @@ class KernelRecurrence(Recurrence):
         windowed = self.window is not None
         outputs = ["out", *(f"{s}_out" for s in state)]
         if windowed:
-            glue.one_token_or_more(glue.windowed_step, glue.windowed, outputs)
+            glue.window_rows()  # outside the If: what both branches read and return alike
+            branched = [name for name in outputs if name not in glue.body.outputs]
+            glue.one_token_or_more(glue.windowed_step, glue.windowed, branched)
         else:
             glue.one_token_or_more(glue.plain_step, glue.plain, outputs)
         name = ("Learned" if glue.mapped else "") + "Recurrent" + ("Windowed" if windowed else "")
@@ -482,19 +484,24 @@ class _Glue:
         self.output(out)
         self.state_outputs(new_state)
 
-    def with_window(self, keep: str) -> tuple[str, str, str, str]:
-        """(k_x, v_x, keep_x, position): the kept window's rows, then the new ones; the
-        position of the first new one as [1]."""
+    def window_rows(self) -> None:
+        """What both branches of a windowed entry share, in the entry itself (an If's outputs are
+        copies): the kept window's rows then the new ones (k_x, v_x, keep_x), the first new
+        position ([1]), and the window's keys and values after the new rows, which are outputs."""
         b = self.body
-        k_x = b("Concat", "window_keys", b("CastLike", "k", "window_keys"), axis=-2)
-        v_x = b("Concat", "window_values", b("CastLike", "v", "window_values"), axis=-2)
-        keep_x = b("Concat", "window_keep", keep, axis=-2)
-        return k_x, v_x, keep_x, b("Reshape", "position", b.ints(1))
+        self.new_keep = self.keep()
+        self.k_x = b("Concat", "window_keys", b("CastLike", "k", "window_keys"), axis=-2)
+        self.v_x = b("Concat", "window_values", b("CastLike", "v", "window_values"), axis=-2)
+        self.keep_x = b("Concat", "window_keep", self.new_keep, axis=-2)
+        self.position = b("Reshape", "position", b.ints(1))
+        n = b("Shape", "q", start=-2, end=-1)
+        b.output("window_keys_out", self.rolled(self.k_x, n))  # the last 2W - 1 rows
+        b.output("window_values_out", self.rolled(self.v_x, n))
+        b.output("position_out", b("Squeeze", b("Add", self.position, n), b.ints(0)))
 
     def windowed(self) -> None:
         b, window = self.body, self.window
-        keep = self.keep()
-        k_x, v_x, keep_x, position = self.with_window(keep)
+        keep, k_x, v_x, keep_x, position = self.new_keep, self.k_x, self.v_x, self.keep_x, self.position
         start = b("Sub", position, b.ints(2 * window.size - 1))
         terms = self.call_terms("q", k_x, keep_x)
         far_phi_k, far_key_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
@@ -518,9 +525,7 @@ class _Glue:
         self.absorb_first_rows(b("Add", n, behind), far_phi_k, v_x, far_key_log_scale)
         rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * window.size - 1).reshape(-1, 1)))
         in_reach = b("Cast", b("GreaterOrEqual", rows, behind), to=FLOAT)
-        self.roll_window(k_x, v_x, n)
         b.output("window_keep_out", b("Mul", self.rolled(keep_x, n), in_reach))
-        b.output("position_out", b("Squeeze", b("Add", position, n), b.ints(0)))
 
     def far_features(self, phi_k: str, key_log_scale: str | None, start: str):
         """far_key_features: the sinks' features zero, their log scales the lowest."""
@@ -564,11 +569,6 @@ class _Glue:
             new_state = b.call(absorb, leaving(far_phi_k), leaving(v_x), *self.flat_state(), outputs=2)
         self.state_outputs(new_state)
 
-    def roll_window(self, k_x: str, v_x: str, n: str) -> None:
-        """The window's keys and values after the ``n`` ([1]) new rows: the last 2W - 1."""
-        self.body.output("window_keys_out", self.rolled(k_x, n))
-        self.body.output("window_values_out", self.rolled(v_x, n))
-
     def rolled(self, x: str, n: str) -> str:
         return self.body("Slice", x, n, self.body.ints(TO_THE_END), self.body.ints(-2))
 
@@ -578,8 +578,7 @@ class _Glue:
         the query's previous block (the state is block-aligned); at a block's last position the
         previous block joins the state (block_joins_state), the only features of keys computed."""
         b, window = self.body, self.window
-        keep = self.keep()
-        k_x, v_x, keep_x, position = self.with_window(keep)
+        keep, k_x, v_x, keep_x, position = self.new_keep, self.k_x, self.v_x, self.keep_x, self.position
         terms = self.call_query_terms("q")  # the key's features wait for its block to join the state
         terms = [terms] if isinstance(terms, str) else terms
         step = window_step_functions(self.opset_version, self.site.scale, self.unit)
@@ -617,10 +616,7 @@ class _Glue:
         if self.site.rank == 3:
             mixed = b("Squeeze", mixed, b.ints(1))
         b.output("out", b("CastLike", mixed, "v"))
-        self.roll_window(k_x, v_x, b.ints(1))
-        after = b("Add", position, b.ints(1))
-        b.output("position_out", b("Squeeze", after, b.ints(0)))
-        self.block_joins_state(k_x, v_x, keep_x, position, after)
+        self.block_joins_state(k_x, v_x, keep_x, position, b("Add", position, b.ints(1)))
 
     def as_block(self, x: str) -> str:
         """A step's [B, H, ...] as the window functions' [G, blocks, ...] (rank 3 sites: [G, 1, ...])."""
