@@ -146,8 +146,8 @@ class KernelRecurrence(Recurrence):
     ) -> RecurrentLowering:
         """The recurrent form as ONNX, the state in ``state``'s order. The constants are the
         parallel lowering's, without building it. With ``contrib_ops`` a step updates and reads
-        the kernel state with com.microsoft.LinearAttention (a [B, H, ...] site whose heads are
-        known); the prefill stays the chunked form, faster on CPU (docs/cli.md says by how much)."""
+        the kernel state with com.microsoft.LinearAttention (where the feature count and the
+        value dim are known); the prefill stays the chunked form, faster on CPU (docs/cli.md)."""
         constants = self.constants(site, self.options, weights)
         description = self.state(site)
         state = [t.name for t in description]
