@@ -286,10 +286,12 @@ def timed(model: Model, feeds: dict, n: int, warmup: int, runs: int) -> tuple[be
     return bench.Measurement(model.variant.key, n, "ok", times), outputs
 
 
-def timed_steps(model: Model, context: int, carried: dict, settings: Settings, rng) -> tuple[bench.Measurement, dict]:
+def timed_steps(
+    model: Model, context: int, carried: dict, settings: Settings, rng, keep_feeds: bool
+) -> tuple[bench.Measurement, tuple]:
     """Consecutive decoding steps after ``context`` tokens, each fed what the one before returned
     (so a window's block boundaries come in their turn): the times after ``settings.warmup``, and
-    the first step's feeds and outputs."""
+    (the first step's feeds where ``keep_feeds``, else None; the bytes it carries on)."""
     times, first = [], None
     try:
         for step in range(settings.warmup + settings.steps):
@@ -299,7 +301,7 @@ def timed_steps(model: Model, context: int, carried: dict, settings: Settings, r
             outputs = model.run(feeds)
             if step >= settings.warmup:
                 times.append(time.perf_counter() - start)
-            first = first or (feeds, model.carried_bytes(outputs))
+            first = first or (feeds if keep_feeds else None, model.carried_bytes(outputs))
             carried = model.carried_of(outputs)
     except Exception as error:  # one failed cell (out of memory at 64k) must not lose the others
         return bench.Measurement(model.variant.key, context, "failed", detail=_first_line(error)), {}
@@ -335,11 +337,13 @@ def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIAN
     for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
         for context in settings.contexts:
             print(f"== decoding steps: {model.variant.label} after {context} tokens", file=sys.stderr)
-            measurement, first = timed_steps(model, context, model.carried_after(context, prompt, rng), settings, rng)
+            counted = context == settings.contexts[0]  # its nodes, at the shortest context
+            start = model.carried_after(context, prompt, rng)
+            measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=counted)
             measurements.append(measurement)
             if first:
                 feeds, carried[model.variant.key][context] = first
-                if context == settings.contexts[0]:
+                if counted:
                     nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
             del first  # a 64k KV cache is gigabytes: not two at once
     return measurements, carried, nodes

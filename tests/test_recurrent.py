@@ -10,7 +10,6 @@ no earlier output (what makes the recurrence possible)."""
 from __future__ import annotations
 
 import functools
-import types
 
 import numpy as np
 import onnx
@@ -25,6 +24,7 @@ from attnrewrite import passes
 from attnrewrite.onnx.validate import runs_linear_attention
 from attnrewrite.passes import favor, hedgehog, hydra, linear, linformer, lsh, recurrent
 from attnrewrite.passes.kernel.chunks import PREFIX_GROUP
+from attnrewrite.passes.lowering import nodes_with_branches
 from attnrewrite.passes.window.reference import windowed_attention_weights
 from attnrewrite.passes.window.settings import Window
 from attnrewrite.site import AttentionSite, MaskKind
@@ -322,15 +322,7 @@ def assert_steps_equal_the_parallel_form(method, config, padding, schedule, cont
 
 def lowering_nodes(lowering):
     """Every node of the lowering's functions, those of If branches included."""
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(attribute.g.node)
-
-    return [node for function in lowering.functions for node in walk(function.node)]
+    return [node for function in lowering.functions for node in nodes_with_branches(function.node)]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -351,7 +343,7 @@ def test_one_token_runs_the_step_branch(method, config):
     }
 
     def runs(graph):
-        return {node.op_type for node in lowering_nodes(types.SimpleNamespace(functions=[graph]))}
+        return {node.op_type for node in nodes_with_branches(graph.node)}
 
     assert runs(branches["then_branch"]).isdisjoint(chunked)
     assert runs(branches["else_branch"]) & chunked

@@ -207,6 +207,16 @@ def test_standard_ops_keeps_the_steps_to_standard_operators(decoder_exports, tmp
         np.testing.assert_allclose(contrib, standard, rtol=0, atol=TOLERANCE * np.abs(standard).max())
 
 
+def test_without_the_operator_the_steps_keep_to_standard_operators(decoder_exports, monkeypatch):
+    """An onnxruntime that does not run com.microsoft.LinearAttention gets standard operators
+    without being asked."""
+    monkeypatch.setattr("attnrewrite.onnx.rewrite.runs_linear_attention", lambda: False)
+    model = attnrewrite.rewrite(
+        str(decoder_exported(decoder_exports, "llama", "legacy").path), "linear", recurrent=True
+    )
+    assert "com.microsoft" not in {o.domain for o in model.opset_import}
+
+
 def test_cli_writes_a_model_that_takes_states(decoder_exports, tmp_path, capsys):
     cached = decoder_exported(decoder_exports, "gpt2", "legacy")
     out = tmp_path / "out.onnx"

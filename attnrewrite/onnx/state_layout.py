@@ -106,7 +106,7 @@ class Packing:
                 parts.append(position)
                 continue
             axis = -1 if slot.tensor == RECURRENT_STATE else 1
-            if slot.shape == self.layout.shapes[slot.tensor]:  # the whole tensor
+            if slot.stop - slot.start == self.layout.shapes[slot.tensor][axis]:  # the whole tensor
                 columns = packed[slot.tensor]
             else:
                 columns = self._slice(packed[slot.tensor], slot.start, slot.stop, axis, nodes)
@@ -139,7 +139,7 @@ class Packing:
     def _joined(self, tensor: str, values: list[ir.Value], packed: dict[str, ir.Value], nodes) -> ir.Value:
         if not values:
             return self._node(nodes, "Identity", [packed[tensor]])
-        if len(values) == 1 and tensor == RECURRENT_STATE:
+        if len(values) == 1:
             return values[0]
         return self._node(nodes, "Concat", values, [ir.AttrInt64("axis", -1 if tensor == RECURRENT_STATE else 1)])
 

@@ -40,18 +40,18 @@ def make_function(name: str, inputs: list[str], outputs: list[str], nodes, opset
         onnx.helper.make_opsetid("", max(opset_version, MIN_OPSET)),
         onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION),
     ]
-    if any(node.domain == MICROSOFT for node in _with_branches(nodes)):
+    if any(node.domain == MICROSOFT for node in nodes_with_branches(nodes)):
         opsets.append(onnx.helper.make_opsetid(MICROSOFT, 1))
     return onnx.helper.make_function(DOMAIN, name, inputs, outputs, nodes, opsets)
 
 
-def _with_branches(nodes):
+def nodes_with_branches(nodes):
     """``nodes`` and those of their If branches, at any depth."""
     for node in nodes:
         yield node
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _with_branches(attribute.g.node)
+                yield from nodes_with_branches(attribute.g.node)
 
 
 def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
