@@ -49,7 +49,7 @@ def test_smoke_run_end_to_end(tmp_path):
     expected += [f"causal/fp16/{c}/256" for c in ("softmax", "fused", *methods)]
     expected += [f"layer/fp16/{c}/256" for c in ("softmax", "fused", "identity", *methods)]
     placed = sorted(k.rsplit("/", 1)[0] for k in expected if "torch:" not in k)
-    decoders = ("hedgehog", "hedgehog-w", "original")
+    decoders = ("hedgehog", "hedgehog-std", "hedgehog-w", "original")
     expected += [f"decode/b{b}/{v}/{n}" for b in (1, 2) for v in decoders for n in (64, 128)]
     assert sorted(data["cells"]) == sorted(expected)
     for key, cell in data["cells"].items():
@@ -74,7 +74,8 @@ def test_smoke_run_end_to_end(tmp_path):
     )
     assert "### one BERT-base encoder layer (d = 768, 12 heads, FFN 3072), fp16" in report
     assert "### decoding, one token per step, batch 2 (fp32)" in report
-    assert "| context | original (KV cache) | hedgehog, recurrent | hedgehog window=64, recurrent |" in report
+    columns = "original (KV cache) | hedgehog, recurrent | hedgehog, recurrent, --standard-ops | hedgehog window=64, recurrent"
+    assert f"| context | {columns} |" in report
     assert (
         "- fused exact: onnxruntime.transformers.optimizer: com.microsoft.Attention x1, float16 by onnxruntime's converter"
         in report
