@@ -348,10 +348,10 @@ class _Glue:
         q, k = self.map("q", q), self.map("k", k)
         return self.body.call(self.terms, q, k, keep, *self.terms_constants, outputs=4 if self.rescaled else 2)
 
-    def call_query_terms(self, q: str):
-        """(phi_q[, query log scale]): a step's query's terms alone."""
+    def call_query_terms(self, mapped_q: str):
+        """(phi_q[, query log scale]): a step's query's terms alone, of the query as mapped."""
         outputs = 2 if self.rescaled else 1
-        return self.body.call(self.query_terms, self.map("q", q), *self.query_terms_constants, outputs=outputs)
+        return self.body.call(self.query_terms, mapped_q, *self.query_terms_constants, outputs=outputs)
 
     def map(self, which: str, x: str) -> str:
         if not self.mapped:
@@ -370,16 +370,17 @@ class _Glue:
             normaliser = b("Gather", flat, b("Constant", value_int=-1), axis=-1)
             self._flat_state = [b("Slice", flat, b.ints(0), b.ints(-1), b.ints(-1)), normaliser]
             if self.rescaled:
-                self._flat_state.append(self.empty_state_log_scale(normaliser))
+                log_scale = b("Reshape", "log_scale", b.ints(-1, 1))
+                self._flat_state.append(self.empty_state_log_scale(normaliser, log_scale))
         return self._flat_state
 
-    def empty_state_log_scale(self, normaliser: str) -> str:
-        """The incoming log scale [G, 1], the lowest where nothing was absorbed yet (a zero
-        normaliser): so an all-zero state, the one generate() and onnxruntime-genai start from,
-        is the initial state too."""
+    def empty_state_log_scale(self, normaliser: str, log_scale: str) -> str:
+        """The incoming ``log_scale`` (shaped as ``normaliser`` [..., F] with F as 1), the lowest
+        where nothing was absorbed yet (a zero normaliser): so an all-zero state, the one
+        generate() and onnxruntime-genai start from, is the initial state too."""
         b = self.body
         empty = b("Equal", b("ReduceSum", normaliser, b.ints(-1), keepdims=1), b("Constant", value_float=0.0))
-        return b("Where", empty, b("Constant", value_float=LOWEST), b("Reshape", "log_scale", b.ints(-1, 1)))
+        return b("Where", empty, b("Constant", value_float=LOWEST), log_scale)
 
     def state_outputs(self, new_state: list[str]) -> None:
         """The flat [G, F, Dv] and [G, F] sums (and [G, 1] log scale) as the state's outputs."""
@@ -466,8 +467,7 @@ class _Glue:
         """The incoming log scale [..., 1] in the state's own layout (empty_state_log_scale)."""
         b = self.body
         normaliser = b("Gather", "kernel_state", b("Constant", value_int=-1), axis=-1)
-        empty = b("Equal", b("ReduceSum", normaliser, b.ints(-1), keepdims=1), b("Constant", value_float=0.0))
-        return b("Where", empty, b("Constant", value_float=LOWEST), b("Unsqueeze", "log_scale", b.ints(-1)))
+        return self.empty_state_log_scale(normaliser, b("Unsqueeze", "log_scale", b.ints(-1)))
 
     def plain(self) -> None:
         terms = self.call_terms("q", "k", self.keep())
@@ -487,17 +487,19 @@ class _Glue:
     def window_rows(self) -> None:
         """What both branches of a windowed entry share, in the entry itself (an If's outputs are
         copies): the kept window's rows then the new ones (k_x, v_x, keep_x), the first new
-        position ([1]), and the window's keys and values after the new rows, which are outputs."""
+        position and the next one after the new rows ([1] each), and the window's keys and values
+        after the new rows, which are outputs."""
         b = self.body
         self.new_keep = self.keep()
         self.k_x = b("Concat", "window_keys", b("CastLike", "k", "window_keys"), axis=-2)
         self.v_x = b("Concat", "window_values", b("CastLike", "v", "window_values"), axis=-2)
         self.keep_x = b("Concat", "window_keep", self.new_keep, axis=-2)
         self.position = b("Reshape", "position", b.ints(1))
-        n = b("Shape", "q", start=-2, end=-1)
-        b.output("window_keys_out", self.rolled(self.k_x, n))  # the last 2W - 1 rows
-        b.output("window_values_out", self.rolled(self.v_x, n))
-        b.output("position_out", b("Squeeze", b("Add", self.position, n), b.ints(0)))
+        self.new_rows = b("Shape", "q", start=-2, end=-1)
+        self.next_position = b("Add", self.position, self.new_rows)
+        b.output("window_keys_out", self.rolled(self.k_x, self.new_rows))  # the last 2W - 1 rows
+        b.output("window_values_out", self.rolled(self.v_x, self.new_rows))
+        b.output("position_out", b("Squeeze", self.next_position, b.ints(0)))
 
     def windowed(self) -> None:
         b, window = self.body, self.window
@@ -519,9 +521,9 @@ class _Glue:
         )
         self.functions += functions
         self.output(b.call(functions[-1], *inputs))
-        n = b("Shape", "q", start=-2, end=-1)
+        n = self.new_rows
         # block-aligned state: the rows behind the next query's previous block join the state
-        behind = b("Sub", b.ints(window.size - 1), b("Mod", b("Add", position, n), b.ints(window.size)))
+        behind = b("Sub", b.ints(window.size - 1), b("Mod", self.next_position, b.ints(window.size)))
         self.absorb_first_rows(b("Add", n, behind), far_phi_k, v_x, far_key_log_scale)
         rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * window.size - 1).reshape(-1, 1)))
         in_reach = b("Cast", b("GreaterOrEqual", rows, behind), to=FLOAT)
@@ -579,7 +581,8 @@ class _Glue:
         previous block joins the state (block_joins_state), the only features of keys computed."""
         b, window = self.body, self.window
         keep, k_x, v_x, keep_x, position = self.new_keep, self.k_x, self.v_x, self.keep_x, self.position
-        terms = self.call_query_terms("q")  # the key's features wait for its block to join the state
+        mapped_q = self.map("q", "q")
+        terms = self.call_query_terms(mapped_q)  # the key's features wait for its block to join the state
         terms = [terms] if isinstance(terms, str) else terms
         step = window_step_functions(self.opset_version, self.site.scale, self.unit)
         self.functions += [f.to_function_proto() for f in step]
@@ -592,7 +595,7 @@ class _Glue:
         as_block = self.as_block
         local = b.call(
             step.local_sums,
-            as_block(self.map("q", "q")),
+            as_block(mapped_q),
             as_block(exact_k),
             as_block(exact_v),
             as_block(allowed),
@@ -616,7 +619,7 @@ class _Glue:
         if self.site.rank == 3:
             mixed = b("Squeeze", mixed, b.ints(1))
         b.output("out", b("CastLike", mixed, "v"))
-        self.block_joins_state(k_x, v_x, keep_x, position, b("Add", position, b.ints(1)))
+        self.block_joins_state(k_x, v_x, keep_x, position, self.next_position)
 
     def as_block(self, x: str) -> str:
         """A step's [B, H, ...] as the window functions' [G, blocks, ...] (rank 3 sites: [G, 1, ...])."""

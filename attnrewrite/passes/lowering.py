@@ -113,9 +113,11 @@ class FunctionNodes:
         self.nodes: list[onnx.NodeProto] = []
         self.prefix = prefix  # of every name it makes: a branch's names are unique in its function
         self.outputs: dict[str, str] = {}  # output() names -> the values' names
+        self._made: set[str] = set()  # the values its nodes make
 
     def __call__(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", **attributes):
         names = [f"{self.prefix}n{len(self.nodes)}_{i}" for i in range(outputs)]
+        self._made.update(names)
         self.nodes.append(onnx.helper.make_node(op_type, list(inputs), names, domain=domain, **attributes))
         return names[0] if outputs == 1 else names
 
@@ -129,8 +131,7 @@ class FunctionNodes:
     def output(self, name: str, value: str) -> None:
         """``value`` under the function output's ``name``. A branch returns a value it made as
         it is (an Identity there is one more node run each time), others under its own name."""
-        made = {made for node in self.nodes for made in node.output}
-        if self.prefix and value in made and value not in self.outputs.values():
+        if self.prefix and value in self._made and value not in self.outputs.values():
             self.outputs[name] = value
             return
         self.outputs[name] = self.prefix + name
