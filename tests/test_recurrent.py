@@ -34,7 +34,7 @@ OPSET = 20
 LENGTH = 15
 SCHEDULES = {
     "prefill-then-tokens": [9, 1, 1, 1, 1, 1, 1],
-    "uneven-pieces": [3, 1, 5, 2, 4],
+    "uneven-pieces": [1, 2, 1, 5, 2, 4],  # a first call of one token: a step from the zero state
 }
 # chunk 4 < every prefill here; a window of 4 with and without a sink
 CONFIGS = {

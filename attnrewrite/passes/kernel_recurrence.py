@@ -317,7 +317,7 @@ class _Glue:
         self.query_terms, self.query_terms_constants = recurrence.onnx_query_terms(site, self.options, opset_version)
         self.flatten = flatten_heads_function(opset_version)
         self.functions = [self.flatten.to_function_proto(), *_protos(self.terms), *_protos(self.query_terms)]
-        self._flat_state = None
+        self._flat_state, self._flats = None, {}
 
     def one_token_or_more(self, step, prefill, outputs: list[str]) -> None:
         """The body: If one new token, ``step`` (a decoding step: what one token needs, nothing
@@ -334,13 +334,13 @@ class _Glue:
 
     def branch(self, build, name: str, outputs: list[str]):
         """``build``'s nodes as an If branch graph returning ``outputs``."""
-        body, flat_state = self.body, self._flat_state
-        self.body, self._flat_state = FunctionNodes(prefix=f"{name}_"), None
+        saved = self.body, self._flat_state, self._flats
+        self.body, self._flat_state, self._flats = FunctionNodes(prefix=f"{name}_"), None, {}
         try:
             build()
             return self.body.graph(name, outputs)
         finally:
-            self.body, self._flat_state = body, flat_state
+            self.body, self._flat_state, self._flats = saved
 
     def call_terms(self, q, k, keep):
         """(phi_q, phi_k[, query log scale, key log scale]) of the method, q and k mapped
@@ -359,7 +359,11 @@ class _Glue:
         return self.body("MatMul", self.body("Cast", x, to=FLOAT), "query_map" if which == "q" else "key_map")
 
     def flat(self, x: str) -> str:
-        return self.body.call(self.flatten, x)
+        """x flattened to [G, N, F], once per value: onnxruntime merges repeated subexpressions
+        in a graph but not in an If's branch."""
+        if x not in self._flats:
+            self._flats[x] = self.body.call(self.flatten, x)
+        return self._flats[x]
 
     def flat_state(self) -> list[str]:
         """The incoming kernel state's sum phi(k) v^T and normaliser (and log_scale) as [G, F,
@@ -586,19 +590,19 @@ class _Glue:
         terms = [terms] if isinstance(terms, str) else terms
         step = window_step_functions(self.opset_version, self.site.scale, self.unit)
         self.functions += [f.to_function_proto() for f in step]
-        exact_k, exact_v, allowed = self.map("k", k_x), v_x, self.taken(keep_x)
+        exact_k, exact_v, exact_keep = self.map("k", k_x), v_x, keep_x
         if window.sinks:
-            sink_k, sink_v, sink_allowed = self.step_sinks(keep, position)
+            sink_k, sink_v, sink_keep = self.step_sinks(keep, position)
             exact_k = b("Concat", exact_k, self.map("k", sink_k), axis=-2)
             exact_v = b("Concat", exact_v, sink_v, axis=-2)
-            allowed = b("Concat", allowed, sink_allowed, axis=-1)
+            exact_keep = b("Concat", exact_keep, sink_keep, axis=-2)
         as_block = self.as_block
         local = b.call(
             step.local_sums,
             as_block(mapped_q),
             as_block(exact_k),
             as_block(exact_v),
-            as_block(allowed),
+            as_block(self.taken(exact_keep)),
             outputs=3,
         )
         weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
@@ -610,16 +614,25 @@ class _Glue:
         ]
         if self.rescaled:
             weight = b("Constant", value_float=1.0)
-            if self.unit.max_weighted:
-                weight = as_block(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[1])))
-            far_log_scale = as_block(b("Unsqueeze", self.step_log_scale(), b.ints(-1)))
-            mixed = b.call(step.mix, *local, *far, far_log_scale, as_block(terms[1]), weight)
+            if self.unit.max_weighted:  # [heads, 1, 1]: broadcast over the rows
+                weight = as_block(b("Cast", "local_max_weight", to=FLOAT))
+            mixed = b.call(step.mix, *local, *far, self.read_log_scale(far[1]), as_block(terms[1]), weight)
         else:
             mixed = b.call(step.mix, local[0], local[1], *far)
         if self.site.rank == 3:
             mixed = b("Squeeze", mixed, b.ints(1))
         b.output("out", b("CastLike", mixed, "v"))
         self.block_joins_state(k_x, v_x, keep_x, position, self.next_position)
+
+    def read_log_scale(self, far_den: str) -> str:
+        """The incoming log scale as a step's read of the kernel state (normaliser ``far_den``,
+        [G, blocks, 1, 1]) takes it: the lowest where the read's normaliser is 0. Positive
+        features read 0 only from a state that absorbed nothing, so this is
+        empty_state_log_scale's rule without reading the state's normaliser column again."""
+        b = self.body
+        log_scale = self.as_block(b("Unsqueeze", "log_scale", b.ints(-2, -1)))
+        empty = b("Equal", far_den, b("Constant", value_float=0.0))
+        return b("Where", empty, b("Constant", value_float=LOWEST), log_scale)
 
     def as_block(self, x: str) -> str:
         """A step's [B, H, ...] as the window functions' [G, blocks, ...] (rank 3 sites: [G, 1, ...])."""
@@ -632,8 +645,9 @@ class _Glue:
         )
 
     def step_sinks(self, keep: str, position: str) -> tuple[str, str, str]:
-        """The sinks with the new token's filled in (outputs of the state), and which of them the
-        query takes: those before its previous block."""
+        """The sinks with the new token's filled in (outputs of the state), and their keep flags
+        as the query takes them: 0 for a sink still among the window's rows, that is, not before
+        the query's previous block (sink s is taken from position (s // W + 2) W on)."""
         b, w, sinks = self.body, self.window.size, self.window.sinks
         new = b("Equal", b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(-1, 1))), position)
         after = {}
@@ -644,9 +658,10 @@ class _Glue:
         ):
             after[name] = b("Where", new, x, name)
             b.output(f"{name}_out", after[name])
-        sink_block = b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(1, -1) // w))
-        outside = b("Less", sink_block, b("Sub", b("Div", position, b.ints(w)), b.ints(1)))
-        return after["sink_keys"], after["sink_values"], b("And", self.taken(after["sink_keep"]), outside)
+        taken_from = b("Constant", value=numpy_helper.from_array((np.arange(sinks).reshape(-1, 1) // w + 2) * w))
+        outside = b("LessOrEqual", taken_from, position)
+        taken = b("Where", outside, after["sink_keep"], b("Constant", value_float=0.0))
+        return after["sink_keys"], after["sink_values"], taken
 
     def block_joins_state(self, k_x: str, v_x: str, keep_x: str, position: str, after: str) -> None:
         """At a block's last position (``after``, the next one, starts a block), the previous
@@ -654,7 +669,6 @@ class _Glue:
         the state is carried as it came."""
         b, w = self.body, self.window.size
         names = ["kernel_state_out", *(["log_scale_out"] if self.rescaled else []), "window_keep_out"]
-        kept = self.rolled(keep_x, b.ints(1))
 
         def joins():
             b = self.body  # the branch's
@@ -664,12 +678,12 @@ class _Glue:
             far_phi_k, far_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
             self.absorb_first_rows(b.ints(w), far_phi_k, v, far_log_scale)
             left = numpy_helper.from_array(np.repeat([[0.0], [1.0]], [w - 1, w], axis=0).astype(np.float32))
-            b.output("window_keep_out", b("Mul", kept, b("Constant", value=left)))
+            b.output("window_keep_out", b("Mul", self.rolled(keep_x, b.ints(1)), b("Constant", value=left)))
 
         def carried():
             for name in names[:-1]:
                 self.body.output(name, name.removesuffix("_out"))
-            self.body.output("window_keep_out", kept)
+            self.body.output("window_keep_out", self.rolled(keep_x, self.body.ints(1)))
 
         at_block_end = b("Equal", b("Mod", after, b.ints(w)), b.ints(0))
         branches = {
