@@ -214,14 +214,39 @@ def markdown(results: dict) -> str:
             f"{figures.get('agreement_far', float('nan')):.3f} | {figures.get('perplexity_ratio', float('nan')):.3f} | "
             f"{figures.get('perplexity_ratio_far', float('nan')):.3f} | {row['seconds'] / 60:.1f} min |"
         )
+    lines += ["", *(stage_lines(key, row) for key, row in results["rows"].items() if row.get("finetune"))]
     lines += ["", "Commands (run in the cache folder):", ""]
     lines += [f"- `{row['command']}`" for row in results["rows"].values()]
+    machine = results["machine"]
     lines += [
         "",
-        f"Targets (issue 48, window=64 calibrated and fine-tuned): {TARGETS}.",
-        f"Measured {results['date']} on {results['machine']}.",
+        f"Targets (issue 48, window=64 calibrated and fine-tuned): agreement from position 128 >= "
+        f"{TARGETS['agreement_far']}, perplexity ratio <= {TARGETS['perplexity_ratio']}, both stages in at most "
+        f"{TARGETS['minutes']} minutes on an idle 2-core CPU.",
+        f"Measured {results['date']} on {machine['processor']}, {machine['cpus']} CPUs (load average "
+        f"{machine['load_average_at_start']} at the start), onnxruntime {machine['onnxruntime']}, commit "
+        f"{machine['commit']}.",
     ]
     return "\n".join(lines)
+
+
+def stage_lines(key: str, row: dict) -> str:
+    """What the record says of a fine-tuned rewrite's two stages."""
+    tuned = row["finetune"]
+    held = tuned.get("held_out") or {}
+    stage_1 = row["seconds"] - tuned["seconds"]
+    line = (
+        f"- {key}: stage 1 (calibration) and the rest of the rewrite {stage_1 / 60:.1f} min, stage 2 "
+        f"{tuned['steps']} steps of rank {tuned['rank']} at lr {tuned['lr']:g} on {tuned['tokens']} tokens "
+        f"{tuned['seconds'] / 60:.1f} min: training {tuned['objective']} {tuned['loss_before']:.4f} -> "
+        f"{tuned['loss_after']:.4f}"
+    )
+    if held:
+        line += (
+            f", held out ({held['examples']} examples) {held['loss_calibrated']:.4f} calibrated -> "
+            f"{held['loss_fine_tuned']:.4f} fine-tuned: {held['kept']} kept"
+        )
+    return line + "."
 
 
 def parse_args(argv):
