@@ -214,7 +214,7 @@ def markdown(results: dict) -> str:
             f"{figures.get('agreement_far', float('nan')):.3f} | {figures.get('perplexity_ratio', float('nan')):.3f} | "
             f"{figures.get('perplexity_ratio_far', float('nan')):.3f} | {row['seconds'] / 60:.1f} min |"
         )
-    lines += ["", *(stage_lines(key, row) for key, row in results["rows"].items() if row.get("finetune"))]
+    lines += ["", *(stage_line(key, row) for key, row in results["rows"].items() if row.get("finetune"))]
     lines += ["", "Commands (run in the cache folder):", ""]
     lines += [f"- `{row['command']}`" for row in results["rows"].values()]
     machine = results["machine"]
@@ -230,7 +230,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def stage_lines(key: str, row: dict) -> str:
+def stage_line(key: str, row: dict) -> str:
     """What the record says of a fine-tuned rewrite's two stages."""
     tuned = row["finetune"]
     held = tuned.get("held_out") or {}
