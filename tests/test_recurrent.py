@@ -35,6 +35,7 @@ LENGTH = 15
 SCHEDULES = {
     "prefill-then-tokens": [9, 1, 1, 1, 1, 1, 1],
     "uneven-pieces": [1, 2, 1, 5, 2, 4],  # a first call of one token: a step from the zero state
+    "token-by-token": [1] * LENGTH,  # every position a step: each block boundary, each sink's turn
 }
 # chunk 4 < every prefill here; a window of 4 with and without a sink
 CONFIGS = {
@@ -272,7 +273,7 @@ def recurrent_session(method: str, config: str, contrib_ops: bool = False) -> or
 
 
 def axis_sizes(site, options) -> dict[str, int]:
-    return {"B": B, "H": H, "D": D, "Dv": DV, "F": recurrent_form(site, options).feature_count(site)}
+    return {"B": B, "H": H, "G": B * H, "D": D, "Dv": DV, "F": recurrent_form(site, options).feature_count(site)}
 
 
 def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[list[np.ndarray]]:
@@ -317,6 +318,23 @@ def assert_steps_equal_the_parallel_form(method, config, padding, schedule, cont
     session = recurrent_session(method, config, contrib_ops)
     steps = run_onnx_steps(session, site, options, SCHEDULES[schedule], (q, k, v, keep))
     for piece, (out, *_) in zip(pieces(SCHEDULES[schedule]), steps):
+        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_onnx_steps_with_heads_folded_into_the_batch(method):
+    """A [batch * heads, N, d] site (OPT's bmm attention, nn.MultiheadAttention), windowed with a
+    sink, left-padded: its ONNX steps, the one-token branch included, equal the parallel form."""
+    site, options = make_site(rank=3), method_options(METHODS[method], "window4-sink1")
+    parallel = fitted_parallel(METHODS[method], site, options)
+    q, k, v, keep = sequence(True, lead=(B * H,))
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+    form = recurrent_form(site, options)
+    model = recurrent_model(form.onnx_lowering(site, OPSET, state_dict(parallel)), form.state(site), rank=3)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    schedule = SCHEDULES["token-by-token"]
+    for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
 
 
