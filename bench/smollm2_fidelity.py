@@ -237,7 +237,7 @@ def stage_line(key: str, row: dict) -> str:
     stage_1 = row["seconds"] - tuned["seconds"]
     line = (
         f"- {key}: stage 1 (calibration) and the rest of the rewrite {stage_1 / 60:.1f} min, stage 2 "
-        f"{tuned['steps']} steps of rank {tuned['rank']} at lr {tuned['lr']:g} on {tuned['tokens']} tokens "
+        f"{tuned['steps']} steps of rank {tuned['rank']} at lr {tuned['lr']:g} on data of {tuned['tokens']} tokens "
         f"{tuned['seconds'] / 60:.1f} min: training {tuned['objective']} {tuned['loss_before']:.4f} -> "
         f"{tuned['loss_after']:.4f}"
     )

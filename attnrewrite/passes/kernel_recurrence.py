@@ -359,8 +359,8 @@ class _Glue:
         return self.body("MatMul", self.body("Cast", x, to=FLOAT), "query_map" if which == "q" else "key_map")
 
     def flat(self, x: str) -> str:
-        """x flattened to [G, N, F], once per value: onnxruntime merges repeated subexpressions
-        in a graph but not in an If's branch."""
+        """x flattened to [G, N, F], once per value: in an If's branch onnxruntime ran each
+        repeated FlattenHeads of one value again (3 per windowed prefill)."""
         if x not in self._flats:
             self._flats[x] = self.body.call(self.flatten, x)
         return self._flats[x]
@@ -627,8 +627,9 @@ class _Glue:
     def read_log_scale(self, far_den: str) -> str:
         """The incoming log scale as a step's read of the kernel state (normaliser ``far_den``,
         [G, blocks, 1, 1]) takes it: the lowest where the read's normaliser is 0. Positive
-        features read 0 only from a state that absorbed nothing, so this is
-        empty_state_log_scale's rule without reading the state's normaliser column again."""
+        features read 0 from a state that absorbed nothing (empty_state_log_scale's rule, without
+        reading the state's normaliser column again), or where exp(linear_log_weight) underflows,
+        when the far part adds nothing either way."""
         b = self.body
         log_scale = self.as_block(b("Unsqueeze", "log_scale", b.ints(-2, -1)))
         empty = b("Equal", far_den, b("Constant", value_float=0.0))
