@@ -13,7 +13,6 @@ from typing import Any
 from attnrewrite.site import AttentionSite
 
 SINGLE_QUERY = "a single query: linearizing saves nothing"
-KV_CACHE = "a KV-cache site: its past keys cannot enter a parallel linear attention; rewrite it with --recurrent"
 NO_CACHE = "not a KV-cache site: --recurrent replaces the KV caches of a decoder exported for generation"
 
 
@@ -29,8 +28,9 @@ def refusal(
     """None when ``method`` is to replace the site, else why it is left alone. The first reason
     that applies: what detection found (probabilities used elsewhere, a mask that is a bias),
     the layer selection, the heads to keep exact (all of them, or a site whose heads are not
-    known), a KV cache (``recurrent``: its absence, or the method having no recurrence), a
-    single query, the method's own limits."""
+    known), with ``recurrent`` a KV cache (its absence, or the method having no recurrence), a
+    single query, the method's own limits. Without ``recurrent`` a KV-cache site is rewritten
+    in parallel over its cache (the splice places each new query at its position)."""
     if site.skip_reason is not None:
         return site.skip_reason
     if layers is not None and site.layer not in layers:
@@ -43,8 +43,6 @@ def refusal(
             return reason
     if recurrent:
         return _recurrent_refusal(site, method, options)
-    if site.kv_cache is not None:
-        return KV_CACHE
     if site.query_length == 1 and not include_single_query:
         # one query (a decoder step) attends to N keys in O(N) already: a linear method would
         # only approximate it

@@ -36,7 +36,6 @@ from onnx import TensorProto, helper
 
 import attnrewrite
 from attnrewrite import passes
-from attnrewrite.decision import KV_CACHE
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.masks import inputs_marking_padding
@@ -321,12 +320,12 @@ def test_attention_bias_that_is_not_a_mask_is_refused():
     assert [s["status"] for s in read_record(out)["sites"]] == ["skipped"]
 
 
-def test_group_query_attention_is_a_kv_cache_site_refused_without_recurrent():
+def test_group_query_attention_without_an_attention_mask_is_refused_in_words():
     kv_heads, past = 1, 5
     graph_inputs = {
-        "query": (TensorProto.FLOAT, ["batch", 1, FEATURES]),
-        "key": (TensorProto.FLOAT, ["batch", 1, kv_heads * HEAD_DIM]),
-        "value": (TensorProto.FLOAT, ["batch", 1, kv_heads * HEAD_DIM]),
+        "query": (TensorProto.FLOAT, ["batch", "seq", FEATURES]),
+        "key": (TensorProto.FLOAT, ["batch", "seq", kv_heads * HEAD_DIM]),
+        "value": (TensorProto.FLOAT, ["batch", "seq", kv_heads * HEAD_DIM]),
         "past_key": (TensorProto.FLOAT, ["batch", kv_heads, past, HEAD_DIM]),
         "past_value": (TensorProto.FLOAT, ["batch", kv_heads, past, HEAD_DIM]),
         "seqlens_k": (TensorProto.INT32, ["batch"]),
@@ -339,11 +338,15 @@ def test_group_query_attention_is_a_kv_cache_site_refused_without_recurrent():
     assert (site.kv_cache, site.skip_reason, site.mask_label) == (
         KvCache("past_key", "past_value", None, None, kv_heads),
         None,
-        "causal (kv cache)",
+        "causal+key_padding (kv cache)",
     )
     with pytest.warns(NothingRewritten):
         record = read_record(attnrewrite.rewrite(model, to="linear"))
-    assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", KV_CACHE)]
+    reason = (
+        "GroupQueryAttention without an attention mask among the model's inputs: the replacement rotates each "
+        "token at its position among its row's real tokens, which the mask says"
+    )
+    assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", reason)]
 
 
 @pytest.mark.parametrize(

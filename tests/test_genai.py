@@ -1,7 +1,8 @@
 """onnxruntime-genai in and out: the decoders its model builder writes (GroupQueryAttention over
-a packed, rotated qkv; SimplifiedLayerNormalization; MatMulNBits at int4) are read, listed and
-made recurrent; a recurrent rewrite written as a folder (-o DIR/) is one genai generates with,
-the same tokens as ``attnrewrite generate`` on the same model.
+a packed, rotated qkv; SimplifiedLayerNormalization; MatMulNBits at int4) are read, listed,
+rewritten in parallel over their cache and made recurrent; a rewrite written as a folder
+(-o DIR/) is one genai generates with, the same tokens as ``attnrewrite generate`` on the same
+model.
 
 Builder models are made here from tiny random transformers folders (samples/export_decoder.py):
 Llama and Qwen2, fp32 and int4. Skipped with the reason where onnxruntime-genai does not install.
@@ -103,7 +104,7 @@ def test_builder_models_are_read_and_every_site_listed_with_its_cache(builder, a
     assert cli.main([str(path.parent), "--list"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert rows[-1] == "2 attention sites, 2 rewritable"
-    assert all("causal (kv cache)" in row and row.startswith("/model/layers.") for row in rows[1:-1])
+    assert all("causal+key_padding (kv cache)" in row and row.startswith("/model/layers.") for row in rows[1:-1])
     caches = [site.kv_cache for site in find_sites(str(path))]
     assert caches == [
         KvCache(f"past_key_values.{i}.key", f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value", 2)
@@ -116,12 +117,6 @@ def test_attnrewrite_generate_runs_the_builder_model_as_genai_does(builder):
     takes it from the GroupQueryAttention that reads them."""
     folder = builder("llama", "fp32")
     assert genai_tokens(folder) == padded_to(our_tokens(folder), NEW_TOKENS, 0)
-
-
-def test_without_recurrent_a_builder_site_is_refused_as_a_kv_cache_site(builder, tmp_path, capsys):
-    code = cli.main([str(builder("llama", "fp32")), "--to", "hedgehog", "-o", str(tmp_path / "out.onnx")])
-    assert code == 1 and not (tmp_path / "out.onnx").exists()
-    assert "skipped: a KV-cache site: its past keys cannot enter a parallel linear attention" in capsys.readouterr().out
 
 
 # --- the GroupQueryAttention unpacking, rotary included ---------------------------------------------
@@ -179,7 +174,64 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
             assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
-# --- genai runs the recurrent folders ------------------------------------------------------------
+# every causal method but hydra, which mixes the heads of a site that says how many it has: the
+# builder's does, the transformers export's does not (hydra works per head there)
+PARALLEL_METHODS = {
+    "linear": ["linear"],
+    "hedgehog": ["hedgehog"],
+    "hedgehog-window": ["hedgehog", "-O", "window=4", "-O", "sinks=1"],
+    "favor": ["favor"],
+    "aft": ["aft"],
+    "lsh": ["lsh"],
+    "efficient": ["efficient"],
+}
+
+
+@pytest.mark.parametrize("method", PARALLEL_METHODS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_builder_models_parallel_rewrite_is_the_transformers_exports(
+    builder, transformers_export, arch, method, tmp_path
+):
+    """Without --recurrent the builder's model keeps its cache, written as the operator writes
+    it, and its logits are those of the parallel rewrite of the same weights' no-cache export:
+    a right-padded prompt in one call, and prefilled then stepped a token at a time."""
+    source = builder(arch, "fp32") / "model.onnx"
+    ours = rewritten_session(source, tmp_path / "builder.onnx", PARALLEL_METHODS[method])
+    parallel = rewritten_session(transformers_export(arch, False), tmp_path / "parallel.onnx", PARALLEL_METHODS[method])
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
+    full, right = np.ones((2, 12), np.int64), np.ones((2, 12), np.int64)
+    right[1, 9:] = 0
+    for mask, prefill in ((right, 12), (full, 5)):
+        expected = parallel.run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions_of(mask)})[0]
+        actual = forced_logits(ours, "builder", ids, mask, prefill=prefill)
+        assert np.abs(actual - expected)[mask.astype(bool)].max() <= 1e-4 * np.abs(expected).max()
+    # the first layer's cache is the operator's, the pads of the right-padded prompt included
+    empty = {i.name: np.zeros((2, 2, 0, 16), np.float32) for i in ours.get_inputs() if i.name.startswith("past")}
+    feeds = {"input_ids": ids, "attention_mask": right, **empty}
+    original = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    names = ["present.0.key", "present.0.value"]
+    for written, operators in zip(ours.run(names, feeds), original.run(names, feeds)):
+        assert np.abs(written - operators).max() <= 1e-6
+
+
+# --- genai runs the rewritten folders ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arch, precision, method",
+    [("llama", "fp32", ["hedgehog", "-O", "window=4"]), ("qwen2", "int4", ["favor"])],
+    ids=["llama-hedgehog-window", "qwen2-int4-favor"],
+)
+def test_genai_generates_from_the_parallel_folder_what_attnrewrite_generate_does(
+    builder, arch, precision, method, tmp_path
+):
+    """genai shares one buffer between each past and present cache: the parallel rewrite's cache
+    write keeps to it, and its genai_config.json is the builder's."""
+    source, out = builder(arch, precision), tmp_path / "out"
+    out.mkdir()
+    assert cli.main([str(source), "-o", f"{out}/", "--to", *method]) == 0
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
+    assert json.loads((out / "genai_config.json").read_text()) == json.loads((source / "genai_config.json").read_text())
 
 
 @pytest.mark.parametrize(

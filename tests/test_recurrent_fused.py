@@ -36,7 +36,6 @@ from test_recurrent_models import CONFIGS, TOLERANCE, full_sequence, prefill_the
 
 import attnrewrite
 from attnrewrite import cli
-from attnrewrite.decision import KV_CACHE
 from attnrewrite.errors import NothingRewritten
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx.detect import fused_cache_before, fused_cache_inside
@@ -390,16 +389,21 @@ def assert_steps_equal_the_parallel_rewrite(recurrent_model, uncached, method: s
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_opset23_attention_over_a_concat_cache_is_a_kv_cache_site(opset23_export, name):
+def test_opset23_attention_over_a_concat_cache_is_a_kv_cache_site(decoder_exports, opset23_export, name):
+    """Found with its cache, and rewritten in parallel over it: prefilled then stepped, the
+    logits of the parallel rewrite of the no-cache export."""
     path = opset23_export(name)
     sites = attnrewrite.find_sites(str(path))
     kv_heads = DECODERS[name].kv_heads
     assert [(s.kv_cache, s.mask, s.num_heads, s.skip_reason) for s in sites] == [
         (cache, MaskKind.CAUSAL_KEY_PADDING, HEADS, None) for cache in layer_caches(*STANDARD_CACHES, kv_heads)
     ]
-    with pytest.warns(NothingRewritten):
-        model = attnrewrite.rewrite(str(path), to="hedgehog")
-    assert [s["reason"] for s in read_record(model)["sites"]] == [KV_CACHE] * LAYERS
+    uncached = decoder_exported(decoder_exports, name, "dynamo", cache=False)
+    full = full_sequence(uncached.spec)
+    expected = session(attnrewrite.rewrite(str(uncached.path), "hedgehog")).run(["logits"], full)[0]
+    model = session(attnrewrite.rewrite(str(path), to="hedgehog"))
+    actual = forced_logits(model, "parallel", full["input_ids"], full["attention_mask"], prefill=5)
+    assert logits_error(actual, expected, full["attention_mask"]) <= TOLERANCE * np.abs(expected).max()
 
 
 @pytest.mark.parametrize(("method", "config"), [("hedgehog", "plain"), ("favor", "window")])

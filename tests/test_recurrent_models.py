@@ -17,7 +17,8 @@ from models import SAMPLE_BERT
 import attnrewrite
 from attnrewrite import cli, decision, passes
 from attnrewrite.errors import NothingRewritten
-from attnrewrite.generate import generate
+from attnrewrite.generate import forced_logits, generate
+from attnrewrite.onnx.rewrite import PARALLEL_CACHE_NOTE
 from attnrewrite.onnx.validate import runs_linear_attention
 
 CONFIGS = {"plain": {}, "window": {"window": 4, "sinks": 1}}
@@ -179,13 +180,29 @@ def test_recurrent_refuses_an_encoder():
     assert {site["reason"] for site in record["sites"]} == {decision.NO_CACHE}
 
 
-def test_without_recurrent_a_cache_site_points_to_it(decoder_exports):
-    cached = decoder_exported(decoder_exports, "gpt2", "legacy")
-    with pytest.warns(NothingRewritten):
-        model = attnrewrite.rewrite(cached.load(), "hedgehog")
+# every causal method, the window's hybrid among them; the no-cache rewrite is what they must equal
+PARALLEL_OVER_THE_CACHE = [*((m, "plain") for m in ("linear", "hedgehog", "favor", "aft", "lsh", "efficient", "hydra"))]
+PARALLEL_OVER_THE_CACHE.append(("hedgehog", "window"))
+
+
+@pytest.mark.parametrize(("method", "config"), PARALLEL_OVER_THE_CACHE)
+@pytest.mark.parametrize(("name", "exporter"), [("gpt2", "legacy"), ("llama", "dynamo")])
+def test_without_recurrent_the_cache_stays_and_each_call_equals_the_no_cache_rewrite(
+    decoder_exports, name, exporter, method, config
+):
+    """The parallel rewrite of a KV-cache decoder keeps its interface: prefilled, then stepped a
+    token at a time through a left-padded batch, its logits are those of the parallel rewrite of
+    the no-cache export on the whole sequence (each new query at its position among the keys)."""
+    cached = decoder_exported(decoder_exports, name, exporter)
+    uncached = decoder_exported(decoder_exports, name, exporter, cache=False)
+    full = full_sequence(cached.spec)
+    expected = session(rewritten(uncached, method, config, False)).run(["logits"], full)[0]
+    model = rewritten(cached, method, config, False)
+    assert [i.name for i in model.graph.input] == [i.name for i in cached.load().graph.input]
     record = read_record(model)
-    assert {site["reason"] for site in record["sites"]} == {decision.KV_CACHE}
-    assert "--recurrent" in decision.KV_CACHE
+    assert [s["status"] for s in record["sites"]] == ["rewritten"] * 2 and PARALLEL_CACHE_NOTE in record["notes"]
+    actual = forced_logits(session(model), "parallel", full["input_ids"], full["attention_mask"], prefill=PAST)
+    assert logits_error(actual, expected, full["attention_mask"]) <= TOLERANCE * np.abs(expected).max()
 
 
 @pytest.mark.skipif(not runs_linear_attention(), reason="this onnxruntime has no com.microsoft.LinearAttention")

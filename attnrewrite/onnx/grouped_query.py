@@ -1,6 +1,7 @@
 """Standard-op nodes that do what a GroupQueryAttention does before and after its attention
 (detect/gqa.py's GroupedQueryPlan): split its packed input into q, k and v heads, rotate them
-as its ``do_rotary`` does, and merge the attention's heads back into features.
+as its ``do_rotary`` does, write its KV cache (a parallel rewrite keeps the cache), and merge
+the attention's heads back into features.
 
 The operator rotates each token at its position among its row's real tokens (it counts them
 from ``seqlens_k``); here the position is the attention mask's running count of real tokens
@@ -10,11 +11,25 @@ right padding, left padding, and decoding steps.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
 from attnrewrite.onnx.detect import GroupedQueryPlan
-from attnrewrite.onnx.splice import INT64_MAX
+from attnrewrite.passes.lowering import TO_THE_END
+
+
+class CacheRows(NamedTuple):
+    """Where a call's new tokens sit among each row's positions, by the operator's rule: a first
+    prompt (total_sequence_length equal to the new tokens) fills every row from 0; a later call
+    appends row b's at seqlens_k[b] + 1 - new, after its real tokens (genai's right padding
+    leaves a shorter row's pads to be overwritten)."""
+
+    start: ir.Value  # [B, 1, 1, 1]: the row's first new position
+    end: ir.Value  # [B, 1, 1, 1]: the row's tokens, past and new (seqlens_k + 1)
+    total: ir.Value  # [1]: total_sequence_length, the longest row's
+    new: ir.Value  # [1]: the new tokens
 
 
 class GroupedQueryNodes:
@@ -23,11 +38,16 @@ class GroupedQueryNodes:
 
     def __init__(self, node, const, mask: ir.Value):
         self._node, self._const, self._mask = node, const, mask
-        self._tables: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin) tables
+        self._tables: dict[tuple[int, int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin, positions)
+        self._counted: ir.Value | None = None
 
-    def heads(self, plan: GroupedQueryPlan, current, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value, ir.Value]:
+    def heads(
+        self, plan: GroupedQueryPlan, current, nodes: list[ir.Node], rows: CacheRows | None = None
+    ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """q [B, heads, N, D] and k, v [B, kv_heads, N, D], rotated where the operator rotates;
-        ``current``: the splicer's map from a value to what replaced it."""
+        ``current``: the splicer's map from a value to what replaced it. Each token is rotated
+        at its position among its row's real tokens, or, given the ``rows`` the operator writes,
+        at its row there (the two differ only at the pads of a right-padded prompt)."""
         size, heads, kv_heads = plan.head_size, plan.num_heads, plan.kv_heads
         if plan.key is None:
             packed = current(plan.query)
@@ -37,9 +57,90 @@ class GroupedQueryNodes:
             q, k, v = (current(x) for x in (plan.query, plan.key, plan.value))
         q, k, v = (self._split_heads(x, n, size, nodes) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
         if plan.rotary is not None:
-            cos, sin = self._rotary_tables(plan, q, nodes)
+            positions = self._written_positions(rows, nodes) if rows is not None else self._real_positions(q, nodes)
+            cos, sin = self._rotary_tables(plan, positions, nodes)
             q, k = (self._rotated(x, cos, sin, plan, nodes) for x in (q, k))
         return q, k, v
+
+    def cache_rows(self, operator: ir.Node, nodes: list[ir.Node]) -> CacheRows:
+        """The operator's CacheRows, from its query, seqlens_k and total_sequence_length inputs."""
+        seqlens, total = (self._cast_int64(operator.inputs[i], nodes) for i in (5, 6))
+        one = self._const(np.array(1, np.int64))
+        end = self._node(nodes, "Reshape", [self._node(nodes, "Add", [seqlens, one]), self._const([-1, 1, 1, 1])])
+        total = self._node(nodes, "Reshape", [total, self._const([1])])
+        new = self._node(nodes, "Shape", [operator.inputs[0]], [ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)])
+        first_prompt = self._node(nodes, "Equal", [total, new])
+        appended = self._node(nodes, "Sub", [end, new])
+        start = self._node(nodes, "Where", [first_prompt, self._const(np.array(0, np.int64)), appended])
+        return CacheRows(start, end, total, new)
+
+    def written(self, past: ir.Value, new: ir.Value, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """The cache after the operator's write, [B, Hkv, max(past, total), D]: row b's first
+        ``start`` positions from ``past``, then its N new ones (a prompt's pads too), zeros after."""
+        past_length = self._node(nodes, "Shape", [past], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])
+        length = self._node(nodes, "Max", [past_length, rows.total])
+        grown = self._node(nodes, "Sub", [length, past_length])
+        pads = self._node(
+            nodes, "Concat", [self._const([0, 0, 0, 0, 0, 0]), grown, self._const([0])], [ir.AttrInt64("axis", 0)]
+        )
+        padded = self._node(nodes, "Pad", [past, pads])  # every pad listed, as in Splicer._behind
+        position = self._positions(length, nodes)
+        from_new = self._rows_of(new, self._node(nodes, "Sub", [position, rows.start]), rows.new, length, nodes)
+        zero = self._node(nodes, "CastLike", [self._const(np.array(0.0, np.float32)), past])
+        after_new = self._node(nodes, "Add", [rows.start, rows.new])
+        kept = self._node(nodes, "Where", [self._node(nodes, "Less", [position, after_new]), from_new, zero])
+        return self._node(nodes, "Where", [self._node(nodes, "Less", [position, rows.start]), padded, kept])
+
+    def until_total(self, cache: ir.Value, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """The cache's positions up to the longest row's: every key a query can take."""
+        return self._node(nodes, "Slice", [cache, self._const([0]), rows.total, self._const([2])])
+
+    def key_keep(self, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """[B, 1, total, 1] float: 1.0 at a row's tokens, past and new."""
+        kept = self._node(nodes, "Less", [self._positions(rows.total, nodes), rows.end])
+        return self._node(nodes, "Cast", [kept], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+
+    def placed(self, q: ir.Value, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """q [B, H, N, D] as [B, H, total, D] with query i of row b at start + i: a causal
+        attention over the cache then gives it the keys up to its own position. The other
+        positions repeat a neighbouring query; their outputs are not taken."""
+        position = self._positions(rows.total, nodes)
+        return self._rows_of(q, self._node(nodes, "Sub", [position, rows.start]), rows.new, rows.total, nodes)
+
+    def taken(self, attention: ir.Value, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """The new queries' rows [B, H, N, Dv] of an attention over every position."""
+        position = self._positions(rows.new, nodes)
+        index = self._node(nodes, "Add", [position, rows.start])
+        shape = self._shape_with_rows(attention, rows.new, nodes)
+        expanded = self._node(nodes, "Expand", [index, shape])
+        return self._node(nodes, "GatherElements", [attention, expanded], [ir.AttrInt64("axis", 2)])
+
+    def _rows_of(self, x: ir.Value, index: ir.Value, count: ir.Value, length: ir.Value, nodes) -> ir.Value:
+        """[B, H, length, D]: row ``index`` (clamped to x's ``count`` rows) of x at each position."""
+        last = self._node(nodes, "Sub", [count, self._const([1])])
+        clamped = self._node(nodes, "Min", [self._node(nodes, "Max", [index, self._const([0])]), last])
+        expanded = self._node(nodes, "Expand", [clamped, self._shape_with_rows(x, length, nodes)])
+        return self._node(nodes, "GatherElements", [x, expanded], [ir.AttrInt64("axis", 2)])
+
+    def _positions(self, length: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+        """[1, 1, length, 1]: 0 .. length - 1."""
+        scalar = self._node(nodes, "Squeeze", [length, self._const([0])])
+        counted = self._node(
+            nodes, "Range", [self._const(np.array(0, np.int64)), scalar, self._const(np.array(1, np.int64))]
+        )
+        return self._node(nodes, "Reshape", [counted, self._const([1, 1, -1, 1])])
+
+    def _shape_with_rows(self, x: ir.Value, rows: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+        """x's shape with ``rows`` on its sequence axis (2)."""
+        parts = [
+            self._node(nodes, "Shape", [x], [ir.AttrInt64("end", 2)]),
+            rows,
+            self._node(nodes, "Shape", [x], [ir.AttrInt64("start", 3)]),
+        ]
+        return self._node(nodes, "Concat", parts, [ir.AttrInt64("axis", 0)])
+
+    def _cast_int64(self, x: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+        return self._node(nodes, "Cast", [x], [ir.AttrInt64("to", ir.DataType.INT64)])
 
     def merged(self, attention: ir.Value, plan: GroupedQueryPlan, nodes: list[ir.Node]) -> ir.Value:
         """[B, heads, N, D] -> [B, N, heads * D], the operator's output layout."""
@@ -53,22 +154,39 @@ class GroupedQueryNodes:
         split = self._node(nodes, "Reshape", [x, self._const([0, 0, heads, size])])
         return self._node(nodes, "Transpose", [split], [ir.AttrInt64s("perm", [0, 2, 1, 3])])
 
-    def _rotary_tables(self, plan: GroupedQueryPlan, q: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value]:
-        """cos and sin at the new tokens' positions, [B, 1, N, rotary_dim / 2]; built once per
-        pair of caches (the builder's layers share theirs)."""
-        cos_cache, sin_cache = plan.rotary
-        key = (id(cos_cache), id(sin_cache))
-        if key not in self._tables:
+    def _real_positions(self, q: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+        """[B, N]: each new token's position among its row's real tokens (the attention mask's
+        running count, minus one), built once per model."""
+        if self._counted is None:
             mask = self._node(nodes, "Cast", [self._mask], [ir.AttrInt64("to", ir.DataType.INT64)])
             counted = self._node(nodes, "CumSum", [mask, self._const(np.array(1, np.int64))])
             new_count = self._node(nodes, "Shape", [q], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])
             new = self._node(
                 nodes,
                 "Slice",
-                [counted, self._node(nodes, "Neg", [new_count]), self._const([INT64_MAX]), self._const([1])],
+                [counted, self._node(nodes, "Neg", [new_count]), self._const([TO_THE_END]), self._const([1])],
             )
             before = self._node(nodes, "Sub", [new, self._const(np.array(1, np.int64))])
-            positions = self._node(nodes, "Max", [before, self._const(np.array(0, np.int64))])  # padding: 0
+            self._counted = self._node(nodes, "Max", [before, self._const(np.array(0, np.int64))])  # padding: 0
+        return self._counted
+
+    def _written_positions(self, rows: CacheRows, nodes: list[ir.Node]) -> ir.Value:
+        """[B, N]: each new token's row in the operator's cache, start .. start + N - 1."""
+        start = self._node(nodes, "Reshape", [rows.start, self._const([-1, 1])])
+        return self._node(
+            nodes,
+            "Add",
+            [start, self._node(nodes, "Reshape", [self._positions(rows.new, nodes), self._const([1, -1])])],
+        )
+
+    def _rotary_tables(
+        self, plan: GroupedQueryPlan, positions: ir.Value, nodes: list[ir.Node]
+    ) -> tuple[ir.Value, ir.Value]:
+        """cos and sin at ``positions`` [B, N], [B, 1, N, rotary_dim / 2]; built once per pair
+        of caches and positions (the builder's layers share theirs)."""
+        cos_cache, sin_cache = plan.rotary
+        key = (id(cos_cache), id(sin_cache), id(positions))
+        if key not in self._tables:
             self._tables[key] = tuple(
                 self._node(nodes, "Unsqueeze", [self._node(nodes, "Gather", [table, positions]), self._const([1])])
                 for table in (cos_cache, sin_cache)

@@ -206,7 +206,10 @@ def cache_contract(graph: ir.Graph) -> CacheContract | None:
                 continue
             if _is_integer(value) or any(p in name for p in past_dims):
                 total.add(name)
-    return CacheContract(past_axes, frozenset(past_dims), frozenset(total), fixed=declared_cache_sizes(graph))
+    fixed = declared_cache_sizes(graph)
+    # a GroupQueryAttention takes a past only with one row or one new token: probe with prompts
+    past = 0 if fixed else KV_PROBE_PAST
+    return CacheContract(past_axes, frozenset(past_dims), frozenset(total), past, fixed)
 
 
 def _symbol(dim) -> str | None:

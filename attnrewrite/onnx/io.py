@@ -394,7 +394,17 @@ def from_proto(proto: onnx.ModelProto) -> ir.Model:
 def infer_shapes(model: ir.Model) -> ir.Model:
     """Shapes let detection know ranks and head counts; a model ONNX cannot infer still works.
     Strict inference stops at the first node it cannot type and infers nothing; the lenient
-    pass after it still infers the rest."""
+    pass after it still infers the rest. The outputs keep the shapes the model declares:
+    onnxruntime's inference names a GroupQueryAttention's present cache by its past's length."""
+    declared = {v.name: v.shape.copy() for v in model.graph.outputs if v.shape is not None}
+    model = _inferred(model)
+    for value in model.graph.outputs:
+        if value.name in declared:
+            value.shape = declared[value.name]
+    return model
+
+
+def _inferred(model: ir.Model) -> ir.Model:
     quiet = logging.getLogger(common_passes.ShapeInferencePass.__module__)
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # it logs a traceback when inference fails; advisory here

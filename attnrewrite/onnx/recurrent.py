@@ -26,7 +26,6 @@ import onnx_ir as ir
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import CachedTensor, OnnxSite
-from attnrewrite.onnx.grouped_query import GroupedQueryNodes
 from attnrewrite.onnx.inputs import cache_contract, embedding_rows
 from attnrewrite.onnx.splice import INT64_MAX, Splicer
 from attnrewrite.onnx.state_layout import Packing, layout
@@ -134,7 +133,6 @@ class RecurrentSplicer(Splicer):
         self.parts: list[str] = []  # where each state part lives (Layout.describe)
         self._caches: list[CachedTensor] = []
         self._cache_dims: dict[str, tuple[int, int]] = {}  # cache input -> (kv heads, head dim)
-        self._grouped_query = GroupedQueryNodes(self._node, self._const, interface.mask)
 
     def check(self, s: OnnxSite) -> None:
         """Nothing more to check: this splice takes k and v from the caches' new tokens and
@@ -146,10 +144,10 @@ class RecurrentSplicer(Splicer):
         new_nodes: list[ir.Node] = []
         heads, (kv_heads, head_dim) = _query_heads(s), _kv_dims(s)
         if s.grouped_query is not None:
-            q, k, v = self._grouped_query.heads(s.grouped_query, self._current, new_nodes)
+            q, k, v = self.grouped_query_nodes().heads(s.grouped_query, self._current, new_nodes)
         else:
             q, k, v = (self._current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
-        k, v = (self._repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
+        k, v = (self.repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
         packing, packed, state = self._state(s, lowering.state, heads, new_nodes)
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
@@ -163,7 +161,7 @@ class RecurrentSplicer(Splicer):
         after: list[ir.Node] = []
         output = call.outputs[0]
         if s.grouped_query is not None:
-            output = self._grouped_query.merged(output, s.grouped_query, after)
+            output = self.grouped_query_nodes().merged(output, s.grouped_query, after)
         output.type, output.shape = s.output.type, s.output.shape
         layer = _layer_number(s)
         for tensor, value in packing.pack(packed, list(call.outputs[1:]), after).items():
@@ -178,15 +176,6 @@ class RecurrentSplicer(Splicer):
         for cache in (s.key_cache, s.value_cache):
             self._cache_dims[cache.past.name] = (kv_heads, head_dim)
         return f"{DOMAIN}.{op_type}"
-
-    def _repeated_heads(self, new: ir.Value, heads: int, kv_heads: int, head_dim: int, new_nodes) -> ir.Value:
-        """The new keys or values [B, Hkv, N, D] as [B, heads, N, D], query head h reading
-        key/value head h // (heads / Hkv)."""
-        if kv_heads == heads:
-            return new
-        grouped = self._node(new_nodes, "Unsqueeze", [new, self._const([2])])
-        grouped = self._node(new_nodes, "Expand", [grouped, self._const([1, 1, heads // kv_heads, 1, 1])])
-        return self._node(new_nodes, "Reshape", [grouped, self._const([0, heads, -1, head_dim])])
 
     def _key_keep_of_new_tokens(self, q: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         """[B, 1, N, 1] float, 1.0 where a new token is real: the mask's last N columns."""

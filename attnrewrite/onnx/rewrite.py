@@ -25,6 +25,12 @@ from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, SiteOutcome, record_json, stage
 from attnrewrite.site import AttentionSite
 
+PARALLEL_CACHE_NOTE = (
+    "the KV-cache sites keep their caches: each call runs the linear attention over every cached "
+    "position again (a decoding step's cost grows with the context, as the softmax's did); "
+    "--recurrent carries a fixed-size state instead"
+)
+
 
 def analyze(model: ir.Model, seq: int | None = None) -> list[OnnxSite]:
     """Every attention site in the model's main graph, with its mask classified (probed from
@@ -115,6 +121,8 @@ def rewrite_model(
         if plan.module is not None:
             fitting.append((outcome, plan.module, list(plan.lowering.constants)))
     record.bytes_added = splicer.bytes_added if splicer is not None else 0
+    if not recurrent and any(o.site.kv_cache is not None for o in record.rewritten):
+        record.notes.append(PARALLEL_CACHE_NOTE)
     if recurrent and record.rewritten:
         splicer.finish()
         record.options["recurrent"] = True

@@ -24,6 +24,8 @@ from attnrewrite.onnx.detect import (
     PackedHeads,
     Unsupported,
 )
+from attnrewrite.onnx.grouped_query import GroupedQueryNodes
+from attnrewrite.onnx.inputs import cache_contract
 from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION, OnnxLowering
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -46,19 +48,36 @@ class Splicer:
         # (attention feeding attention), captured before that site was spliced
         self._successor: dict[int, ir.Value] = {}
         self.calls: dict[str, ir.Node] = {}  # site name -> its replacement node
+        self._grouped_query: GroupedQueryNodes | None = None
         model.opset_imports[DOMAIN] = DOMAIN_VERSION
 
     def check(self, s: OnnxSite) -> None:
         """Raise Unsupported before anything is changed, if this site cannot be spliced."""
+        if s.grouped_query is not None:
+            if self.grouped_query_nodes() is None:
+                raise Unsupported(
+                    "GroupQueryAttention without an attention mask among the model's inputs: the replacement "
+                    "rotates each token at its position among its row's real tokens, which the mask says"
+                )
+            return
         if s.packing is None and s.k is None and _untranspose_plan(s.k_transposed) is None:
             raise Unsupported("the rank of k^T is unknown, so k cannot be recovered")
         if s.site.mask.key_padding and any(t.rank is None for t in s.masks):
             raise Unsupported("the key padding mask's rank is unknown")
+        if s.key_cache is not None and (s.q.shape is None or len(s.q.shape) < 3):
+            raise Unsupported("the rank of q is unknown, so the new queries cannot be placed after the cached keys")
+        if s.key_cache is not None and s.key_cache.node.op_type != "Concat":
+            raise Unsupported(
+                f"the KV cache is appended inside {s.key_cache.node.op_type} node {s.key_cache.node.name!r}, whose "
+                f"present keys a parallel rewrite would have to write itself; rewrite it with --recurrent"
+            )
 
     def splice(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str] = frozenset()) -> str:
         """``own``: names of constants this site must not share with another (site_constants)."""
         anchor = s.output.producer()
         new_nodes: list[ir.Node] = []
+        if s.grouped_query is not None:
+            return self._splice_grouped_query(s, lowering, own)
         if s.packing is not None:
             q, k, v = self._unpack(s.packing, new_nodes)
             for role, value in zip("qkv", (q, k, v)):  # named, so the unpacked q, k, v can be found
@@ -69,17 +88,22 @@ class Splicer:
             k = self._current(s.k) if s.k is not None else self._untranspose(self._current(s.k_transposed), new_nodes)
             k, v = self._broadcast_to_queries(k, q, new_nodes), self._broadcast_to_queries(v, q, new_nodes)
         key_keep = self._key_keep(s, k, new_nodes) if s.site.mask.key_padding else self._keep_all_value()
+        past = self._past_rows(q, k, new_nodes) if s.key_cache is not None else None
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
             DOMAIN,
             op_type,
-            [q, k, v, key_keep, *constants],
+            [q if past is None else self._behind(past, q, len(s.q.shape), new_nodes), k, v, key_keep, *constants],
             name=f"{s.site.name}/{op_type}",
             num_outputs=1,
         )
         after: list[ir.Node] = []
-        result = call.outputs[0] if s.packing is None else self._merge_heads(call.outputs[0], after)
+        result = call.outputs[0]
+        if past is not None:  # the new queries' rows
+            result = self._node(after, "Slice", [result, past, self._const([INT64_MAX]), self._const([-2])])
+        if s.packing is not None:
+            result = self._merge_heads(result, after)
         result.type, result.shape = s.output.type, s.output.shape
         self.calls[s.site.name] = call
         self.graph.insert_before(anchor, [*new_nodes, call, *after])
@@ -88,6 +112,76 @@ class Splicer:
         return f"{DOMAIN}.{op_type}"
 
     # -- inputs of the replacement ------------------------------------------------------------
+
+    def _splice_grouped_query(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str]) -> str:
+        """A GroupQueryAttention in parallel: its cache written as the operator writes it (the
+        model keeps returning present_key and present_value), then the method over every
+        position up to the longest row's, each new query at its own position."""
+        operator, plan, grouped = s.key_cache.node, s.grouped_query, self.grouped_query_nodes()
+        new_nodes: list[ir.Node] = []
+        rows = grouped.cache_rows(operator, new_nodes)
+        q, k, v = grouped.heads(plan, self._current, new_nodes, rows)
+        caches = [s.key_cache, s.value_cache]
+        presents = [grouped.written(self._current(c.past), new, rows, new_nodes) for c, new in zip(caches, (k, v))]
+        k, v = (
+            self.repeated_heads(
+                grouped.until_total(p, rows, new_nodes), plan.num_heads, plan.kv_heads, plan.head_size, new_nodes
+            )
+            for p in presents
+        )
+        constants = self.site_constants(s, lowering, own)
+        op_type = self._add_functions(lowering)
+        inputs = [grouped.placed(q, rows, new_nodes), k, v, grouped.key_keep(rows, new_nodes), *constants]
+        call = ir.Node(DOMAIN, op_type, inputs, name=f"{s.site.name}/{op_type}", num_outputs=1)
+        after: list[ir.Node] = []
+        output = grouped.merged(grouped.taken(call.outputs[0], rows, after), plan, after)
+        output.type, output.shape = s.output.type, s.output.shape
+        self.calls[s.site.name] = call
+        self.graph.insert_before(operator, [*new_nodes, call, *after])
+        self._take_over(s.output, output)
+        for cache, present in zip(caches, presents):
+            if cache.present is not None:
+                present.type, present.shape = cache.present.type, cache.present.shape
+                self._take_over(cache.present, present)
+            for value in (cache.past, present):
+                _declare_cache_sizes(value, plan.kv_heads, plan.head_size)
+        self._remove_dead(s.nodes)
+        return f"{DOMAIN}.{op_type}"
+
+    def grouped_query_nodes(self) -> GroupedQueryNodes | None:
+        """The builder of a GroupQueryAttention's unpacking, rotation and cache; None where the
+        model takes no attention mask to count each row's positions from."""
+        if self._grouped_query is None:
+            contract = cache_contract(self.graph)
+            masks = contract.mask_inputs(self.graph) if contract is not None else []
+            if masks:
+                self._grouped_query = GroupedQueryNodes(self._node, self._const, masks[0])
+        return self._grouped_query
+
+    def repeated_heads(self, x: ir.Value, heads: int, kv_heads: int, head_dim: int, new_nodes) -> ir.Value:
+        """Keys or values [B, Hkv, N, D] as [B, heads, N, D], query head h reading key/value
+        head h // (heads / Hkv)."""
+        if kv_heads == heads:
+            return x
+        grouped = self._node(new_nodes, "Unsqueeze", [x, self._const([2])])
+        grouped = self._node(new_nodes, "Expand", [grouped, self._const([1, 1, heads // kv_heads, 1, 1])])
+        return self._node(new_nodes, "Reshape", [grouped, self._const([0, heads, -1, head_dim])])
+
+    def _past_rows(self, q: ir.Value, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+        """[past]: the cached keys' count, the keys' rows before the new queries'."""
+        keys, queries = (
+            self._node(new_nodes, "Shape", [x], [ir.AttrInt64("start", -2), ir.AttrInt64("end", -1)]) for x in (k, q)
+        )
+        return self._node(new_nodes, "Sub", [keys, queries])
+
+    def _behind(self, past: ir.Value, q: ir.Value, rank: int, new_nodes: list[ir.Node]) -> ir.Value:
+        """q [..., N, D] behind ``past`` rows of zeros, each query at its position among the keys:
+        a causal form over past and new keys then gives query i the keys up to past + i (the
+        site's offset causal mask). The zero rows' outputs are dropped after the call."""
+        # every pad listed: onnxruntime's transpose optimizer misreads Pad's axes input
+        before, after = self._const([0] * (rank - 2)), self._const([0] * (rank + 1))
+        pads = self._node(new_nodes, "Concat", [before, past, after], [ir.AttrInt64("axis", 0)])
+        return self._node(new_nodes, "Pad", [q, pads])  # zeros of q's type
 
     def _untranspose(self, k_t: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         source, perm = _untranspose_plan(k_t)
@@ -324,6 +418,14 @@ class Splicer:
         self.graph.register_initializer(value)
         self.bytes_added += array.nbytes
         return value
+
+
+def _declare_cache_sizes(cache: ir.Value, kv_heads: int, head_size: int) -> None:
+    """A [batch, kv_heads, length, head_size] cache declared with its fixed sizes: the builder
+    leaves the head size symbolic ("kv_cache_dim") for the operator, gone now, to fix."""
+    if cache.shape is not None and len(cache.shape) == 4:
+        batch, _, length, _ = cache.shape
+        cache.shape = ir.Shape([batch, kv_heads, length, head_size])
 
 
 def _broadcasts(value: ir.Value, q: ir.Value) -> bool:

@@ -97,3 +97,5 @@ def mark_unsupported_masks(sites: list[OnnxSite]) -> None:
     for s in sites:
         if s.site.skip_reason is None and not s.masks:
             s.site.mask = MaskKind.CAUSAL if s.causal_by_attribute else MaskKind.NONE
+            if s.grouped_query is not None:  # it attends to each row's real tokens (seqlens_k)
+                s.site.mask = MaskKind.CAUSAL_KEY_PADDING
