@@ -175,6 +175,31 @@ def test_a_graph_the_evaluator_cannot_run_is_refused_before_any_fitting(tmp_path
     assert "calibrating" not in capsys.readouterr().err
 
 
+def test_onnxruntimes_simplified_layer_norms_are_evaluated_as_onnxruntime_computes_them():
+    """onnxruntime-genai's builder normalises with SimplifiedLayerNormalization (default domain)
+    and com.microsoft.SkipSimplifiedLayerNormalization (the normalised sum, and the sum itself)."""
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in
+              (("x", (2, 5, 8)), ("skip", (2, 5, 8)), ("gamma", (8,)), ("bias", (8,)))}  # fmt: skip
+    nodes = [
+        helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], ["norm"], epsilon=1e-5, axis=-1, stash_type=1),
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "bias"], ["skip_norm", "", "", "total"],
+            domain="com.microsoft", epsilon=1e-6,
+        ),
+    ]  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, a.shape) for n, a in arrays.items()]
+    outputs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("norm", "skip_norm", "total")]
+    graph = helper.make_graph(nodes, "norms", inputs, outputs)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    expected = onnxruntime_outputs(model, arrays)
+    got = TorchGraph(ir.from_proto(model).graph, []).run(arrays, {})
+    for actual, wanted in zip(got, expected, strict=True):
+        assert np.abs(actual.numpy() - wanted).max() < 1e-5
+
+
 def test_an_op_setting_the_evaluator_does_not_implement_is_refused_up_front():
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
     node = helper.make_node("ScatterND", ["x", "i", "u"], ["y"], name="scatter", reduction="add")

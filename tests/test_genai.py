@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import decoder_exported
+from conftest import decoder_exported, read_record
 from decoders import DecoderSpec, export_decoder, positions_of
 
 from attnrewrite import cli, find_sites
@@ -292,6 +292,26 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
     assert "calibrating site 2/2 (layer 1)" in printed.err and "kept calibrated" in printed.err
     assert "prefill of 56 tokens, then 8 one at a time" in printed.out  # the check, as both generate
     assert (out / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json").read_bytes()
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
+
+
+def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, tmp_path, capsys):
+    """--finetune evaluates the builder's graph in torch (its SimplifiedLayerNormalization and
+    SkipSimplifiedLayerNormalization included), puts adapters on each layer's packed qkv and
+    output projections, and writes a folder genai generates from."""
+    rng = np.random.default_rng(1)
+    texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    source = builder("llama", "fp32")
+    out = rewrite_to_folder(
+        source, tmp_path / "out", "--to", "hedgehog", "--calibrate", str(tmp_path / "texts.txt"),
+        "--tokenizer", str(source / "tokenizer.json"), "--max-length", "48", "--finetune", "3",
+    )  # fmt: skip
+    assert "fine-tuning 4 adapters (rank 8) on 2 sites" in capsys.readouterr().err
+    finetune = read_record(onnx.load(out / "model.onnx", load_external_data=False))["finetune"]
+    assert [site["projections"] for site in finetune["adapted"]] == [
+        [f"/model/layers.{i}/attn/qkv_proj/MatMul", f"/model/layers.{i}/attn/o_proj/MatMul"] for i in range(2)
+    ]
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 

@@ -59,7 +59,7 @@ class TorchGraph:
             if node in stand_ins:
                 outputs = [stand_ins[node](*inputs[:4])]
             else:
-                outputs = OPS[node.op_type](node, *inputs)
+                outputs = _evaluation(node)(node, *inputs)
                 if node in adapters:
                     outputs = outputs + _attr(node, "alpha", 1.0) * adapters[node](inputs[0]).to(outputs.dtype)
                 outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -92,7 +92,7 @@ def uncovered(graph: ir.Graph, calls: list[ir.Node]) -> str | None:
     for node in graph:
         if node in called:
             continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in OPS:
+        if _evaluation(node) is None:
             where = f"{node.domain}::" if node.domain not in ("", "ai.onnx") else ""
             return f"{where}{node.op_type} (node {node.name!r}) has no torch evaluation in attnrewrite"
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
@@ -297,6 +297,23 @@ def _layer_norm(node, x, scale, bias=None):
     return torch.nn.functional.layer_norm(x, x.shape[axis:], scale, bias, _attr(node, "epsilon", 1e-5))
 
 
+def _rms_norm(x, scale, epsilon: float):
+    """onnxruntime's SimplifiedLayerNormalization over the last axis, in float32 (stash_type 1)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (normed * scale.float()).to(x.dtype)
+
+
+def _simplified_layer_norm(node, x, scale):
+    return _rms_norm(x, scale, _attr(node, "epsilon", 1e-5))
+
+
+def _skip_simplified_layer_norm(node, x, skip, scale, bias=None):
+    """(the normalised sum, no mean, no inverse deviation, the sum x + skip (+ bias))."""
+    total = x + skip if bias is None else x + skip + bias
+    return _rms_norm(total, scale, _attr(node, "epsilon", 1e-5)), None, None, total
+
+
 def _flatten(node, x):
     axis = _attr(node, "axis", 1) % (x.dim() + 1) if x.dim() else 0
     return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
@@ -404,5 +421,15 @@ OPS = {
     "ReduceL2": _reduce(torch.linalg.vector_norm),
     "NonZero": lambda node, x: torch.nonzero(x).T.contiguous(),
     "LayerNormalization": _layer_norm,
+    "SimplifiedLayerNormalization": _simplified_layer_norm,  # onnxruntime's, in the default domain
     "CumSum": _cumsum,
 }
+# onnxruntime's com.microsoft operators that exported decoders use (onnxruntime-genai's builder)
+CONTRIB_OPS = {"SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm}
+
+
+def _evaluation(node: ir.Node):
+    """The torch evaluation of ``node``'s op, None where there is none."""
+    if node.domain in ("", "ai.onnx"):
+        return OPS.get(node.op_type)
+    return CONTRIB_OPS.get(node.op_type) if node.domain == "com.microsoft" else None
