@@ -36,7 +36,6 @@ from onnx import TensorProto, helper
 
 import attnrewrite
 from attnrewrite import passes
-from attnrewrite.errors import NothingRewritten
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.masks import inputs_marking_padding
 from attnrewrite.site import KvCache
@@ -320,14 +319,19 @@ def test_attention_bias_that_is_not_a_mask_is_refused():
     assert [s["status"] for s in read_record(out)["sites"]] == ["skipped"]
 
 
-def test_group_query_attention_without_an_attention_mask_is_refused_in_words():
-    kv_heads, past = 1, 5
+def test_group_query_attention_over_its_cache_is_the_pass_on_past_and_new_keys():
+    """Given seqlens_k and total_sequence_length (no attention mask), each row's new tokens
+    follow its real ones in the cache: the parallel rewrite is the pass's causal module over
+    those keys, each new query at its row (onnxruntime runs the operator at head sizes that are
+    multiples of 8)."""
+    kv_heads, past, new, head_dim = 1, 5, 1, 8  # onnxruntime takes a past with one new token per row
+    features = NUM_HEADS * head_dim
     graph_inputs = {
-        "query": (TensorProto.FLOAT, ["batch", "seq", FEATURES]),
-        "key": (TensorProto.FLOAT, ["batch", "seq", kv_heads * HEAD_DIM]),
-        "value": (TensorProto.FLOAT, ["batch", "seq", kv_heads * HEAD_DIM]),
-        "past_key": (TensorProto.FLOAT, ["batch", kv_heads, past, HEAD_DIM]),
-        "past_value": (TensorProto.FLOAT, ["batch", kv_heads, past, HEAD_DIM]),
+        "query": (TensorProto.FLOAT, ["batch", "seq", features]),
+        "key": (TensorProto.FLOAT, ["batch", "seq", kv_heads * head_dim]),
+        "value": (TensorProto.FLOAT, ["batch", "seq", kv_heads * head_dim]),
+        "past_key": (TensorProto.FLOAT, ["batch", kv_heads, past, head_dim]),
+        "past_value": (TensorProto.FLOAT, ["batch", kv_heads, past, head_dim]),
         "seqlens_k": (TensorProto.INT32, ["batch"]),
         "total_sequence_length": (TensorProto.INT32, []),
     }
@@ -340,13 +344,30 @@ def test_group_query_attention_without_an_attention_mask_is_refused_in_words():
         None,
         "causal+key_padding (kv cache)",
     )
-    with pytest.warns(NothingRewritten):
-        record = read_record(attnrewrite.rewrite(model, to="linear"))
-    reason = (
-        "GroupQueryAttention without an attention mask among the model's inputs: the replacement rotates each "
-        "token at its position among its row's real tokens, which the mask says"
-    )
-    assert [(s["status"], s["reason"]) for s in record["sites"]] == [("skipped", reason)]
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal([BATCH, new, width]).astype(np.float32)
+             for name, width in (("query", features), ("key", head_dim), ("value", head_dim))}  # fmt: skip
+    feeds |= {name: rng.standard_normal([BATCH, kv_heads, past, head_dim]).astype(np.float32) for name in ("past_key", "past_value")}  # fmt: skip
+    real = np.array([past, past - 2, 1])  # each row's cached tokens: the rest of its cache is padding
+    feeds |= {"seqlens_k": (real + new - 1).astype(np.int32), "total_sequence_length": np.array(past + new, np.int32)}
+    out = attnrewrite.rewrite(model, to="linear", inputs=feeds)  # random seqlens_k would not run
+    assert [s["status"] for s in read_record(out)["sites"]] == ["rewritten"]
+    keys = np.zeros([BATCH, NUM_HEADS, past + new, head_dim], np.float32)
+    values, queries, keep = keys.copy(), keys.copy(), np.zeros([BATCH, 1, past + new, 1], np.float32)
+    for row, cached in enumerate(real):  # the row's cached tokens, its new ones after them
+        heads = lambda x: x.reshape(new, -1, head_dim).transpose(1, 0, 2)  # noqa: E731
+        keys[row, :, :cached], values[row, :, :cached] = (
+            feeds["past_key"][row, :, :cached],
+            feeds["past_value"][row, :, :cached],
+        )
+        keys[row, :, cached : cached + new] = heads(feeds["key"][row])
+        values[row, :, cached : cached + new] = heads(feeds["value"][row])
+        queries[row, :, cached : cached + new] = heads(feeds["query"][row])
+        keep[row, 0, : cached + new] = 1.0
+    module = passes.linear.torch_module(site, passes.make_options(passes.linear))
+    everywhere = run_pass_module(module, queries, keys, values, keep)
+    expected = np.stack([everywhere[row, :, cached : cached + new] for row, cached in enumerate(real)])
+    assert relative_error(run_onnx(out, feeds), _merge_heads(expected)) < TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -187,8 +187,9 @@ PARALLEL_METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", PARALLEL_METHODS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "arch, method", [*(("llama", m) for m in PARALLEL_METHODS), ("qwen2", "hedgehog"), ("qwen2", "hedgehog-window")]
+)
 def test_the_builder_models_parallel_rewrite_is_the_transformers_exports(
     builder, transformers_export, arch, method, tmp_path
 ):

@@ -180,13 +180,16 @@ def test_recurrent_refuses_an_encoder():
     assert {site["reason"] for site in record["sites"]} == {decision.NO_CACHE}
 
 
-# every causal method, the window's hybrid among them; the no-cache rewrite is what they must equal
-PARALLEL_OVER_THE_CACHE = [*((m, "plain") for m in ("linear", "hedgehog", "favor", "aft", "lsh", "efficient", "hydra"))]
-PARALLEL_OVER_THE_CACHE.append(("hedgehog", "window"))
+# every causal method (the window's hybrid among them) on one export, two of them on another
+PARALLEL_OVER_THE_CACHE = [
+    *(("llama", "dynamo", m, "plain") for m in ("linear", "hedgehog", "favor", "aft", "lsh", "efficient", "hydra")),
+    ("llama", "dynamo", "hedgehog", "window"),
+    ("gpt2", "legacy", "hedgehog", "plain"),
+    ("gpt2", "legacy", "hedgehog", "window"),
+]
 
 
-@pytest.mark.parametrize(("method", "config"), PARALLEL_OVER_THE_CACHE)
-@pytest.mark.parametrize(("name", "exporter"), [("gpt2", "legacy"), ("llama", "dynamo")])
+@pytest.mark.parametrize(("name", "exporter", "method", "config"), PARALLEL_OVER_THE_CACHE)
 def test_without_recurrent_the_cache_stays_and_each_call_equals_the_no_cache_rewrite(
     decoder_exports, name, exporter, method, config
 ):

@@ -3,10 +3,11 @@
 as its ``do_rotary`` does, write its KV cache (a parallel rewrite keeps the cache), and merge
 the attention's heads back into features.
 
-The operator rotates each token at its position among its row's real tokens (it counts them
-from ``seqlens_k``); here the position is the attention mask's running count of real tokens
-minus one, which is the same for every padding the mask can describe: onnxruntime-genai's
-right padding, left padding, and decoding steps.
+The operator rotates each token at its row in its cache (from ``seqlens_k``). A recurrent
+rewrite, which keeps no cache, takes the position from the attention mask's running count of
+real tokens minus one: the same for every real token under onnxruntime-genai's right padding
+and in decoding steps, and right under left padding too. A parallel rewrite keeps the cache and
+the operator's rows (CacheRows), so its cache is the operator's, pads included.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class CacheRows(NamedTuple):
 
 class GroupedQueryNodes:
     """Builds the nodes into lists the caller inserts; ``node`` and ``const`` are the
-    splicer's builders, ``mask`` the attention mask [batch, past + new]."""
+    splicer's builders, ``mask`` the attention mask [batch, past + new] (None where the model
+    takes none: then only the operator's own rows say where a token is)."""
 
-    def __init__(self, node, const, mask: ir.Value):
+    def __init__(self, node, const, mask: ir.Value | None):
         self._node, self._const, self._mask = node, const, mask
         self._tables: dict[tuple[int, int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin, positions)
         self._counted: ir.Value | None = None
@@ -157,6 +159,7 @@ class GroupedQueryNodes:
     def _real_positions(self, q: ir.Value, nodes: list[ir.Node]) -> ir.Value:
         """[B, N]: each new token's position among its row's real tokens (the attention mask's
         running count, minus one), built once per model."""
+        assert self._mask is not None, "a recurrent rewrite takes an attention mask (interface_refusal)"
         if self._counted is None:
             mask = self._node(nodes, "Cast", [self._mask], [ir.AttrInt64("to", ir.DataType.INT64)])
             counted = self._node(nodes, "CumSum", [mask, self._const(np.array(1, np.int64))])

@@ -54,12 +54,7 @@ class Splicer:
     def check(self, s: OnnxSite) -> None:
         """Raise Unsupported before anything is changed, if this site cannot be spliced."""
         if s.grouped_query is not None:
-            if self.grouped_query_nodes() is None:
-                raise Unsupported(
-                    "GroupQueryAttention without an attention mask among the model's inputs: the replacement "
-                    "rotates each token at its position among its row's real tokens, which the mask says"
-                )
-            return
+            return  # its q, k, v, rows and cache come from the operator's inputs (grouped_query.py)
         if s.packing is None and s.k is None and _untranspose_plan(s.k_transposed) is None:
             raise Unsupported("the rank of k^T is unknown, so k cannot be recovered")
         if s.site.mask.key_padding and any(t.rank is None for t in s.masks):
@@ -148,14 +143,13 @@ class Splicer:
         self._remove_dead(s.nodes)
         return f"{DOMAIN}.{op_type}"
 
-    def grouped_query_nodes(self) -> GroupedQueryNodes | None:
-        """The builder of a GroupQueryAttention's unpacking, rotation and cache; None where the
-        model takes no attention mask to count each row's positions from."""
+    def grouped_query_nodes(self) -> GroupedQueryNodes:
+        """The builder of a GroupQueryAttention's unpacking, rotation and cache, with the
+        model's attention mask where it takes one (a recurrent rewrite counts positions there)."""
         if self._grouped_query is None:
             contract = cache_contract(self.graph)
             masks = contract.mask_inputs(self.graph) if contract is not None else []
-            if masks:
-                self._grouped_query = GroupedQueryNodes(self._node, self._const, masks[0])
+            self._grouped_query = GroupedQueryNodes(self._node, self._const, masks[0] if masks else None)
         return self._grouped_query
 
     def repeated_heads(self, x: ir.Value, heads: int, kv_heads: int, head_dim: int, new_nodes) -> ir.Value:
