@@ -27,7 +27,7 @@ from attnrewrite.site import AttentionSite
 
 PARALLEL_CACHE_NOTE = (
     "the KV-cache sites keep their caches: each call runs the linear attention over every cached "
-    "position again (a decoding step's cost grows with the context, as the softmax's did); "
+    "position again, so a decoding step costs more than the softmax's and grows with the context; "
     "--recurrent carries a fixed-size state instead"
 )
 
