@@ -57,9 +57,12 @@ def state_inputs(recurrent_session: ort.InferenceSession) -> list:
 
 
 def zero_states(recurrent_session: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]:
+    """Zero states, or empty KV caches (every symbolic axis but the batch is a past length)."""
     dtypes = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
     return {
-        i.name: np.zeros([batch if isinstance(d, str) else d for d in i.shape], dtypes[i.type])
+        i.name: np.zeros(
+            [batch if axis == 0 else 0 if isinstance(d, str) else d for axis, d in enumerate(i.shape)], dtypes[i.type]
+        )
         for i in state_inputs(recurrent_session)
     }
 
@@ -206,6 +209,11 @@ def test_without_recurrent_the_cache_stays_and_each_call_equals_the_no_cache_rew
     assert [s["status"] for s in record["sites"]] == ["rewritten"] * 2 and PARALLEL_CACHE_NOTE in record["notes"]
     actual = forced_logits(session(model), "parallel", full["input_ids"], full["attention_mask"], prefill=PAST)
     assert logits_error(actual, expected, full["attention_mask"]) <= TOLERANCE * np.abs(expected).max()
+    # calls of several new tokens after a past (a chunked prompt) place each at its position too
+    pieces = [(0, 5), (5, 9), (9, 10), (10, 13), (13, PAST + STEPS)]
+    for (start, end), (logits, _) in zip(pieces, stepped(session(model), full, pieces)):
+        error = logits_error(logits, expected[:, :end], full["attention_mask"][:, :end])
+        assert error <= TOLERANCE * np.abs(expected).max(), (start, end, error)
 
 
 @pytest.mark.skipif(not runs_linear_attention(), reason="this onnxruntime has no com.microsoft.LinearAttention")
