@@ -42,6 +42,8 @@ class GroupedQueryNodes:
         self._node, self._const, self._mask = node, const, mask
         self._tables: dict[tuple[int, int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin, positions)
         self._counted: ir.Value | None = None
+        self._rows: dict[tuple[int, int], CacheRows] = {}  # by (seqlens_k, total_sequence_length)
+        self._ranges: dict[int, ir.Value] = {}  # _positions, by length
 
     def heads(
         self, plan: GroupedQueryPlan, current, nodes: list[ir.Node], rows: CacheRows | None = None
@@ -65,7 +67,14 @@ class GroupedQueryNodes:
         return q, k, v
 
     def cache_rows(self, operator: ir.Node, nodes: list[ir.Node]) -> CacheRows:
-        """The operator's CacheRows, from its query, seqlens_k and total_sequence_length inputs."""
+        """The operator's CacheRows, from its query, seqlens_k and total_sequence_length inputs;
+        built once for the operators that share those (every layer of a builder model)."""
+        key = (id(operator.inputs[5]), id(operator.inputs[6]))
+        if key not in self._rows:
+            self._rows[key] = self._cache_rows(operator, nodes)
+        return self._rows[key]
+
+    def _cache_rows(self, operator: ir.Node, nodes: list[ir.Node]) -> CacheRows:
         seqlens, total = (self._cast_int64(operator.inputs[i], nodes) for i in (5, 6))
         one = self._const(np.array(1, np.int64))
         end = self._node(nodes, "Reshape", [self._node(nodes, "Add", [seqlens, one]), self._const([-1, 1, 1, 1])])
@@ -125,12 +134,14 @@ class GroupedQueryNodes:
         return self._node(nodes, "GatherElements", [x, expanded], [ir.AttrInt64("axis", 2)])
 
     def _positions(self, length: ir.Value, nodes: list[ir.Node]) -> ir.Value:
-        """[1, 1, length, 1]: 0 .. length - 1."""
-        scalar = self._node(nodes, "Squeeze", [length, self._const([0])])
-        counted = self._node(
-            nodes, "Range", [self._const(np.array(0, np.int64)), scalar, self._const(np.array(1, np.int64))]
-        )
-        return self._node(nodes, "Reshape", [counted, self._const([1, 1, -1, 1])])
+        """[1, 1, length, 1]: 0 .. length - 1, once per length."""
+        if id(length) not in self._ranges:
+            scalar = self._node(nodes, "Squeeze", [length, self._const([0])])
+            counted = self._node(
+                nodes, "Range", [self._const(np.array(0, np.int64)), scalar, self._const(np.array(1, np.int64))]
+            )
+            self._ranges[id(length)] = self._node(nodes, "Reshape", [counted, self._const([1, 1, -1, 1])])
+        return self._ranges[id(length)]
 
     def _shape_with_rows(self, x: ir.Value, rows: ir.Value, nodes: list[ir.Node]) -> ir.Value:
         """x's shape with ``rows`` on its sequence axis (2)."""
