@@ -174,9 +174,7 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
             assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
-# every causal method but hydra, which mixes the heads of a site that says how many it has: the
-# builder's does, the transformers export's does not (hydra works per head there)
-PARALLEL_METHODS = {
+PARALLEL_METHODS = {  # every causal method
     "linear": ["linear"],
     "hedgehog": ["hedgehog"],
     "hedgehog-window": ["hedgehog", "-O", "window=4", "-O", "sinks=1"],
@@ -184,6 +182,7 @@ PARALLEL_METHODS = {
     "aft": ["aft"],
     "lsh": ["lsh"],
     "efficient": ["efficient"],
+    "hydra": ["hydra"],
 }
 
 

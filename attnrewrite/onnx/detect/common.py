@@ -178,10 +178,15 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
     - a Reshape of [batch * heads, seq, head_dim] to [batch, heads, seq, head_dim] (what
       nn.MultiheadAttention does before scaled_dot_product_attention): the reshape keeps seq
       and head_dim, so it only splits the leading axis, heads inner.
-    Possibly scaled after. Any other producer could put batch elsewhere, so heads stay unknown."""
+    Possibly rotated (transformers' rotary embedding) or scaled after. Any other producer could
+    put batch elsewhere, so heads stay unknown."""
     node = q.producer()
-    while node is not None and node.op_type in ("Mul", "Div", "Cast"):
-        node = node.inputs[0].producer()
+    while node is not None and node.op_type in ("Add", "Mul", "Div", "Cast"):
+        if node.op_type == "Add":
+            unrotated = _rotated_from(node)
+            node = unrotated.producer() if unrotated is not None else None
+        else:
+            node = node.inputs[0].producer()
     if node is None or node.op_type not in ("Transpose", "Reshape"):
         return None
     dims = known_dims(node.outputs[0])
@@ -194,6 +199,29 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
     if source is None or len(source) != 3 or None in (source[1], source[2]):
         return None
     return static_dim(dims[1]) if [source[1], source[2]] == dims[2:] else None
+
+
+def _rotated_from(add: ir.Node) -> ir.Value | None:
+    """x, when ``add`` is x * cos + rotate_half(x) * sin, rotate_half(x) being
+    Concat(Neg(Slice(x)), Slice(x)): the rotary embedding turns each head's features in place,
+    so x has the heads where the rotated value has them."""
+    products = [v.producer() for v in add.inputs]
+    if len(products) != 2 or any(p is None or p.op_type != "Mul" for p in products):
+        return None
+    for plain, turned in (products, products[::-1]):
+        halves = [v.producer() for v in turned.inputs]
+        concat = next((h for h in halves if h is not None and h.op_type == "Concat"), None)
+        if concat is None or len(concat.inputs) != 2:
+            continue
+        negated = concat.inputs[0].producer()
+        slices = [negated.inputs[0].producer() if negated is not None and negated.op_type == "Neg" else None]
+        slices.append(concat.inputs[1].producer())
+        if any(s is None or s.op_type != "Slice" for s in slices):
+            continue
+        sources = {s.inputs[0] for s in slices}
+        if len(sources) == 1 and (x := sources.pop()) in plain.inputs:
+            return x
+    return None
 
 
 def projected_features(value: ir.Value) -> int | None:
