@@ -9,6 +9,7 @@ no earlier output (what makes the recurrence possible)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -27,7 +28,7 @@ from attnrewrite.passes.kernel.chunks import PREFIX_GROUP
 from attnrewrite.passes.lowering import nodes_with_branches
 from attnrewrite.passes.window.reference import windowed_attention_weights
 from attnrewrite.passes.window.settings import Window
-from attnrewrite.site import AttentionSite, MaskKind
+from attnrewrite.site import AttentionSite, KvCache, MaskKind
 
 B, H, D, DV = 2, 3, 8, 5
 OPSET = 20
@@ -273,7 +274,10 @@ def recurrent_session(method: str, config: str, contrib_ops: bool = False) -> or
 
 
 def axis_sizes(site, options) -> dict[str, int]:
-    return {"B": B, "H": H, "G": B * H, "D": D, "Dv": DV, "F": recurrent_form(site, options).feature_count(site)}
+    heads = site.num_heads or H
+    kv_heads = site.kv_cache.kv_heads if site.kv_cache is not None else heads
+    sizes = {"B": B, "H": heads, "Hkv": kv_heads, "G": B * heads, "D": D, "Dv": DV}
+    return {**sizes, "F": recurrent_form(site, options).feature_count(site)}
 
 
 def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[list[np.ndarray]]:
@@ -336,6 +340,44 @@ def test_onnx_steps_with_heads_folded_into_the_batch(method):
     schedule = SCHEDULES["token-by-token"]
     for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+
+
+def grouped_site() -> AttentionSite:
+    """A KV-cache site of 6 query heads over 2 key/value heads (grouped-query attention)."""
+    return dataclasses.replace(make_site(), num_heads=6, kv_cache=KvCache("past.k", "past.v", None, None, kv_heads=2))
+
+
+@pytest.mark.parametrize("schedule", ["prefill-then-tokens", "token-by-token"])
+@pytest.mark.parametrize("method", [hedgehog, linear], ids=["hedgehog", "linear-with-maps"])
+def test_grouped_heads_keep_each_key_once(method, schedule):
+    """At a grouped-query site the window and the sinks keep each key/value head's keys once
+    ([B, Hkv, ...]); stepped in torch and in ONNX (a step attends each group's queries over their
+    head's keys as kept; learned key maps are per query head), left-padded, the outputs are the
+    parallel form's on the keys and values repeated for the query heads."""
+    site, options = grouped_site(), method_options(method, "window4-sink1")
+    parallel = fitted_parallel(method, site, options)
+    q, _, _, keep = sequence(True, lead=(B, 6))
+    _, k, v, _ = sequence(True, lead=(B, 2), seed=2)
+    k, v = (x.repeat_interleave(3, dim=1) for x in (k, v))  # query head h reads key/value head h // 3
+    form = recurrent_form(site, options)
+    shapes = {t.name: recurrent.state_shape(t, axis_sizes(site, options)) for t in form.state(site)}
+    assert shapes["window_keys"] == (B, 2, 7, D) and shapes["sink_values"] == (B, 2, 1, DV)
+    assert shapes["kernel_state"][:2] == (B, 6)  # the features of keys are per query head
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+        module = form.torch_module(site, parallel)
+        state = module.initial_state(q, v)
+        for piece in pieces(SCHEDULES[schedule]):
+            out, *state = module(rows(q, piece), rows(k, piece), rows(v, piece), rows(keep, piece), *state)
+            assert relative_error(out.numpy(), expected[..., piece, :]) < 1e-5, piece
+    assert [tuple(x.shape) for x in state] == list(shapes.values())
+    model = recurrent_model(form.onnx_lowering(site, OPSET, state_dict(parallel)), form.state(site))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    steps = run_onnx_steps(session, site, options, SCHEDULES[schedule], (q, k, v, keep))
+    for piece, (out, *_) in zip(pieces(SCHEDULES[schedule]), steps):
+        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+    for (name, shape), value in zip(shapes.items(), steps[-1][1:]):
+        assert value.shape == shape, name
 
 
 def lowering_nodes(lowering):

@@ -131,15 +131,16 @@ def test_the_interface_is_states_of_fixed_size(decoder_exports, exporter):
     # 4 query heads (2 key/value heads repeated), head dim 8, hedgehog's 16 features: the kernel
     # state with the normaliser as a 9th column
     assert dims["past_key_values.0.recurrent_state"] == [batch, 4, 16, 9]
-    # log scale 4, window keys and values 2 x 4 x 7 x 8, their keep flags 4 x 7, one sink's key,
-    # value (2 x 4 x 8) and flag (4); the position is not stored (the mask gives it)
-    assert dims["past_key_values.0.conv_state"] == [batch, 4 + 2 * 224 + 28 + 2 * 32 + 4]
+    # log scale 4, window keys and values 2 x 2 x 7 x 8 (once per key/value head), their keep
+    # flags 2 x 7, one sink's key, value (2 x 2 x 8) and flag (2); the position is not stored (the
+    # mask gives it)
+    assert dims["past_key_values.0.conv_state"] == [batch, 4 + 2 * 112 + 14 + 2 * 16 + 2]
     assert {inputs[f"past_key_values.0.{p}"].type.tensor_type.elem_type for p in parts} == {onnx.TensorProto.FLOAT}
     record = read_record(model)
     assert record["options"]["recurrent"] is True
     note = next(note for note in record["notes"] if note.startswith("recurrent:"))
     assert "kernel_state: recurrent_state[..., 0:9]; log_scale: conv_state[:, 0:4]" in note
-    assert "window_keys: conv_state[:, 4:228]" in note
+    assert "window_keys: conv_state[:, 4:116]" in note
     assert "position: the attention mask's length minus input_ids' length" in note
 
 

@@ -148,7 +148,7 @@ class RecurrentSplicer(Splicer):
         else:
             q, k, v = (self._current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
         k, v = (self.repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
-        packing, packed, state = self._state(s, lowering.state, heads, new_nodes)
+        packing, packed, state = self._state(s, lowering.state, heads, kv_heads, new_nodes)
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)
         call = ir.Node(
@@ -189,10 +189,11 @@ class RecurrentSplicer(Splicer):
             self._new_key_keep.name = "attnrewrite/new_key_keep"
         return self._new_key_keep
 
-    def _state(self, s: OnnxSite, description, heads: int, new_nodes: list[ir.Node]):
+    def _state(self, s: OnnxSite, description, heads: int, kv_heads: int, new_nodes: list[ir.Node]):
         """(the packing, the layer's packed state inputs (added to the graph), the parts
         unpacked from them)."""
-        sizes = {"B": self.interface.mask.shape[0], "H": heads, "D": s.site.head_dim, "Dv": s.site.value_dim}
+        sizes = {"B": self.interface.mask.shape[0], "H": heads, "Hkv": kv_heads}
+        sizes |= {"D": s.site.head_dim, "Dv": s.site.value_dim}
         model_dtype = s.key_cache.past.dtype
         dtypes = [_DTYPES.get(t.dtype, model_dtype) for t in description]
         packing = Packing(layout(description, sizes), dtypes, self._const, self._node)

@@ -57,7 +57,15 @@ from attnrewrite.passes.lowering import (
     with_callees,
 )
 from attnrewrite.passes.optional_torch import Module, torch
-from attnrewrite.passes.recurrent import Recurrence, RecurrentLowering, StateTensor, leading_axes, state_shape
+from attnrewrite.passes.recurrent import (
+    Recurrence,
+    RecurrentLowering,
+    StateTensor,
+    key_value_axes,
+    key_value_groups,
+    leading_axes,
+    state_shape,
+)
 from attnrewrite.passes.window.onnx_state import (
     window_step_functions,
     windowed_kernel_attention_from_state_functions,
@@ -68,6 +76,7 @@ from attnrewrite.passes.window.torch_state import SinkKeys, far_key_features, wi
 from attnrewrite.site import AttentionSite
 
 LOWEST = LOWEST_LOG_SCALE
+SINK_PARTS = ("sink_keys", "sink_values", "sink_keep")  # the state's sinks: keys, values, keep flags
 
 
 class CausalTerms(typing.NamedTuple):
@@ -124,22 +133,22 @@ class KernelRecurrence(Recurrence):
         window = self.window
         if window is None:
             return state
-        kept = 2 * window.size - 1
+        kept, kv = 2 * window.size - 1, key_value_axes(site)  # keys and values once per key/value head
         state += [
-            StateTensor("window_keys", (*lead, kept, "D"), "model", 0.0, f"the last {kept} keys"),
-            StateTensor("window_values", (*lead, kept, "Dv"), "model", 0.0, f"the last {kept} values"),
-            StateTensor("window_keep", (*lead, kept, 1), "float32", 0.0, "1.0 where those keys are kept"),
+            StateTensor("window_keys", (*kv, kept, "D"), "model", 0.0, f"the last {kept} keys"),
+            StateTensor("window_values", (*kv, kept, "Dv"), "model", 0.0, f"the last {kept} values"),
+            StateTensor("window_keep", (*kv, kept, 1), "float32", 0.0, "1.0 where those keys are kept"),
         ]
         if window.sinks:
             state += [
-                StateTensor("sink_keys", (*lead, window.sinks, "D"), "model", 0.0, "the keys at positions < sinks"),
-                StateTensor("sink_values", (*lead, window.sinks, "Dv"), "model", 0.0, "their values"),
-                StateTensor("sink_keep", (*lead, window.sinks, 1), "float32", 0.0, "1.0 where those keys are kept"),
+                StateTensor("sink_keys", (*kv, window.sinks, "D"), "model", 0.0, "the keys at positions < sinks"),
+                StateTensor("sink_values", (*kv, window.sinks, "Dv"), "model", 0.0, "their values"),
+                StateTensor("sink_keep", (*kv, window.sinks, 1), "float32", 0.0, "1.0 where those keys are kept"),
             ]
         return [*state, StateTensor("position", (), "int64", 0, "positions consumed, padding included")]
 
     def torch_module(self, site: AttentionSite, parallel) -> RecurrentKernelAttention:
-        return RecurrentKernelAttention(parallel, self, self.state(site))
+        return RecurrentKernelAttention(parallel, self, self.state(site), key_value_groups(site))
 
     def onnx_lowering(
         self, site: AttentionSite, opset_version: int, weights: dict | None = None, contrib_ops: bool = False
@@ -174,14 +183,16 @@ class RecurrentKernelAttention(Module):
     """forward(q, k, v, key_keep, *state) -> (out, *state): the N new tokens' outputs (q, k, v
     [..., N, *], k and v with q's heads; key_keep [..., 1 or heads, N, 1] or None) and the state
     after them, in KernelRecurrence.state's order. The parallel module (``parallel``, a child) holds
-    every parameter and buffer, so a fitted one is used as it is."""
+    every parameter and buffer, so a fitted one is used as it is. ``groups`` query heads share
+    each key/value head (key_value_groups): the window keeps each key once."""
 
-    def __init__(self, parallel, recurrence: KernelRecurrence, description: list[StateTensor]):
+    def __init__(self, parallel, recurrence: KernelRecurrence, description: list[StateTensor], groups: int = 1):
         super().__init__()
         self.parallel = parallel
         self.recurrence = recurrence
         self.window = recurrence.window
         self.description = description
+        self.groups = groups
 
     def forward(self, q, k, v, key_keep=None, *state):
         keep = torch.ones_like(k[..., :1], dtype=torch.float32) if key_keep is None else key_keep.float()
@@ -196,6 +207,8 @@ class RecurrentKernelAttention(Module):
         device are all it reads)."""
         sizes = {"D": q.shape[-1], "Dv": v.shape[-1], "F": q.shape[-1]}  # F unknown only for linear: d
         sizes.update(zip(("B", "H") if q.dim() == 4 else ("G",), q.shape[:-2]))
+        if q.dim() == 4:
+            sizes["Hkv"] = q.shape[1] // self.groups
         dtypes = {"float32": torch.float32, "int64": torch.int64, "model": v.dtype}
         return tuple(
             torch.full(state_shape(t, sizes), t.initial, dtype=dtypes[t.dtype], device=v.device)
@@ -222,12 +235,15 @@ class RecurrentKernelAttention(Module):
 
     def _windowed(self, q, k, v, keep, state):
         n, position = q.shape[-2], int(state["position"])
-        k_x = torch.cat([state["window_keys"], k.to(state["window_keys"].dtype)], dim=-2)
-        v_x = torch.cat([state["window_values"], v.to(state["window_values"].dtype)], dim=-2)
-        keep_x = torch.cat([state["window_keep"], keep], dim=-2)
+        k, v, keep = (x[:, :: self.groups] for x in (k, v, keep))  # one key/value head of each group
+        kept_k_x = torch.cat([state["window_keys"], k.to(state["window_keys"].dtype)], dim=-2)
+        kept_v_x = torch.cat([state["window_values"], v.to(state["window_values"].dtype)], dim=-2)
+        kept_keep_x = torch.cat([state["window_keep"], keep], dim=-2)
+        k_x, v_x, keep_x = (self._per_query_head(x) for x in (kept_k_x, kept_v_x, kept_keep_x))
         start = position - state["window_keys"].shape[-2]  # the position of k_x's first row
         sinks = self.window.sinks
-        sink_keys = _with_new_sinks(state, k, v, keep, position) if sinks else None
+        kept_sinks = _with_new_sinks(state, k, v, keep, position) if sinks else None
+        sink_keys = None if kept_sinks is None else SinkKeys(*(self._per_query_head(x) for x in kept_sinks))
         q, mapped_k_x = map_queries_and_keys(self.parallel, q, k_x)  # the window keeps k unmapped
         terms = self._terms(q, mapped_k_x, keep_x)
         far_phi_k, far_key_log_scale = far_key_features(terms.phi_k, terms.key_log_scale, start, sinks)
@@ -257,12 +273,16 @@ class RecurrentKernelAttention(Module):
         leaving = None if far_key_log_scale is None else far_key_log_scale[..., :joining, :]
         absorbed = absorb_keys(absorbed, far_phi_k[..., :joining, :], v_x[..., :joining, :], leaving)
         state = _with_kernel_state(state, absorbed)
-        window_keep = torch.cat([torch.zeros_like(keep_x[..., :behind, :]), keep_x[..., joining:, :]], dim=-2)
-        state.update(window_keys=k_x[..., n:, :], window_values=v_x[..., n:, :], window_keep=window_keep)
-        if sink_keys is not None:
-            state.update(sink_keys=sink_keys.k, sink_values=sink_keys.v, sink_keep=sink_keys.keep)
+        window_keep = torch.cat([torch.zeros_like(kept_keep_x[..., :behind, :]), kept_keep_x[..., joining:, :]], dim=-2)
+        state.update(window_keys=kept_k_x[..., n:, :], window_values=kept_v_x[..., n:, :], window_keep=window_keep)
+        if kept_sinks is not None:
+            state.update(sink_keys=kept_sinks.k, sink_values=kept_sinks.v, sink_keep=kept_sinks.keep)
         state["position"] = state["position"] + n
         return out, state
+
+    def _per_query_head(self, x):
+        """A kept [B, Hkv, ...] part with each key/value head repeated for its query heads."""
+        return x.repeat_interleave(self.groups, dim=1) if self.groups > 1 else x
 
     def _mapped_keys(self, q, k):
         return map_queries_and_keys(self.parallel, q, k)[1]
@@ -311,6 +331,7 @@ class _Glue:
         known = contrib_ops and isinstance(features, int) and columns is not None
         self.linear_attention_rows = (features, columns + 1) if known else None
         self.options, self.unit, self.window = recurrence.options, recurrence.unit, recurrence.window
+        self.groups, self.heads = key_value_groups(site), site.num_heads
         self.body = FunctionNodes()
         self.rescaled = self.unit.rescaled
         self.terms, self.terms_constants = recurrence.onnx_terms(site, self.options, opset_version)
@@ -490,14 +511,16 @@ class _Glue:
 
     def window_rows(self) -> None:
         """What both branches of a windowed entry share, in the entry itself (an If's outputs are
-        copies): the kept window's rows then the new ones (k_x, v_x, keep_x), the first new
-        position and the next one after the new rows ([1] each), and the window's keys and values
-        after the new rows, which are outputs."""
+        copies): the new rows as the window keeps them (one key/value head per group), the kept
+        window's rows then those (k_x, v_x, keep_x), the first new position and the next one
+        after the new rows ([1] each), and the window's keys and values after the new rows, which
+        are outputs."""
         b = self.body
-        self.new_keep = self.keep()
-        self.k_x = b("Concat", "window_keys", b("CastLike", "k", "window_keys"), axis=-2)
-        self.v_x = b("Concat", "window_values", b("CastLike", "v", "window_values"), axis=-2)
-        self.keep_x = b("Concat", "window_keep", self.new_keep, axis=-2)
+        self.new_kept = [self.kept_heads(x) for x in ("k", "v", self.keep())]
+        k, v, keep = self.new_kept
+        self.k_x = b("Concat", "window_keys", b("CastLike", k, "window_keys"), axis=-2)
+        self.v_x = b("Concat", "window_values", b("CastLike", v, "window_values"), axis=-2)
+        self.keep_x = b("Concat", "window_keep", keep, axis=-2)
         self.position = b("Reshape", "position", b.ints(1))
         self.new_rows = b("Shape", "q", start=-2, end=-1)
         self.next_position = b("Add", self.position, self.new_rows)
@@ -505,9 +528,26 @@ class _Glue:
         b.output("window_values_out", self.rolled(self.v_x, self.new_rows))
         b.output("position_out", b("Squeeze", self.next_position, b.ints(0)))
 
+    def kept_heads(self, x: str) -> str:
+        """New rows [B, H, N, *] as the window keeps them: one key/value head of each group."""
+        if self.groups == 1:
+            return x
+        b = self.body
+        return b("Slice", x, b.ints(0), b.ints(TO_THE_END), b.ints(1), b.ints(self.groups))
+
+    def per_query_head(self, x: str) -> str:
+        """A kept [B, Hkv, ...] part with each key/value head repeated for its query heads."""
+        if self.groups == 1:
+            return x
+        b = self.body
+        repeated = b("Expand", b("Unsqueeze", x, b.ints(2)), b.ints(1, 1, self.groups, 1, 1))
+        shape = b("Concat", b("Shape", x, end=1), b.ints(self.heads), b("Shape", x, start=2), axis=0)
+        return b("Reshape", repeated, shape)
+
     def windowed(self) -> None:
         b, window = self.body, self.window
-        keep, k_x, v_x, keep_x, position = self.new_keep, self.k_x, self.v_x, self.keep_x, self.position
+        position = self.position
+        k_x, v_x, keep_x = (self.per_query_head(x) for x in (self.k_x, self.v_x, self.keep_x))
         start = b("Sub", position, b.ints(2 * window.size - 1))
         terms = self.call_terms("q", k_x, keep_x)
         far_phi_k, far_key_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
@@ -519,7 +559,7 @@ class _Glue:
         if self.unit.max_weighted:
             inputs.append(self.flat(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[2]))))
         if window.sinks:
-            inputs += self.sinks(keep, position)
+            inputs += self.sinks(position)
         functions = windowed_kernel_attention_from_state_functions(
             self.opset_version, window, self.site.scale, self.unit
         )
@@ -531,7 +571,7 @@ class _Glue:
         self.absorb_first_rows(b("Add", n, behind), far_phi_k, v_x, far_key_log_scale)
         rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * window.size - 1).reshape(-1, 1)))
         in_reach = b("Cast", b("GreaterOrEqual", rows, behind), to=FLOAT)
-        b.output("window_keep_out", b("Mul", self.rolled(keep_x, n), in_reach))
+        b.output("window_keep_out", b("Mul", self.rolled(self.keep_x, n), in_reach))
 
     def far_features(self, phi_k: str, key_log_scale: str | None, start: str):
         """far_key_features: the sinks' features zero, their log scales the lowest."""
@@ -545,17 +585,18 @@ class _Glue:
             return far_phi_k, None
         return far_phi_k, b.call(without, key_log_scale, b("Constant", value_float=LOWEST), start)
 
-    def sinks(self, keep: str, position: str) -> list[str]:
+    def sinks(self, position: str) -> list[str]:
         """The sinks with the new tokens' filled in, flattened for the kernel (keys mapped);
         their outputs are the state's."""
         sinks_after = _sinks_after_function(self.opset_version)
         self.functions.append(sinks_after.to_function_proto())
         b = self.body
-        new = {}
-        for name, x in (("sink_keys", "k"), ("sink_values", "v"), ("sink_keep", keep)):
-            new[name] = b.call(sinks_after, name, x, position)
-            b.output(f"{name}_out", new[name])
-        return [self.flat(self.map("k", new["sink_keys"])), self.flat(new["sink_values"]), self.flat(new["sink_keep"])]
+        new = []
+        for name, x in zip(SINK_PARTS, self.new_kept):
+            new.append(b.call(sinks_after, name, x, position))
+            b.output(f"{name}_out", new[-1])
+        k, v, keep = (self.per_query_head(x) for x in new)
+        return [self.flat(self.map("k", k)), self.flat(v), self.flat(keep)]
 
     def absorb_first_rows(self, count: str, far_phi_k: str, v_x: str, far_key_log_scale: str | None) -> None:
         """The first ``count`` rows ([1]) of the window's keys join the kernel state."""
@@ -584,27 +625,27 @@ class _Glue:
         the query's previous block (the state is block-aligned); at a block's last position the
         previous block joins the state (block_joins_state), the only features of keys computed."""
         b, window = self.body, self.window
-        keep, k_x, v_x, keep_x, position = self.new_keep, self.k_x, self.v_x, self.keep_x, self.position
         mapped_q = self.map("q", "q")
         terms = self.call_query_terms(mapped_q)  # the key's features wait for its block to join the state
         terms = [terms] if isinstance(terms, str) else terms
-        step = window_step_functions(self.opset_version, self.site.scale, self.unit)
+        step = window_step_functions(self.opset_version, self.site.scale, self.unit, window.sinks)
         self.functions += [f.to_function_proto() for f in step]
-        exact_k, exact_v, exact_keep = self.map("k", k_x), v_x, keep_x
-        if window.sinks:
-            sink_k, sink_v, sink_keep = self.step_sinks(keep, position)
-            exact_k = b("Concat", exact_k, self.map("k", sink_k), axis=-2)
-            exact_v = b("Concat", exact_v, sink_v, axis=-2)
-            exact_keep = b("Concat", exact_keep, sink_keep, axis=-2)
         as_block = self.as_block
-        local = b.call(
-            step.local_sums,
-            as_block(mapped_q),
-            as_block(exact_k),
-            as_block(exact_v),
-            as_block(self.taken(exact_keep)),
-            outputs=3,
-        )
+        # grouped heads: each group's queries are the rows of one query block over its key/value
+        # head's keys as kept, so nothing kept is repeated (learned key maps are per query head)
+        grouped = self.groups > 1 and not self.mapped
+
+        def exact_keys(k, v, keep):
+            k, v, keep = (x if grouped else self.per_query_head(x) for x in (k, v, keep))
+            return [as_block(self.map("k", k)), as_block(v), as_block(self.taken(keep))]
+
+        query = self.grouped(mapped_q) if grouped else as_block(mapped_q)
+        exact = [query, *exact_keys(self.k_x, self.v_x, self.keep_x)]
+        if window.sinks:
+            exact += exact_keys(*self.step_sinks(self.position))
+        local = b.call(step.local_sums, *exact, outputs=3)
+        if grouped:
+            local = [b("Reshape", x, b.ints(0, self.heads, 1, -1)) for x in local]
         weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
         read = as_block(b("MatMul", weighted_q, "kernel_state"))  # the far keys': all in the state
         minus_one = b.ints(-1)
@@ -622,7 +663,11 @@ class _Glue:
         if self.site.rank == 3:
             mixed = b("Squeeze", mixed, b.ints(1))
         b.output("out", b("CastLike", mixed, "v"))
-        self.block_joins_state(k_x, v_x, keep_x, position, self.next_position)
+        self.block_joins_state()
+
+    def grouped(self, q: str) -> str:
+        """A step's queries [B, H, 1, D] as [B, Hkv, groups, D]: each group's as rows."""
+        return self.body("Reshape", q, self.body.ints(0, self.heads // self.groups, self.groups, -1))
 
     def read_log_scale(self, far_den: str) -> str:
         """The incoming log scale as a step's read of the kernel state (normaliser ``far_den``,
@@ -645,37 +690,34 @@ class _Glue:
             "Greater", self.body("Transpose", keep, perm=self.swap_last()), self.body("Constant", value_float=0.0)
         )
 
-    def step_sinks(self, keep: str, position: str) -> tuple[str, str, str]:
+    def step_sinks(self, position: str) -> tuple[str, str, str]:
         """The sinks with the new token's filled in (outputs of the state), and their keep flags
         as the query takes them: 0 for a sink still among the window's rows, that is, not before
         the query's previous block (sink s is taken from position (s // W + 2) W on)."""
         b, w, sinks = self.body, self.window.size, self.window.sinks
         new = b("Equal", b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(-1, 1))), position)
         after = {}
-        for name, x in (
-            ("sink_keys", b("CastLike", "k", "sink_keys")),
-            ("sink_values", b("CastLike", "v", "sink_values")),
-            ("sink_keep", keep),
-        ):
-            after[name] = b("Where", new, x, name)
+        for name, x in zip(SINK_PARTS, self.new_kept):
+            after[name] = b("Where", new, b("CastLike", x, name), name)
             b.output(f"{name}_out", after[name])
         taken_from = b("Constant", value=numpy_helper.from_array((np.arange(sinks).reshape(-1, 1) // w + 2) * w))
         outside = b("LessOrEqual", taken_from, position)
         taken = b("Where", outside, after["sink_keep"], b("Constant", value_float=0.0))
         return after["sink_keys"], after["sink_values"], taken
 
-    def block_joins_state(self, k_x: str, v_x: str, keep_x: str, position: str, after: str) -> None:
-        """At a block's last position (``after``, the next one, starts a block), the previous
-        block (the window's first W rows) joins the kernel state and its keep flags turn 0; else
-        the state is carried as it came."""
-        b, w = self.body, self.window.size
+    def block_joins_state(self) -> None:
+        """At a block's last position (the next one starts a block), the previous block (the
+        window's first W rows) joins the kernel state and its keep flags turn 0; else the state
+        is carried as it came."""
+        b, w, keep_x = self.body, self.window.size, self.keep_x
         names = ["kernel_state_out", *(["log_scale_out"] if self.rescaled else []), "window_keep_out"]
 
         def joins():
             b = self.body  # the branch's
-            k, v, keep = (b("Slice", x, b.ints(0), b.ints(w), b.ints(-2)) for x in (k_x, v_x, keep_x))
+            first = [b("Slice", x, b.ints(0), b.ints(w), b.ints(-2)) for x in (self.k_x, self.v_x, keep_x)]
+            k, v, keep = (self.per_query_head(x) for x in first)
             terms = self.call_terms("q", k, keep)
-            start = b("Sub", position, b.ints(2 * w - 1))  # k_x's first row's
+            start = b("Sub", self.position, b.ints(2 * w - 1))  # k_x's first row's
             far_phi_k, far_log_scale = self.far_features(terms[1], terms[3] if self.rescaled else None, start)
             self.absorb_first_rows(b.ints(w), far_phi_k, v, far_log_scale)
             left = numpy_helper.from_array(np.repeat([[0.0], [1.0]], [w - 1, w], axis=0).astype(np.float32))
@@ -686,7 +728,7 @@ class _Glue:
                 self.body.output(name, name.removesuffix("_out"))
             self.body.output("window_keep_out", self.rolled(keep_x, self.body.ints(1)))
 
-        at_block_end = b("Equal", b("Mod", after, b.ints(w)), b.ints(0))
+        at_block_end = b("Equal", b("Mod", self.next_position, b.ints(w)), b.ints(0))
         branches = {
             "then_branch": self.branch(joins, "joins", names),
             "else_branch": self.branch(carried, "carried", names),

@@ -32,8 +32,8 @@ NOT_CAUSAL = "only a causal attention is a recurrence: a bidirectional one reads
 @dataclasses.dataclass(frozen=True)
 class StateTensor:
     """One tensor of a layer's recurrent state. ``shape``: symbolic axes by name (B, H: q's
-    leading axes, or G for [batch * heads, ...] sites; F features where they are not known; D, Dv
-    the head dims) and fixed sizes as ints; ``dtype``: "float32", "int64" or "model" (the site's
+    leading axes, or G for [batch * heads, ...] sites; Hkv the key/value heads of grouped ones;
+    F features where they are not known; D, Dv the head dims) and fixed sizes as ints; ``dtype``: "float32", "int64" or "model" (the site's
     k and v dtype); ``initial``: its value in the zero state."""
 
     name: str
@@ -46,6 +46,21 @@ class StateTensor:
 def leading_axes(site: AttentionSite) -> tuple[str, ...]:
     """A state tensor's leading axes: q's, [B, H] or [G]."""
     return ("B", "H") if site.rank == 4 else ("G",)
+
+
+def key_value_groups(site: AttentionSite) -> int:
+    """The query heads that share each key/value head at a KV-cache site (grouped or
+    multi-query attention): a state part holding keys or values as they came keeps one per
+    key/value head, not one per query head. 1 where the grouping is not known."""
+    cache = site.kv_cache
+    if site.rank != 4 or not site.num_heads or cache is None or not cache.kv_heads:
+        return 1
+    return site.num_heads // cache.kv_heads if site.num_heads % cache.kv_heads == 0 else 1
+
+
+def key_value_axes(site: AttentionSite) -> tuple[str, ...]:
+    """The leading axes of a state part holding keys or values: [B, Hkv] at grouped heads."""
+    return ("B", "Hkv") if key_value_groups(site) > 1 else leading_axes(site)
 
 
 @dataclasses.dataclass

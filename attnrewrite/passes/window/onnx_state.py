@@ -75,19 +75,19 @@ def windowed_from_state_inputs(window: Window, unit: KernelUnit) -> list[str]:
 
 
 class WindowStepFunctions(typing.NamedTuple):
-    """What a decoding step of the window hybrid shares with the chunked form, for one query
-    block of one query: LocalSoftmaxSums(q4, k_x, v_x, allowed) and WindowMix or
+    """A decoding step of the window hybrid, for one query block of one query:
+    LocalSoftmaxSums(q4, k_x, v_x, allowed) as the chunked form's, or with sinks
+    LocalAndSinkSoftmaxSums(..., sink_k, sink_v, sink_allowed), and WindowMix or
     RescaledWindowMix (their inputs as in RecurrentWindowedKernelAttention)."""
 
     local_sums: OnnxFunction
     mix: OnnxFunction
 
 
-def window_step_functions(opset_version: int, scale: float, unit: KernelUnit) -> WindowStepFunctions:
+def window_step_functions(opset_version: int, scale: float, unit: KernelUnit, sinks: int) -> WindowStepFunctions:
     op = standard_opset(opset_version)
-    return WindowStepFunctions(
-        _local_softmax_sums_function(op, scale), _window_mix_function(op, unit.rescaled, unit.eps)
-    )
+    local_sums = _local_and_sink_softmax_sums_function(op, scale) if sinks else _local_softmax_sums_function(op, scale)
+    return WindowStepFunctions(local_sums, _window_mix_function(op, unit.rescaled, unit.eps))
 
 
 class _RecurrentWindowPieces(typing.NamedTuple):
@@ -247,6 +247,27 @@ def _local_softmax_sums_function(op, scale: float):
         return op.MatMul(weights, v_x), op.ReduceSum(weights, last, keepdims=1), row_max
 
     return LocalSoftmaxSums
+
+
+def _local_and_sink_softmax_sums_function(op, scale: float):
+    @script(ATTNREWRITE, default_opset=op)
+    def LocalAndSinkSoftmaxSums(q4, k_x, v_x, allowed, sink_k, sink_v, sink_allowed):
+        """LocalSoftmaxSums over the window's keys and the sinks as two sets: only their logits
+        are joined, not the window's keys and values (a step would copy them to add a sink)."""
+        local_logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2]))
+        logits = op.Concat(local_logits, op.MatMul(q4, op.Transpose(sink_k, perm=[0, 1, 3, 2])), axis=-1)
+        taken = op.Concat(allowed, sink_allowed, axis=-1)
+        scores = op.Where(taken, logits * op.Constant(value_float=scale), op.Constant(value_float=LOWEST_LOG_SCALE))
+        last = op.Constant(value_ints=[-1])
+        row_max = op.ReduceMax(scores, last, keepdims=1)
+        weights = op.Exp(scores - row_max) * op.Cast(taken, to=FLOAT)
+        local = op.Shape(local_logits, start=-1)
+        local_weights = op.Slice(weights, op.Constant(value_ints=[0]), local, last)
+        sink_weights = op.Slice(weights, local, op.Constant(value_ints=[TO_THE_END]), last)
+        numerator = op.MatMul(local_weights, v_x) + op.MatMul(sink_weights, sink_v)
+        return numerator, op.ReduceSum(weights, last, keepdims=1), row_max
+
+    return LocalAndSinkSoftmaxSums
 
 
 def _kernel_sums_function(op):
