@@ -350,29 +350,33 @@ def grouped_site() -> AttentionSite:
 @pytest.mark.parametrize("schedule", ["prefill-then-tokens", "token-by-token"])
 @pytest.mark.parametrize("method", [hedgehog, linear], ids=["hedgehog", "linear-with-maps"])
 def test_grouped_heads_keep_each_key_once(method, schedule):
-    """At a grouped-query site the window and the sinks keep each key/value head's keys once
-    ([B, Hkv, ...]); stepped in torch and in ONNX (a step attends each group's queries over their
-    head's keys as kept; learned key maps are per query head), left-padded, the outputs are the
-    parallel form's on the keys and values repeated for the query heads."""
+    """At a grouped-query site a window's module and lowering take k and v with their key/value
+    heads and keep them once ([B, Hkv, ...], sinks too); stepped in torch and in ONNX (a step
+    attends each group's queries over their head's keys as kept; learned key maps are per query
+    head), left-padded, the outputs are the parallel form's on the keys and values repeated for
+    the query heads."""
     site, options = grouped_site(), method_options(method, "window4-sink1")
     parallel = fitted_parallel(method, site, options)
     q, _, _, keep = sequence(True, lead=(B, 6))
     _, k, v, _ = sequence(True, lead=(B, 2), seed=2)
-    k, v = (x.repeat_interleave(3, dim=1) for x in (k, v))  # query head h reads key/value head h // 3
     form = recurrent_form(site, options)
     shapes = {t.name: recurrent.state_shape(t, axis_sizes(site, options)) for t in form.state(site)}
     assert shapes["window_keys"] == (B, 2, 7, D) and shapes["sink_values"] == (B, 2, 1, DV)
     assert shapes["kernel_state"][:2] == (B, 6)  # the features of keys are per query head
     with torch.no_grad():
-        expected = parallel(q, k, v, keep).numpy()
+        # query head h reads key/value head h // 3
+        expected = parallel(q, *(x.repeat_interleave(3, dim=1) for x in (k, v)), keep).numpy()
         module = form.torch_module(site, parallel)
         state = module.initial_state(q, v)
         for piece in pieces(SCHEDULES[schedule]):
             out, *state = module(rows(q, piece), rows(k, piece), rows(v, piece), rows(keep, piece), *state)
             assert relative_error(out.numpy(), expected[..., piece, :]) < 1e-5, piece
     assert [tuple(x.shape) for x in state] == list(shapes.values())
-    model = recurrent_model(form.onnx_lowering(site, OPSET, state_dict(parallel)), form.state(site))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    lowering = form.onnx_lowering(site, OPSET, state_dict(parallel))
+    assert lowering.key_value_groups == 3
+    session = ort.InferenceSession(
+        recurrent_model(lowering, form.state(site)).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
     steps = run_onnx_steps(session, site, options, SCHEDULES[schedule], (q, k, v, keep))
     for piece, (out, *_) in zip(pieces(SCHEDULES[schedule]), steps):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece

@@ -47,6 +47,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
     in graph order; ``calls``: site name -> replacement node. Fits in place; returns the
     record's entries of the stages after the per-site fits that ran ("end_to_end", "finetune")."""
+    from attnrewrite.onnx.torch_graph import with_query_heads
     from attnrewrite.passes.fit import SiteSamples, fit_site
 
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
@@ -66,7 +67,7 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
                 given = {name: held[number][name] for name in cut.given}
                 q, k, v, keep, *carried = _run(session, site.outputs + cut.carry, {**feeds, **fitted, **given})
                 held[number] = {**given, **dict(zip(cut.carry, carried))}
-                samples.add(q, k, v, keep)
+                samples.add(*with_query_heads(q, k, v, keep))
             del session
             result = fit_site(
                 site.module,

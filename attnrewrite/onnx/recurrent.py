@@ -147,7 +147,13 @@ class RecurrentSplicer(Splicer):
             q, k, v = self.grouped_query_nodes().heads(s.grouped_query, self._current, new_nodes)
         else:
             q, k, v = (self._current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
-        k, v = (self.repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
+        if lowering.key_value_groups == 1:
+            k, v = (self.repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
+        elif lowering.key_value_groups * kv_heads != heads:
+            raise AttnRewriteError(
+                f"{s.site.name}: the replacement takes {heads // lowering.key_value_groups} key/value heads, "
+                f"the KV cache has {kv_heads}"
+            )
         packing, packed, state = self._state(s, lowering.state, heads, kv_heads, new_nodes)
         constants = self.site_constants(s, lowering, own)
         op_type = self._add_functions(lowering)

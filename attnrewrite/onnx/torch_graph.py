@@ -57,7 +57,7 @@ class TorchGraph:
             if node not in stand_ins and any(v is not None and x is None for v, x in zip(node.inputs, inputs)):
                 continue  # reads a recurrent replacement's state, which a stand-in does not return
             if node in stand_ins:
-                outputs = [stand_ins[node](*inputs[:4])]
+                outputs = [stand_ins[node](*with_query_heads(*inputs[:4]))]
             else:
                 outputs = _evaluation(node)(node, *inputs)
                 if node in adapters:
@@ -69,6 +69,16 @@ class TorchGraph:
                 values.pop(name, None)
         results = [values[v.name] for v in self.outputs]
         return [t for t in results if t.is_floating_point()]
+
+
+def with_query_heads(q, k, v, key_keep):
+    """A replacement call's inputs as the stand-ins and the fitted parallel modules take them: k
+    and v with q's heads where the call takes fewer (a recurrent window keeps each key/value head
+    once: passes/recurrent.key_value_groups), key/value head h // group serving query head h."""
+    q, k, v = (torch.as_tensor(x) for x in (q, k, v))
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return q, k, v, key_keep
 
 
 def _spent_after(graph: ir.Graph) -> dict[ir.Node, list[str]]:

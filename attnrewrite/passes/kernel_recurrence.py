@@ -148,7 +148,12 @@ class KernelRecurrence(Recurrence):
         return [*state, StateTensor("position", (), "int64", 0, "positions consumed, padding included")]
 
     def torch_module(self, site: AttentionSite, parallel) -> RecurrentKernelAttention:
-        return RecurrentKernelAttention(parallel, self, self.state(site), key_value_groups(site))
+        return RecurrentKernelAttention(parallel, self, self.state(site), self.key_value_groups(site))
+
+    def key_value_groups(self, site: AttentionSite) -> int:
+        """The groups of query heads whose keys and values a window keeps once (key_value_groups):
+        its module and lowering take k and v with the key/value heads; without a window, q's."""
+        return key_value_groups(site) if self.window is not None else 1
 
     def onnx_lowering(
         self, site: AttentionSite, opset_version: int, weights: dict | None = None, contrib_ops: bool = False
@@ -173,7 +178,7 @@ class KernelRecurrence(Recurrence):
         entry = make_function(
             name + self.entry, ["q", "k", "v", "key_keep", *state, *constants], outputs, glue.body.nodes, opset_version
         )
-        return RecurrentLowering([*_unique(glue.functions), entry], constants, description)
+        return RecurrentLowering([*_unique(glue.functions), entry], constants, description, glue.groups)
 
 
 # --- torch -------------------------------------------------------------------------------------
@@ -181,10 +186,10 @@ class KernelRecurrence(Recurrence):
 
 class RecurrentKernelAttention(Module):
     """forward(q, k, v, key_keep, *state) -> (out, *state): the N new tokens' outputs (q, k, v
-    [..., N, *], k and v with q's heads; key_keep [..., 1 or heads, N, 1] or None) and the state
-    after them, in KernelRecurrence.state's order. The parallel module (``parallel``, a child) holds
-    every parameter and buffer, so a fitted one is used as it is. ``groups`` query heads share
-    each key/value head (key_value_groups): the window keeps each key once."""
+    [..., N, *], k and v with q's heads, or their key/value heads where ``groups`` > 1 query heads
+    share each (KernelRecurrence.key_value_groups); key_keep [..., 1 or heads, N, 1] or None) and
+    the state after them, in KernelRecurrence.state's order. The parallel module (``parallel``, a
+    child) holds every parameter and buffer, so a fitted one is used as it is."""
 
     def __init__(self, parallel, recurrence: KernelRecurrence, description: list[StateTensor], groups: int = 1):
         super().__init__()
@@ -235,7 +240,6 @@ class RecurrentKernelAttention(Module):
 
     def _windowed(self, q, k, v, keep, state):
         n, position = q.shape[-2], int(state["position"])
-        k, v, keep = (x[:, :: self.groups] for x in (k, v, keep))  # one key/value head of each group
         kept_k_x = torch.cat([state["window_keys"], k.to(state["window_keys"].dtype)], dim=-2)
         kept_v_x = torch.cat([state["window_values"], v.to(state["window_values"].dtype)], dim=-2)
         kept_keep_x = torch.cat([state["window_keep"], keep], dim=-2)
@@ -331,7 +335,7 @@ class _Glue:
         known = contrib_ops and isinstance(features, int) and columns is not None
         self.linear_attention_rows = (features, columns + 1) if known else None
         self.options, self.unit, self.window = recurrence.options, recurrence.unit, recurrence.window
-        self.groups, self.heads = key_value_groups(site), site.num_heads
+        self.groups, self.heads = recurrence.key_value_groups(site), site.num_heads
         self.body = FunctionNodes()
         self.rescaled = self.unit.rescaled
         self.terms, self.terms_constants = recurrence.onnx_terms(site, self.options, opset_version)
@@ -419,7 +423,12 @@ class _Glue:
     def output(self, out_flat: str) -> None:
         b = self.body
         shape = b("Concat", b("Shape", "q", end=-1), b("Shape", "v", start=-1), axis=0)
-        b.output("out", b("CastLike", b("Reshape", out_flat, shape), "v"))
+        b.output("out", self.like_v(b("Reshape", out_flat, shape)))
+
+    def like_v(self, out: str) -> str:
+        """The float32 output in v's type: as it is at a float32 site (onnxruntime keeps a Cast
+        to the same type as a node of its own)."""
+        return out if self.site.dtype == "float32" else self.body("CastLike", out, "v")
 
     def keep(self) -> str:
         """key_keep as float32 with k's leading axes: [..., N, 1]."""
@@ -441,7 +450,7 @@ class _Glue:
             state = b("Mul", state, b("Unsqueeze", held, b.ints(-1)))
             b.output("log_scale_out", b("Squeeze", new_log_scale, b.ints(-1)))
         read, new_state = self.update_and_read(phi_q, phi_k, state)
-        b.output("out", b("CastLike", self.normalised(read), "v"))
+        b.output("out", self.like_v(self.normalised(read)))
         b.output("kernel_state_out", new_state)
 
     def update_and_read(self, phi_q: str, phi_k: str, state: str) -> tuple[str, str]:
@@ -511,12 +520,11 @@ class _Glue:
 
     def window_rows(self) -> None:
         """What both branches of a windowed entry share, in the entry itself (an If's outputs are
-        copies): the new rows as the window keeps them (one key/value head per group), the kept
-        window's rows then those (k_x, v_x, keep_x), the first new position and the next one
-        after the new rows ([1] each), and the window's keys and values after the new rows, which
-        are outputs."""
+        copies): the new rows (k and v with their key/value heads), the kept window's rows then
+        those (k_x, v_x, keep_x), the first new position and the next one after the new rows ([1]
+        each), and the window's keys and values after the new rows, which are outputs."""
         b = self.body
-        self.new_kept = [self.kept_heads(x) for x in ("k", "v", self.keep())]
+        self.new_kept = ["k", "v", self.keep()]
         k, v, keep = self.new_kept
         self.k_x = b("Concat", "window_keys", b("CastLike", k, "window_keys"), axis=-2)
         self.v_x = b("Concat", "window_values", b("CastLike", v, "window_values"), axis=-2)
@@ -527,13 +535,6 @@ class _Glue:
         b.output("window_keys_out", self.rolled(self.k_x, self.new_rows))  # the last 2W - 1 rows
         b.output("window_values_out", self.rolled(self.v_x, self.new_rows))
         b.output("position_out", b("Squeeze", self.next_position, b.ints(0)))
-
-    def kept_heads(self, x: str) -> str:
-        """New rows [B, H, N, *] as the window keeps them: one key/value head of each group."""
-        if self.groups == 1:
-            return x
-        b = self.body
-        return b("Slice", x, b.ints(0), b.ints(TO_THE_END), b.ints(1), b.ints(self.groups))
 
     def per_query_head(self, x: str) -> str:
         """A kept [B, Hkv, ...] part with each key/value head repeated for its query heads."""
@@ -628,22 +629,25 @@ class _Glue:
         mapped_q = self.map("q", "q")
         terms = self.call_query_terms(mapped_q)  # the key's features wait for its block to join the state
         terms = [terms] if isinstance(terms, str) else terms
-        step = window_step_functions(self.opset_version, self.site.scale, self.unit, window.sinks)
-        self.functions += [f.to_function_proto() for f in step]
+        step = window_step_functions(self.opset_version, window, self.site.scale, self.unit)
+        self.functions += [proto for f in step for proto in _protos(f)]
         as_block = self.as_block
         # grouped heads: each group's queries are the rows of one query block over its key/value
         # head's keys as kept, so nothing kept is repeated (learned key maps are per query head)
         grouped = self.groups > 1 and not self.mapped
 
-        def exact_keys(k, v, keep):
-            k, v, keep = (x if grouped else self.per_query_head(x) for x in (k, v, keep))
-            return [as_block(self.map("k", k)), as_block(v), as_block(self.taken(keep))]
+        def exact(x):
+            return x if grouped else self.per_query_head(x)
 
-        query = self.grouped(mapped_q) if grouped else as_block(mapped_q)
-        exact = [query, *exact_keys(self.k_x, self.v_x, self.keep_x)]
+        keys = [as_block(self.map("k", exact(self.k_x))), as_block(exact(self.v_x))]
+        keep = self.keep_x
         if window.sinks:
-            exact += exact_keys(*self.step_sinks(self.position))
-        local = b.call(step.local_sums, *exact, outputs=3)
+            sink_k, sink_v, sink_keep = self.step_sinks(self.position)
+            keys += [as_block(self.map("k", exact(sink_k))), as_block(exact(sink_v))]
+            keep = b("Concat", keep, sink_keep, axis=-2)
+        kept = as_block(b("Transpose", exact(keep), perm=self.swap_last()))  # [..., 1, keys]: one query's
+        query = self.grouped(mapped_q) if grouped else as_block(mapped_q)
+        local = b.call(step.local_sums, query, *keys, kept, outputs=3)
         if grouped:
             local = [b("Reshape", x, b.ints(0, self.heads, 1, -1)) for x in local]
         weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
@@ -662,7 +666,7 @@ class _Glue:
             mixed = b.call(step.mix, local[0], local[1], *far)
         if self.site.rank == 3:
             mixed = b("Squeeze", mixed, b.ints(1))
-        b.output("out", b("CastLike", mixed, "v"))
+        b.output("out", self.like_v(mixed))
         self.block_joins_state()
 
     def grouped(self, q: str) -> str:
@@ -683,12 +687,6 @@ class _Glue:
     def as_block(self, x: str) -> str:
         """A step's [B, H, ...] as the window functions' [G, blocks, ...] (rank 3 sites: [G, 1, ...])."""
         return x if self.site.rank == 4 else self.body("Unsqueeze", x, self.body.ints(1))
-
-    def taken(self, keep: str) -> str:
-        """Which keys [..., K, 1] the step's query takes: [..., 1, K] bool."""
-        return self.body(
-            "Greater", self.body("Transpose", keep, perm=self.swap_last()), self.body("Constant", value_float=0.0)
-        )
 
     def step_sinks(self, position: str) -> tuple[str, str, str]:
         """The sinks with the new token's filled in (outputs of the state), and their keep flags

@@ -65,9 +65,12 @@ def key_value_axes(site: AttentionSite) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class RecurrentLowering(OnnxLowering):
-    """An OnnxLowering whose entry also takes and returns ``state`` (outputs ``<name>_out``)."""
+    """An OnnxLowering whose entry also takes and returns ``state`` (outputs ``<name>_out``).
+    ``key_value_groups``: the entry's k and v have one head per key/value head, each serving
+    that many query heads (1: they have q's heads)."""
 
     state: list[StateTensor] = dataclasses.field(default_factory=list)
+    key_value_groups: int = 1
 
 
 class Recurrence(abc.ABC):

@@ -76,18 +76,20 @@ def windowed_from_state_inputs(window: Window, unit: KernelUnit) -> list[str]:
 
 class WindowStepFunctions(typing.NamedTuple):
     """A decoding step of the window hybrid, for one query block of one query:
-    LocalSoftmaxSums(q4, k_x, v_x, allowed) as the chunked form's, or with sinks
-    LocalAndSinkSoftmaxSums(..., sink_k, sink_v, sink_allowed), and WindowMix or
-    RescaledWindowMix (their inputs as in RecurrentWindowedKernelAttention)."""
+    StepSoftmaxSums(q4, k_x, v_x, kept) over the window's 2W rows (kept: [..., 1, 2W] float, 1
+    where the query takes the key), or with sinks StepSoftmaxSums(q4, k_x, v_x, sink_k, sink_v,
+    kept) (kept [..., 1, 2W + sinks], the sinks last), LocalSoftmaxSums' outputs; and WindowMix
+    or RescaledWindowMix (their inputs as in RecurrentWindowedKernelAttention)."""
 
     local_sums: OnnxFunction
     mix: OnnxFunction
 
 
-def window_step_functions(opset_version: int, scale: float, unit: KernelUnit, sinks: int) -> WindowStepFunctions:
+def window_step_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> WindowStepFunctions:
     op = standard_opset(opset_version)
-    local_sums = _local_and_sink_softmax_sums_function(op, scale) if sinks else _local_softmax_sums_function(op, scale)
-    return WindowStepFunctions(local_sums, _window_mix_function(op, unit.rescaled, unit.eps))
+    return WindowStepFunctions(
+        _step_softmax_sums_function(op, scale, window), _window_mix_function(op, unit.rescaled, unit.eps)
+    )
 
 
 class _RecurrentWindowPieces(typing.NamedTuple):
@@ -249,25 +251,39 @@ def _local_softmax_sums_function(op, scale: float):
     return LocalSoftmaxSums
 
 
-def _local_and_sink_softmax_sums_function(op, scale: float):
+def _step_softmax_sums_function(op, scale: float, window: Window):
+    """StepSoftmaxSums: a step's LocalSoftmaxSums, the keys' flags given as floats (they weight
+    the exponentials as they are). The sinks are a second set of keys beside the window's 2W:
+    only the logits are joined, not the keys and values, which a step would copy to add a sink."""
+    rows, sinks = 2 * window.size, window.sinks
+
     @script(ATTNREWRITE, default_opset=op)
-    def LocalAndSinkSoftmaxSums(q4, k_x, v_x, allowed, sink_k, sink_v, sink_allowed):
-        """LocalSoftmaxSums over the window's keys and the sinks as two sets: only their logits
-        are joined, not the window's keys and values (a step would copy them to add a sink)."""
-        local_logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2]))
-        logits = op.Concat(local_logits, op.MatMul(q4, op.Transpose(sink_k, perm=[0, 1, 3, 2])), axis=-1)
-        taken = op.Concat(allowed, sink_allowed, axis=-1)
-        scores = op.Where(taken, logits * op.Constant(value_float=scale), op.Constant(value_float=LOWEST_LOG_SCALE))
+    def SoftmaxSumsOf(logits, kept):
+        """(exp(logits - row max) where kept, their sum, the row max) of scaled logits."""
+        scores = op.Where(
+            op.Greater(kept, op.Constant(value_float=0.0)), logits, op.Constant(value_float=LOWEST_LOG_SCALE)
+        )
         last = op.Constant(value_ints=[-1])
         row_max = op.ReduceMax(scores, last, keepdims=1)
-        weights = op.Exp(scores - row_max) * op.Cast(taken, to=FLOAT)
-        local = op.Shape(local_logits, start=-1)
-        local_weights = op.Slice(weights, op.Constant(value_ints=[0]), local, last)
-        sink_weights = op.Slice(weights, local, op.Constant(value_ints=[TO_THE_END]), last)
-        numerator = op.MatMul(local_weights, v_x) + op.MatMul(sink_weights, sink_v)
-        return numerator, op.ReduceSum(weights, last, keepdims=1), row_max
+        weights = op.Exp(scores - row_max) * kept
+        return weights, op.ReduceSum(weights, last, keepdims=1), row_max
 
-    return LocalAndSinkSoftmaxSums
+    @script(ATTNREWRITE, default_opset=op)
+    def StepSoftmaxSums(q4, k_x, v_x, kept):
+        logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
+        weights, denominator, row_max = SoftmaxSumsOf(logits, kept)
+        return op.MatMul(weights, v_x), denominator, row_max
+
+    @script(ATTNREWRITE, default_opset=op)
+    def StepSoftmaxSumsWithSinks(q4, k_x, v_x, sink_k, sink_v, kept):
+        local_logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2]))
+        sink_logits = op.MatMul(q4, op.Transpose(sink_k, perm=[0, 1, 3, 2]))
+        logits = op.Concat(local_logits, sink_logits, axis=-1) * op.Constant(value_float=scale)
+        weights, denominator, row_max = SoftmaxSumsOf(logits, kept)
+        local_weights, sink_weights = op.Split(weights, op.Constant(value_ints=[rows, sinks]), axis=-1)
+        return op.MatMul(local_weights, v_x) + op.MatMul(sink_weights, sink_v), denominator, row_max
+
+    return StepSoftmaxSumsWithSinks if sinks else StepSoftmaxSums
 
 
 def _kernel_sums_function(op):
