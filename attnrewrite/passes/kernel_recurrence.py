@@ -524,8 +524,8 @@ class _Glue:
         those (k_x, v_x, keep_x), the first new position and the next one after the new rows ([1]
         each), and the window's keys and values after the new rows, which are outputs."""
         b = self.body
-        self.new_kept = ["k", "v", self.keep()]
-        k, v, keep = self.new_kept
+        self.new_keys = ("k", "v", self.keep())
+        k, v, keep = self.new_keys
         self.k_x = b("Concat", "window_keys", b("CastLike", k, "window_keys"), axis=-2)
         self.v_x = b("Concat", "window_values", b("CastLike", v, "window_values"), axis=-2)
         self.keep_x = b("Concat", "window_keep", keep, axis=-2)
@@ -593,7 +593,7 @@ class _Glue:
         self.functions.append(sinks_after.to_function_proto())
         b = self.body
         new = []
-        for name, x in zip(SINK_PARTS, self.new_kept):
+        for name, x in zip(SINK_PARTS, self.new_keys):
             new.append(b.call(sinks_after, name, x, position))
             b.output(f"{name}_out", new[-1])
         k, v, keep = (self.per_query_head(x) for x in new)
@@ -695,7 +695,7 @@ class _Glue:
         b, w, sinks = self.body, self.window.size, self.window.sinks
         new = b("Equal", b("Constant", value=numpy_helper.from_array(np.arange(sinks).reshape(-1, 1))), position)
         after = {}
-        for name, x in zip(SINK_PARTS, self.new_kept):
+        for name, x in zip(SINK_PARTS, self.new_keys):
             after[name] = b("Where", new, b("CastLike", x, name), name)
             b.output(f"{name}_out", after[name])
         taken_from = b("Constant", value=numpy_helper.from_array((np.arange(sinks).reshape(-1, 1) // w + 2) * w))
