@@ -194,6 +194,8 @@ class Settings:
 VOCAB_IN_USE = 100  # token ids are drawn below it: under every vocabulary benched here
 QUICK = dict(contexts=(256, 1024), prefill=(1024,), steps=5, warmup=1, prefill_runs=2)
 PREFILLED_UP_TO = 4096  # a context up to this is a real prefill's; past it, a stand-in (method_lines)
+INTERLEAVED_UP_TO = 1024  # a context up to this has its models' steps timed in turns (interleaved_steps)
+TURNS = 4
 
 
 def exports(shape: Shape, cache: Path) -> dict[bool, Path]:
@@ -328,27 +330,58 @@ def nodes_per_step(path: Path, feeds: dict, threads: int) -> int:
 
 
 def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIANTS) -> tuple[list, dict, dict]:
-    """Per model that decodes, consecutive steps after each context, the recurrent models first:
-    (measurements, {key: {context: carried bytes}}, {key: nodes run per step}). Not interleaved:
-    a step just after the original's at 64k (gigabytes of KV cache through memory) ran up to
-    20% slower."""
+    """Per model that decodes, consecutive steps after each context: (measurements, {key:
+    {context: carried bytes}}, {key: nodes run per step}). Up to INTERLEAVED_UP_TO the models
+    take turns (interleaved_steps); past it, one model after another, the recurrent ones first: a
+    step just after the original's at 64k (gigabytes of KV cache through memory) ran up to 20%
+    slower."""
     rng = np.random.default_rng(0)
     models = [Model(v, paths[v.key], settings.threads) for v in variants if v.decodes]
     prompt = rng.integers(0, VOCAB_IN_USE, (1, settings.prompt))
     measurements, carried, nodes = [], {m.variant.key: {} for m in models}, {}
+
+    def record(model, context, measurement, first):
+        measurements.append(measurement)
+        if first:
+            feeds, carried[model.variant.key][context] = first
+            if context == settings.contexts[0]:  # its nodes, at the shortest context
+                nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
+
+    short = [c for c in settings.contexts if c <= INTERLEAVED_UP_TO]
+    for context in short:
+        print(f"== decoding steps after {context} tokens, the models in turns", file=sys.stderr)
+        for model, (measurement, first) in zip(models, interleaved_steps(models, context, prompt, settings, rng)):
+            record(model, context, measurement, first)
     for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
-        for context in settings.contexts:
+        for context in settings.contexts[len(short) :]:
             print(f"== decoding steps: {model.variant.label} after {context} tokens", file=sys.stderr)
-            counted = context == settings.contexts[0]  # its nodes, at the shortest context
             start = model.carried_after(context, prompt, rng)
-            measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=counted)
-            measurements.append(measurement)
-            if first:
-                feeds, carried[model.variant.key][context] = first
-                if counted:
-                    nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
+            measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=True)
+            record(model, context, measurement, first)
             del first  # a 64k KV cache is gigabytes: not two at once
     return measurements, carried, nodes
+
+
+def interleaved_steps(models: list[Model], context: int, prompt, settings: Settings, rng) -> list[tuple]:
+    """timed_steps of every model after ``context`` in TURNS turns (fewer for fewer steps), model
+    after model, each turn the same steps from the same state (its warm-up included): the
+    machine's drift, 15% between two runs of one model after another, then hits every model
+    alike, and the short contexts' ratios to the original are issue 47's targets. (measurement,
+    first) per model, in order."""
+    starts = [model.carried_after(context, prompt, rng) for model in models]
+    count = min(TURNS, settings.steps)
+    per_turn = dataclasses.replace(settings, steps=settings.steps // count)
+    turns = [[] for _ in models]
+    for _ in range(count):
+        for model, start, taken in zip(models, starts, turns):
+            taken.append(timed_steps(model, context, start, per_turn, rng, keep_feeds=True))
+    results = []
+    for model, taken in zip(models, turns):
+        failed = [m for m, _ in taken if m.status != "ok"]
+        times = [t for m, _ in taken for t in m.times_s]
+        measurement = failed[0] if failed else bench.Measurement(model.variant.key, context, "ok", times)
+        results.append((measurement, taken[0][1]))
+    return results
 
 
 def measure_prefill(paths: dict[str, Path], settings: Settings) -> list[bench.Measurement]:
@@ -666,11 +699,13 @@ def method_lines(results: Results) -> list[str]:
             if others < 0.05
             else "the machine was NOT idle (shared with other work): the timings are noisy."
         ),
-        f"- onnxruntime CPU, fp32, batch 1, {s.threads} intra-op thread{'s' if s.threads > 1 else ''}, one process; one model "
-        "after another (each decoding at every context, the KV-cache original last), the prefills too. Steps at "
+        f"- onnxruntime CPU, fp32, batch 1, {s.threads} intra-op thread{'s' if s.threads > 1 else ''}, one process. Steps at "
         f"context C: {s.warmup} warm-up and {s.steps} timed consecutive calls of one new token each, from position "
         "C on, each fed the cache or state the one before returned (a window's block boundaries come in their "
-        f"turn); the median. A prefill: N tokens from an empty cache or a zero state, median of {s.prefill_runs} "
+        f"turn); the median. Up to C = {INTERLEAVED_UP_TO} the models take {min(TURNS, s.steps)} turns, model after "
+        f"model, of {s.warmup} warm-up and {s.steps // min(TURNS, s.steps)} timed steps from the same state (the machine's drift "
+        "hits them alike); past it one model after another, the KV-cache original last. The prefills one model "
+        f"after another too. A prefill: N tokens from an empty cache or a zero state, median of {s.prefill_runs} "
         "runs after 1 warm-up.",
         f"- Up to C = {PREFILLED_UP_TO} the cache or state is what a prefill of C tokens left. Past it the original "
         "is fed a KV cache of C random positions (a step's time does not depend on its values) and each recurrent "
