@@ -340,29 +340,33 @@ def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIAN
     prompt = rng.integers(0, VOCAB_IN_USE, (1, settings.prompt))
     measurements, carried, nodes = [], {m.variant.key: {} for m in models}, {}
 
+    counted = settings.contexts[0]  # the context whose step's nodes are counted
+
     def record(model, context, measurement, first):
         measurements.append(measurement)
         if first:
             feeds, carried[model.variant.key][context] = first
-            if context == settings.contexts[0]:  # its nodes, at the shortest context
+            if context == counted:
                 nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
 
-    short = [c for c in settings.contexts if c <= INTERLEAVED_UP_TO]
-    for context in short:
+    for context in [c for c in settings.contexts if c <= INTERLEAVED_UP_TO]:
         print(f"== decoding steps after {context} tokens, the models in turns", file=sys.stderr)
-        for model, (measurement, first) in zip(models, interleaved_steps(models, context, prompt, settings, rng)):
+        steps = interleaved_steps(models, context, prompt, settings, rng, keep_feeds=context == counted)
+        for model, (measurement, first) in zip(models, steps):
             record(model, context, measurement, first)
     for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
-        for context in settings.contexts[len(short) :]:
+        for context in [c for c in settings.contexts if c > INTERLEAVED_UP_TO]:
             print(f"== decoding steps: {model.variant.label} after {context} tokens", file=sys.stderr)
             start = model.carried_after(context, prompt, rng)
-            measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=True)
+            measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=context == counted)
             record(model, context, measurement, first)
             del first  # a 64k KV cache is gigabytes: not two at once
     return measurements, carried, nodes
 
 
-def interleaved_steps(models: list[Model], context: int, prompt, settings: Settings, rng) -> list[tuple]:
+def interleaved_steps(
+    models: list[Model], context: int, prompt, settings: Settings, rng, keep_feeds: bool
+) -> list[tuple]:
     """timed_steps of every model after ``context`` in TURNS turns (fewer for fewer steps), model
     after model, each turn the same steps from the same state (its warm-up included): the
     machine's drift, 15% between two runs of one model after another, then hits every model
@@ -374,7 +378,7 @@ def interleaved_steps(models: list[Model], context: int, prompt, settings: Setti
     turns = [[] for _ in models]
     for _ in range(count):
         for model, start, taken in zip(models, starts, turns):
-            taken.append(timed_steps(model, context, start, per_turn, rng, keep_feeds=True))
+            taken.append(timed_steps(model, context, start, per_turn, rng, keep_feeds=keep_feeds))
     results = []
     for model, taken in zip(models, turns):
         failed = [m for m, _ in taken if m.status != "ok"]

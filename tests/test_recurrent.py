@@ -342,30 +342,34 @@ def test_onnx_steps_with_heads_folded_into_the_batch(method):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
 
 
-def grouped_site() -> AttentionSite:
-    """A KV-cache site of 6 query heads over 2 key/value heads (grouped-query attention)."""
-    return dataclasses.replace(make_site(), num_heads=6, kv_cache=KvCache("past.k", "past.v", None, None, kv_heads=2))
+def grouped_site(kv_heads: int) -> AttentionSite:
+    """A KV-cache site of 6 query heads over ``kv_heads`` key/value heads (grouped-query
+    attention, or multi-query with one)."""
+    cache = KvCache("past.k", "past.v", None, None, kv_heads=kv_heads)
+    return dataclasses.replace(make_site(), num_heads=6, kv_cache=cache)
 
 
 @pytest.mark.parametrize("schedule", ["prefill-then-tokens", "token-by-token"])
 @pytest.mark.parametrize("method", [hedgehog, linear], ids=["hedgehog", "linear-with-maps"])
-def test_grouped_heads_keep_each_key_once(method, schedule):
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["grouped", "multi-query"])
+def test_grouped_heads_keep_each_key_once(kv_heads, method, schedule):
     """At a grouped-query site a window's module and lowering take k and v with their key/value
     heads and keep them once ([B, Hkv, ...], sinks too); stepped in torch and in ONNX (a step
     attends each group's queries over their head's keys as kept; learned key maps are per query
     head), left-padded, the outputs are the parallel form's on the keys and values repeated for
     the query heads."""
-    site, options = grouped_site(), method_options(method, "window4-sink1")
+    site, options = grouped_site(kv_heads), method_options(method, "window4-sink1")
     parallel = fitted_parallel(method, site, options)
+    groups = 6 // kv_heads
     q, _, _, keep = sequence(True, lead=(B, 6))
-    _, k, v, _ = sequence(True, lead=(B, 2), seed=2)
+    _, k, v, _ = sequence(True, lead=(B, kv_heads), seed=2)
     form = recurrent_form(site, options)
     shapes = {t.name: recurrent.state_shape(t, axis_sizes(site, options)) for t in form.state(site)}
-    assert shapes["window_keys"] == (B, 2, 7, D) and shapes["sink_values"] == (B, 2, 1, DV)
+    assert shapes["window_keys"] == (B, kv_heads, 7, D) and shapes["sink_values"] == (B, kv_heads, 1, DV)
     assert shapes["kernel_state"][:2] == (B, 6)  # the features of keys are per query head
     with torch.no_grad():
-        # query head h reads key/value head h // 3
-        expected = parallel(q, *(x.repeat_interleave(3, dim=1) for x in (k, v)), keep).numpy()
+        # query head h reads key/value head h // groups
+        expected = parallel(q, *(x.repeat_interleave(groups, dim=1) for x in (k, v)), keep).numpy()
         module = form.torch_module(site, parallel)
         state = module.initial_state(q, v)
         for piece in pieces(SCHEDULES[schedule]):
@@ -373,7 +377,7 @@ def test_grouped_heads_keep_each_key_once(method, schedule):
             assert relative_error(out.numpy(), expected[..., piece, :]) < 1e-5, piece
     assert [tuple(x.shape) for x in state] == list(shapes.values())
     lowering = form.onnx_lowering(site, OPSET, state_dict(parallel))
-    assert lowering.key_value_groups == 3
+    assert lowering.key_value_groups == groups
     session = ort.InferenceSession(
         recurrent_model(lowering, form.state(site)).SerializeToString(), providers=["CPUExecutionProvider"]
     )

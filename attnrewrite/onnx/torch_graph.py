@@ -17,6 +17,7 @@ import torch
 
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.state_layout import STATE_NAMES
+from attnrewrite.passes.layout import expand_to_query_heads
 
 
 class TorchGraph:
@@ -74,11 +75,9 @@ class TorchGraph:
 def with_query_heads(q, k, v, key_keep):
     """A replacement call's inputs as the stand-ins and the fitted parallel modules take them: k
     and v with q's heads where the call takes fewer (a recurrent window keeps each key/value head
-    once: passes/recurrent.key_value_groups), key/value head h // group serving query head h."""
+    once: passes/recurrent.key_value_groups)."""
     q, k, v = (torch.as_tensor(x) for x in (q, k, v))
-    if q.dim() == 4 and k.shape[1] != q.shape[1]:
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    return q, k, v, key_keep
+    return q, expand_to_query_heads(k, q), expand_to_query_heads(v, q), key_keep
 
 
 def _spent_after(graph: ir.Graph) -> dict[ir.Node, list[str]]:

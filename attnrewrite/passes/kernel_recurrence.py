@@ -45,7 +45,7 @@ from attnrewrite.passes.kernel.state import (
     causal_rescaled_linear_attention_from_state,
     causal_rescaled_linear_attention_from_state_functions,
 )
-from attnrewrite.passes.layout import flatten_heads_function
+from attnrewrite.passes.layout import expand_to_query_heads, flatten_heads_function
 from attnrewrite.passes.lowering import (
     ATTNREWRITE,
     FLOAT,
@@ -243,11 +243,11 @@ class RecurrentKernelAttention(Module):
         kept_k_x = torch.cat([state["window_keys"], k.to(state["window_keys"].dtype)], dim=-2)
         kept_v_x = torch.cat([state["window_values"], v.to(state["window_values"].dtype)], dim=-2)
         kept_keep_x = torch.cat([state["window_keep"], keep], dim=-2)
-        k_x, v_x, keep_x = (self._per_query_head(x) for x in (kept_k_x, kept_v_x, kept_keep_x))
+        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in (kept_k_x, kept_v_x, kept_keep_x))
         start = position - state["window_keys"].shape[-2]  # the position of k_x's first row
         sinks = self.window.sinks
         kept_sinks = _with_new_sinks(state, k, v, keep, position) if sinks else None
-        sink_keys = None if kept_sinks is None else SinkKeys(*(self._per_query_head(x) for x in kept_sinks))
+        sink_keys = None if kept_sinks is None else SinkKeys(*(expand_to_query_heads(x, q) for x in kept_sinks))
         q, mapped_k_x = map_queries_and_keys(self.parallel, q, k_x)  # the window keeps k unmapped
         terms = self._terms(q, mapped_k_x, keep_x)
         far_phi_k, far_key_log_scale = far_key_features(terms.phi_k, terms.key_log_scale, start, sinks)
@@ -283,10 +283,6 @@ class RecurrentKernelAttention(Module):
             state.update(sink_keys=kept_sinks.k, sink_values=kept_sinks.v, sink_keep=kept_sinks.keep)
         state["position"] = state["position"] + n
         return out, state
-
-    def _per_query_head(self, x):
-        """A kept [B, Hkv, ...] part with each key/value head repeated for its query heads."""
-        return x.repeat_interleave(self.groups, dim=1) if self.groups > 1 else x
 
     def _mapped_keys(self, q, k):
         return map_queries_and_keys(self.parallel, q, k)[1]

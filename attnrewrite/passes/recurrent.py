@@ -33,8 +33,9 @@ NOT_CAUSAL = "only a causal attention is a recurrence: a bidirectional one reads
 class StateTensor:
     """One tensor of a layer's recurrent state. ``shape``: symbolic axes by name (B, H: q's
     leading axes, or G for [batch * heads, ...] sites; Hkv the key/value heads of grouped ones;
-    F features where they are not known; D, Dv the head dims) and fixed sizes as ints; ``dtype``: "float32", "int64" or "model" (the site's
-    k and v dtype); ``initial``: its value in the zero state."""
+    F features where they are not known; D, Dv the head dims) and fixed sizes as ints;
+    ``dtype``: "float32", "int64" or "model" (the site's k and v dtype); ``initial``: its value
+    in the zero state."""
 
     name: str
     shape: tuple[str | int, ...]

@@ -44,7 +44,8 @@ def windowed_kernel_attention_from_state_functions(
     def query_blocks(x):
         return body.call(pieces.query_blocks, x, front, chunks, first, n_keys)
 
-    local = body.call(pieces.local_sums, query_blocks("q"), k_x, v_x, allowed, outputs=3)
+    kept = body("Cast", allowed, to=FLOAT)
+    local = body.call(pieces.local_sums, query_blocks("q"), k_x, v_x, kept, outputs=3)
     states_in = ["far_phi_k", "v", front, chunks, first, "kernel_state", "normaliser"]
     if rescaled:
         states_in[1:1] = ["far_key_log_scale"]
@@ -76,10 +77,10 @@ def windowed_from_state_inputs(window: Window, unit: KernelUnit) -> list[str]:
 
 class WindowStepFunctions(typing.NamedTuple):
     """A decoding step of the window hybrid, for one query block of one query:
-    StepSoftmaxSums(q4, k_x, v_x, kept) over the window's 2W rows (kept: [..., 1, 2W] float, 1
-    where the query takes the key), or with sinks StepSoftmaxSums(q4, k_x, v_x, sink_k, sink_v,
-    kept) (kept [..., 1, 2W + sinks], the sinks last), LocalSoftmaxSums' outputs; and WindowMix
-    or RescaledWindowMix (their inputs as in RecurrentWindowedKernelAttention)."""
+    ExactSoftmaxSums(q4, k_x, v_x, kept) over the window's 2W rows, or with sinks
+    ExactAndSinkSoftmaxSums(q4, k_x, v_x, sink_k, sink_v, kept) (kept [..., 1, 2W + sinks], the
+    sinks last); and WindowMix or RescaledWindowMix (their inputs as in
+    RecurrentWindowedKernelAttention)."""
 
     local_sums: OnnxFunction
     mix: OnnxFunction
@@ -88,7 +89,8 @@ class WindowStepFunctions(typing.NamedTuple):
 def window_step_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> WindowStepFunctions:
     op = standard_opset(opset_version)
     return WindowStepFunctions(
-        _step_softmax_sums_function(op, scale, window), _window_mix_function(op, unit.rescaled, unit.eps)
+        _exact_softmax_sums_function(op, scale, (2 * window.size, window.sinks) if window.sinks else None),
+        _window_mix_function(op, unit.rescaled, unit.eps),
     )
 
 
@@ -118,7 +120,7 @@ def _recurrent_window_functions(
         far_states = _recurrent_far_states_function(opset_version, positioned_blocks)
     kernel_sums = _kernel_sums_function(op)
     mix = _window_mix_function(op, rescaled, eps)
-    local_sums = _local_softmax_sums_function(op, scale)
+    local_sums = _exact_softmax_sums_function(op, scale)
     return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
 
 
@@ -237,25 +239,13 @@ def _local_key_pieces(op, blocks: WindowBlockFunctions, window: int):
     return KeptLocalKeys, WithPreviousBlock, CausalKeptLocalKeys
 
 
-def _local_softmax_sums_function(op, scale: float):
-    @script(ATTNREWRITE, default_opset=op)
-    def LocalSoftmaxSums(q4, k_x, v_x, allowed):
-        """Numerator, denominator and row max m_i of the softmax over each block's exact keys."""
-        logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
-        scores = op.Where(allowed, logits, op.Constant(value_float=LOWEST_LOG_SCALE))
-        last = op.Constant(value_ints=[-1])
-        row_max = op.ReduceMax(scores, last, keepdims=1)
-        weights = op.Exp(scores - row_max) * op.Cast(allowed, to=FLOAT)
-        return op.MatMul(weights, v_x), op.ReduceSum(weights, last, keepdims=1), row_max
-
-    return LocalSoftmaxSums
-
-
-def _step_softmax_sums_function(op, scale: float, window: Window):
-    """StepSoftmaxSums: a step's LocalSoftmaxSums, the keys' flags given as floats (they weight
-    the exponentials as they are). The sinks are a second set of keys beside the window's 2W:
-    only the logits are joined, not the keys and values, which a step would copy to add a sink."""
-    rows, sinks = 2 * window.size, window.sinks
+def _exact_softmax_sums_function(op, scale: float, sink_split: tuple[int, int] | None = None):
+    """ExactSoftmaxSums(q4, k_x, v_x, kept): numerator, denominator and row max m_i of the
+    softmax over each query block's exact keys, ``kept`` [..., rows, keys] float (1 where the
+    query takes the key: it weights the exponentials as it is). With ``sink_split`` (the window's
+    rows, the sinks) a step's ExactAndSinkSoftmaxSums(q4, k_x, v_x, sink_k, sink_v, kept): the
+    sinks a second set of keys whose logits alone are joined to the window's, where joining their
+    keys and values would copy the window's each step."""
 
     @script(ATTNREWRITE, default_opset=op)
     def SoftmaxSumsOf(logits, kept):
@@ -269,21 +259,25 @@ def _step_softmax_sums_function(op, scale: float, window: Window):
         return weights, op.ReduceSum(weights, last, keepdims=1), row_max
 
     @script(ATTNREWRITE, default_opset=op)
-    def StepSoftmaxSums(q4, k_x, v_x, kept):
+    def ExactSoftmaxSums(q4, k_x, v_x, kept):
         logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2])) * op.Constant(value_float=scale)
         weights, denominator, row_max = SoftmaxSumsOf(logits, kept)
         return op.MatMul(weights, v_x), denominator, row_max
 
+    if sink_split is None:
+        return ExactSoftmaxSums
+    split = list(sink_split)
+
     @script(ATTNREWRITE, default_opset=op)
-    def StepSoftmaxSumsWithSinks(q4, k_x, v_x, sink_k, sink_v, kept):
+    def ExactAndSinkSoftmaxSums(q4, k_x, v_x, sink_k, sink_v, kept):
         local_logits = op.MatMul(q4, op.Transpose(k_x, perm=[0, 1, 3, 2]))
         sink_logits = op.MatMul(q4, op.Transpose(sink_k, perm=[0, 1, 3, 2]))
         logits = op.Concat(local_logits, sink_logits, axis=-1) * op.Constant(value_float=scale)
         weights, denominator, row_max = SoftmaxSumsOf(logits, kept)
-        local_weights, sink_weights = op.Split(weights, op.Constant(value_ints=[rows, sinks]), axis=-1)
+        local_weights, sink_weights = op.Split(weights, op.Constant(value_ints=split), axis=-1)
         return op.MatMul(local_weights, v_x) + op.MatMul(sink_weights, sink_v), denominator, row_max
 
-    return StepSoftmaxSumsWithSinks if sinks else StepSoftmaxSums
+    return ExactAndSinkSoftmaxSums
 
 
 def _kernel_sums_function(op):
