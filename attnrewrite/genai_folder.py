@@ -107,9 +107,10 @@ def _config(model: ir.Model, source: Path) -> dict:
     inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids") if name in names}
     outputs = {"logits": "logits"}
     if any(name.endswith(f".{RECURRENT_STATE}") for name in names):
-        for key in _KV_NAMES:
-            decoder.get("inputs", {}).pop(key, None)
-            decoder.get("outputs", {}).pop(key, None)
+        if not any(name.startswith("past_key_values.") and name.endswith(".key") for name in names):
+            for key in _KV_NAMES:  # a hybrid (sites left alone keep their caches) keeps them
+                decoder.get("inputs", {}).pop(key, None)
+                decoder.get("outputs", {}).pop(key, None)
         inputs |= {"past_recurrent_names": f"past_key_values.%d.{RECURRENT_STATE}"}
         inputs |= {"past_conv_names": f"past_key_values.%d.{CONV_STATE}"}
         outputs |= {"present_recurrent_names": f"present.%d.{RECURRENT_STATE}"}

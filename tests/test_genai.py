@@ -274,6 +274,50 @@ def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_doe
     assert written["search"] == {**given["search"], "past_present_share_buffer": False}
 
 
+def with_a_sliding_window_in_layer_0(source: Path, out: Path, keys: int = 4) -> Path:
+    """A copy of the builder folder whose first layer attends only its last ``keys`` keys
+    (``local_window_size``, as the builder writes Mistral's or Gemma 3's local layers)."""
+    shutil.copytree(source, out)
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    first = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    kept = [a for a in first.attribute if a.name != "local_window_size"]
+    del first.attribute[:]
+    first.attribute.extend([*kept, onnx.helper.make_attribute("local_window_size", keys)])
+    onnx.save(model, out / "model.onnx")
+    return out
+
+
+def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(builder, tmp_path, capsys):
+    """A site left alone keeps its KV cache in the recurrent model (a hybrid, as genai runs
+    Qwen3.5's): the run gate and --check feed both; genai generates what attnrewrite generate
+    does; stepped token by token it gives its one-call prefill's logits."""
+    source = with_a_sliding_window_in_layer_0(builder("llama", "fp32"), tmp_path / "source")
+    out = rewrite_to_folder(source, tmp_path / "out", "--to", "hedgehog", "-O", "window=4", "--check")
+    printed = capsys.readouterr().out
+    assert "skipped: GroupQueryAttention attends to a local window of 4 keys (sliding-window attention)" in printed
+    assert "the sites left alone keep their KV caches (past_key_values.0.key, past_key_values.0.value)" in printed
+    assert "1 of 2 attention sites replaced by hedgehog" in printed
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == [
+        "input_ids",
+        "attention_mask",
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.recurrent_state",
+        "past_key_values.1.conv_state",
+    ]
+    decoder = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["inputs"]["past_recurrent_names"] == "past_key_values.%d.recurrent_state"
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
+    # rows without padding: onnxruntime's sliding window itself steps as it prefills only then
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12))
+    mask = np.ones_like(ids)
+    whole = forced_logits(session, "hybrid", ids, mask, prefill=12)
+    for prefill in (1, 5):
+        np.testing.assert_allclose(forced_logits(session, "hybrid", ids, mask, prefill), whole, atol=1e-5)
+
+
 def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_path, capsys):
     """Calibration collects the recurrent replacements' q, k, v from prefills of the builder
     model (its caches sized from the operator, not their symbolic declaration), and --check runs

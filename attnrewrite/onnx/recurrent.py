@@ -8,7 +8,7 @@ columns) and the layer's state, and returns the attention's output and the state
 graph interface changes with it: the ``past_key_values.{i}.key/value`` inputs and
 ``present.{i}.key/value`` outputs give way to onnxruntime-genai's ``past_key_values.{i}.
 recurrent_state`` and ``conv_state`` and their ``present.{i}.*``, the batch symbolic and every
-other size fixed (state_layout.py). A GroupQueryAttention's q, k and v are built from its
+other size fixed (state_layout.py); a site left alone keeps its cache pair (a hybrid). A GroupQueryAttention's q, k and v are built from its
 inputs first (grouped_query.py). Whatever
 read the past length from a cache input (Shape nodes: the model's own position and mask
 arithmetic) reads it from what the model still takes: state_layout.PAST_LENGTH. An all-zero state is the
@@ -313,8 +313,13 @@ def _layer_number(s: OnnxSite) -> int | str:
     return found.group(1) if found else s.site.layer
 
 
-def record_note(state_inputs: list[str], parts: list[str]) -> str:
-    return (
+def record_note(state_inputs: list[str], parts: list[str], kept_caches: list[str]) -> str:
+    """``kept_caches``: the KV caches of the sites left alone, which the model still carries
+    beside the states (a hybrid, as onnxruntime-genai runs them)."""
+    note = (
         f"recurrent: the KV caches became fixed-size states in onnxruntime-genai's layout, inputs "
         f"{', '.join(state_inputs)} (start from zeros; outputs present.*); each layer's parts: {'; '.join(parts)}"
     )
+    if kept_caches:
+        note += f"; the sites left alone keep their KV caches ({', '.join(kept_caches)})"
+    return note

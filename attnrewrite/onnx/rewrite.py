@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from attnrewrite import decision, passes
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.onnx.detect import OnnxSite, Unsupported, find_onnx_sites, mark_unsupported_masks
+from attnrewrite.onnx.detect import OnnxSite, Unsupported, cache_inputs, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
@@ -126,7 +126,7 @@ def rewrite_model(
     if recurrent and record.rewritten:
         splicer.finish()
         record.options["recurrent"] = True
-        record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts))
+        record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts, list(cache_inputs(model.graph))))
     if fitting:
         from attnrewrite.onnx.calibrate import calibrate_replacements
 

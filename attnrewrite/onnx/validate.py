@@ -81,10 +81,16 @@ def validate_saved(
 
 
 def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> int:
-    """The first searched length (``seq`` doubled, then the lengths the graph's constants hold)
-    of generated inputs that ``original`` runs on, or ``seq`` when it runs on ``feeds``;
-    InputFails when there is none, naming the shapes tried."""
+    """The first searched length (``seq`` doubled, then the lengths the rewritten ``graph``'s
+    constants hold) of inputs generated for ``original``'s own signature (a recurrent rewrite
+    carries other values) that it runs on, or ``seq`` when it runs on ``feeds``; InputFails when
+    there is none, naming the shapes tried."""
     shown = f"{os.fspath(original)}: " if isinstance(original, (str, os.PathLike)) else ""
+    if isinstance(original, (str, os.PathLike)):
+        proto = onnx.load_model(os.fspath(original), load_external_data=False)
+    else:
+        proto = original if isinstance(original, onnx.ModelProto) else onnx.load_model_from_string(original)
+    own = ir.serde.deserialize_model(proto).graph
     if isinstance(original, onnx.ModelProto):
         original = original.SerializeToString()
     try:
@@ -93,7 +99,7 @@ def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> 
             bfloat16.run(session, feeds)
             return seq
         return first_that_runs(
-            lambda n: bfloat16.run(session, generate_inputs(graph, batch=GATE_BATCH, seq=n)), seq, graph
+            lambda n: bfloat16.run(session, generate_inputs(own, batch=GATE_BATCH, seq=n)), seq, graph
         )[0]
     except Exception as error:
         if feeds is not None:

@@ -107,16 +107,8 @@ def _plan(node: ir.Node, inputs: dict[str, ir.Value]) -> GroupedQueryPlan:
     for present in node.outputs[1:3]:
         if present is not None and present.uses():
             raise Unsupported(f"GroupQueryAttention's {present.name!r} is read inside the graph, not only returned")
-    heads, kv_heads = attr("num_heads", 0), attr("kv_num_heads", 0)
-    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
-        raise Unsupported(f"GroupQueryAttention with num_heads={heads}, kv_num_heads={kv_heads} is not understood")
+    heads, kv_heads, size = _heads(node, inputs)
     query, key, value = inputs["query"], inputs.get("key"), inputs.get("value")
-    if (key is None) != (value is None):
-        raise Unsupported("GroupQueryAttention with only one of key and value is not understood")
-    hidden = projected_features(query)
-    if hidden is None:
-        raise Unsupported("GroupQueryAttention's query width is unknown: its heads cannot be split")
-    size = hidden // (heads + 2 * kv_heads) if key is None else hidden // heads
     rotary, rotary_dim = None, None
     if attr("do_rotary", 0):
         if "cos_cache" not in inputs or "sin_cache" not in inputs:
@@ -130,6 +122,21 @@ def _plan(node: ir.Node, inputs: dict[str, ir.Value]) -> GroupedQueryPlan:
     return GroupedQueryPlan(heads, kv_heads, size, query, key, value, rotary, rotary_dim, interleaved)
 
 
+def _heads(node: ir.Node, inputs: dict[str, ir.Value]) -> tuple[int, int, int]:
+    """(heads, key/value heads, head size) as the operator reads q, k, v and its caches."""
+    attrs = node.attributes
+    heads = attrs["num_heads"].value if "num_heads" in attrs else 0
+    kv_heads = attrs["kv_num_heads"].value if "kv_num_heads" in attrs else 0
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise Unsupported(f"GroupQueryAttention with num_heads={heads}, kv_num_heads={kv_heads} is not understood")
+    if ("key" in inputs) != ("value" in inputs):
+        raise Unsupported("GroupQueryAttention with only one of key and value is not understood")
+    hidden = projected_features(inputs["query"])
+    if hidden is None:
+        raise Unsupported("GroupQueryAttention's query width is unknown: its heads cannot be split")
+    return heads, kv_heads, hidden // (heads + 2 * kv_heads) if "key" not in inputs else hidden // heads
+
+
 def _cached(node: ir.Node, inputs: dict[str, ir.Value], output: int) -> CachedTensor:
     """The cache appended to inside the operator: past input, present output; the new keys or
     values are computed by the splice from the plan (``new`` None)."""
@@ -139,17 +146,20 @@ def _cached(node: ir.Node, inputs: dict[str, ir.Value], output: int) -> CachedTe
 
 
 def declared_cache_sizes(graph: ir.Graph) -> dict[str, dict[int, int]]:
-    """The sizes of GroupQueryAttention caches that their declarations leave symbolic (the
+    """The sizes of GroupQueryAttention caches, which their declarations may leave symbolic (the
     builder declares [batch, kv_heads, past, "kv_cache_dim"]): cache input -> {axis: size}, the
-    key/value heads and head size the operator reads them with."""
+    key/value heads and head size the operator reads them with; the caches of an operator left
+    alone too (a sliding window's), which the model carries all the same."""
     sizes = {}
     for node in graph:
         if node.domain != CONTRIB_DOMAIN or node.op_type != "GroupQueryAttention":
             continue
+        inputs = {name: v for name, v in zip(_INPUTS, node.inputs) if v is not None}
         try:
-            plan = _plan(node, {name: v for name, v in zip(_INPUTS, node.inputs) if v is not None})
+            _, kv_heads, size = _heads(node, inputs)
         except Unsupported:
             continue
-        for past in node.inputs[3:5]:
-            sizes[past.name] = {1: plan.kv_heads, 3: plan.head_size}
+        for past in (inputs.get("past_key"), inputs.get("past_value")):
+            if past is not None:
+                sizes[past.name] = {1: kv_heads, 3: size}
     return sizes
