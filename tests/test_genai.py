@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from conftest import decoder_exported, read_record
@@ -24,6 +25,7 @@ from decoders import DecoderSpec, export_decoder, positions_of
 
 from attnrewrite import cli, find_sites
 from attnrewrite.generate import forced_logits, generate
+from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.site import KvCache
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai does not install here")
@@ -274,17 +276,40 @@ def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_doe
     assert written["search"] == {**given["search"], "past_present_share_buffer": False}
 
 
-def with_a_sliding_window_in_layer_0(source: Path, out: Path, keys: int = 4) -> Path:
-    """A copy of the builder folder whose first layer attends only its last ``keys`` keys
-    (``local_window_size``, as the builder writes Mistral's or Gemma 3's local layers)."""
+def with_first_attention_attributes(source: Path, out: Path, **attributes) -> Path:
+    """A copy of the builder folder whose first GroupQueryAttention has ``attributes``."""
     shutil.copytree(source, out)
     model = onnx.load(out / "model.onnx", load_external_data=False)
     first = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
-    kept = [a for a in first.attribute if a.name != "local_window_size"]
+    kept = [a for a in first.attribute if a.name not in attributes]
     del first.attribute[:]
-    first.attribute.extend([*kept, onnx.helper.make_attribute("local_window_size", keys)])
+    first.attribute.extend([*kept, *(onnx.helper.make_attribute(k, v) for k, v in attributes.items())])
     onnx.save(model, out / "model.onnx")
     return out
+
+
+def with_a_sliding_window_in_layer_0(source: Path, out: Path) -> Path:
+    """The first layer attends only its last 4 keys (``local_window_size``, as the builder
+    writes Mistral's or Gemma 3's local layers)."""
+    return with_first_attention_attributes(source, out, local_window_size=4)
+
+
+@pytest.mark.parametrize("attributes", [{}, {"local_window_size": 4}, {"softcap": 2.0}, {"smooth_softmax": 1}], ids=str)
+def test_a_group_query_attention_left_alone_is_evaluated_in_torch_as_onnxruntime_runs_it(builder, attributes, tmp_path):
+    """The fitting's torch evaluation of the whole graph (fine-tuning a hybrid) runs the
+    operator on prompts as onnxruntime does: packed qkv, rotary inside, right padding."""
+    source = with_first_attention_attributes(builder("llama", "fp32"), tmp_path / "source", **attributes)
+    model = ir.serde.deserialize_model(onnx.load(source / "model.onnx"))
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    feeds |= {v.name: np.zeros((2, 2, 0, 16), np.float32) for v in model.graph.inputs if v.name.startswith("past_")}
+    expected = ort.InferenceSession(str(source / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        ["logits"], feeds
+    )[0]
+    actual = TorchGraph(model.graph, []).run(feeds, {})[0].numpy()
+    np.testing.assert_allclose(actual[mask == 1], expected[mask == 1], atol=1e-5)
 
 
 def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(builder, tmp_path, capsys):
@@ -292,6 +317,11 @@ def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(b
     Qwen3.5's): the run gate and --check feed both; genai generates what attnrewrite generate
     does; stepped token by token it gives its one-call prefill's logits."""
     source = with_a_sliding_window_in_layer_0(builder("llama", "fp32"), tmp_path / "source")
+    windowed = find_sites(str(source / "model.onnx"))[0]  # listed with its heads and cache, refused
+    assert windowed.kv_cache == KvCache(
+        "past_key_values.0.key", "past_key_values.0.value", "present.0.key", "present.0.value", 2
+    )
+    assert (windowed.num_heads, windowed.head_dim, windowed.scale) == (4, 16, 0.25)
     out = rewrite_to_folder(source, tmp_path / "out", "--to", "hedgehog", "-O", "window=4", "--check")
     printed = capsys.readouterr().out
     assert "skipped: GroupQueryAttention attends to a local window of 4 keys (sliding-window attention)" in printed
@@ -316,6 +346,25 @@ def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(b
     whole = forced_logits(session, "hybrid", ids, mask, prefill=12)
     for prefill in (1, 5):
         np.testing.assert_allclose(forced_logits(session, "hybrid", ids, mask, prefill), whole, atol=1e-5)
+
+
+def test_a_hybrid_is_fine_tuned_around_its_sliding_window_layer(builder, tmp_path, capsys):
+    """Fine-tuning evaluates the sliding window's GroupQueryAttention in torch (it had no torch
+    evaluation) and puts adapters on the replaced layer's projections alone."""
+    rng = np.random.default_rng(1)
+    texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    source = with_a_sliding_window_in_layer_0(builder("llama", "fp32"), tmp_path / "source")
+    out = rewrite_to_folder(
+        source, tmp_path / "out", "--to", "hedgehog", "--calibrate", str(tmp_path / "texts.txt"),
+        "--tokenizer", str(source / "tokenizer.json"), "--max-length", "48", "--finetune", "3",
+    )  # fmt: skip
+    assert "fine-tuning 2 adapters (rank 8) on 1 sites" in capsys.readouterr().err
+    finetune = read_record(onnx.load(out / "model.onnx", load_external_data=False))["finetune"]
+    assert [site["projections"] for site in finetune["adapted"]] == [
+        ["/model/layers.1/attn/qkv_proj/MatMul", "/model/layers.1/attn/o_proj/MatMul"]
+    ]
+    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
 def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_path, capsys):

@@ -118,7 +118,15 @@ def _unimplemented_setting(node: ir.Node) -> str | None:
         return "reduces"
     if node.op_type == "Conv" and _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return "pads automatically"
+    if node.op_type == "GroupQueryAttention":
+        given = [name for name, v in zip(_GQA_UNEVALUATED, node.inputs[9:]) if v is not None]
+        if given:
+            return f"takes {given[0]}"
     return None
+
+
+# GroupQueryAttention's inputs from the tenth on, which its torch evaluation does not read
+_GQA_UNEVALUATED = ("position_ids", "attention_bias", "head_sink")
 
 
 def _tensor(array) -> torch.Tensor:
@@ -433,8 +441,71 @@ OPS = {
     "SimplifiedLayerNormalization": _simplified_layer_norm,  # onnxruntime's, in the default domain
     "CumSum": _cumsum,
 }
-# onnxruntime's com.microsoft operators that exported decoders use (onnxruntime-genai's builder)
-CONTRIB_OPS = {"SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm}
+
+
+def _group_query_attention(node, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None, *rest):
+    """onnxruntime's GroupQueryAttention on a prompt (an empty past, as the fitting's batches
+    come): q, k, v packed or apart, rotated inside where do_rotary says so, each row's real
+    tokens its first seqlens_k + 1 (right padding), a query at position i reading the keys up
+    to min(i, the row's last), only its last local_window_size of them where that is set;
+    softcap and smooth_softmax as the operator applies them. (output, present_key,
+    present_value)."""
+    if past_key is not None and past_key.shape[2]:
+        raise AttnRewriteError(
+            f"GroupQueryAttention node {node.name!r} is evaluated in torch from an empty cache only, "
+            f"got a past of {past_key.shape[2]}"
+        )
+    heads, kv_heads = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
+    batch, length, width = query.shape
+    if key is None:
+        size = width // (heads + 2 * kv_heads)
+        query, key, value = query.split([heads * size, kv_heads * size, kv_heads * size], dim=-1)
+    q, k, v = (x.reshape(batch, length, -1, query.shape[-1] // heads).transpose(1, 2) for x in (query, key, value))
+    if _attr(node, "do_rotary", 0):
+        cos, sin = rest[1][:length], rest[2][:length]  # positions 0 .. length - 1: a prompt's
+        interleaved = bool(_attr(node, "rotary_interleaved", 0))
+        q, k = (_rotated(x, cos, sin, interleaved) for x in (q, k))
+    scale = _attr(node, "scale", 0.0) or q.shape[-1] ** -0.5
+    logits = (q @ expand_to_query_heads(k, q).transpose(-1, -2)).float() * scale
+    softcap = _attr(node, "softcap", 0.0)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    reach = torch.minimum(  # [B, 1, N, 1]: the keys a query reads end before this
+        torch.arange(1, length + 1).view(1, 1, -1, 1), (seqlens_k.long() + 1).view(-1, 1, 1, 1)
+    )
+    keys = torch.arange(length).view(1, 1, 1, -1)
+    allowed = keys < reach
+    window = _attr(node, "local_window_size", -1)
+    if window >= 0:
+        allowed = allowed & (keys >= reach - window)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if _attr(node, "smooth_softmax", 0):  # a zero logit beside the keys
+        logits = torch.cat([logits, torch.zeros_like(logits[..., :1])], dim=-1)
+    weights = torch.softmax(logits, dim=-1)[..., :length].to(v.dtype)
+    out = (weights @ expand_to_query_heads(v, q)).transpose(1, 2).reshape(batch, length, -1)
+    return out, k, v
+
+
+def _rotated(x, cos, sin, interleaved: bool):
+    """x [B, heads, N, D] with its first 2 * cos.shape[-1] features rotated at positions 0 .. N - 1."""
+    rotary = 2 * cos.shape[-1]
+    part, rest = x[..., :rotary], x[..., rotary:]
+    if interleaved:
+        first, second = part[..., 0::2], part[..., 1::2]
+    else:
+        first, second = part.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    turned = (first * cos - second * sin, second * cos + first * sin)
+    joined = torch.stack(turned, dim=-1).flatten(-2) if interleaved else torch.cat(turned, dim=-1)
+    return torch.cat([joined, rest], dim=-1)
+
+
+# onnxruntime's com.microsoft operators that exported decoders use (onnxruntime-genai's builder;
+# a GroupQueryAttention left alone beside replaced ones: a sliding window's)
+CONTRIB_OPS = {
+    "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
+    "GroupQueryAttention": _group_query_attention,
+}
 
 
 def _evaluation(node: ir.Node):

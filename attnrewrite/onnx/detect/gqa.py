@@ -58,16 +58,11 @@ def match_group_query_attention(node: ir.Node, index: int) -> OnnxSite:
     try:
         plan = _plan(node, inputs)
     except Unsupported as reason:
+        _describe_refused(onnx_site, node, inputs)
         return refused(onnx_site, str(reason))
     key, value = (_cached(node, inputs, i) for i in (1, 2))
     onnx_site.key_cache, onnx_site.value_cache, onnx_site.grouped_query = key, value, plan
-    site.kv_cache = KvCache(
-        past_key=key.past.name,
-        past_value=value.past.name,
-        present_key=key.output.name if key.output is not None else None,
-        present_value=value.output.name if value.output is not None else None,
-        kv_heads=plan.kv_heads,
-    )
+    site.kv_cache = _kv_cache(key, value, plan.kv_heads)
     site.rank, site.num_heads = 4, plan.num_heads
     site.head_dim = site.value_dim = plan.head_size
     if plan.query.dtype is not None:
@@ -76,6 +71,30 @@ def match_group_query_attention(node: ir.Node, index: int) -> OnnxSite:
     site.query_length = static_dims(plan.query, 1)[0]
     onnx_site.causal_by_attribute = True  # by definition; its padded keys are the attention mask's
     return onnx_site
+
+
+def _kv_cache(key: CachedTensor, value: CachedTensor, kv_heads: int) -> KvCache:
+    return KvCache(
+        past_key=key.past.name,
+        past_value=value.past.name,
+        present_key=key.output.name if key.output is not None else None,
+        present_value=value.output.name if value.output is not None else None,
+        kv_heads=kv_heads,
+    )
+
+
+def _describe_refused(onnx_site: OnnxSite, node: ir.Node, inputs: dict[str, ir.Value]) -> None:
+    """What a refused operator still says: its heads and the cache it carries (listed with it,
+    and kept by a recurrent rewrite of the other layers), where it says them."""
+    try:
+        heads, kv_heads, size = _heads(node, inputs)
+    except Unsupported:
+        return
+    site = onnx_site.site
+    site.num_heads, site.head_dim = heads, size
+    set_scale(site, node, zero_is_default=True)
+    if all(name in inputs and inputs[name].is_graph_input() for name in ("past_key", "past_value")):
+        site.kv_cache = _kv_cache(*(_cached(node, inputs, i) for i in (1, 2)), kv_heads)
 
 
 def _plan(node: ir.Node, inputs: dict[str, ir.Value]) -> GroupedQueryPlan:
