@@ -332,9 +332,10 @@ def nodes_per_step(path: Path, feeds: dict, threads: int) -> int:
 def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIANTS) -> tuple[list, dict, dict]:
     """Per model that decodes, consecutive steps after each context: (measurements, {key:
     {context: carried bytes}}, {key: nodes run per step}). Up to INTERLEAVED_UP_TO the models
-    take turns (interleaved_steps); past it, one model after another, the recurrent ones first: a
-    step just after the original's at 64k (gigabytes of KV cache through memory) ran up to 20%
-    slower."""
+    take turns at each context (interleaved_steps); past it the recurrent models take turns over
+    every longer context (their flat line, issue 26's target, is a comparison across contexts),
+    then the models with a KV cache, one context after another: a step just after the original's at
+    64k (gigabytes of KV cache through memory) ran up to 20% slower."""
     rng = np.random.default_rng(0)
     models = [Model(v, paths[v.key], settings.threads) for v in variants if v.decodes]
     prompt = rng.integers(0, VOCAB_IN_USE, (1, settings.prompt))
@@ -349,13 +350,21 @@ def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIAN
             if context == counted:
                 nodes[model.variant.key] = nodes_per_step(paths[model.variant.key], feeds, settings.threads)
 
-    for context in [c for c in settings.contexts if c <= INTERLEAVED_UP_TO]:
-        print(f"== decoding steps after {context} tokens, the models in turns", file=sys.stderr)
-        steps = interleaved_steps(models, context, prompt, settings, rng, keep_feeds=context == counted)
-        for model, (measurement, first) in zip(models, steps):
+    def in_turns(cells: list[tuple[Model, int]], said: str) -> None:
+        print(f"== decoding steps {said}, in turns", file=sys.stderr)
+        for (model, context), (measurement, first) in zip(
+            cells, interleaved_steps(cells, prompt, settings, rng, counted)
+        ):
             record(model, context, measurement, first)
-    for model in sorted(models, key=lambda m: m.variant.options is None):  # the KV-cache original last
-        for context in [c for c in settings.contexts if c > INTERLEAVED_UP_TO]:
+
+    for context in [c for c in settings.contexts if c <= INTERLEAVED_UP_TO]:
+        in_turns([(model, context) for model in models], f"after {context} tokens, every model")
+    longer = [c for c in settings.contexts if c > INTERLEAVED_UP_TO]
+    recurrent = [model for model in models if (model.variant.options or {}).get("recurrent")]
+    if longer:
+        in_turns([(model, c) for model in recurrent for c in longer], f"after {longer} tokens, the recurrent models")
+    for model in [model for model in models if model not in recurrent]:  # with a KV cache
+        for context in longer:
             print(f"== decoding steps: {model.variant.label} after {context} tokens", file=sys.stderr)
             start = model.carried_after(context, prompt, rng)
             measurement, first = timed_steps(model, context, start, settings, rng, keep_feeds=context == counted)
@@ -364,23 +373,20 @@ def measure_decoding(paths: dict[str, Path], settings: Settings, variants=VARIAN
     return measurements, carried, nodes
 
 
-def interleaved_steps(
-    models: list[Model], context: int, prompt, settings: Settings, rng, keep_feeds: bool
-) -> list[tuple]:
-    """timed_steps of every model after ``context`` in TURNS turns (fewer for fewer steps), model
-    after model, each turn the same steps from the same state (its warm-up included): the
-    machine's drift, 15% between two runs of one model after another, then hits every model
-    alike, and the short contexts' ratios to the original are issue 47's targets. (measurement,
-    first) per model, in order."""
-    starts = [model.carried_after(context, prompt, rng) for model in models]
+def interleaved_steps(cells: list[tuple[Model, int]], prompt, settings: Settings, rng, counted: int) -> list[tuple]:
+    """timed_steps of every (model, context) cell in TURNS turns (fewer for fewer steps), cell
+    after cell, each turn the same steps from the same state (its warm-up included): the
+    machine's drift, 15% between two runs of one model after another, then hits every cell
+    alike. (measurement, first) per cell, in order; the first step's feeds kept at ``counted``."""
+    starts = [model.carried_after(context, prompt, rng) for model, context in cells]
     count = min(TURNS, settings.steps)
     per_turn = dataclasses.replace(settings, steps=settings.steps // count)
-    turns = [[] for _ in models]
+    turns = [[] for _ in cells]
     for _ in range(count):
-        for model, start, taken in zip(models, starts, turns):
-            taken.append(timed_steps(model, context, start, per_turn, rng, keep_feeds=keep_feeds))
+        for (model, context), start, taken in zip(cells, starts, turns):
+            taken.append(timed_steps(model, context, start, per_turn, rng, keep_feeds=context == counted))
     results = []
-    for model, taken in zip(models, turns):
+    for (model, context), taken in zip(cells, turns):
         failed = [m for m, _ in taken if m.status != "ok"]
         times = [t for m, _ in taken for t in m.times_s]
         measurement = failed[0] if failed else bench.Measurement(model.variant.key, context, "ok", times)
@@ -708,7 +714,8 @@ def method_lines(results: Results) -> list[str]:
         "C on, each fed the cache or state the one before returned (a window's block boundaries come in their "
         f"turn); the median. Up to C = {INTERLEAVED_UP_TO} the models take {min(TURNS, s.steps)} turns, model after "
         f"model, of {s.warmup} warm-up and {s.steps // min(TURNS, s.steps)} timed steps from the same state (the machine's drift "
-        "hits them alike); past it one model after another, the KV-cache original last. The prefills one model "
+        "hits them alike); past it the recurrent models take those turns over every longer context together (their "
+        "flat line compares contexts), then the KV-cache original one context after another. The prefills one model "
         f"after another too. A prefill: N tokens from an empty cache or a zero state, median of {s.prefill_runs} "
         "runs after 1 warm-up.",
         f"- Up to C = {PREFILLED_UP_TO} the cache or state is what a prefill of C tokens left. Past it the original "

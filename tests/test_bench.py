@@ -341,12 +341,13 @@ def test_trials_pool_the_runs_of_fresh_processes():
     assert "median of 2 runs (2 processes x 1 after 1 warm-up)" in result.table()
 
 
-def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path):
+def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path, monkeypatch):
     """bench/decode.py (run_benchmarks.py --decode but its argument parsing) on a tiny Llama: the
     Decoding section joins RESULTS.md and the rest is kept; its tables and targets hold the
     numbers measured; the bytes carried are those of a KV cache of C + 1 positions and of a
     recurrent state, the same at every C."""
     decode = load_bench_module("decode")
+    monkeypatch.setattr(decode, "INTERLEAVED_UP_TO", 16)  # 32 is a long context here
     shape = decode.Shape(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=100, max_positions=128)
     settings = decode.Settings(
         shape=shape, contexts=(16, 32), prefill=(16,), threads=1, steps=2, warmup=1, prefill_runs=2, tiny_contexts=()
@@ -364,8 +365,10 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path)
     assert results.carried["hedgehog"] == {16: state_bytes, 32: state_bytes}
     assert results.carried["hedgehog-w"][16] == results.carried["hedgehog-w"][32] > state_bytes
     recurrent = ("hedgehog", "hedgehog-std", "hedgehog-w")
-    # both contexts short: per context, the models take turns (decode.interleaved_steps)
-    decoding = [(v.key, c) for c in (16, 32) for v in decode.VARIANTS if v.decodes]
+    # at the short context the models take turns (decode.interleaved_steps); at the long ones the
+    # recurrent models take turns over them all, then the KV-cache original steps alone
+    decoding = [(v.key, 16) for v in decode.VARIANTS if v.decodes]
+    decoding += [(key, 32) for key in recurrent] + [("original", 32)]
     assert [(m.variant, m.n) for m in results.steps] == decoding
     assert [m.variant for m in results.prefill] == list(decode.PREFILL_ORDER)
     assert set(results.nodes) == {*recurrent, "original"} and all(n > 100 for n in results.nodes.values())
