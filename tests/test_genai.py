@@ -348,25 +348,6 @@ def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(b
         np.testing.assert_allclose(forced_logits(session, "hybrid", ids, mask, prefill), whole, atol=1e-5)
 
 
-def test_a_hybrid_is_fine_tuned_around_its_sliding_window_layer(builder, tmp_path, capsys):
-    """Fine-tuning evaluates the sliding window's GroupQueryAttention in torch (it had no torch
-    evaluation) and puts adapters on the replaced layer's projections alone."""
-    rng = np.random.default_rng(1)
-    texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
-    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
-    source = with_a_sliding_window_in_layer_0(builder("llama", "fp32"), tmp_path / "source")
-    out = rewrite_to_folder(
-        source, tmp_path / "out", "--to", "hedgehog", "--calibrate", str(tmp_path / "texts.txt"),
-        "--tokenizer", str(source / "tokenizer.json"), "--max-length", "48", "--finetune", "3",
-    )  # fmt: skip
-    assert "fine-tuning 2 adapters (rank 8) on 1 sites" in capsys.readouterr().err
-    finetune = read_record(onnx.load(out / "model.onnx", load_external_data=False))["finetune"]
-    assert [site["projections"] for site in finetune["adapted"]] == [
-        ["/model/layers.1/attn/qkv_proj/MatMul", "/model/layers.1/attn/o_proj/MatMul"]
-    ]
-    assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
-
-
 def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_path, capsys):
     """Calibration collects the recurrent replacements' q, k, v from prefills of the builder
     model (its caches sized from the operator, not their symbolic declaration), and --check runs
@@ -388,22 +369,27 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
-def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, tmp_path, capsys):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["every-layer", "beside-a-sliding-window"])
+def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, hybrid, tmp_path, capsys):
     """--finetune evaluates the builder's graph in torch (its SimplifiedLayerNormalization and
-    SkipSimplifiedLayerNormalization included), puts adapters on each layer's packed qkv and
-    output projections, and writes a folder genai generates from."""
+    SkipSimplifiedLayerNormalization included; a sliding window's GroupQueryAttention left
+    alone too), puts adapters on each replaced layer's packed qkv and output projections, and
+    writes a folder genai generates from."""
     rng = np.random.default_rng(1)
     texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
     source = builder("llama", "fp32")
+    if hybrid:
+        source = with_a_sliding_window_in_layer_0(source, tmp_path / "source")
     out = rewrite_to_folder(
         source, tmp_path / "out", "--to", "hedgehog", "--calibrate", str(tmp_path / "texts.txt"),
         "--tokenizer", str(source / "tokenizer.json"), "--max-length", "48", "--finetune", "3",
     )  # fmt: skip
-    assert "fine-tuning 4 adapters (rank 8) on 2 sites" in capsys.readouterr().err
+    layers = [1] if hybrid else [0, 1]
+    assert f"fine-tuning {2 * len(layers)} adapters (rank 8) on {len(layers)} sites" in capsys.readouterr().err
     finetune = read_record(onnx.load(out / "model.onnx", load_external_data=False))["finetune"]
     assert [site["projections"] for site in finetune["adapted"]] == [
-        [f"/model/layers.{i}/attn/qkv_proj/MatMul", f"/model/layers.{i}/attn/o_proj/MatMul"] for i in range(2)
+        [f"/model/layers.{i}/attn/qkv_proj/MatMul", f"/model/layers.{i}/attn/o_proj/MatMul"] for i in layers
     ]
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
