@@ -68,6 +68,19 @@ def test_every_site_is_found_with_its_cache(decoder_exports, name, exporter):
     assert sites[0].describe()["kv_cache"]["past_key"] == "past_key_values.0.key"
 
 
+# q [batch, heads, seq, head_dim] by a head split: through rotary (Llama, Qwen2, Falcon), a
+# reshape to the same dims (Falcon's legacy export)
+HEADS_KNOWN = [(name, exporter) for name in ("llama", "qwen2", "falcon") for exporter in EXPORTERS]
+
+
+@pytest.mark.parametrize("name, exporter", HEADS_KNOWN)
+def test_a_rotated_query_still_says_its_heads(decoder_exports, name, exporter):
+    """What a site knows of its heads decides a grouped-query recurrent window's layout (each
+    key/value head kept once) and the heads hydra mixes."""
+    export = decoder_exported(decoder_exports, name, exporter)
+    assert {s.num_heads for s in attnrewrite.find_sites(export.load())} == {export.spec.heads}
+
+
 @pytest.mark.parametrize("name, exporter", [("llama", "legacy"), ("llama", "dynamo"), ("falcon", "legacy")])
 def test_the_cache_concat_is_recorded_for_the_splice(decoder_exports, name, exporter):
     """The ONNX details of each cache: Concat(past, new) on the sequence axis, the new keys (rotated,

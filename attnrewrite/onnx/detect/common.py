@@ -178,10 +178,11 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
     - a Reshape of [batch * heads, seq, head_dim] to [batch, heads, seq, head_dim] (what
       nn.MultiheadAttention does before scaled_dot_product_attention): the reshape keeps seq
       and head_dim, so it only splits the leading axis, heads inner.
-    Possibly rotated (transformers' rotary embedding) or scaled after. Any other producer could
-    put batch elsewhere, so heads stay unknown."""
+    Possibly rotated (transformers' rotary embedding), scaled or reshaped to the dims it had
+    (Falcon's legacy export) after. Any other producer could put batch elsewhere, so heads stay
+    unknown."""
     node = q.producer()
-    while node is not None and node.op_type in ("Add", "Mul", "Div", "Cast"):
+    while node is not None and (node.op_type in ("Add", "Mul", "Div", "Cast") or _same_dims_reshape(node)):
         if node.op_type == "Add":
             unrotated = _rotated_from(node)
             node = unrotated.producer() if unrotated is not None else None
@@ -199,6 +200,14 @@ def _heads_of_split_layout(q: ir.Value) -> int | None:
     if source is None or len(source) != 3 or None in (source[1], source[2]):
         return None
     return static_dim(dims[1]) if [source[1], source[2]] == dims[2:] else None
+
+
+def _same_dims_reshape(node: ir.Node) -> bool:
+    """A Reshape whose output has its input's dims, every one known: it moves nothing."""
+    if node.op_type != "Reshape":
+        return False
+    dims = known_dims(node.inputs[0])
+    return dims is not None and None not in dims and dims == known_dims(node.outputs[0])
 
 
 def _rotated_from(add: ir.Node) -> ir.Value | None:
