@@ -70,14 +70,16 @@ def recurrent_folder(builder: Path, out: Path, cache: Path, stage: str, reuse: b
     command += ["-o", f"{out}/"]
     if reuse and (out / "genai_config.json").is_file():
         log(f"reusing {out} (made by: {' '.join(command)})")
-        return {"command": " ".join(command), "seconds": None}
+        row = {"command": " ".join(command), "seconds": None}
+        return row | (smollm2_fidelity.fitting(out / "model.onnx", "") if fitting else {})
     out.mkdir(parents=True, exist_ok=True)
     log("$ " + " ".join(command))
     start = time.perf_counter()
     done = decoder_fidelity.run_cli(command, out.parent)
     if done.returncode:
         raise SystemExit(f"the rewrite failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return {"command": " ".join(command), "seconds": round(time.perf_counter() - start, 1)}
+    row = {"command": " ".join(command), "seconds": round(time.perf_counter() - start, 1)}
+    return row | (smollm2_fidelity.fitting(out / "model.onnx", done.stderr) if fitting else {})
 
 
 def generated_text(folder: Path, prompts: list[str], new_tokens: int) -> list[str]:
@@ -194,6 +196,10 @@ def markdown(results: dict) -> str:
                 f"| {label} | {row['context']} | {row['prompt_s']:.2f} | {row['tokens_per_s']:.1f} | "
                 f"{row['carried_bytes']:,} |"
             )
+    lines += [
+        "",
+        *(smollm2_fidelity.stage_line(label, r) for label, r in results["rewrites"].items() if r.get("finetune")),
+    ]
     lines += [
         "",
         f"Held-out fidelity ({results['heldout_passages']} passages of bench/smollm2_fidelity.py's held-out text, "

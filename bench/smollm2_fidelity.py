@@ -159,11 +159,17 @@ def rewrite(cache: Path, config: str, mode: str, finetune_steps: int | None, log
         log(f"{config}/{mode}: {row['refused']}")
         return row
     row["path"] = str(cache / command[-1])
-    record = json.loads(onnx_io.load_model(row["path"]).metadata_props["attnrewrite"])
-    row["finetune"] = {k: v for k, v in (record.get("finetune") or {}).items() if k not in ("adapted", "not_adapted")}
-    row["stderr"] = done.stderr.strip().splitlines()[-4:]
+    row |= fitting(row["path"], done.stderr)
     log(f"{config}/{mode}: rewritten in {row['seconds']} s")
     return row
+
+
+def fitting(path: str | Path, stderr: str) -> dict:
+    """What a fitted rewrite's record and last lines say of its fitting: {"finetune": the
+    record's stage 2 but its per-site lists, "stderr": the CLI's last 4 lines}."""
+    record = json.loads(onnx_io.load_model(path).metadata_props["attnrewrite"])
+    stage2 = {k: v for k, v in (record.get("finetune") or {}).items() if k not in ("adapted", "not_adapted")}
+    return {"finetune": stage2, "stderr": stderr.strip().splitlines()[-4:]}
 
 
 def whole_passage_logits(session, name: str, ids: np.ndarray) -> np.ndarray:
@@ -237,9 +243,12 @@ def stage_line(key: str, row: dict) -> str:
     """What the record says of a fine-tuned rewrite's two stages."""
     tuned = row["finetune"]
     held = tuned.get("held_out") or {}
-    stage_1 = row["seconds"] - tuned["seconds"]
+    if row["seconds"] is None:
+        stage_1 = "not timed in this run (the model was written by an earlier one)"
+    else:
+        stage_1 = f"{(row['seconds'] - tuned['seconds']) / 60:.1f} min"
     line = (
-        f"- {key}: stage 1 (calibration) and the rest of the rewrite {stage_1 / 60:.1f} min, stage 2 "
+        f"- {key}: stage 1 (calibration) and the rest of the rewrite {stage_1}, stage 2 "
         f"{tuned['steps']} steps of rank {tuned['rank']} at lr {tuned['lr']:g} on data of {tuned['tokens']} tokens "
         f"{tuned['seconds'] / 60:.1f} min: training {tuned['objective']} {tuned['loss_before']:.4f} -> "
         f"{tuned['loss_after']:.4f}"
