@@ -8,8 +8,8 @@ columns) and the layer's state, and returns the attention's output and the state
 graph interface changes with it: the ``past_key_values.{i}.key/value`` inputs and
 ``present.{i}.key/value`` outputs give way to onnxruntime-genai's ``past_key_values.{i}.
 recurrent_state`` and ``conv_state`` and their ``present.{i}.*``, the batch symbolic and every
-other size fixed (state_layout.py); a site left alone keeps its cache pair (a hybrid). A GroupQueryAttention's q, k and v are built from its
-inputs first (grouped_query.py). Whatever
+other size fixed (state_layout.py); a site left alone keeps its cache pair (a hybrid). A
+GroupQueryAttention's q, k and v are built from its inputs first (grouped_query.py). Whatever
 read the past length from a cache input (Shape nodes: the model's own position and mask
 arithmetic) reads it from what the model still takes: state_layout.PAST_LENGTH. An all-zero state is the
 initial one.

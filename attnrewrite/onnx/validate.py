@@ -86,11 +86,6 @@ def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> 
     carries other values) that it runs on, or ``seq`` when it runs on ``feeds``; InputFails when
     there is none, naming the shapes tried."""
     shown = f"{os.fspath(original)}: " if isinstance(original, (str, os.PathLike)) else ""
-    if isinstance(original, (str, os.PathLike)):
-        proto = onnx.load_model(os.fspath(original), load_external_data=False)
-    else:
-        proto = original if isinstance(original, onnx.ModelProto) else onnx.load_model_from_string(original)
-    own = ir.serde.deserialize_model(proto).graph
     if isinstance(original, onnx.ModelProto):
         original = original.SerializeToString()
     try:
@@ -98,6 +93,7 @@ def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> 
         if feeds is not None:
             bfloat16.run(session, feeds)
             return seq
+        own = _graph_of(original)
         return first_that_runs(
             lambda n: bfloat16.run(session, generate_inputs(own, batch=GATE_BATCH, seq=n)), seq, graph
         )[0]
@@ -111,6 +107,13 @@ def _length_the_original_runs_at(original, graph: ir.Graph, seq: int, feeds) -> 
             f"({_lengths_tried(seq, graph)}): {_first_line(error)}; "
             "give inputs it runs on with --inputs, or their length with --seq"
         ) from error
+
+
+def _graph_of(original: str | os.PathLike | bytes) -> ir.Graph:
+    """The graph of a model file or its bytes, its weights left where they are."""
+    if isinstance(original, bytes):
+        return ir.serde.deserialize_model(onnx.load_model_from_string(original)).graph
+    return ir.serde.deserialize_model(onnx.load_model(os.fspath(original), load_external_data=False)).graph
 
 
 def _lengths_tried(seq: int, graph: ir.Graph) -> str:
