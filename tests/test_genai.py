@@ -340,12 +340,17 @@ def test_a_sliding_window_layer_keeps_its_kv_cache_beside_the_recurrent_layers(b
     assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
     assert decoder["inputs"]["past_recurrent_names"] == "past_key_values.%d.recurrent_state"
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
-    # rows without padding: onnxruntime's sliding window itself steps as it prefills only then
+    # stepped token by token, the hybrid gives the parallel rewrite's logits (both keep layer 0's
+    # cache); rows without padding: onnxruntime's sliding window itself steps as it prefills only then
+    parallel = tmp_path / "parallel.onnx"
+    assert cli.main([str(source), "--to", "hedgehog", "-O", "window=4", "-o", str(parallel)]) == 0
     ids = np.random.default_rng(0).integers(3, 256, (2, 12))
     mask = np.ones_like(ids)
-    whole = forced_logits(session, "hybrid", ids, mask, prefill=12)
-    for prefill in (1, 5):
-        np.testing.assert_allclose(forced_logits(session, "hybrid", ids, mask, prefill), whole, atol=1e-5)
+    expected = forced_logits(
+        ort.InferenceSession(str(parallel), providers=["CPUExecutionProvider"]), "p", ids, mask, 12
+    )
+    for prefill in (1, 5, 12):
+        np.testing.assert_allclose(forced_logits(session, "hybrid", ids, mask, prefill), expected, atol=1e-5)
 
 
 def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_path, capsys):
