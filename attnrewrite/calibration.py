@@ -139,9 +139,11 @@ class Calibration:
         """Say how fine-tuning went and what the guard kept; the record's entry for it."""
         settings, loss = self.finetune, objective.replace("_", "-")
         count = sum(len(site["projections"]) for site in adapters["adapted"])
+        beside = sum(len(site.get("beside", ())) for site in adapters["adapted"])
+        kept_beside = f", {beside} of them beside quantized weights" if beside else ""
         self.say(
-            f"fine-tuning {count} adapters (rank {settings.rank}) on {len(adapters['adapted'])} sites with their "
-            f"replacements: {loss} {result.loss_before:.4g} -> {_after(result)} {_how(result)}"
+            f"fine-tuning {count} adapters (rank {settings.rank}{kept_beside}) on {len(adapters['adapted'])} sites "
+            f"with their replacements: {loss} {result.loss_before:.4g} -> {_after(result)} {_how(result)}"
         )
         if held_out is not None:
             self.say(

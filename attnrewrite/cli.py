@@ -197,7 +197,8 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STEPS",
         help="after calibrating, fine-tune: low-rank adapters on the replaced sites' query, key, value and output "
         "projections, trained with the replacements on the calibration data against the original model "
-        "(a decoder's next-token distribution), then merged into the weights (default steps: %(const)s)",
+        "(a decoder's next-token distribution), then merged into the weights (kept beside quantized ones) "
+        "(default steps: %(const)s)",
     )
     parser.add_argument(
         "--finetune-rank",

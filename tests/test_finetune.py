@@ -5,10 +5,12 @@ both exporters); merging is exact in every weight layout and dtype and never cha
 under another reader; the record says what was trained; the guard keeps the calibrated values
 where fine-tuning does no better on held-out data; a recurrent model fine-tuned equals its
 fine-tuned parallel twin stepped token by token; two processes under torchrun fit what one does;
-quantized projections are refused in one line."""
+a quantized projection (MatMulNBits, a DequantizeLinear weight) keeps its adapter beside it, and
+one that quantizes its activations too is refused in one line."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+import torch
 from conftest import decoder_exported, exported, read_record
 from decoders import DECODERS, logits_error
 from models import SAMPLE_BERT
@@ -28,9 +31,10 @@ import attnrewrite
 from attnrewrite.cli import main
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.onnx.finetune import merge
-from attnrewrite.onnx.projections import Projection, site_projections
+from attnrewrite.onnx.finetune import add_beside, merge
+from attnrewrite.onnx.projections import Projection, QuantizedProjection, projection_of, site_projections
 from attnrewrite.onnx.rewrite import rewrite_model
+from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,7 +294,10 @@ def test_two_processes_under_torchrun_fit_what_one_does(decoder_exports, tmp_pat
             assert np.abs(value - b[name]).max() <= 1e-5 * max(np.abs(value).max(), 1e-30), name
 
 
-def quantized_copy(path, tmp_path) -> str:
+# --- quantized projections: the adapter beside ---------------------------------------------------
+
+
+def qdq_copy(path, out) -> str:
     """The model with every projection weight behind a DequantizeLinear (a QDQ int8 weight)."""
     model = onnx.load(path)
     for node in model.graph.node:
@@ -317,21 +324,196 @@ def quantized_copy(path, tmp_path) -> str:
                 name=f"{weight.name}/dequantize",
             ),
         )
-    path = tmp_path / "quantized.onnx"
-    onnx.save(model, path)
-    return str(path)
+    onnx.save(model, out)
+    return str(out)
 
 
-def test_quantized_projections_are_refused_in_one_line(decoder_exports, tmp_path, capsys):
+def int4_copy(path, out, qdq: bool = False) -> str:
+    """The model with its MatMuls of weights at 4 bits, in blocks of 32 with zero points, by
+    onnxruntime's own quantizer: as MatMulNBits computing in float (accuracy level 0), or
+    (``qdq``) as a blocked DequantizeLinear of uint4 under each MatMul."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(path), block_size=32, accuracy_level=0, quant_format=QuantFormat.QDQ if qdq else QuantFormat.QOperator
+    )
+    quantizer.process()
+    onnx.save(quantizer.model.model, out)
+    return str(out)
+
+
+def nbits_model(bits: int, zero_points: bool, k=72, n=40, block=32, seed=0):
+    """One MatMulNBits y = a W, its weight's values and zero points drawn at random and packed
+    here (low bits first): (the model, W [K, N] as numpy computes it)."""
+    rng = np.random.default_rng(seed)
+    blocks, per_byte = -(-k // block), 8 // bits
+
+    def packed(values):  # [N, m] -> [N, m / per_byte] uint8
+        padded = np.zeros((n, -(-values.shape[1] // per_byte) * per_byte), np.uint8)
+        padded[:, : values.shape[1]] = values
+        return np.bitwise_or.reduce([padded[:, i::per_byte] << (i * bits) for i in range(per_byte)]).astype(np.uint8)
+
+    values = rng.integers(0, 2**bits, (n, blocks * block)).astype(np.uint8)
+    scales = (rng.standard_normal((n, blocks)) * 0.1).astype(np.float32)
+    zero = rng.integers(0, 2**bits, (n, blocks)).astype(np.uint8) if zero_points else None
+    initializers = [
+        onnx.numpy_helper.from_array(packed(values).reshape(n, blocks, -1), "B"),
+        onnx.numpy_helper.from_array(scales.reshape(-1), "scales"),
+        *([onnx.numpy_helper.from_array(packed(zero).reshape(-1), "zero_points")] if zero_points else []),
+    ]
+    node = onnx.helper.make_node(
+        "MatMulNBits",
+        ["a", "B", "scales", *(["zero_points"] if zero_points else [])],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        accuracy_level=0,
+    )
+    graph = onnx.helper.make_graph(
+        [node],
+        "g",
+        [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["rows", k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["rows", n])],
+        initializers,
+    )
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("com.microsoft", 1)]
+    )
+    centre = zero.astype(np.float32)[..., None] if zero_points else 2.0 ** (bits - 1)
+    weight = ((values.reshape(n, blocks, block) - centre) * scales[..., None]).reshape(n, -1)[:, :k]
+    return model, weight.T
+
+
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matmul_nbits_is_evaluated_in_torch_as_onnxruntime_runs_it(bits, zero_points):
+    model, weight = nbits_model(bits, zero_points)
+    a = np.random.default_rng(1).standard_normal((3, weight.shape[0])).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, {"a": a})[0]
+    np.testing.assert_allclose(a @ weight, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    actual = TorchGraph(onnx_io.from_proto(model).graph, []).run({"a": a}, {})[0].numpy()
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def quantized_projection_model(layout: str, tmp_path) -> ir.Model:
+    """x [2, 64] -> a projection to 48 -> y (an output) and its Identity z (a reader): the
+    weight as MatMulNBits or a blocked DequantizeLinear of uint4 (onnxruntime's quantizer), or as
+    a DequantizeLinear of int8 under a MatMul or a Gemm (transB, alpha 0.5)."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 48)).astype(np.float32)
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 64])
+    outputs = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 48]) for name in "yz"]
+    gemm = layout == "qdq-gemm"
+    stored = weight.T if gemm else weight
+    if layout in ("int4", "qdq-int4"):
+        initializers, weight_name, nodes = [onnx.numpy_helper.from_array(stored, "W")], "W", []
+    else:
+        initializers = [
+            onnx.numpy_helper.from_array(np.round(stored / 0.05).clip(-127, 127).astype(np.int8), "Wq"),
+            onnx.numpy_helper.from_array(np.array(0.05, np.float32), "scale"),
+        ]
+        weight_name, nodes = "W", [onnx.helper.make_node("DequantizeLinear", ["Wq", "scale"], ["W"])]
+    attributes = {"transB": 1, "alpha": 0.5} if gemm else {}
+    nodes += [
+        onnx.helper.make_node("Gemm" if gemm else "MatMul", ["x", weight_name], ["y"], name="proj", **attributes),
+        onnx.helper.make_node("Identity", ["y"], ["z"]),
+    ]
+    graph = onnx.helper.make_graph(nodes, "g", [x], outputs, initializers)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    if layout in ("int4", "qdq-int4"):
+        onnx.save(model, tmp_path / "float.onnx")
+        model = onnx.load(int4_copy(tmp_path / "float.onnx", tmp_path / "int4.onnx", qdq=layout == "qdq-int4"))
+    return onnx_io.from_proto(model)
+
+
+def run_ir(model: ir.Model, feeds: dict, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> list[np.ndarray]:
+    """Outputs y and z."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options).run(["y", "z"], feeds)
+
+
+@pytest.mark.parametrize("layout", ["int4", "qdq-int4", "qdq-matmul", "qdq-gemm"])
+def test_an_adapter_beside_a_quantized_projection_adds_what_torch_trained(layout, tmp_path):
+    """The quantized weight is left as stored; y + (x A^T)(s B^T) reaches the graph output y
+    (same name) and the node that read y, and equals the torch evaluation with the adapter on
+    the projection (what fine-tuning trained)."""
+    model = quantized_projection_model(layout, tmp_path)
+    node = next(n for n in model.graph if n.op_type in ("MatMulNBits", "MatMul", "Gemm"))
+    projection = projection_of(node)
+    assert isinstance(projection, QuantizedProjection) and projection.shape == (64, 48)
+    adapter = finetune.LowRankAdapter(64, 48, 4, 8.0, seed=3)
+    with torch.no_grad():
+        adapter.up.copy_(torch.randn(48, 4, generator=torch.Generator().manual_seed(4)))
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    trained = TorchGraph(model.graph, []).run({"x": x}, {}, {node: adapter})[0].detach().numpy()
+    before = run_ir(model, {"x": x})
+    stored = {name: v.const_value.numpy().tobytes() for name, v in model.graph.initializers.items()}
+    add_beside(projection, *(t.detach().numpy() for t in adapter.factors()))
+    after = run_ir(model, {"x": x})
+    alpha = 0.5 if layout == "qdq-gemm" else 1.0
+    change = alpha * (x @ adapter.delta().detach().numpy())
+    for before_output, after_output in zip(before, after):
+        np.testing.assert_allclose(after_output, before_output + change, rtol=1e-5, atol=1e-5)
+    # the graph's own math: onnxruntime's optimizations compute a DequantizeLinear's MatMul with
+    # activations quantized to int8 (1% off here), which the torch evaluation does not
+    exact = run_ir(model, {"x": x}, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0]
+    np.testing.assert_allclose(exact, trained, rtol=1e-5, atol=1e-5 * np.abs(trained).max())
+    assert all(model.graph.initializers[name].const_value.numpy().tobytes() == b for name, b in stored.items())
+
+
+def op_types(model: onnx.ModelProto) -> set[str]:
+    """The op types a runtime meets: the graph's and its functions' nodes."""
+    return {n.op_type for n in model.graph.node} | {n.op_type for f in model.functions for n in f.node}
+
+
+@pytest.mark.parametrize(
+    "quantized", [qdq_copy, int4_copy, functools.partial(int4_copy, qdq=True)], ids=["qdq-int8", "int4", "qdq-int4"]
+)
+def test_a_quantized_decoder_is_finetuned_with_its_adapters_beside(decoder_exports, quantized, tmp_path, capsys):
+    spec = DECODERS["llama"]
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", spec, 16)
+    model = quantized(export.path, tmp_path / "quantized.onnx")
+    common = [model, "--to", "hedgehog", "-O", "window=4", "--calibrate", data, "--calibrate-steps", STEPS]
+    assert cli(capsys, *common, "-o", tmp_path / "calibrated.onnx")[0] == 0
+    code, _, err = cli(capsys, *common, "--finetune", STEPS, "--finetune-rank", 4, "-o", tmp_path / "tuned.onnx")
+    assert code == 0, err
+    assert "fine-tuning 8 adapters (rank 4, 8 of them beside quantized weights) on 2 sites" in err
+    tuned, calibrated = onnx.load(tmp_path / "tuned.onnx"), onnx.load(tmp_path / "calibrated.onnx")
+    entry = read_record(tuned)["finetune"]
+    assert entry["loss_after"] < entry["loss_before"]
+    assert [site["beside"] for site in entry["adapted"]] == [site["projections"] for site in entry["adapted"]]
+    # each projection gains MatMul, MatMul, Add; no op type the calibrated model's runtime lacks
+    added = [n for n in tuned.graph.node if "/adapter/" in n.name]
+    assert [n.op_type for n in added] == ["MatMul", "MatMul", "Add"] * 8
+    assert len(tuned.graph.node) == len(calibrated.graph.node) + len(added)
+    assert op_types(tuned) <= op_types(calibrated)
+    before, after = initializers(calibrated), initializers(tuned)
+    quantized = {i for n in calibrated.graph.node if n.op_type in ("DequantizeLinear", "MatMulNBits") for i in n.input}
+    assert quantized and all(after[name].tobytes() == before[name].tobytes() for name in quantized & before.keys())
+    ids = {k: v for k, v in np.load(data).items()}
+    logits = {name: session(m).run(["logits"], ids)[0] for name, m in (("calibrated", calibrated), ("tuned", tuned))}
+    assert not np.allclose(logits["calibrated"], logits["tuned"])
+
+
+def test_projections_quantizing_their_activations_are_refused_in_one_line(decoder_exports, tmp_path, capsys):
+    from onnxruntime.quantization import quantize_dynamic
+
     spec = DECODERS["llama"]
     export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
     data = save_tokens(tmp_path / "data.npz", spec, 8)
-    model = quantized_copy(export.path, tmp_path)
+    model = tmp_path / "dynamic.onnx"
+    quantize_dynamic(export.path, model)
     out = tmp_path / "out.onnx"
     code, _, err = cli(capsys, model, "--to", "hedgehog", "--calibrate", data, "--finetune", 2, "-o", out)
     assert code == 2 and not out.exists()
     assert err.startswith("attnrewrite: error: cannot fine-tune: the projection ") and err.count("\n") == 1
-    assert "is quantized (a DequantizeLinear weight), and adapters on quantized weights are not supported yet" in err
+    assert "quantizes its activations (MatMulInteger), and adapters beside integer MatMuls are not supported yet" in err
 
 
 def test_finetune_needs_the_calibration_data(decoder_exports, tmp_path, capsys):

@@ -374,16 +374,20 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["every-layer", "beside-a-sliding-window"])
-def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, hybrid, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "precision, hybrid",
+    [("fp32", False), ("fp32", True), ("int4", False)],
+    ids=["every-layer", "beside-a-sliding-window", "int4"],
+)
+def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, precision, hybrid, tmp_path, capsys):
     """--finetune evaluates the builder's graph in torch (its SimplifiedLayerNormalization and
     SkipSimplifiedLayerNormalization included; a sliding window's GroupQueryAttention left
-    alone too), puts adapters on each replaced layer's packed qkv and output projections, and
-    writes a folder genai generates from."""
+    alone too; at int4 its MatMulNBits, whose adapters stay beside them), puts adapters on each
+    replaced layer's packed qkv and output projections, and writes a folder genai generates from."""
     rng = np.random.default_rng(1)
     texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
-    source = builder("llama", "fp32")
+    source = builder("llama", precision)
     if hybrid:
         source = with_a_sliding_window_in_layer_0(source, tmp_path / "source")
     out = rewrite_to_folder(
@@ -391,10 +395,17 @@ def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, hybrid
         "--tokenizer", str(source / "tokenizer.json"), "--max-length", "48", "--finetune", "3",
     )  # fmt: skip
     layers = [1] if hybrid else [0, 1]
-    assert f"fine-tuning {2 * len(layers)} adapters (rank 8) on {len(layers)} sites" in capsys.readouterr().err
+    quantized = precision == "int4"
+    beside = f", {2 * len(layers)} of them beside quantized weights" if quantized else ""
+    adapters = f"fine-tuning {2 * len(layers)} adapters (rank 8{beside}) on {len(layers)} sites"
+    assert adapters in capsys.readouterr().err
     finetune = read_record(onnx.load(out / "model.onnx", load_external_data=False))["finetune"]
+    suffix = "MatMul_Q4" if quantized else "MatMul"
     assert [site["projections"] for site in finetune["adapted"]] == [
-        [f"/model/layers.{i}/attn/qkv_proj/MatMul", f"/model/layers.{i}/attn/o_proj/MatMul"] for i in layers
+        [f"/model/layers.{i}/attn/qkv_proj/{suffix}", f"/model/layers.{i}/attn/o_proj/{suffix}"] for i in layers
+    ]
+    assert [site["beside"] for site in finetune["adapted"]] == [
+        site["projections"] if quantized else [] for site in finetune["adapted"]
     ]
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 

@@ -12,7 +12,10 @@ the fine-tuned ones are kept only where they score better.
 
 Merging writes W + B A into each projection's weight in the weight's own dtype; a weight that
 any other node reads too (tied embeddings, a shared layer) is first copied for the projection,
-so the other reader keeps it as it was. The graph gains no node and no op type.
+so the other reader keeps it as it was. A weight stored quantized (MatMulNBits, a
+DequantizeLinear of integers) would round the change away: there the adapter stays beside the
+projection, y + (x A^T) (s B^T), two small MatMuls and an Add in the activations' dtype, ops
+every replacement's function already holds. Otherwise the graph gains no node.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import onnx_ir as ir
 from attnrewrite.data import split_batch
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.inputs import with_prefill_inputs
-from attnrewrite.onnx.projections import Projection, site_projections
+from attnrewrite.onnx.projections import Projection, QuantizedProjection, site_projections
 from attnrewrite.onnx.splice import unique_initializer_name
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
@@ -89,9 +92,15 @@ class Finetuning:
                 calibrated,
             )
         )
-        if held_out is None or held_out["kept"] == "fine-tuned":
+        undone = result.rejected_loss is not None  # the adapters are back at zero
+        if not undone and (held_out is None or held_out["kept"] == "fine-tuned"):
             for projection in projections:
-                merge(projection, adapters[projection.node].delta().detach().cpu().numpy())
+                adapter = adapters[projection.node]
+                if isinstance(projection, QuantizedProjection):
+                    down, up = (x.detach().cpu().numpy() for x in adapter.factors())
+                    add_beside(projection, down, up)
+                else:
+                    merge(projection, adapter.delta().detach().cpu().numpy())
         for site in sites:
             site.write_fitted()
         return calibration.report_finetune(
@@ -120,10 +129,42 @@ def merge(projection: Projection, delta: np.ndarray) -> None:
         weight.const_value = ir.tensor(merged, name=weight.name)
         return
     reader = _reader(projection)
-    name = unique_initializer_name(reader.graph, f"{projection.node.name}/weight")
-    copy = ir.Value(name=name, const_value=ir.tensor(merged, name=name))
-    reader.graph.register_initializer(copy)
+    copy = _initializer(reader.graph, f"{projection.node.name}/weight", merged)
     reader.replace_input_with(list(reader.inputs).index(weight), copy)
+
+
+def add_beside(projection: QuantizedProjection, down: np.ndarray, up: np.ndarray) -> None:
+    """The projection's output y becomes y + (x down) up for all that read it (down [in, rank],
+    up [rank, out] as x W_eff sees them; a Gemm's alpha scales up too), in x's dtype."""
+    node, graph = projection.node, projection.node.graph
+    x, y = node.inputs[0], node.outputs[0]
+    dtype = x.dtype.numpy() if x.dtype is not None else np.float32
+    readers = list(y.uses())
+    down = _initializer(graph, f"{node.name}/adapter/down", down.astype(dtype))
+    up = _initializer(graph, f"{node.name}/adapter/up", (up * _gemm_alpha(node)).astype(dtype))
+    low = ir.Node("", "MatMul", [x, down], name=f"{node.name}/adapter/MatMul_down", num_outputs=1)
+    change = ir.Node("", "MatMul", [low.outputs[0], up], name=f"{node.name}/adapter/MatMul_up", num_outputs=1)
+    total = ir.Node("", "Add", [y, change.outputs[0]], name=f"{node.name}/adapter/Add", num_outputs=1)
+    graph.insert_after(node, [low, change, total])
+    for reader, index in readers:
+        reader.replace_input_with(index, total.outputs[0])
+    if y.is_graph_output():  # the output keeps its name, now on the sum
+        position = list(graph.outputs).index(y)
+        name, y.name = y.name, f"{y.name}/before_adapter"
+        total.outputs[0].name = name
+        graph.outputs[position] = total.outputs[0]
+
+
+def _gemm_alpha(node: ir.Node) -> float:
+    attribute = node.attributes.get("alpha")
+    return 1.0 if node.op_type != "Gemm" or attribute is None else attribute.value
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    name = unique_initializer_name(graph, name)
+    value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
 
 
 def _reader(projection: Projection) -> ir.Node:
@@ -150,7 +191,15 @@ def _adapted_projections(sites: list) -> tuple[dict, list[dict]]:
 
 
 def _adapter_entries(adapted: dict, skipped: list[dict]) -> dict:
-    sites = [{"site": s.outcome.site.name, "projections": [p.node.name for p in ps]} for s, ps in adapted.items()]
+    """Each site's adapted projections, and of them those whose adapter stays beside (quantized)."""
+    sites = [
+        {
+            "site": site.outcome.site.name,
+            "projections": [p.node.name for p in projections],
+            "beside": [p.node.name for p in projections if isinstance(p, QuantizedProjection)],
+        }
+        for site, projections in adapted.items()
+    ]
     return {"adapted": sites, "not_adapted": skipped}
 
 

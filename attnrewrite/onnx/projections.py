@@ -8,8 +8,9 @@ repeat) and takes the nearest MatMul whose second input is a weight: an initiali
 Transpose of one. A MatMul that reads two activations (q k^T of an earlier site, rotary's
 frequencies times positions) is not a projection and is walked through. Downstream from the
 output it crosses only layout (transposes, reshapes, casts) to the first such MatMul.
-A quantized projection (MatMulNBits, an integer MatMul, a weight behind DequantizeLinear) is
-refused: adapters there would need their own MatMuls.
+A projection whose weight is stored quantized (MatMulNBits, or a MatMul of a DequantizeLinear
+weight) is a QuantizedProjection: its adapter stays beside it. A MatMul that quantizes its
+activations too (MatMulInteger, QLinearMatMul, ...) is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import onnx_ir as ir
 from attnrewrite.passes.finetune import Quantized, Unadaptable
 
 PROJECTIONS = ("MatMul", "Gemm")
-QUANTIZED = {"MatMulNBits", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"}
+INTEGER_ACTIVATIONS = {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"}
 LAYOUT = {"Transpose", "Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "CastLike"}
 UPSTREAM_DEPTH = 16  # nodes between a projection and the attention's q, k or v, at most
 # ops whose other inputs are sizes, axes or indices: only their first input carries activations
@@ -48,22 +49,32 @@ class Projection:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantizedProjection:
+    """A projection ``node`` computing x W_eff, W_eff [in, out] = ``shape``, whose weight is
+    stored quantized: merging a low-rank change into it would round the change away, so its
+    adapter stays beside it."""
+
+    node: ir.Node
+    shape: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class SiteProjections:
     """The distinct projections making a site's q, k and v (one when they are packed) and the
     one its output goes into (None: none was found)."""
 
-    inputs: tuple[Projection, ...]
-    output: Projection | None
+    inputs: tuple[Projection | QuantizedProjection, ...]
+    output: Projection | QuantizedProjection | None
 
     @property
-    def all(self) -> tuple[Projection, ...]:
+    def all(self) -> tuple[Projection | QuantizedProjection, ...]:
         return (*self.inputs, *(() if self.output is None else (self.output,)))
 
 
 def site_projections(call: ir.Node) -> SiteProjections:
     """The projections of the replacement node ``call`` (inputs q, k, v, ...); Unadaptable with
     the reason where q, k or v comes from none."""
-    found: dict[int, Projection] = {}
+    found: dict[int, Projection | QuantizedProjection] = {}
     for role, value in zip("qkv", call.inputs[:3]):
         projection = _upstream(value)
         if projection is None:
@@ -72,7 +83,7 @@ def site_projections(call: ir.Node) -> SiteProjections:
     return SiteProjections(tuple(found.values()), _downstream(call.outputs[0]))
 
 
-def _upstream(value: ir.Value) -> Projection | None:
+def _upstream(value: ir.Value) -> Projection | QuantizedProjection | None:
     """The nearest projection upstream of ``value`` (breadth first over the activations)."""
     frontier, seen = [value], set()
     for _ in range(UPSTREAM_DEPTH):
@@ -82,7 +93,7 @@ def _upstream(value: ir.Value) -> Projection | None:
             if node is None or id(node) in seen or node.domain == "attnrewrite" or node.op_type in SHAPES:
                 continue
             seen.add(id(node))
-            projection = _projection(node)
+            projection = projection_of(node)
             if projection is not None:
                 return projection
             following += [v for v in _activations(node) if v is not None and not _is_constant(v)]
@@ -99,7 +110,7 @@ def _activations(node: ir.Node) -> list:
     return list(node.inputs)
 
 
-def _downstream(value: ir.Value) -> Projection | None:
+def _downstream(value: ir.Value) -> Projection | QuantizedProjection | None:
     """The first projection ``value`` reaches through layout alone."""
     frontier = [value]
     for _ in range(DOWNSTREAM_DEPTH):
@@ -107,7 +118,7 @@ def _downstream(value: ir.Value) -> Projection | None:
         for current in frontier:
             for use in current.uses():
                 node = use.node
-                projection = _projection(node) if use.idx == 0 else None
+                projection = projection_of(node) if use.idx == 0 else None
                 if projection is not None:
                     return projection
                 if node.op_type in LAYOUT:
@@ -116,18 +127,26 @@ def _downstream(value: ir.Value) -> Projection | None:
     return None
 
 
-def _projection(node: ir.Node) -> Projection | None:
-    """``node`` as a projection of its first input, or None; Unadaptable if it is a quantized one."""
-    if node.op_type in QUANTIZED or (node.op_type in PROJECTIONS and _dequantized(node.inputs[1])):
-        how = node.op_type if node.op_type in QUANTIZED else "a DequantizeLinear weight"
+def projection_of(node: ir.Node) -> Projection | QuantizedProjection | None:
+    """``node`` as a projection of its first input, or None; Quantized if it quantizes its
+    activations too."""
+    if node.op_type in INTEGER_ACTIVATIONS:
         raise Quantized(
-            f"the projection {node.name!r} is quantized ({how}), and adapters on quantized weights are not supported yet"
+            f"the projection {node.name!r} quantizes its activations ({node.op_type}), and adapters "
+            "beside integer MatMuls are not supported yet"
         )
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        return QuantizedProjection(node, (_attribute(node, "K"), _attribute(node, "N")))
     if node.op_type not in PROJECTIONS or len(node.inputs) < 2 or _is_constant(node.inputs[0]):
         return None
     if node.op_type == "Gemm" and _attribute(node, "transA"):
         return None
     weight, transposed = node.inputs[1], bool(node.op_type == "Gemm" and _attribute(node, "transB"))
+    stored = _dequantized_weight(weight)
+    if stored is not None:
+        rows, columns = stored.shape
+        shape = (columns, rows) if transposed else (rows, columns)
+        return QuantizedProjection(node, shape)
     producer = weight.producer()
     if producer is not None and producer.op_type == "Transpose" and _attribute(producer, "perm", [1, 0]) == [1, 0]:
         if len(producer.outputs[0].uses()) != 1:  # merging must not change the other readers of the transpose
@@ -138,9 +157,15 @@ def _projection(node: ir.Node) -> Projection | None:
     return Projection(node, weight, transposed)
 
 
-def _dequantized(value: ir.Value) -> bool:
+def _dequantized_weight(value: ir.Value):
+    """The quantized initializer [rows, columns] a DequantizeLinear makes ``value`` of, or None."""
     producer = value.producer()
-    return producer is not None and producer.op_type == "DequantizeLinear"
+    if producer is None or producer.op_type != "DequantizeLinear":
+        return None
+    stored = producer.inputs[0]
+    if not stored.is_initializer() or stored.const_value is None or len(stored.const_value.shape) != 2:
+        return None
+    return stored.const_value
 
 
 def _is_constant(value: ir.Value) -> bool:

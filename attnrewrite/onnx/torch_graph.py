@@ -35,18 +35,40 @@ class TorchGraph:
             for value in graph.initializers.values()
             if value.const_value is not None
         }
+        self.dequantized: set[ir.Node] = set()  # DequantizeLinear nodes whose output is a constant now
+        self.nbits_weights: dict[ir.Node, torch.Tensor] = {}  # MatMulNBits -> its weight [K, N]
+        self._dequantize_weights_once()
         self.spent = _spent_after(graph)
         # what is fitted on: the model's outputs, not the states a recurrent replacement returns
         self.outputs = [
             v for v in graph.outputs if not (v.name.startswith("present.") and v.name.endswith(STATE_NAMES))
         ]
 
+    def _dequantize_weights_once(self) -> None:
+        """Quantized weights are frozen (fine-tuning's adapters go beside them), so each is
+        dequantized here once: a DequantizeLinear of initializers becomes a constant, and a
+        MatMulNBits keeps its weight as a float [K, N]."""
+        for node in self.graph:
+            inputs = [None if v is None else self.constants.get(v.name) for v in node.inputs]
+            if any(v is not None and x is None for v, x in zip(node.inputs[1:], inputs[1:])):
+                continue  # a weight, scale or zero point that is computed
+            if node.op_type == "DequantizeLinear" and inputs[0] is not None:
+                self.constants[node.outputs[0].name] = _dequantize_linear(node, *inputs)
+                self.dequantized.add(node)
+            elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+                self.nbits_weights[node] = _nbits_weight(node, *inputs[1:4])
+
+    def _evaluate(self, node: ir.Node, inputs: list):
+        if node in self.nbits_weights:
+            return _with_bias(inputs[0] @ self.nbits_weights[node], *inputs[5:6])
+        return _evaluation(node)(node, *inputs)
+
     def run(
         self, feeds: dict[str, np.ndarray], stand_ins: dict[ir.Node, object], adapters: dict | None = None
     ) -> list[torch.Tensor]:
         """The graph's floating-point outputs on ``feeds``, ``stand_ins[call](q, k, v,
         key_keep)`` computing each replacement, and ``adapters[node](x)`` added to the product of
-        each projection (MatMul, or Gemm without transA) it names, scaled as the product is."""
+        each projection (MatMul, MatMulNBits, or Gemm without transA) it names, scaled as the product is."""
         with self.device:  # where the ops' own tensors (shapes, ranges, constants) are made
             return self._run(feeds, stand_ins, adapters or {})
 
@@ -57,10 +79,12 @@ class TorchGraph:
             inputs = [values[v.name] if v is not None and v.name in values else None for v in node.inputs]
             if node not in stand_ins and any(v is not None and x is None for v, x in zip(node.inputs, inputs)):
                 continue  # reads a recurrent replacement's state, which a stand-in does not return
+            if node in self.dequantized:
+                continue
             if node in stand_ins:
                 outputs = [stand_ins[node](*with_query_heads(*inputs[:4]))]
             else:
-                outputs = _evaluation(node)(node, *inputs)
+                outputs = self._evaluate(node, inputs)
                 if node in adapters:
                     outputs = outputs + _attr(node, "alpha", 1.0) * adapters[node](inputs[0]).to(outputs.dtype)
                 outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -118,6 +142,8 @@ def _unimplemented_setting(node: ir.Node) -> str | None:
         return "reduces"
     if node.op_type == "Conv" and _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return "pads automatically"
+    if node.op_type == "MatMulNBits":
+        return _unimplemented_nbits(node)
     if node.op_type == "GroupQueryAttention":
         given = [name for name, v in zip(_GQA_UNEVALUATED, node.inputs[9:]) if v is not None]
         if given:
@@ -130,7 +156,10 @@ _GQA_UNEVALUATED = ("position_ids", "attention_bias", "head_sink")
 
 
 def _tensor(array) -> torch.Tensor:
-    return torch.from_numpy(np.array(array, copy=True))  # a copy: the graph's arrays stay read-only
+    array = np.array(array, copy=True)  # a copy: the graph's arrays stay read-only
+    if array.dtype.name in ("int4", "uint4"):  # ml_dtypes' (a QDQ int4 weight): torch has none
+        array = array.astype(np.int8 if array.dtype.name == "int4" else np.uint8)
+    return torch.from_numpy(array)
 
 
 def _attr(node: ir.Node, name: str, default=None):
@@ -360,6 +389,63 @@ def _elementwise(function):
     return lambda node, *xs: function(*xs)
 
 
+# --- quantized weights ---------------------------------------------------------------------------
+
+
+def _dequantize_linear(node, x, scale, zero_point=None):
+    """(x - zero point) * scale in the scale's dtype: one scale, one per index along ``axis``,
+    or one per ``block_size`` consecutive indices along it."""
+    axis, block = _attr(node, "axis", 1) % max(x.dim(), 1), _attr(node, "block_size", 0)
+
+    def spread(t):  # t over x's elements
+        if block:
+            return t.repeat_interleave(block, dim=axis).narrow(axis, 0, x.shape[axis])
+        return t.reshape([-1 if i == axis else 1 for i in range(x.dim())]) if t.numel() > 1 else t
+
+    centred = x.float() if zero_point is None else x.float() - spread(zero_point.float())
+    return (centred * spread(scale.float())).to(scale.dtype)
+
+
+def _unimplemented_nbits(node: ir.Node) -> str | None:
+    if _attr(node, "bits", 4) not in (2, 4, 8):
+        return f"has {_attr(node, 'bits')}-bit weights"
+    if len(node.inputs) > 4 and node.inputs[4] is not None:
+        return "reorders its weight's rows (g_idx)"
+    zero_points = node.inputs[3] if len(node.inputs) > 3 else None
+    if zero_points is not None and zero_points.dtype not in (None, ir.DataType.UINT8):
+        return "has floating-point zero points"
+    return None
+
+
+def _unpacked(packed, bits: int):
+    """[rows, bytes] uint8 -> [rows, bytes * 8 / bits]: each byte's values, its low bits first."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(packed.shape[0], -1)
+
+
+def _nbits_weight(node, packed, scales, zero_points=None):
+    """MatMulNBits' weight as x W takes it, [K, N] in the scales' dtype: each of its N rows'
+    K values in blocks of ``block_size``, minus the block's zero point (2^(bits - 1) where
+    none is given), times the block's scale."""
+    bits, block, k, n = _attr(node, "bits", 4), _attr(node, "block_size"), _attr(node, "K"), _attr(node, "N")
+    blocks = -(-k // block)
+    values = _unpacked(packed.reshape(n, -1), bits)[:, : blocks * block].reshape(n, blocks, block).float()
+    if zero_points is None:
+        zero = torch.full((n, blocks, 1), float(2 ** (bits - 1)), device=values.device)
+    else:
+        zero = _unpacked(zero_points.reshape(n, -1), bits)[:, :blocks].float().unsqueeze(-1)
+    weight = ((values - zero) * scales.float().reshape(n, blocks, 1)).reshape(n, -1)[:, :k]
+    return weight.T.to(scales.dtype)
+
+
+def _with_bias(product, bias=None):
+    return product if bias is None else product + bias
+
+
+def _matmul_nbits(node, a, packed, scales, zero_points=None, g_idx=None, bias=None):
+    return _with_bias(a @ _nbits_weight(node, packed, scales, zero_points), bias)
+
+
 OPS = {
     "Add": _elementwise(torch.add),
     "Sub": _elementwise(torch.sub),
@@ -401,6 +487,7 @@ OPS = {
     "IsInf": _elementwise(torch.isinf),
     "Where": _elementwise(lambda c, a, b: torch.where(c.bool(), a, b)),
     "MatMul": _elementwise(torch.matmul),
+    "DequantizeLinear": _dequantize_linear,
     "Gemm": _gemm,
     "Cast": lambda node, x: x.to(_dtype(_attr(node, "to"))),
     "CastLike": lambda node, x, like: x.to(like.dtype),
@@ -505,6 +592,7 @@ def _rotated(x, cos, sin, interleaved: bool):
 CONTRIB_OPS = {
     "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
     "GroupQueryAttention": _group_query_attention,
+    "MatMulNBits": _matmul_nbits,
 }
 
 

@@ -55,7 +55,7 @@ class Unadaptable(Exception):
 
 
 class Quantized(Unadaptable):
-    """A projection whose weight is quantized: adapters would need projections of their own."""
+    """A quantized projection that takes no adapter, merged or beside: the whole stage is refused."""
 
 
 class LowRankAdapter(Module):
@@ -77,6 +77,10 @@ class LowRankAdapter(Module):
     def delta(self):
         """[in, out]: what merging adds to W."""
         return (self.down.T @ self.up.T) * self.scaling
+
+    def factors(self):
+        """(A^T [in, rank], s B^T [rank, out]): the change as two products, x A^T then that s B^T."""
+        return self.down.T, self.up.T * self.scaling
 
     def extra_repr(self) -> str:
         rank, in_features = self.down.shape
