@@ -382,7 +382,7 @@ def test_a_builder_model_is_calibrated_and_checked_as_it_generates(builder, tmp_
 def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, precision, hybrid, tmp_path, capsys):
     """--finetune evaluates the builder's graph in torch (its SimplifiedLayerNormalization and
     SkipSimplifiedLayerNormalization included; a sliding window's GroupQueryAttention left
-    alone too; at int4 its MatMulNBits, whose adapters stay beside them), puts adapters on each
+    alone too; at int4 its MatMulNBits, beside which adapters are written), puts adapters on each
     replaced layer's packed qkv and output projections, and writes a folder genai generates from."""
     rng = np.random.default_rng(1)
     texts = [" ".join(f"w{i}" for i in rng.integers(3, 256, rng.integers(20, 60))) for _ in range(24)]
@@ -407,6 +407,11 @@ def test_a_builder_model_is_fine_tuned_on_its_packed_projections(builder, precis
     assert [site["beside"] for site in finetune["adapted"]] == [
         site["projections"] if quantized else [] for site in finetune["adapted"]
     ]
+    # an adapter beside is three nodes, written only where the fine-tuned values are kept
+    kept = finetune["held_out"]["kept"] == "fine-tuned" and "kept_unfitted" not in finetune
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    added = [n for n in model.graph.node if "/adapter/" in n.name]
+    assert len(added) == (3 * 2 * len(layers) if quantized and kept else 0)
     assert genai_tokens(out) == padded_to(our_tokens(out), NEW_TOKENS, 0)
 
 
