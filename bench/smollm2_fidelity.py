@@ -76,6 +76,11 @@ def prepare(cache: Path, calibration_texts: int, log=print) -> Path:
     return cache
 
 
+def calibration_texts(cache: Path) -> int:
+    """The texts the calibration file holds (corpus.py's set may be smaller than asked for)."""
+    return sum(1 for line in (cache / CALIBRATION).read_text().splitlines() if line.strip())
+
+
 def save_plain_folder(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     results["figures"].update({key: value for key, value in figures.items() if key != "original"})
     results["setup"] = (
         f"{len(passages)} held-out passages of up to {LENGTH} tokens ({sum(map(len, passages))} tokens, "
-        f"bench/corpus.py's held-out sources); calibration on {args.calibration_texts} texts of the others"
+        f"bench/corpus.py's held-out sources); calibration on the {calibration_texts(cache)} texts of the others "
+        f"in {CALIBRATION} (the CLI packs them to {LENGTH} tokens)"
     )
     results["date"], results["machine"] = datetime.date.today().isoformat(), fidelity.machine()
     args.json.write_text(json.dumps(results, indent=2) + "\n")
