@@ -76,8 +76,9 @@ def prepare(cache: Path, calibration_texts: int, log=print) -> Path:
     return cache
 
 
-def calibration_texts(cache: Path) -> int:
-    """The texts the calibration file holds (corpus.py's set may be smaller than asked for)."""
+def texts_in_calibration_file(cache: Path) -> int:
+    """The texts the CLI calibrates on: the calibration file's non-empty lines (corpus.py's set
+    may hold fewer than --calibration-texts asks for)."""
     return sum(1 for line in (cache / CALIBRATION).read_text().splitlines() if line.strip())
 
 
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     results["figures"].update({key: value for key, value in figures.items() if key != "original"})
     results["setup"] = (
         f"{len(passages)} held-out passages of up to {LENGTH} tokens ({sum(map(len, passages))} tokens, "
-        f"bench/corpus.py's held-out sources); calibration on the {calibration_texts(cache)} texts of the others "
+        f"bench/corpus.py's held-out sources); calibration on the {texts_in_calibration_file(cache)} texts of the others "
         f"in {CALIBRATION} (the CLI packs them to {LENGTH} tokens)"
     )
     results["date"], results["machine"] = datetime.date.today().isoformat(), fidelity.machine()
