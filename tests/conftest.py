@@ -41,9 +41,19 @@ def _options_with_threads(options: type, threads: int) -> type:
     return WorkerSessionOptions
 
 
+def shared_folder(tmp_path_factory, name: str):
+    """A folder every test worker of this run sees (xdist: beside the workers' own temporary
+    folders), so that an export made by one is read by the others (models.export_once)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp(name)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory) -> ExportCache:
-    return ExportCache(tmp_path_factory.mktemp("exports"))
+    return ExportCache(shared_folder(tmp_path_factory, "exports"))
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +87,7 @@ def exported(exports: ExportCache, name: str, exporter: str, dynamic: bool = Tru
 @pytest.fixture(scope="session")
 def decoder_exports(tmp_path_factory) -> DecoderCache:
     """tests/decoders.py's generation exports (KV cache and no cache), once per session."""
-    return DecoderCache(tmp_path_factory.mktemp("decoders"))
+    return DecoderCache(shared_folder(tmp_path_factory, "decoders"))
 
 
 def decoder_exported(exports: DecoderCache, name: str, exporter: str, cache: bool = True) -> DecoderExport:

@@ -407,12 +407,14 @@ class DecoderCache:
         return self._models[name]
 
     def get(self, name: str, exporter: str, cache: bool = True) -> DecoderExport:
-        def export() -> DecoderExport:
-            path = self.folder / f"{name}-{exporter}{'-kv' if cache else ''}.onnx"
-            export_decoder(DECODERS[name], self.model(name), path, exporter, cache)
+        path = self.folder / f"{name}-{exporter}{'-kv' if cache else ''}.onnx"
+
+        def export(reuse: bool) -> DecoderExport:
+            if not reuse:
+                export_decoder(DECODERS[name], self.model(name), path, exporter, cache)
             return DecoderExport(DECODERS[name], self.model(name), path, exporter, cache)
 
-        return export_once(self._exports, (name, exporter, cache), export)
+        return export_once(self._exports, (name, exporter, cache), export, path)
 
 
 def run(

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import filelock
 import numpy as np
 import onnx
 import onnx.numpy_helper
@@ -1332,24 +1333,38 @@ class Export:
         return self.spec.inputs(EXPORT_BATCH + 1, EXPORT_SEQ + 3) if self.dynamic else self.spec.inputs()
 
 
-def export_once(exports: dict, key: tuple, export):
-    """``export()`` the first time ``key`` is asked for; later, what it gave then: the export, or
-    the same ExportUnsupported raised again (an exporter that cannot handle a model costs one
-    attempt per session)."""
+def export_once(exports: dict, key: tuple, export, path: Path):
+    """``export()`` (which writes ``path``) the first time ``key`` is asked for; later, what it
+    gave then: the export, or the same ExportUnsupported raised again (an exporter that cannot
+    handle a model costs one attempt per session). ``path`` may be shared by processes (the
+    test workers): the first to ask exports under a lock, the others wait for its file, or its
+    reason when the exporter failed, and build only the seeded module."""
     if key not in exports:
-        try:
-            exports[key] = export()
-        except ExportUnsupported as reason:
-            exports[key] = reason
+        exports[key] = _exported_by_one_process(export, path)
     result = exports[key]
     if isinstance(result, ExportUnsupported):
         raise result
     return result
 
 
+def _exported_by_one_process(export, path: Path):
+    """export() where no process has written ``path`` yet; where one has, the same result
+    without exporting: export() is then called with the file already there (``reuse``)."""
+    refused = path.with_name(path.name + ".unsupported")
+    with filelock.FileLock(path.with_name(path.name + ".lock")):
+        if refused.exists():
+            return ExportUnsupported(refused.read_text())
+        try:
+            return export(reuse=path.exists())
+        except ExportUnsupported as reason:
+            refused.write_text(str(reason))
+            return reason
+
+
 class ExportCache:
     """Builds each model once and exports it once per (exporter, dynamic); failures are cached
-    too, so a model an exporter cannot handle costs one attempt per session."""
+    too, so a model an exporter cannot handle costs one attempt per session. In a folder the
+    test workers share, one export serves them all (export_once)."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
@@ -1362,12 +1377,14 @@ class ExportCache:
         return self._modules[name]
 
     def get(self, name: str, exporter: str, dynamic: bool = True) -> Export:
-        def export() -> Export:
-            path = self.folder / f"{name}-{exporter}{'' if dynamic else '-static'}.onnx"
-            export_onnx(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
+        path = self.folder / f"{name}-{exporter}{'' if dynamic else '-static'}.onnx"
+
+        def export(reuse: bool) -> Export:
+            if not reuse:
+                export_onnx(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
             return Export(ALL_MODELS[name], self.module(name), path, exporter, dynamic)
 
-        return export_once(self._exports, (name, exporter, dynamic), export)
+        return export_once(self._exports, (name, exporter, dynamic), export, path)
 
 
 # --- the benchmark scripts' modules ---------------------------------------------------------------

@@ -42,7 +42,15 @@ from attnrewrite.passes import feature_sums, recurrent
 from attnrewrite.passes.feature_sums import TINY
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import sequence_sum_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.lowering import (
+    ATTNREWRITE,
+    FLOAT,
+    OnnxLowering,
+    built_once,
+    standard_opset,
+    weighted,
+    with_callees,
+)
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.passes.recurrent import RecurrentLowering
@@ -177,6 +185,7 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
 # --- ONNX ------------------------------------------------------------------------------------
 
 
+@built_once
 def gate_function(opset_version: int):
     """Gate(q, gate_scale, gate_bias): sigmoid(gate_scale * q + gate_bias), float32."""
     op = standard_opset(opset_version)
@@ -188,6 +197,7 @@ def gate_function(opset_version: int):
     return Gate
 
 
+@built_once
 def _band_functions(op, span: int, causal: bool):
     """(BandMatrix(position_bias), BandSums(x, band)) as band_matrix and band_sums."""
     index, valid = band_layout(span, causal)

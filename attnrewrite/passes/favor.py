@@ -59,7 +59,15 @@ from attnrewrite.passes.kernel.parallel import (
 )
 from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
 from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.lowering import (
+    ATTNREWRITE,
+    FLOAT,
+    OnnxLowering,
+    built_once,
+    standard_opset,
+    weighted,
+    with_callees,
+)
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -342,6 +350,7 @@ def onnx_constants(site: AttentionSite, options: Options, weights: dict | None =
     return weighted(constants, weights)
 
 
+@built_once
 def _log_features_functions(op, variant: str):
     """(project, LogFeatures): w.x per feature (PositiveProjection, or HyperbolicProjection's
     +w.x and -w.x halves), and as log_features, log phi(x) + log sqrt(m) = w.x - |x|^2/2."""
@@ -370,6 +379,7 @@ def _log_features_functions(op, variant: str):
     return project, LogFeatures, HalfSquare
 
 
+@built_once
 def _query_features_function(op, norm: float):
     """FavorQueryFeatures(log_phi), as query_features: the queries' features over their row max."""
 
@@ -381,6 +391,7 @@ def _query_features_function(op, norm: float):
     return FavorQueryFeatures
 
 
+@built_once
 def _head_key_features_function(op, norm: float, masked: bool):
     """FavorKeyFeatures, or FavorAllKeyFeatures where every key is kept, as key_features: the
     bidirectional keys' features over their stabiliser, the max over a head's kept keys and
@@ -414,6 +425,7 @@ def _head_key_features_function(op, norm: float, masked: bool):
     return FavorKeyFeatures if masked else FavorAllKeyFeatures
 
 
+@built_once
 def _causal_key_features_function(op, norm: float, masked: bool):
     """FavorCausalKeyFeatures, or FavorCausalAllKeyFeatures where every key is kept, as
     causal_key_features: each key's features over its own max, and that max as its log scale."""
@@ -434,6 +446,7 @@ def _causal_key_features_function(op, norm: float, masked: bool):
     return FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
 
 
+@built_once
 def _window_features_function(op, norm: float, causal: bool, project, half_square):
     """FavorWindowFeatures(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
     scale) of q and k (scaled, in the window's rows), as query_features, key_features and
@@ -479,6 +492,7 @@ def _window_features_function(op, norm: float, causal: bool, project, half_squar
     return FavorCausalWindowFeatures if causal else FavorWindowFeatures
 
 
+@built_once
 def _favor_features_function(op, root_scale: float, project, log_features, query_features):
     """FavorFeatures(q, k, projection): the queries' features and the keys' log features."""
 
@@ -495,6 +509,7 @@ def _favor_features_function(op, root_scale: float, project, log_features, query
     return FavorFeatures
 
 
+@built_once
 def _favor_function(opset_version: int, favor_features, key_features):
     """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernel.parallel.linear_attention)."""
     op = standard_opset(opset_version)
@@ -512,6 +527,7 @@ def _favor_function(opset_version: int, favor_features, key_features):
     return Favor
 
 
+@built_once
 def _causal_favor_function(opset_version: int, chunk: int, favor_features, causal_key_features):
     """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
     (kernel.parallel.causal_rescaled_linear_attention)."""

@@ -22,7 +22,7 @@ from onnxscript import script
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import fitted_heads
-from attnrewrite.passes.lowering import ATTNREWRITE, standard_opset
+from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset
 from attnrewrite.passes.optional_torch import torch
 
 LOWEST = LOWEST_LOG_SCALE  # a padded key's logit
@@ -68,6 +68,7 @@ def causal_feature_sums(x, chunk: int):
 # --- ONNX ------------------------------------------------------------------------------------
 
 
+@built_once
 def masked_logits_function(opset_version: int, key_padding: bool):
     """MaskedLogits(logits, key_keep) as masked_logits; AllLogits (no select) without key padding."""
     op = standard_opset(opset_version)
@@ -83,6 +84,7 @@ def masked_logits_function(opset_version: int, key_padding: bool):
     return MaskedLogits if key_padding else AllLogits
 
 
+@built_once
 def reference_function(opset_version: int):
     """Reference(masked): reference() without a past."""
     op = standard_opset(opset_version)
@@ -94,6 +96,7 @@ def reference_function(opset_version: int):
     return Reference
 
 
+@built_once
 def causal_feature_sums_function(opset_version: int, chunk: int):
     """CausalFeatureSums(x): causal_feature_sums of x [..., N, F] (float32), no CumSum."""
     op = standard_opset(opset_version)

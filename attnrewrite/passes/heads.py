@@ -33,6 +33,7 @@ from attnrewrite.passes.lowering import (
     FLOAT,
     FunctionNodes,
     OnnxLowering,
+    built_once,
     make_function,
     standard_opset,
     with_callees,
@@ -252,6 +253,7 @@ def _entry_function(inner: OnnxLowering, softmax: str, opset_version: int):
     return make_function(f"ExactHeads{inner.op_type}", inputs, ["out"], body.nodes, opset_version)
 
 
+@built_once
 def _heads_of_keep_function(op):
     """ExactHeadsKeep(key_keep, heads): key_keep ([..., Nk, 1], of any rank) as [B, h, Nk, 1]
     for the heads ``heads``: a mask shared by the heads (head axis 1) is the same for all."""
@@ -268,6 +270,7 @@ def _heads_of_keep_function(op):
     return ExactHeadsKeep
 
 
+@built_once
 def _hidden_keys_function(op, causal: bool):
     """(logits, keep) -> where a query may not look, broadcastable to [B, h, Nq, Nk]: padded keys
     (ExactHeadsPadded) and on a causal site the keys after the query too (ExactHeadsPaddedOrLater;
@@ -295,6 +298,7 @@ def _hidden_keys_function(op, causal: bool):
     return ExactHeadsPaddedOrLater
 
 
+@built_once
 def _exact_softmax_function(op, scale: float, hidden_keys):
     """ExactHeadsSoftmax(q, k, v, keep): softmax(scale q k^T, hidden keys left out) v in float32."""
 

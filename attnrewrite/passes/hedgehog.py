@@ -41,7 +41,15 @@ from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions, linear_attention_functions
 from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
 from attnrewrite.passes.layout import fitted_heads, flatten_heads_function, key_mask_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.lowering import (
+    ATTNREWRITE,
+    FLOAT,
+    OnnxLowering,
+    built_once,
+    standard_opset,
+    weighted,
+    with_callees,
+)
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -274,6 +282,7 @@ def onnx_constants(site: AttentionSite, options: Options, weights: dict | None =
     return weighted(initial_values(site, options), weights)
 
 
+@built_once
 def _features_function(op, root_scale: float):
     """HedgehogFeatures(x, weight, bias), as HedgehogAttention.features."""
 
@@ -286,6 +295,7 @@ def _features_function(op, root_scale: float):
     return HedgehogFeatures
 
 
+@built_once
 def _log_scale_functions(op, root_scale: float):
     """(HedgehogLogScale, HedgehogKeyLogScale), as HedgehogAttention.log_scales."""
 

@@ -30,7 +30,7 @@ from attnrewrite.passes.kernel.query_key_maps import (
     with_learned_entry,
 )
 from attnrewrite.passes.layout import key_mask_function, sequence_sum_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, with_callees
 from attnrewrite.passes.optional_torch import Module
 from attnrewrite.passes.options import UNUSED_SEED, Above, AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
@@ -178,6 +178,7 @@ def _plain_functions(site: AttentionSite, options: Options, opset_version: int) 
     return [*(f.to_function_proto() for f in callees), proto]
 
 
+@built_once
 def _prefix_feature_sum_function(op, opset_version: int):
     """PrefixFeatureSum(x): the causal fold, with every CumSum axis bounded by CAUSAL_CHUNK."""
     prefix_sum = exclusive_prefix_sum_function(opset_version)

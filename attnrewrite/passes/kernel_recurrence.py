@@ -52,6 +52,7 @@ from attnrewrite.passes.lowering import (
     MICROSOFT,
     TO_THE_END,
     FunctionNodes,
+    built_once,
     make_function,
     standard_opset,
     with_callees,
@@ -731,6 +732,7 @@ class _Glue:
             b.output(name, value)
 
 
+@built_once
 def _sinks_after_function(opset_version: int):
     """SinksAfter(sink_x, x, position): the sinks [..., sinks, F] with those among the new rows
     x [..., N, F] (positions position .. position + N - 1, position [1]) filled in."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from onnx import helper
 from onnxscript import script
 
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, standard_opset
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, built_once, standard_opset
 
 
 def expand_to_query_heads(x, q):
@@ -32,6 +32,7 @@ def fitted_heads(site) -> int:
     return site.num_heads if site.rank == 4 and site.num_heads is not None else 1
 
 
+@built_once
 def flatten_heads_function(opset_version: int):
     """FlattenHeads(x): [..., N, F] -> [G, N, F] float32, the rank the kernels are written for.
     Every pass flattens with this one body, so passes sharing a model share one function."""
@@ -46,6 +47,7 @@ def flatten_heads_function(opset_version: int):
     return FlattenHeads
 
 
+@built_once
 def key_keep_function(opset_version: int):
     """KeyKeep(key_keep, k): the splice's key_keep expanded and flattened as FlattenHeads(k)."""
     op = standard_opset(opset_version)
@@ -60,6 +62,7 @@ def key_keep_function(opset_version: int):
     return KeyKeep
 
 
+@built_once
 def key_mask_function(opset_version: int, key_padding: bool):
     """KeptKeys(features, key_keep): the keys' features zeroed on padding, or, for a site
     without key padding (key_keep all ones), AllKeys: the features as they are, not a
@@ -80,6 +83,7 @@ def key_mask_function(opset_version: int, key_padding: bool):
 _ONE_FLOAT = helper.make_tensor("one", FLOAT, [1], [1.0])
 
 
+@built_once
 def sequence_sum_function(opset_version: int):
     """SequenceSum(x): [..., N, F] -> [..., 1, F], the sum over positions as a product with a
     row of ones: GEMM speed whatever the layout (a reduction over a middle axis is strided on

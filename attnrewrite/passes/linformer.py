@@ -40,7 +40,7 @@ from onnxscript import script
 
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.layout import flatten_heads_function, key_keep_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.site import AttentionSite
@@ -198,6 +198,7 @@ def nothing_to_fit(options: Options) -> str | None:
 # site of a model; the variants (pool, shared E = F) are separate functions.
 
 
+@built_once
 def _low_rank_functions(op, key_padding: bool, pooled: bool):
     """The functions behind LowRank(q, k, v, key_keep, p_e, p_f, scale) -> [G, N, Dv], the
     projections' attention, last: with key padding they zero padded keys and leave empty
@@ -256,6 +257,7 @@ def _low_rank_functions(op, key_padding: bool, pooled: bool):
 _ONE_INT64 = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64))
 
 
+@built_once
 def _rows_function(op, max_len: int):
     """ProjectionRows(matrix, n): the first n rows of a stored [max_len, k] projection."""
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnxscript import OnnxFunction
 from onnxscript.values import Opset
 
@@ -23,6 +25,22 @@ TO_THE_END = 2147483647  # a Slice end past any axis
 def standard_opset(version: int) -> Opset:
     """The default-domain opset a function body must use to sit in a model importing `version`."""
     return Opset("", max(version, MIN_OPSET))
+
+
+def built_once(factory):
+    """``factory``, a maker of script functions from hashable arguments, run once per distinct
+    arguments (their types too: 1 and 1.0 make different constants). Translating an onnxscript
+    body parses its source, a few milliseconds a function, and every site of a model asks for
+    the same bodies: on tests/test_window.py this was half of the run. The functions are shared
+    and never changed; a list comes back as a copy, the caller's to extend."""
+    made_once = functools.lru_cache(maxsize=1024, typed=True)(factory)
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        made = made_once(*args, **kwargs)
+        return list(made) if isinstance(made, list) else made
+
+    return make
 
 
 def rank_constant(value: float, rank: int) -> onnx.TensorProto:
@@ -58,12 +76,25 @@ def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
     """``functions`` and every function they call, directly or not, each once and after all it
     calls: the order OnnxLowering.functions takes (an entry calling all the others comes last).
     Read from the bodies, so a lowering lists exactly the functions its entry reaches."""
+    reach: dict[str, dict[str, OnnxFunction]] = {}  # each function's callees, read once
+
+    def reached(function: OnnxFunction) -> dict[str, OnnxFunction]:
+        if function.name not in reach:
+            found = {}
+            for node in ir.traversal.RecursiveGraphIterator(function.function_ir.graph):
+                callee = node.meta.get("callee")
+                if isinstance(callee, OnnxFunction) and callee.name not in found:
+                    found[callee.name] = callee
+                    found.update(reached(callee))
+            reach[function.name] = found
+        return reach[function.name]
+
     found: dict[str, OnnxFunction] = {}
     for function in functions:
-        found.update(function.function_ir.get_called_functions())
+        found.update(reached(function))
         found[function.name] = function
     # A function reaches more functions than any function it calls: callees sort first.
-    return sorted(found.values(), key=lambda function: len(function.function_ir.get_called_functions()))
+    return sorted(found.values(), key=lambda function: len(reached(function)))
 
 
 @dataclasses.dataclass

@@ -47,6 +47,7 @@ from attnrewrite.passes.lowering import (
     DOMAIN,
     FLOAT,
     OnnxLowering,
+    built_once,
     make_function,
     standard_opset,
     with_callees,
@@ -325,6 +326,7 @@ _ONE_INT64 = onnx.numpy_helper.from_array(np.array([1], dtype=np.int64))
 _ZERO_INT64 = onnx.numpy_helper.from_array(np.array([0], dtype=np.int64))
 
 
+@built_once
 def _gather_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def GatherItems(table, index):
@@ -338,6 +340,7 @@ def _gather_function(op):
     return GatherItems
 
 
+@built_once
 def _hash_function(op, n_buckets: int):
     if n_buckets == 1:
 
@@ -366,6 +369,7 @@ def _hash_function(op, n_buckets: int):
     return AngularBuckets
 
 
+@built_once
 def _sort_functions(op, n_buckets: int):
     """(Positions, SortOrder): positions along an axis, and every round's order of the items."""
 
@@ -392,6 +396,7 @@ def _sort_functions(op, n_buckets: int):
     return Positions, SortOrder
 
 
+@built_once
 def _chunk_functions(op):
     """(InChunks, WithPreviousChunk): sorted items cut into chunks, and each chunk's window."""
 
@@ -417,6 +422,7 @@ def _chunk_functions(op):
     return InChunks, WithPreviousChunk
 
 
+@built_once
 def _item_order_functions(op, n_buckets: int):
     """(ItemOrder, ItemPositions): every round's sort of the items, and their positions."""
     hash_buckets = _hash_function(op, n_buckets)
@@ -456,6 +462,7 @@ def _item_order_functions(op, n_buckets: int):
     return ItemOrder, ItemPositions
 
 
+@built_once
 def _items_function(opset_version: int, n_buckets: int, causal: bool):
     """Items(q, k, v, key_keep, scale, rotations, items), or CausalItems: the hashes and sorts
     of every round, and the per-item tables a round gathers from."""
@@ -498,6 +505,7 @@ def _items_function(opset_version: int, n_buckets: int, causal: bool):
     return CausalItems if causal else Items
 
 
+@built_once
 def _rounds_seen_function(op, dedup: bool):
     """RoundsTogether, or without ``dedup`` EachRoundApart: the logit bias that makes a key
     several rounds show a query count once (or count every time)."""
@@ -535,6 +543,7 @@ def _rounds_seen_function(op, dedup: bool):
     return RoundsTogether if dedup else EachRoundApart
 
 
+@built_once
 def _sorted_chunks_function(op, gather_items, count_rounds):
     """SortedChunks: one round's items sorted, chunked and windowed, with the rounds-seen bias."""
     in_chunks, with_previous = _chunk_functions(op)
@@ -560,6 +569,7 @@ def _sorted_chunks_function(op, gather_items, count_rounds):
     return SortedChunks
 
 
+@built_once
 def _attend_in_chunks_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def AttendInChunks(rows_x, cols_x, cols_v, bias, own_logit, own_v):
@@ -585,6 +595,7 @@ def _attend_in_chunks_function(op):
     return AttendInChunks
 
 
+@built_once
 def _in_query_order_function(op, gather_items):
     @script(ATTNREWRITE, default_opset=op)
     def InQueryOrder(x, inverse, nq):
@@ -596,6 +607,7 @@ def _in_query_order_function(op, gather_items):
     return InQueryOrder
 
 
+@built_once
 def _round_function(op, sorted_chunks, attend, in_query_order):
     """Round: one hash round of a site without a causal mask."""
 
@@ -617,6 +629,7 @@ def _round_function(op, sorted_chunks, attend, in_query_order):
     return Round
 
 
+@built_once
 def _causal_round_function(op, gather_items, sorted_chunks, attend, in_query_order):
     """CausalRound: one hash round of a causal site, with the own-position slot."""
     in_chunks, _ = _chunk_functions(op)
@@ -644,6 +657,7 @@ def _causal_round_function(op, gather_items, sorted_chunks, attend, in_query_ord
     return CausalRound
 
 
+@built_once
 def _combine_rounds_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def CombineRounds(out, lse, q, v):

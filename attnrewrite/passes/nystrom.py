@@ -54,6 +54,7 @@ from attnrewrite.passes.lowering import (
     FLOAT,
     FunctionNodes,
     OnnxLowering,
+    built_once,
     make_function,
     standard_opset,
     with_callees,
@@ -189,6 +190,7 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
 # serves every site of a model. The Newton steps are unrolled (make_function).
 
 
+@built_once
 def _segment_functions(op):
     """Segments(keep [G, N, 1], landmarks) -> (one_hot [G, N, M], count [G, 1, M]) and
     SegmentMeans(x, one_hot, count), as segment_matrix and segment_means."""
@@ -226,6 +228,7 @@ def _segment_functions(op):
     return Segments, SegmentMeans
 
 
+@built_once
 def _kernel_functions(op, key_padding: bool):
     """NystromKernels(q, k, v, key_keep, scale, landmarks, log_scales) -> (to_marks, among_marks,
     marks_values, exact): everything of the torch forward but the inverse and the last product.
@@ -295,6 +298,7 @@ def _kernel_functions(op, key_padding: bool):
     return NystromKernels
 
 
+@built_once
 def _pseudo_inverse_functions(op):
     @script(ATTNREWRITE, default_opset=op)
     def NewtonStart(a):
@@ -320,6 +324,7 @@ def _pseudo_inverse_functions(op):
     return NewtonStart, NewtonStep
 
 
+@built_once
 def _output_function(op):
     @script(ATTNREWRITE, default_opset=op)
     def NystromOutput(to_marks, inverse, marks_values, exact, q, v):

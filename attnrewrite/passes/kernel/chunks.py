@@ -15,7 +15,7 @@ from onnxscript import script
 
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import flatten_heads
-from attnrewrite.passes.lowering import ATTNREWRITE, BOOL, standard_opset
+from attnrewrite.passes.lowering import ATTNREWRITE, BOOL, built_once, standard_opset
 from attnrewrite.passes.optional_torch import torch
 
 PREFIX_GROUP = 16  # rows per group at each level of the hierarchical prefix sums and maxima
@@ -132,6 +132,7 @@ def rescaled_prefix_sum(x, m, r, groups):
     return _out_of_groups(within.addcmul_(into, across.unsqueeze(2)), x.shape[1])
 
 
+@built_once
 def running_max_functions(opset_version: int):
     """RunningMax(x, lower) over the last axis and LowerTriangle(size), the mask it takes."""
     op = standard_opset(opset_version)
@@ -151,6 +152,7 @@ def running_max_functions(opset_version: int):
     return RunningMax, LowerTriangle
 
 
+@built_once
 def exclusive_prefix_sum_function(opset_version: int, skip: int = 0):
     """ExclusivePrefixSum(x): [G, L, X] -> the sums over rows before each row (axis 1), with no
     CumSum (onnxruntime's CUDA CumSum is quadratic in its axis: the module docstring); ``skip``
@@ -193,6 +195,7 @@ def exclusive_prefix_sum_function(opset_version: int, skip: int = 0):
     return [ExclusivePrefixSum, PrefixSumBeforePrevious][skip]
 
 
+@built_once
 def row_group_functions(opset_version: int):
     """(GroupedRows, UngroupedRows, StrictlyLower): x [G, L, *] -> [G, groups, PREFIX_GROUP, *]
     with ``front`` ([1] int64) rows of fill before x and the rest after it; UngroupedRows(x4, x)
@@ -221,6 +224,7 @@ def row_group_functions(opset_version: int):
     return GroupedRows, UngroupedRows, StrictlyLower
 
 
+@built_once
 def rescaled_prefix_functions(opset_version: int, skip: int = 0):
     """(ChunkRunningMax, RescaledPrefixSum): running maxima and rescaled prefix sums along a
     chunk axis that grows with N, two levels deep (PREFIX_GROUP rows, then their groups), so

@@ -23,7 +23,7 @@ from attnrewrite.passes.kernel.chunks import (
 )
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import sequence_sum_function
-from attnrewrite.passes.lowering import ATTNREWRITE, rank_constant, standard_opset, with_callees
+from attnrewrite.passes.lowering import ATTNREWRITE, built_once, rank_constant, standard_opset, with_callees
 from attnrewrite.passes.optional_torch import torch
 
 
@@ -93,6 +93,7 @@ def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATO
     return scores / (scores.sum(-1, keepdim=True) + eps)
 
 
+@built_once
 def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of linear_attention: the function it calls, then itself last."""
     op = standard_opset(opset_version)
@@ -110,6 +111,7 @@ def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS)
     return [sequence_sum, KernelAttention]
 
 
+@built_once
 def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of causal_linear_attention: the functions it calls, then itself last. The
     chunks' states are summed by ExclusivePrefixSum (no CumSum along the chunks)."""
@@ -149,6 +151,7 @@ def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float
     return with_callees(CausalKernelAttention)
 
 
+@built_once
 def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of causal_rescaled_linear_attention: the functions it calls, then itself last.
     The carry across chunks is RescaledPrefixSum's, two levels deep instead of one (chunks x

@@ -22,7 +22,7 @@ from attnrewrite.passes.kernel.chunks import (
 )
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import flatten_heads
-from attnrewrite.passes.lowering import ATTNREWRITE, standard_opset, with_callees
+from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset, with_callees
 from attnrewrite.passes.optional_torch import torch
 
 
@@ -96,6 +96,7 @@ def causal_rescaled_linear_attention_from_state(
     return out, absorb_keys(state, phi_k, v, key_log_scale)
 
 
+@built_once
 def absorb_keys_functions(opset_version: int):
     """(AbsorbKeys, AbsorbRescaledKeys), as absorb_keys: the state with keys [G, N, F] added."""
     op = standard_opset(opset_version)
@@ -119,6 +120,7 @@ def absorb_keys_functions(opset_version: int):
     return AbsorbKeys, AbsorbRescaledKeys
 
 
+@built_once
 def causal_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of causal_linear_attention_from_state: CausalKernelAttentionFromState(phi_q,
     phi_k, v, kv_state, key_sum) -> (out, kv_state, key_sum), after the functions it calls."""
@@ -163,6 +165,7 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
     return with_callees(CausalKernelAttentionFromState)
 
 
+@built_once
 def causal_rescaled_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
     """ONNX form of causal_rescaled_linear_attention_from_state:
     CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum,

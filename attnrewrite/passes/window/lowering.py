@@ -9,7 +9,7 @@ import typing
 from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, standard_opset, with_callees
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, built_once, standard_opset, with_callees
 from attnrewrite.passes.window.onnx_blocks import window_block_functions
 from attnrewrite.passes.window.onnx_causal import causal_paired_entry, causal_paired_window_functions
 from attnrewrite.passes.window.onnx_pairs import pair_layout_functions, paired_window_entry, paired_window_functions
@@ -64,6 +64,7 @@ def windowed_kernel_attention_functions(
     return with_callees(causal_paired_entry(op, flatten, pieces, rescaled, max_weighted))
 
 
+@built_once
 def window_inputs_function(opset_version: int, window: Window, causal: bool):
     """WindowInputs(q, k, key_keep) -> (q, k, keep): the q, k and key_keep a windowed kernel's
     entry reads, and the q and k its pass maps to phi_q, phi_k and log scales. Bidirectional:

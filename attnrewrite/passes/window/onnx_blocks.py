@@ -10,7 +10,7 @@ from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes.kernel.numerics import NO_EXACT_KEY_SHIFT
 from attnrewrite.passes.layout import key_keep_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, rank_constant
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, built_once, rank_constant
 
 
 class WindowBlockFunctions(typing.NamedTuple):
@@ -23,6 +23,7 @@ class WindowBlockFunctions(typing.NamedTuple):
     ShiftBlocks: OnnxFunction
 
 
+@built_once
 def window_block_functions(op, window: int, aligned_to_start: bool) -> WindowBlockFunctions:
     @script(ATTNREWRITE, default_opset=op)
     def BlockCount(n):
@@ -65,6 +66,7 @@ def window_block_functions(op, window: int, aligned_to_start: bool) -> WindowBlo
     return WindowBlockFunctions(BlockCount, FrontPad, WindowBlocks, ShiftBlocks)
 
 
+@built_once
 def without_sinks_function(op, sinks: int):
     """WithoutSinks(x, fill): [G, N, F] with the sinks' rows set to fill, or NoSinks: x as it is."""
 
@@ -83,6 +85,7 @@ def without_sinks_function(op, sinks: int):
     return WithoutSinks if sinks else NoSinks
 
 
+@built_once
 def sink_rows_function(op, blocks: WindowBlockFunctions, sinks: int):
     """SinkRows(rows, n): the window's rows [G, rows, F] -> [G, sinks, F], positions 0..sinks-1
     of N (the rows after FrontPad; the padding's, zero or not kept, beyond N)."""
@@ -99,6 +102,7 @@ def sink_rows_function(op, blocks: WindowBlockFunctions, sinks: int):
     return SinkRows
 
 
+@built_once
 def paired_inputs_functions(op, flatten, sinks: int):
     """(PairedInputs, RowInputs): the paired windows' inputs as rows, RowInputs without phi_k
     (which a kernel with per-key log scales takes as it is)."""
@@ -122,6 +126,7 @@ def paired_inputs_functions(op, flatten, sinks: int):
     return PairedInputs, RowInputs
 
 
+@built_once
 def per_head_function(op, flatten):
     @script(ATTNREWRITE, default_opset=op)
     def PerHead(x, q):
@@ -133,6 +138,7 @@ def per_head_function(op, flatten):
     return PerHead
 
 
+@built_once
 def units_function(op):
     # [G, rows, 1] against constants of their rank (rank_constant says why)
     least_shift, rows_zero = rank_constant(NO_EXACT_KEY_SHIFT, 3), rank_constant(0.0, 3)
@@ -149,6 +155,7 @@ def units_function(op):
     return UnitsOfBoth
 
 
+@built_once
 def normalised_function(op, blocks: WindowBlockFunctions, eps: float):
     FrontPad, eps_rows = blocks.FrontPad, rank_constant(eps, 3)
 

@@ -11,7 +11,7 @@ from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, NO_EXACT_KEY_SHIFT
-from attnrewrite.passes.lowering import ATTNREWRITE, standard_opset
+from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset
 from attnrewrite.passes.window.onnx_blocks import (
     WindowBlockFunctions,
     normalised_function,
@@ -51,6 +51,7 @@ class _CausalPairedPieces(typing.NamedTuple):
     pair_rows: OnnxFunction
 
 
+@built_once
 def causal_paired_window_functions(
     opset_version: int,
     blocks: WindowBlockFunctions,
@@ -98,6 +99,7 @@ def causal_paired_window_functions(
     return _CausalPairedPieces(inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pairs.PairRows)
 
 
+@built_once
 def _exact_sums_function(op, blocks: WindowBlockFunctions, pairs: PairLayout, sinks: int):
     """ExactSums(near, neighbour, shift, v_rows) -> [G, rows, Dv + 1]: e^(logits - shift) [v, 1]
     over each row's exact keys (v_rows: ValuesAndOnes); with sinks ExactAndSinkSums(near,
@@ -120,6 +122,7 @@ def _exact_sums_function(op, blocks: WindowBlockFunctions, pairs: PairLayout, si
     return ExactAndSinkSums
 
 
+@built_once
 def causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: bool, max_weighted: bool):
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as paired_window_entry's, ``key_log_scale`` one per key [..., N, 1]), causal."""
@@ -175,6 +178,7 @@ def causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: bool
 # so the far sums are sums of far terms only, rounded as a per-block state's.
 
 
+@built_once
 def _chunked_far_sums_functions(
     opset_version: int,
     blocks: WindowBlockFunctions,
@@ -245,6 +249,7 @@ def _chunked_far_sums_functions(
     return FarSums, RescaledFarSums
 
 
+@built_once
 def _far_chunk_layout_functions(op, blocks: WindowBlockFunctions, pairs: PairLayout, window: int, per_chunk: int):
     """The layout of _chunked_far_sums_functions for chunks of ``per_chunk`` blocks: QueryChunks,
     KeyChunks and ValueChunks (rows [G, N, F] -> [G, chunks', P W, F], the window's FrontPad in
@@ -312,6 +317,7 @@ def _far_chunk_layout_functions(op, blocks: WindowBlockFunctions, pairs: PairLay
     return QueryChunks, KeyChunks, ValueChunks, BlockChunks, as_pair_rows
 
 
+@built_once
 def _within_chunk_functions(op, window: int, per_chunk: int):
     """(WithinChunkSums, EarlierKeys) of _chunked_far_sums_functions: the weighted kernel scores
     inside a chunk times values (WithinPairSums for P = 2; nothing for P = 1, where every key of

@@ -26,7 +26,7 @@ from onnx import numpy_helper
 from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes.kernel.numerics import MASKED_LOGIT_BIAS
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, rank_constant
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, built_once, rank_constant
 from attnrewrite.passes.window.blocks import pair_structure
 from attnrewrite.passes.window.onnx_blocks import (
     WindowBlockFunctions,
@@ -55,6 +55,7 @@ class PairLayout(typing.NamedTuple):
     BlockValueRows: OnnxFunction
 
 
+@built_once
 def pair_layout_functions(
     op, blocks: WindowBlockFunctions, window: int, following: bool, sinks: int, causal: bool = False
 ) -> PairLayout:
@@ -137,6 +138,7 @@ def pair_layout_functions(
     )
 
 
+@built_once
 def _pair_row_mask_functions(
     op, blocks: WindowBlockFunctions, PairCount, window: int, following: bool, sinks: int, causal: bool
 ):
@@ -187,6 +189,7 @@ def _pair_row_mask_functions(
     return HasFarKeys, CausalSinkTaken if causal else SinkTaken
 
 
+@built_once
 def _pair_structure_functions(op, every_key: bool):
     """(Taken(logits, structure), LocalTerms(kernel, structure)): the logits (MASKED_LOGIT_BIAS
     added elsewhere) and kernel terms (0 elsewhere) where ``structure`` takes the key, or with
@@ -224,6 +227,7 @@ class _PairedParts(typing.NamedTuple):
     WeightedSums: OnnxFunction
 
 
+@built_once
 def _paired_parts_functions(
     op, blocks: WindowBlockFunctions, pairs: PairLayout, window: int, scale: float, following: bool, sinks: int
 ) -> _PairedParts:
@@ -346,6 +350,7 @@ def _folded_sums_function(op, pairs: PairLayout, in_pair, across, every_key: boo
     return PairedSums
 
 
+@built_once
 def paired_window_functions(
     op, blocks: WindowBlockFunctions, flatten, window: int, scale: float, following: bool, sinks: int, eps: float
 ):
@@ -399,6 +404,7 @@ def paired_window_functions(
     return row_inputs, window_sums, normalised_function(op, blocks, eps)
 
 
+@built_once
 def paired_window_entry(op, flatten, row_inputs, window_sums, normalised, rescaled: bool, max_weighted: bool):
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as windowed_kernel_attention_functions says, ``key_log_scale`` one per head), bidirectional."""

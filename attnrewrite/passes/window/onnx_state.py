@@ -17,6 +17,7 @@ from attnrewrite.passes.lowering import (
     FLOAT,
     TO_THE_END,
     FunctionNodes,
+    built_once,
     make_function,
     standard_opset,
     with_callees,
@@ -86,6 +87,7 @@ class WindowStepFunctions(typing.NamedTuple):
     mix: OnnxFunction
 
 
+@built_once
 def window_step_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> WindowStepFunctions:
     op = standard_opset(opset_version)
     return WindowStepFunctions(
@@ -124,6 +126,7 @@ def _recurrent_window_functions(
     return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
 
 
+@built_once
 def _positioned_layout_functions(op, window: int):
     """(PositionedLayout, PositionedBlocks, QueryBlocks, UnblockQueries): PositionedLayout's
     blocks, for keys of positions start .. start + n_keys - 1 whose last n rows are queries."""
@@ -163,6 +166,7 @@ def _positioned_layout_functions(op, window: int):
     return PositionedLayout, PositionedBlocks, QueryBlocks, UnblockQueries
 
 
+@built_once
 def _recurrent_exact_keys_function(op, blocks: WindowBlockFunctions, positioned_blocks, window: int, sinks: int):
     """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
     RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
@@ -213,6 +217,7 @@ def _recurrent_exact_keys_function(op, blocks: WindowBlockFunctions, positioned_
     return RecurrentLocalAndSinkKeys
 
 
+@built_once
 def _local_key_pieces(op, blocks: WindowBlockFunctions, window: int):
     """(KeptLocalKeys, WithPreviousBlock, CausalKeptLocalKeys) of the recurrent window: which
     keys are kept, a causal block's local blocks of [G, chunks, window, F] and which of them a
@@ -239,6 +244,7 @@ def _local_key_pieces(op, blocks: WindowBlockFunctions, window: int):
     return KeptLocalKeys, WithPreviousBlock, CausalKeptLocalKeys
 
 
+@built_once
 def _exact_softmax_sums_function(op, scale: float, sink_split: tuple[int, int] | None = None):
     """ExactSoftmaxSums(q4, k_x, v_x, kept): numerator, denominator and row max m_i of the
     softmax over each query block's exact keys, ``kept`` [..., rows, keys] float (1 where the
@@ -280,6 +286,7 @@ def _exact_softmax_sums_function(op, scale: float, sink_split: tuple[int, int] |
     return ExactAndSinkSoftmaxSums
 
 
+@built_once
 def _kernel_sums_function(op):
     """KernelSums(pq4, far_kv, far_key_sum): a query block's kernel numerator and denominator
     from the state and key sum of its far keys (the recurrent window's)."""
@@ -293,6 +300,7 @@ def _kernel_sums_function(op):
     return KernelSums
 
 
+@built_once
 def _recurrent_far_states_function(opset_version: int, positioned_blocks):
     """RecurrentFarStates: the kernel's state and key sum over each query block's far keys:
     the absorbed ones and the blocks <= c-2 (no CumSum: PrefixSumBeforePrevious)."""
@@ -313,6 +321,7 @@ def _recurrent_far_states_function(opset_version: int, positioned_blocks):
     return RecurrentFarStates
 
 
+@built_once
 def _recurrent_rescaled_far_states_function(opset_version: int, blocks: WindowBlockFunctions, positioned_blocks):
     """RecurrentRescaledFarStates: _rescaled_earlier_states_after, one state per block carried
     by RescaledSumBeforePrevious (a decoder's prefill; its steps have one block)."""
@@ -344,6 +353,7 @@ def _recurrent_rescaled_far_states_function(opset_version: int, blocks: WindowBl
     return RecurrentRescaledFarStates
 
 
+@built_once
 def _window_mix_function(op, rescaled: bool, eps: float):
     """WindowMix: both parts' sums, one normaliser; RescaledWindowMix first moves them to one
     unit by their log ratio, as CombineRescaled."""
@@ -367,6 +377,7 @@ def _window_mix_function(op, rescaled: bool, eps: float):
     return RescaledWindowMix if rescaled else WindowMix
 
 
+@built_once
 def without_sinks_from_function(opset_version: int, sinks: int):
     """WithoutSinksFrom(x, fill, start): x [..., N, F] with the rows of positions 0..sinks-1 set
     to fill, row 0 being position ``start`` ([1]), as without_sinks."""
