@@ -23,6 +23,7 @@ from attention_graphs import lowering_model, lowering_session
 from models import relative_error
 
 from attnrewrite.passes import favor, hedgehog, hydra, linear
+from attnrewrite.passes.kernel import chunks
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention
@@ -197,6 +198,10 @@ def test_prefix_sums_and_running_maxima_over_every_level(length, skip):
     expected = (factors * summed) @ x.astype(np.float64)
     got = run_function(rescaled_prefix_sum, x, upto, reference)
     assert np.abs(got - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
+    if not skip:  # the torch form: one group's product up to PREFIX_GROUP rows, the levels beyond
+        tensors = (torch.from_numpy(a) for a in (x, upto, reference))
+        got = chunks.rescaled_prefix_sum(*tensors, chunks.prefix_groups(length, 1)).numpy()
+        assert np.abs(got - expected).max() <= 1e-5 * max(np.abs(expected).max(), 1.0)
 
 
 def run_function(function, *inputs: np.ndarray) -> np.ndarray:

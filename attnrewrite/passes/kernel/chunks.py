@@ -118,7 +118,14 @@ def rescaled_prefix_sum(x, m, r, groups):
     c' < c of x[c'] exp(m[c'] - r[c]), to references r [G, L] >= every m[c'] summed into their
     row, so that no factor exceeds 1: inside a group each pair's factor, across groups each
     group's total moved to its own max U, carried to the max B of the groups before, then to
-    r[c] >= B."""
+    r[c] >= B. Rows that fit one group at a length known now (not a symbol of torch.export)
+    take that group's product alone: the grouping's padding (at least one whole group more,
+    see prefix_groups) would triple a calibration passage's states, and moving and gathering
+    them took 20 times the product (hedgehog, window 64, 11 chunks of [128 x 65] states)."""
+    rows = x.shape[1]
+    if isinstance(rows, int) and rows <= PREFIX_GROUP:
+        pairs = m.unsqueeze(1) - r.unsqueeze(2)  # [G, row c, row c']
+        return torch.tril(torch.exp(torch.clamp_max(pairs, 0.0)), diagonal=-1) @ x
     x4, m3, r3 = _in_groups(x, 0.0, groups), _in_groups(m, LOWEST_LOG_SCALE, groups), _in_groups(r, 0.0, groups)
     pairs = m3.unsqueeze(2) - r3.unsqueeze(3)  # [G, groups, row c, row c']
     within = torch.tril(torch.exp(torch.clamp_max(pairs, 0.0)), diagonal=-1) @ x4
