@@ -1334,11 +1334,11 @@ class Export:
 
 
 def export_once(exports: dict, key: tuple, export, path: Path):
-    """``export()`` (which writes ``path``) the first time ``key`` is asked for; later, what it
-    gave then: the export, or the same ExportUnsupported raised again (an exporter that cannot
-    handle a model costs one attempt per session). ``path`` may be shared by processes (the
-    test workers): the first to ask exports under a lock, the others wait for its file, or its
-    reason when the exporter failed, and build only the seeded module."""
+    """``export(reuse)`` (which writes ``path`` unless ``reuse``) the first time ``key`` is asked
+    for; later, what it gave then: the export, or the same ExportUnsupported raised again (an
+    exporter that cannot handle a model costs one attempt per session). ``path`` may be shared
+    by processes (the test workers): the first to ask exports under a lock, the others wait
+    for its file, or its reason when the exporter failed, and build only the seeded module."""
     if key not in exports:
         exports[key] = _exported_by_one_process(export, path)
     result = exports[key]
