@@ -31,7 +31,7 @@ def built_once(factory):
     """``factory``, a maker of script functions from hashable arguments, run once per distinct
     arguments (their types too: 1 and 1.0 make different constants). Translating an onnxscript
     body parses its source, a few milliseconds a function, and every site of a model asks for
-    the same bodies: on tests/test_window.py this was half of the run. The functions are shared
+    the same bodies: on tests/test_window.py translating was 78 s of a 186 s profiled run. The functions are shared
     and never changed; a list comes back as a copy, the caller's to extend."""
     made_once = functools.lru_cache(maxsize=1024, typed=True)(factory)
 
@@ -80,13 +80,13 @@ def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
 
     def reached(function: OnnxFunction) -> dict[str, OnnxFunction]:
         if function.name not in reach:
-            found = {}
+            callees = {}
             for node in ir.traversal.RecursiveGraphIterator(function.function_ir.graph):
                 callee = node.meta.get("callee")
-                if isinstance(callee, OnnxFunction) and callee.name not in found:
-                    found[callee.name] = callee
-                    found.update(reached(callee))
-            reach[function.name] = found
+                if isinstance(callee, OnnxFunction) and callee.name not in callees:
+                    callees[callee.name] = callee
+                    callees.update(reached(callee))
+            reach[function.name] = callees
         return reach[function.name]
 
     found: dict[str, OnnxFunction] = {}
