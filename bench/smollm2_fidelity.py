@@ -232,17 +232,36 @@ def markdown(results: dict) -> str:
     lines += ["", *(stage_line(key, row) for key, row in results["rows"].items() if row.get("finetune"))]
     lines += ["", "Commands (run in the cache folder):", ""]
     lines += [f"- `{row['command']}`" for row in results["rows"].values()]
-    machine = results["machine"]
     lines += [
         "",
         f"Targets (issue 48, window=64 calibrated and fine-tuned): agreement from position 128 >= "
         f"{TARGETS['agreement_far']}, perplexity ratio <= {TARGETS['perplexity_ratio']}, both stages in at most "
         f"{TARGETS['minutes']} minutes on an idle 2-core CPU.",
-        f"Measured {results['date']} on {machine['processor']}, {machine['cpus']} CPUs (load average "
-        f"{machine['load_average_at_start']} at the start), onnxruntime {machine['onnxruntime']}, commit "
-        f"{machine['commit']}.",
+        "",
+        *measured_lines(results["rows"]),
     ]
     return "\n".join(lines)
+
+
+def measured_lines(rows: dict) -> list[str]:
+    """Where and when each run measured its rows (a run rewrites only the rows it is asked for)."""
+    runs: dict[str, list[str]] = {}
+    for key, row in rows.items():
+        runs.setdefault(json.dumps(row["measured"], sort_keys=True), []).append(key)
+    lines = []
+    for measured, keys in runs.items():
+        run = json.loads(measured)
+        # rows measured before this script read the load first have it as their run ended (theirs included)
+        load = (
+            f"{run['load_average_at_start']} at the start"
+            if "load_average_at_start" in run
+            else f"{run['load_average_at_end']} as it ended"
+        )
+        lines.append(
+            f"- {', '.join(keys)}: measured {run['date']} on {run['processor']}, {run['cpus']} CPUs (load average "
+            f"{load}), onnxruntime {run['onnxruntime']}, commit {run['commit']}."
+        )
+    return lines
 
 
 def stage_line(key: str, row: dict) -> str:
@@ -285,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     passages = heldout_passages(cache, args.heldout_passages)
     wanted = args.only or [f"{c}/{m}" for c in CONFIGS for m in MODES]
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}, "figures": {}}
+    measured = {"date": datetime.date.today().isoformat(), **fidelity.machine()}
     for key in wanted:
         config, mode = key.split("/")
-        results["rows"][key] = rewrite(cache, config, mode, args.finetune_steps)
+        results["rows"][key] = rewrite(cache, config, mode, args.finetune_steps) | {"measured": measured}
     paths = {"original": str(cache / ORIGINAL)}
     paths |= {key: row["path"] for key, row in results["rows"].items() if key in wanted and "path" in row}
     figures = evaluate(paths, passages)
@@ -297,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
         f"bench/corpus.py's held-out sources); calibration on the {texts_in_calibration_file(cache)} texts of the others "
         f"in {CALIBRATION} (the CLI packs them to {LENGTH} tokens)"
     )
-    results["date"], results["machine"] = datetime.date.today().isoformat(), fidelity.machine()
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     decoder_fidelity.write_section(args.markdown, markdown(results), fidelity.SMOLLM2_MARKERS)
     print(markdown(results))

@@ -697,3 +697,21 @@ def test_fidelity_held_out_tokens_refuses_what_it_cannot_measure(fidelity_script
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.endswith("error: --held-out-tokens takes N >= 2 ([CLS] and [SEP]) and goes without --long and --heads")
+
+
+def test_smollm2_rows_say_which_run_measured_them():
+    """A run rewrites only the rows it is asked for: each row keeps the machine and commit of its own."""
+    smollm2 = load_bench_module("smollm2_fidelity")
+    machine = {"processor": "AMD EPYC", "cpus": 2, "load_average_at_start": [0.5, 0.6, 0.7], "onnxruntime": "1.32.0"}
+    earlier = {**machine, "date": "2026-11-28", "commit": "aaaaaaa"}
+    later = {**machine, "date": "2026-11-29", "commit": "bbbbbbb"}
+    rows = {
+        "hedgehog/zero-shot": {"measured": earlier},
+        "hedgehog+window64/calibrated": {"measured": later},
+        "hedgehog+window64/zero-shot": {"measured": earlier},
+    }
+    run = "on AMD EPYC, 2 CPUs (load average [0.5, 0.6, 0.7] at the start), onnxruntime 1.32.0"
+    assert smollm2.measured_lines(rows) == [
+        f"- hedgehog/zero-shot, hedgehog+window64/zero-shot: measured 2026-11-28 {run}, commit aaaaaaa.",
+        f"- hedgehog+window64/calibrated: measured 2026-11-29 {run}, commit bbbbbbb.",
+    ]

@@ -132,8 +132,26 @@ def rewritable_by(method: str, expected: dict[tuple[str, str | None], int]) -> i
     )
 
 
-@pytest.mark.parametrize("method", passes.PASSES)
-@pytest.mark.parametrize("name, exporter", CASES)
+def refuses_every_site(name: str, exporter: str) -> bool:
+    return all(reason is not None for _, reason in EXPECTED[name, exporter])
+
+
+def rewrite_cases() -> list:
+    """Every method on each export with a site to rewrite. An export whose every site detection
+    refuses comes back unchanged whatever the method (refusal comes before a method is chosen):
+    each takes one method, in turn, so that every method still meets refused sites (192
+    rewrites fewer than every method on all of them)."""
+    methods = list(passes.PASSES)
+    refused = [c for c in CASES if refuses_every_site(*c.values)]
+    taken = {c.id: [methods[turn % len(methods)]] for turn, c in enumerate(refused)}
+    return [
+        pytest.param(*c.values, method, id=f"{c.id}-{method}", marks=c.marks)
+        for c in CASES
+        for method in taken.get(c.id, methods)
+    ]
+
+
+@pytest.mark.parametrize("name, exporter, method", rewrite_cases())
 def test_every_method_rewrites_what_it_supports(exports, name, exporter, method):
     export = exported(exports, name, *EXPORT_MODES[exporter])
     expected = EXPECTED[name, exporter]
