@@ -245,12 +245,11 @@ def markdown(results: dict) -> str:
 
 def measured_lines(rows: dict) -> list[str]:
     """Where and when each run measured its rows (a run rewrites only the rows it is asked for)."""
-    runs: dict[str, list[str]] = {}
+    runs: dict[str, tuple[dict, list[str]]] = {}
     for key, row in rows.items():
-        runs.setdefault(json.dumps(row["measured"], sort_keys=True), []).append(key)
+        runs.setdefault(json.dumps(row["measured"], sort_keys=True), (row["measured"], []))[1].append(key)
     lines = []
-    for measured, keys in runs.items():
-        run = json.loads(measured)
+    for run, keys in runs.values():
         # rows measured before this script read the load first have it as their run ended (theirs included)
         load = (
             f"{run['load_average_at_start']} at the start"
