@@ -218,7 +218,7 @@ def hold_out_for_selection(calibration, model: ir.Model, decoding: bool = False)
     guard (attnrewrite.calibration.HeldOut) compares on that same batch: nothing else is held out.
     ``model``: the original, not rewritten yet. Returns (the calibration to fit with, the inputs
     to measure on)."""
-    from attnrewrite.calibration import HeldOut, fitted_calibration
+    from attnrewrite.calibration import HeldOut, OriginalModel, fitted_calibration
 
     if len(calibration.batches) < 2:
         raise AttnRewriteError(
@@ -229,7 +229,7 @@ def hold_out_for_selection(calibration, model: ir.Model, decoding: bool = False)
     settings = {name: getattr(calibration, name) for name in ("steps", "lr", "seed", "ce_weight", "progress", "text")}
     rows = next(iter(held.values())).shape[0]
     # rebuilt from the fitted batches, so the record's examples and sha256 describe what was fitted
-    fit = fitted_calibration(list(fitted), model.graph, held_out=HeldOut.of(model, [held]), **settings)
+    fit = fitted_calibration(list(fitted), model.graph, held_out=HeldOut.of(OriginalModel(model), [held]), **settings)
     source = f"the last {rows} calibration examples (not fitted on)"
     return fit, (decoder_inputs(held, source) if decoding else CheckInputs(held, source))
 

@@ -230,6 +230,10 @@ def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactP
 def _check_finetune(settings: Settings) -> None:
     if settings.finetune and settings.calibrate is None:
         raise AttnRewriteError("finetune trains on the calibration data: give calibrate too")
+    if settings.finetune and settings.selects:  # its trials measure stage 1's models, and would each train
+        raise AttnRewriteError(
+            "finetune with layer or head selection: select first, then fine-tune a rewrite of the layers or heads it chose"
+        )
 
 
 def _check_selection(settings: Settings) -> None:

@@ -28,14 +28,16 @@ from models import SAMPLE_BERT
 from test_recurrent_fidelity import session, tokens, with_positions
 
 import attnrewrite
+from attnrewrite.calibration import OriginalModel
 from attnrewrite.cli import main
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.onnx.finetune import add_beside, merge
+from attnrewrite.onnx.finetune import add_beside, merge, teacher_of
 from attnrewrite.onnx.projections import Projection, QuantizedProjection, projection_of, site_projections
 from attnrewrite.onnx.rewrite import rewrite_model
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
+from attnrewrite.passes.fit import exact_stand_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12  # calibration and fine-tuning steps: enough to move every value
@@ -495,3 +497,36 @@ def test_finetune_needs_the_calibration_data(decoder_exports, tmp_path, capsys):
         2,
         "attnrewrite: error: --finetune trains on the calibration data; give --calibrate DATA too\n",
     )
+
+
+def test_finetune_is_refused_with_layer_or_head_selection(decoder_exports, tmp_path, capsys):
+    """Selection's trials measure stage 1's models; stage 2 would not reach the model written."""
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    data = save_tokens(tmp_path / "data.npz", DECODERS["llama"], 24)
+    for selection in (["--layers", "auto"], ["--heads", "auto"]):
+        argv = [export.path, "--to", "hedgehog", *selection, "--min-cosine", 0.5, "--calibrate", data, "--finetune"]
+        code, _, err = cli(capsys, *argv, "-o", tmp_path / "out.onnx")
+        assert (code, err) == (
+            2,
+            "attnrewrite: error: finetune with layer or head selection: select first, then fine-tune a "
+            "rewrite of the layers or heads it chose\n",
+        )
+        assert not (tmp_path / "out.onnx").exists()
+
+
+def test_the_teacher_on_the_cpu_is_the_original_in_onnxruntime(decoder_exports):
+    """Stage 2's teacher is onnxruntime's run of the original model (faster than the graph in
+    torch), which gives what the graph in torch gives with exact attention in every replacement."""
+    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
+    original = OriginalModel(onnx_io.load_model(export.path))
+    model, record = rewrite_model(onnx_io.load_model(export.path), "hedgehog")
+    calls = rewritten_calls(model)
+    assert len(calls) == len(record.rewritten) == 2
+    exact = {call: exact_stand_in(o.site.scale, o.site.mask.causal) for call, o in zip(calls, record.rewritten)}
+    whole = TorchGraph(model.graph, calls)
+    feeds = with_positions(DECODERS["llama"], tokens(DECODERS["llama"].vocab, 2, 14, seed=2))
+    assert whole.output_names == ["logits"]
+    (taught,) = teacher_of(whole, exact, original)(feeds)
+    assert np.array_equal(taught.numpy(), original.run(feeds, ["logits"])[0])
+    (in_torch,) = teacher_of(whole, exact, None)(feeds)
+    assert torch.allclose(taught, in_torch, atol=1e-5 * float(in_torch.abs().max()))

@@ -31,8 +31,10 @@ from attnrewrite.onnx.splice import unique_initializer_name
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
 from attnrewrite.passes.fit import exact_stand_in, snapshot, zero_padded_queries
+from attnrewrite.passes.optional_torch import torch
 
 MASK = "attention_mask"
+NUMPY_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 
 
 class Finetuning:
@@ -58,9 +60,7 @@ class Finetuning:
         exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
         fitted = {s.call: _fitted_stand_in(s.module) for s in sites}
         objective = objective_of(whole.graph)
-
-        def teacher(feeds):
-            return whole.run(feeds, exact)
+        teacher = teacher_of(whole, exact, calibration.original)
 
         def student(feeds, with_adapters=True):
             return whole.run(feeds, fitted, adapters if with_adapters else None)
@@ -106,6 +106,23 @@ class Finetuning:
         return calibration.report_finetune(
             result, objective.kind, held_out, _adapter_entries(self.adapted, self.skipped)
         )
+
+
+def teacher_of(whole: TorchGraph, exact: dict, original):
+    """The original's outputs on a batch, as the student gives them: onnxruntime's run of the
+    original model (``original``, calibration.OriginalModel) where the student runs on the CPU
+    and the original has each of its outputs by name; else the graph in torch with every
+    replacement computing exact attention (on the student's device)."""
+    names = whole.output_names
+    dtypes = {v.name: v.dtype for v in whole.graph.outputs}
+    if (
+        original is None
+        or whole.device.type != "cpu"
+        or not set(names) <= set(original.outputs)
+        or any(dtypes[name] not in NUMPY_FLOATS for name in names)  # onnxruntime's bfloat16 is no numpy type
+    ):
+        return lambda feeds: whole.run(feeds, exact)
+    return lambda feeds: [torch.from_numpy(array) for array in original.run(feeds, names)]
 
 
 def objective_of(graph: ir.Graph) -> finetune.Objective:

@@ -39,9 +39,13 @@ class TorchGraph:
         self.nbits_weights: dict[ir.Node, torch.Tensor] = {}  # MatMulNBits -> its weight [K, N]
         self._dequantize_weights_once()
         self.spent = _spent_after(graph)
-        # what is fitted on: the model's outputs, not the states a recurrent replacement returns
-        self.outputs = [
-            v for v in graph.outputs if not (v.name.startswith("present.") and v.name.endswith(STATE_NAMES))
+        # what is fitted on: the model's floating-point outputs, not the states a recurrent replacement returns
+        self.output_names = [
+            v.name
+            for v in graph.outputs
+            if v.dtype is not None
+            and v.dtype.is_floating_point()
+            and not (v.name.startswith("present.") and v.name.endswith(STATE_NAMES))
         ]
 
     def _dequantize_weights_once(self) -> None:
@@ -92,8 +96,7 @@ class TorchGraph:
                 values[value.name] = tensor
             for name in self.spent.get(node, ()):  # kept only as long as a later node reads it
                 values.pop(name, None)
-        results = [values[v.name] for v in self.outputs]
-        return [t for t in results if t.is_floating_point()]
+        return [values[name] for name in self.output_names]
 
 
 def with_query_heads(q, k, v, key_keep):

@@ -150,9 +150,10 @@ def runs_linear_attention() -> bool:
     return True
 
 
-def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None):
+def make_session(model_or_path, providers=("CPUExecutionProvider",), threads: int | None = None, arena: bool = True):
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures come back as exceptions with the same text
+    options.enable_cpu_mem_arena = arena
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(model_or_path, options, providers=list(providers))

@@ -209,13 +209,20 @@ def judge(batches: list, examples: int, student, without_adapters, teacher, obje
     """The guard on held-out ``batches`` (``examples`` of them): the loss fine-tuned (``student``)
     and calibrated (``without_adapters``, run with ``values`` set to ``calibrated``). The
     calibrated values stay where they score better. Returns the record's entry."""
-    tuned = snapshot(values)
-    loss_tuned = mean_loss(student, teacher, batches, objective)
-    _load(values, calibrated)
-    loss_calibrated = mean_loss(without_adapters, teacher, batches, objective)
+    tuned, world = snapshot(values), _World()
+    runs = {"fine-tuned": (student, tuned), "calibrated": (without_adapters, calibrated)}
+    losses = {kept: [] for kept in runs}
+    with torch.no_grad():
+        for feeds in batches:
+            mine = world.share(feeds)
+            targets = teacher(mine)  # once for both
+            for kept, (run, loaded) in runs.items():
+                _load(values, loaded)
+                numerators, denominators = _parts(run(mine), targets, mine, objective, world)
+                losses[kept].append((world.sum(numerators) / denominators).mean())
+    loss_tuned, loss_calibrated = (float(torch.stack(losses[kept]).mean()) for kept in runs)
     kept = "fine-tuned" if loss_tuned < loss_calibrated else "calibrated"
-    if kept == "fine-tuned":
-        _load(values, tuned)
+    _load(values, tuned if kept == "fine-tuned" else calibrated)
     return {"examples": examples, "loss_calibrated": loss_calibrated, "loss_fine_tuned": loss_tuned, "kept": kept}
 
 
@@ -230,7 +237,11 @@ def _loss_parts(student, teacher, feeds: dict, objective: Objective, world) -> t
     mine = world.share(feeds)
     with torch.no_grad():
         targets = teacher(mine)
-    numerators, denominators = objective.parts(student(mine), targets, mine)
+    return _parts(student(mine), targets, mine, objective, world)
+
+
+def _parts(outputs: list, targets: list, feeds, objective: Objective, world) -> tuple:
+    numerators, denominators = objective.parts(outputs, targets, feeds)
     return numerators, world.sum(denominators).clamp_min(1e-30)
 
 
