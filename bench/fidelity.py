@@ -1069,6 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["calibrated+selected" if args.calibrate_selection else "selected"]
     if args.heads is not None:
         modes = ["heads"]
+    measured_on = machine()  # its load before this run's own work
     with tempfile.TemporaryDirectory() as folder:
         data = load_data(args.limit, Path(folder), args)
         model_path = args.model or _export(Path(folder))
@@ -1077,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
         mine.update(
             batch=args.batch,
             threads=args.threads,
-            machine=machine(),
+            machine=measured_on,
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             corpus=data.description,
             heldout_passages=len(data.heldout),

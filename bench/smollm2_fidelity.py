@@ -130,18 +130,24 @@ def export(folder: Path, path: Path) -> None:
 def heldout_passages(cache: Path, count: int) -> list[np.ndarray]:
     """The held-out texts packed as the CLI packs calibration text (passages of LENGTH tokens),
     each passage's real tokens; the first ``count``."""
+    return [tokens for batch in packed_batches(cache, "heldout.txt") for tokens in real_tokens(batch)][:count]
+
+
+def packed_batches(cache: Path, texts: str) -> list[dict[str, np.ndarray]]:
+    """The file ``texts`` of the cache as the CLI makes it its calibration batches: packed into
+    passages of LENGTH tokens, in batches of calibration.BATCH_SIZE."""
     from attnrewrite.calibration import onnx_calibration
 
     graph = onnx_io.load_model(cache / ORIGINAL).graph
     packed = onnx_calibration(
-        cache / "heldout.txt", graph, tokenizer=cache / TOKENIZER, max_length=LENGTH, guard=False, progress=print
+        cache / texts, graph, tokenizer=cache / TOKENIZER, max_length=LENGTH, guard=False, progress=print
     )
-    rows = [
-        (feeds["input_ids"][i], feeds["attention_mask"][i])
-        for feeds in packed.batches
-        for i in range(len(feeds["input_ids"]))
-    ]
-    return [ids[mask != 0] for ids, mask in rows[:count]]
+    return packed.batches
+
+
+def real_tokens(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Each passage of a batch, its real tokens (the attention mask's)."""
+    return [ids[mask != 0] for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
 
 
 def rewrite_command(config: str, mode: str, finetune_steps: int | None) -> list[str]:

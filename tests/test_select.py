@@ -147,7 +147,9 @@ def test_api_auto(tmp_path):
         attnrewrite.rewrite(str(SAMPLE), to="hydra", layers="auto")
 
 
-def test_cli_auto_with_calibration_measures_on_examples_it_does_not_fit(tmp_path, capsys):
+@pytest.mark.parametrize("end_to_end", [0, 2])
+def test_cli_auto_with_calibration_measures_on_examples_it_does_not_fit(tmp_path, capsys, end_to_end):
+    """With --calibrate-end-to-end the model written had that stage too (it was dropped)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 1000, (12, 10))
     data = tmp_path / "data.npz"
@@ -166,11 +168,13 @@ def test_cli_auto_with_calibration_measures_on_examples_it_does_not_fit(tmp_path
         data,
         "--calibrate-steps",
         "3",
+        *(["--calibrate-end-to-end", end_to_end] if end_to_end else []),
         "-o",
         output,
     )
     assert code == 0, err
     record = _selection(output)
+    assert record.get("end_to_end", {}).get("steps") == (end_to_end or None)
     held = int(record["selection"]["inputs"].split()[2])  # "the last N calibration examples (not fitted on)"
     assert record["selection"]["inputs"] == f"the last {held} calibration examples (not fitted on)" and 0 < held < 12
     assert record["sites_rewritten"] == 2

@@ -2,11 +2,12 @@
 site's projections (onnx/projections.py), trained with the replacements' values on the graph
 evaluated in torch (onnx/torch_graph.py), then merged into the projections' weights.
 
-The teacher is the same graph with every replacement computing the exact attention it replaced,
-that is the original model, run on each step's batch. The objective: where the model's output
-is next-token logits ([batch, sequence, vocabulary], named ``logits``), the KL divergence from
-the original's next-token distribution at every real position (the attention mask's); else the
-outputs' relative squared error. Where the calibration holds data out (its guard), the rewrite
+The teacher is the original model, run on each step's batch: on the CPU onnxruntime's run of
+it (calibration.OriginalModel, loaded before the rewrite), elsewhere the same graph in torch
+with every replacement computing the exact attention it replaced (teacher_of). The objective:
+where the model's output is next-token logits ([batch, sequence, vocabulary], named
+``logits``), the KL divergence from the original's next-token distribution at every real
+position (the attention mask's); else the outputs' relative squared error. Where the calibration holds data out (its guard), the rewrite
 with the fine-tuned values and the one with the calibrated values are both scored there, and
 the fine-tuned ones are kept only where they score better.
 

@@ -201,14 +201,15 @@ def mean_loss(student, teacher, batches: list, objective: Objective, world=None)
     """The objective's loss over ``batches``, averaged over them, without gradients."""
     world = world or _World()
     with torch.no_grad():
-        losses = [world.sum(n) / d for n, d in (_loss_parts(student, teacher, f, objective, world) for f in batches)]
-    return float(torch.stack([loss.mean() for loss in losses]).mean())
+        losses = [_batch_loss(*_loss_parts(student, teacher, feeds, objective, world), world) for feeds in batches]
+    return float(torch.stack(losses).mean())
 
 
 def judge(batches: list, examples: int, student, without_adapters, teacher, objective, values: list, calibrated: list):
     """The guard on held-out ``batches`` (``examples`` of them): the loss fine-tuned (``student``)
     and calibrated (``without_adapters``, run with ``values`` set to ``calibrated``). The
-    calibrated values stay where they score better. Returns the record's entry."""
+    calibrated values stay where they score better; the teacher runs once a batch for both.
+    Returns the record's entry."""
     tuned, world = snapshot(values), _World()
     runs = {"fine-tuned": (student, tuned), "calibrated": (without_adapters, calibrated)}
     losses = {kept: [] for kept in runs}
@@ -218,8 +219,7 @@ def judge(batches: list, examples: int, student, without_adapters, teacher, obje
             targets = teacher(mine)  # once for both
             for kept, (run, loaded) in runs.items():
                 _load(values, loaded)
-                numerators, denominators = _parts(run(mine), targets, mine, objective, world)
-                losses[kept].append((world.sum(numerators) / denominators).mean())
+                losses[kept].append(_batch_loss(*_parts(run(mine), targets, mine, objective, world), world))
     loss_tuned, loss_calibrated = (float(torch.stack(losses[kept]).mean()) for kept in runs)
     kept = "fine-tuned" if loss_tuned < loss_calibrated else "calibrated"
     _load(values, tuned if kept == "fine-tuned" else calibrated)
@@ -243,6 +243,11 @@ def _loss_parts(student, teacher, feeds: dict, objective: Objective, world) -> t
 def _parts(outputs: list, targets: list, feeds, objective: Objective, world) -> tuple:
     numerators, denominators = objective.parts(outputs, targets, feeds)
     return numerators, world.sum(denominators).clamp_min(1e-30)
+
+
+def _batch_loss(numerators, denominators, world):
+    """A batch's loss over every process's examples: the mean over the outputs."""
+    return (world.sum(numerators) / denominators).mean()
 
 
 class _World:
