@@ -149,7 +149,8 @@ def test_api_auto(tmp_path):
 
 @pytest.mark.parametrize("end_to_end", [0, 2])
 def test_cli_auto_with_calibration_measures_on_examples_it_does_not_fit(tmp_path, capsys, end_to_end):
-    """With --calibrate-end-to-end the model written had that stage too (it was dropped)."""
+    """With --calibrate-end-to-end the model written has that stage too (layer selection without
+    --inputs used to drop it)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 1000, (12, 10))
     data = tmp_path / "data.npz"
