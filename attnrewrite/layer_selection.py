@@ -226,15 +226,8 @@ def hold_out_for_selection(calibration, model: ir.Model, decoding: bool = False)
             "examples make one batch; give more, or inputs to measure on (--inputs)"
         )
     fitted, held = calibration.batches[:-1], calibration.batches[-1]
-    how = (
-        "steps",
-        "lr",
-        "seed",
-        "ce_weight",
-        "end_to_end",
-        "progress",
-        "text",
-    )  # fine-tuning is refused with selection
+    # every setting of how to fit but fine-tuning, which is refused with selection
+    how = ("steps", "lr", "seed", "ce_weight", "end_to_end", "progress", "text")
     settings = {name: getattr(calibration, name) for name in how}
     rows = next(iter(held.values())).shape[0]
     # rebuilt from the fitted batches, so the record's examples and sha256 describe what was fitted
