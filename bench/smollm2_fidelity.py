@@ -130,7 +130,7 @@ def export(folder: Path, path: Path) -> None:
 def heldout_passages(cache: Path, count: int) -> list[np.ndarray]:
     """The held-out texts packed as the CLI packs calibration text (passages of LENGTH tokens),
     each passage's real tokens; the first ``count``."""
-    return [tokens for batch in packed_batches(cache, "heldout.txt") for tokens in real_tokens(batch)][:count]
+    return real_passages(packed_batches(cache, "heldout.txt"))[:count]
 
 
 def packed_batches(cache: Path, texts: str) -> list[dict[str, np.ndarray]]:
@@ -145,9 +145,9 @@ def packed_batches(cache: Path, texts: str) -> list[dict[str, np.ndarray]]:
     return packed.batches
 
 
-def real_tokens(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Each passage of a batch, its real tokens (the attention mask's)."""
-    return [ids[mask != 0] for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+def real_passages(batches: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """Each passage of the batches, its real tokens (the attention mask's)."""
+    return [ids[mask != 0] for batch in batches for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
 
 
 def rewrite_command(config: str, mode: str, finetune_steps: int | None) -> list[str]:

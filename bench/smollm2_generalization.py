@@ -30,8 +30,8 @@ CONFIG = f"hedgehog+window{bench.WINDOW}"
 def passage_sets(cache: Path, count: int) -> dict[str, list]:
     fitted, guard = held_out_split(bench.packed_batches(cache, bench.CALIBRATION))
     return {
-        "fitted on (calibration sources)": [t for batch in fitted for t in bench.real_tokens(batch)][:count],
-        "never fitted on (calibration sources, the guard's)": [t for b in guard for t in bench.real_tokens(b)][-count:],
+        "fitted on (calibration sources)": bench.real_passages(fitted)[:count],
+        "never fitted on (calibration sources, the guard's)": bench.real_passages(guard)[-count:],
         "held out (other sources)": bench.heldout_passages(cache, count),
     }
 

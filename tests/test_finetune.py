@@ -514,19 +514,40 @@ def test_finetune_is_refused_with_layer_or_head_selection(decoder_exports, tmp_p
         assert not (tmp_path / "out.onnx").exists()
 
 
-def test_the_teacher_on_the_cpu_is_the_original_in_onnxruntime(decoder_exports):
-    """Stage 2's teacher is onnxruntime's run of the original model (faster than the graph in
-    torch), which gives what the graph in torch gives with exact attention in every replacement."""
-    export = decoder_exported(decoder_exports, "llama", "legacy", cache=False)
-    original = OriginalModel(onnx_io.load_model(export.path))
-    model, record = rewrite_model(onnx_io.load_model(export.path), "hedgehog")
+def teacher_and_student_graph(path: str) -> tuple:
+    """(the original in onnxruntime, the hedgehog rewrite in torch, its exact stand-ins)."""
+    model, record = rewrite_model(onnx_io.load_model(path), "hedgehog")
     calls = rewritten_calls(model)
     assert len(calls) == len(record.rewritten) == 2
     exact = {call: exact_stand_in(o.site.scale, o.site.mask.causal) for call, o in zip(calls, record.rewritten)}
-    whole = TorchGraph(model.graph, calls)
-    feeds = with_positions(DECODERS["llama"], tokens(DECODERS["llama"].vocab, 2, 14, seed=2))
-    assert whole.output_names == ["logits"]
-    (taught,) = teacher_of(whole, exact, original)(feeds)
+    return OriginalModel(onnx_io.load_model(path)), TorchGraph(model.graph, calls), exact
+
+
+@pytest.mark.parametrize("name, exporter", [("llama", "legacy"), ("gpt2", "dynamo")])
+def test_a_decoders_teacher_on_the_cpu_is_the_original_in_onnxruntime(decoder_exports, name, exporter):
+    """For the next-token KL the teacher is onnxruntime's run of the original model (faster than
+    the graph in torch), which gives what the graph in torch gives with exact attention in every
+    replacement at every real position, the only ones the KL reads (left-padded rows here)."""
+    export = decoder_exported(decoder_exports, name, exporter, cache=False)
+    original, whole, exact = teacher_and_student_graph(export.path)
+    objective = finetune.Objective(finetune.NEXT_TOKEN_KL, 0, "attention_mask")
+    feeds = with_positions(DECODERS[name], tokens(DECODERS[name].vocab, 4, 14, seed=2))
+    assert whole.output_names == ["logits"] and feeds["attention_mask"].sum() < feeds["attention_mask"].size
+    (taught,) = teacher_of(whole, exact, original, objective)(feeds)
     assert np.array_equal(taught.numpy(), original.run(feeds, ["logits"])[0])
-    (in_torch,) = teacher_of(whole, exact, None)(feeds)
-    assert torch.allclose(taught, in_torch, atol=1e-5 * float(in_torch.abs().max()))
+    (in_torch,) = teacher_of(whole, exact, None, objective)(feeds)
+    real = torch.as_tensor(feeds["attention_mask"] != 0)
+    assert torch.allclose(taught[real], in_torch[real], atol=1e-5 * float(in_torch.abs().max()))
+
+
+def test_an_encoders_teacher_zeroes_padded_queries_as_its_student_does():
+    """The outputs' error reads padded positions too, where the stand-ins zero a padded query's
+    attention and the original does not: the teacher stays the graph in torch."""
+    original, whole, exact = teacher_and_student_graph(str(SAMPLE_BERT))
+    ids = np.random.default_rng(0).integers(0, 100, (2, 16)).astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": (np.arange(16) < np.array([[16], [9]])).astype(np.int64)}
+    taught = teacher_of(whole, exact, original, finetune.Objective(finetune.OUTPUT_ERROR))(feeds)
+    in_torch = whole.run(feeds, exact)
+    assert all(torch.equal(a, b) for a, b in zip(taught, in_torch))
+    by_onnxruntime = original.run(feeds, whole.output_names)
+    assert not np.allclose(by_onnxruntime[0][1, 9:], in_torch[0][1, 9:].numpy(), atol=1e-3)  # where they differ

@@ -153,10 +153,7 @@ def _fit_end_to_end(whole, sites: list[_Site], calibration) -> dict:
     runs at most EXAMPLES_PER_STEP examples, as the per-site fits take them: a step is a forward
     and backward pass of the whole model, and on MiniLM 100 steps of 4 passages fit as well as
     100 of 8 in half the time (bench/FIDELITY.md)."""
-    from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, zero_padded_queries
-
-    def fitted_stand_in(module):
-        return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)
+    from attnrewrite.passes.fit import EXAMPLES_PER_STEP, exact_stand_in, fit_end_to_end, fitted_stand_in
 
     batches = [
         with_prefill_inputs(whole.graph, part)  # cut before a recurrent model's states: a scalar one has no batch

@@ -2,14 +2,14 @@
 site's projections (onnx/projections.py), trained with the replacements' values on the graph
 evaluated in torch (onnx/torch_graph.py), then merged into the projections' weights.
 
-The teacher is the original model, run on each step's batch: on the CPU onnxruntime's run of
-it (calibration.OriginalModel, loaded before the rewrite), elsewhere the same graph in torch
-with every replacement computing the exact attention it replaced (teacher_of). The objective:
-where the model's output is next-token logits ([batch, sequence, vocabulary], named
-``logits``), the KL divergence from the original's next-token distribution at every real
-position (the attention mask's); else the outputs' relative squared error. Where the calibration holds data out (its guard), the rewrite
-with the fine-tuned values and the one with the calibrated values are both scored there, and
-the fine-tuned ones are kept only where they score better.
+The objective: where the model's output is next-token logits ([batch, sequence, vocabulary],
+named ``logits``), the KL divergence from the original's next-token distribution at every real
+position (the attention mask's); else the outputs' relative squared error. The teacher is the
+original model, run on each step's batch: for the KL on the CPU, onnxruntime's run of it
+(calibration.OriginalModel, loaded before the rewrite), else the same graph in torch with every
+replacement computing the exact attention it replaced (teacher_of). Where the calibration holds
+data out (its guard), the rewrite with the fine-tuned values and the one with the calibrated
+values are both scored there, and the fine-tuned ones are kept only where they score better.
 
 Merging writes W + B A into each projection's weight in the weight's own dtype; a weight that
 any other node reads too (tied embeddings, a shared layer) is first copied for the projection,
@@ -31,7 +31,7 @@ from attnrewrite.onnx.projections import Projection, QuantizedProjection, site_p
 from attnrewrite.onnx.splice import unique_initializer_name
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
-from attnrewrite.passes.fit import exact_stand_in, snapshot, zero_padded_queries
+from attnrewrite.passes.fit import exact_stand_in, fitted_stand_in, snapshot
 from attnrewrite.passes.optional_torch import torch
 
 MASK = "attention_mask"
@@ -59,9 +59,9 @@ class Finetuning:
             for i, p in enumerate(projections)
         }
         exact = {s.call: exact_stand_in(s.outcome.site.scale, s.outcome.site.mask.causal) for s in sites}
-        fitted = {s.call: _fitted_stand_in(s.module) for s in sites}
+        fitted = {s.call: fitted_stand_in(s.module) for s in sites}
         objective = objective_of(whole.graph)
-        teacher = teacher_of(whole, exact, calibration.original)
+        teacher = teacher_of(whole, exact, calibration.original, objective)
 
         def student(feeds, with_adapters=True):
             return whole.run(feeds, fitted, adapters if with_adapters else None)
@@ -109,15 +109,17 @@ class Finetuning:
         )
 
 
-def teacher_of(whole: TorchGraph, exact: dict, original):
+def teacher_of(whole: TorchGraph, exact: dict, original, objective: finetune.Objective):
     """The original's outputs on a batch, as the student gives them: onnxruntime's run of the
-    original model (``original``, calibration.OriginalModel) where the student runs on the CPU
-    and the original has each of its outputs by name; else the graph in torch with every
-    replacement computing exact attention (on the student's device)."""
+    original model (``original``, calibration.OriginalModel) where the student runs on the CPU,
+    the original has each of its outputs by name and the objective reads real positions only
+    (next-token KL: a padded query's output, which the stand-ins zero, is the original's own
+    there); else the graph in torch with every replacement computing exact attention."""
     names = whole.output_names
     dtypes = {v.name: v.dtype for v in whole.graph.outputs}
     if (
         original is None
+        or objective.kind != finetune.NEXT_TOKEN_KL
         or whole.device.type != "cpu"
         or not set(names) <= set(original.outputs)
         or any(dtypes[name] not in NUMPY_FLOATS for name in names)  # onnxruntime's bfloat16 is no numpy type
@@ -234,7 +236,3 @@ def _step_batches(graph: ir.Graph, batches: list) -> list:
 def _tokens_per_example(feeds: dict) -> int:
     """The sequence length: the longest second axis among the inputs (1 where none has one)."""
     return max((array.shape[1] for array in feeds.values() if array.ndim >= 2), default=1)
-
-
-def _fitted_stand_in(module):
-    return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)

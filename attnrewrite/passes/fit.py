@@ -267,6 +267,12 @@ def exact_stand_in(scale: float, causal: bool):
     return attention
 
 
+def fitted_stand_in(module):
+    """A replacement's stand-in that runs its learnable ``module``, padded queries zeroed as
+    exact_stand_in zeroes them."""
+    return lambda q, k, v, key_keep: zero_padded_queries(module(q, k, v, key_keep), q, key_keep)
+
+
 def zero_padded_queries(out, q, key_keep=None):
     """``out`` with the rows of padded queries zeroed. A padded query's output is never used
     (the per-site loss does not count it), but unfitted it differs most from softmax's: in the
