@@ -298,7 +298,8 @@ def _row(config: Config, mode: str, record: dict, figures: dict, rewrite_seconds
         "heldout_seconds": round(run_seconds, 2),
         **({"calibration": [s.get("calibration") for s in record["sites"]]} if "calibrated" in mode else {}),
         **({"end_to_end": record["end_to_end"]} if "end_to_end" in record else {}),
-        **({"finetune": _finetune_entry(record["finetune"])} if "finetune" in record else {}),
+        # not "finetune": that key is the row's setting (SETTINGS), the steps asked for
+        **({"fine_tuning": _finetune_entry(record["finetune"])} if "finetune" in record else {}),
     }
 
 

@@ -482,6 +482,18 @@ TEXT = {
 }
 
 
+def test_a_fidelity_rows_stage_records_are_not_its_settings(fidelity_script):
+    """A row spreads the settings it ran with over what it measured (measure); the fine-tuning
+    record must stay beside the ``finetune`` steps asked for, not under them."""
+    config = next(c for c in fidelity_script.configurations() if c.name == "hedgehog+window32")
+    stage = {"steps": 400, "kept": "finetuned", "adapted": ["q"], "held_out": {"finetuned": 0.03}}
+    record = {"sites_rewritten": 6, "sites_found": 6, "sites": [], "end_to_end": {"steps": 100}, "finetune": stage}
+    row = fidelity_script._row(config, "calibrated", record, {"mean_cosine": 0.99}, 1.0, 1.0)
+    settings = {name for name, *_ in fidelity_script.SETTINGS}
+    assert not settings & set(row)
+    assert row["fine_tuning"] == {"steps": 400, "kept": "finetuned", "held_out": {"finetuned": 0.03}}
+
+
 def test_fidelity_merge_replaces_this_runs_entries_and_keeps_the_others(fidelity_script):
     on_file = {
         "rows": {"linear/zero-shot": {"mean_cosine": 0.4}, "hydra/calibrated": {"mean_cosine": 0.7}},

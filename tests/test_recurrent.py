@@ -307,11 +307,33 @@ def test_onnx_steps_equal_the_parallel_form(method, config, padding, schedule):
 @pytest.mark.parametrize("method", METHODS)
 def test_onnx_steps_through_linear_attention_equal_the_parallel_form(method, padding):
     """With onnxruntime's contrib operator a step updates and reads the kernel state in one
-    LinearAttention node; the outputs are the standard operators'."""
+    LinearAttention node, its heads packed in a row as the operator takes them ([B, 1, H F], the
+    state [B, H, F, Dv + 1] as it lies); the outputs are the standard operators'."""
     site, options = make_site(), method_options(METHODS[method], "no-window")
     lowering = recurrent_form(site, options).onnx_lowering(site, OPSET, contrib_ops=True)
-    assert ("com.microsoft", "LinearAttention") in {(n.domain, n.op_type) for n in lowering_nodes(lowering)}
+    (node,) = [n for n in lowering_nodes(lowering) if (n.domain, n.op_type) == ("com.microsoft", "LinearAttention")]
+    heads = {a.name: a.i for a in node.attribute if a.name.endswith("num_heads")}
+    assert heads == {"q_num_heads": H, "kv_num_heads": H}
     assert_steps_equal_the_parallel_form(method, "no-window", padding, "prefill-then-tokens", contrib_ops=True)
+
+
+@pytest.mark.skipif(not runs_linear_attention(), reason="this onnxruntime has no com.microsoft.LinearAttention")
+@pytest.mark.parametrize("method", [hedgehog, linear], ids=["hedgehog", "linear"])
+def test_linear_attention_steps_with_heads_folded_into_the_batch(method):
+    """A [batch * heads, N, d] site: each head of each batch row is a row of the operator's own."""
+    site, options = make_site(rank=3), method_options(method, "no-window")
+    parallel = fitted_parallel(method, site, options)
+    q, k, v, keep = sequence(True, lead=(B * H,))
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+    form = recurrent_form(site, options)
+    lowering = form.onnx_lowering(site, OPSET, state_dict(parallel), contrib_ops=True)
+    assert "LinearAttention" in {n.op_type for n in lowering_nodes(lowering)}
+    model = recurrent_model(lowering, form.state(site), rank=3)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    schedule = SCHEDULES["prefill-then-tokens"]
+    for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
+        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
 
 
 def assert_steps_equal_the_parallel_form(method, config, padding, schedule, contrib_ops):

@@ -454,28 +454,42 @@ class _Glue:
         """(phi_q S' [..., 1, Dv + 1], S'): S' = state + phi_k^T [v, 1], one token's update."""
         b = self.body
         values = self.values_and_ones()
-        if self.linear_attention_rows:  # one token: [..., 1, X] is [G, 1, X] as it lies
-            features, columns = self.linear_attention_rows
+        if self.linear_attention_rows:
+            read, new_state = self.linear_attention(phi_q, phi_k, values, state)
+            # typed again (CastLike: no conversion) for the ONNX checker, which cannot type a contrib
+            # operator and then finds the If's branches disagree
+            return b("CastLike", read, values), b("CastLike", new_state, state)
+        new_state = b("Add", state, b("MatMul", b("Transpose", phi_k, perm=self.swap_last()), values))
+        return b("MatMul", phi_q, new_state), new_state
+
+    def linear_attention(self, phi_q: str, phi_k: str, values: str, state: str) -> tuple[str, str]:
+        """One token through com.microsoft.LinearAttention. With the heads known, its packed rows
+        [B, 1, H X] are a reshape of [B, H, 1, X] and the state [B, H, F, Dv + 1] is its own
+        layout, as it lies; else each head of each batch row is a row of its own."""
+        b = self.body
+        features, columns = self.linear_attention_rows
+        heads = self.heads if self.site.rank == 4 else None
+        if heads:
+            rows = [b("Reshape", x, b.ints(0, 1, -1)) for x in (phi_q, phi_k, values)]
+            folded = state
+        else:
             sized = ((phi_q, features), (phi_k, features), (values, columns))
             rows = [b("Reshape", x, b.ints(-1, 1, size)) for x, size in sized]
             folded = b("Reshape", state, b.ints(-1, 1, features, columns))
-            read, new_state = b(
-                "LinearAttention",
-                *rows,
-                folded,
-                outputs=2,
-                domain=MICROSOFT,
-                q_num_heads=1,
-                kv_num_heads=1,
-                update_rule="linear",
-                scale=1.0,
-            )
-            # typed again (CastLike: no conversion) for the ONNX checker, which cannot type a contrib
-            # operator and then finds the If's branches disagree
-            read, new_state = b("CastLike", read, values), b("CastLike", new_state, state)
-            return b("Reshape", read, b("Shape", values)), b("Reshape", new_state, b("Shape", state))
-        new_state = b("Add", state, b("MatMul", b("Transpose", phi_k, perm=self.swap_last()), values))
-        return b("MatMul", phi_q, new_state), new_state
+        read, new_state = b(
+            "LinearAttention",
+            *rows,
+            folded,
+            outputs=2,
+            domain=MICROSOFT,
+            q_num_heads=heads or 1,
+            kv_num_heads=heads or 1,
+            update_rule="linear",
+            scale=1.0,
+        )
+        if heads:
+            return b("Reshape", read, b.ints(0, heads, 1, columns)), new_state
+        return b("Reshape", read, b("Shape", values)), b("Reshape", new_state, b("Shape", state))
 
     def values_and_ones(self) -> str:
         """[v, 1] [..., N, Dv + 1] float32: what the kernel state sums (its last column the normaliser)."""
