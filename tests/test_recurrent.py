@@ -321,19 +321,7 @@ def test_onnx_steps_through_linear_attention_equal_the_parallel_form(method, pad
 @pytest.mark.parametrize("method", [hedgehog, linear], ids=["hedgehog", "linear"])
 def test_linear_attention_steps_with_heads_folded_into_the_batch(method):
     """A [batch * heads, N, d] site: each head of each batch row is a row of the operator's own."""
-    site, options = make_site(rank=3), method_options(method, "no-window")
-    parallel = fitted_parallel(method, site, options)
-    q, k, v, keep = sequence(True, lead=(B * H,))
-    with torch.no_grad():
-        expected = parallel(q, k, v, keep).numpy()
-    form = recurrent_form(site, options)
-    lowering = form.onnx_lowering(site, OPSET, state_dict(parallel), contrib_ops=True)
-    assert "LinearAttention" in {n.op_type for n in lowering_nodes(lowering)}
-    model = recurrent_model(lowering, form.state(site), rank=3)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    schedule = SCHEDULES["prefill-then-tokens"]
-    for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
-        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+    assert_folded_steps_equal_the_parallel_form(method, "no-window", "prefill-then-tokens", contrib_ops=True)
 
 
 def assert_steps_equal_the_parallel_form(method, config, padding, schedule, contrib_ops):
@@ -351,15 +339,21 @@ def assert_steps_equal_the_parallel_form(method, config, padding, schedule, cont
 def test_onnx_steps_with_heads_folded_into_the_batch(method):
     """A [batch * heads, N, d] site (OPT's bmm attention, nn.MultiheadAttention), windowed with a
     sink, left-padded: its ONNX steps, the one-token branch included, equal the parallel form."""
-    site, options = make_site(rank=3), method_options(METHODS[method], "window4-sink1")
-    parallel = fitted_parallel(METHODS[method], site, options)
+    assert_folded_steps_equal_the_parallel_form(METHODS[method], "window4-sink1", "token-by-token", contrib_ops=False)
+
+
+def assert_folded_steps_equal_the_parallel_form(method, config, schedule, contrib_ops):
+    site, options = make_site(rank=3), method_options(method, config)
+    parallel = fitted_parallel(method, site, options)
     q, k, v, keep = sequence(True, lead=(B * H,))
     with torch.no_grad():
         expected = parallel(q, k, v, keep).numpy()
     form = recurrent_form(site, options)
-    model = recurrent_model(form.onnx_lowering(site, OPSET, state_dict(parallel)), form.state(site), rank=3)
+    lowering = form.onnx_lowering(site, OPSET, state_dict(parallel), contrib_ops=contrib_ops)
+    assert contrib_ops == ("LinearAttention" in {n.op_type for n in lowering_nodes(lowering)})
+    model = recurrent_model(lowering, form.state(site), rank=3)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    schedule = SCHEDULES["token-by-token"]
+    schedule = SCHEDULES[schedule]
     for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
         assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
 
