@@ -40,7 +40,7 @@ STEPS = 64  # a block of the window: one of its boundaries falls among them
 BLOCKS = 8
 BOUND = 1.5  # issue 47
 REWRITTEN = f"hedgehog+window{decoder_fidelity.WINDOW}-finetuned.onnx"
-MARKERS = ("<!-- DECODER STEP -->", "<!-- /DECODER STEP -->")
+MARKERS = fidelity.DECODER_STEP_MARKERS  # this script's part of FIDELITY.md
 
 
 class Stepper:

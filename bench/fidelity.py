@@ -53,6 +53,8 @@ DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "fidelity.json", HERE / "FIDELITY.md"
 ANALYSIS_START, ANALYSIS_END = "<!-- ANALYSIS -->", "<!-- /ANALYSIS -->"  # hand-written, kept on rewrite
 DECODERS_MARKERS = ("<!-- DECODERS -->", "<!-- /DECODERS -->")  # bench/decoder_fidelity.py's section
 SMOLLM2_MARKERS = ("<!-- SMOLLM2 -->", "<!-- /SMOLLM2 -->")  # bench/smollm2_fidelity.py's section
+DECODER_STEP_MARKERS = ("<!-- DECODER STEP -->", "<!-- /DECODER STEP -->")  # bench/decoder_step.py's section
+OTHER_SECTIONS = (DECODERS_MARKERS, SMOLLM2_MARKERS, DECODER_STEP_MARKERS)  # other scripts' parts of the file
 MODES = ("zero-shot", "calibrated", "selected", "calibrated+selected", "exact heads", "heads auto")
 HEADS_MODES = ("exact heads", "heads auto")  # --heads: one calibrated fit, some heads kept exact
 HEADS_CURVE = (0, 1, 2, 3)  # --heads: the curve's heads kept exact per site, the costliest by the selection's costs
@@ -822,11 +824,10 @@ def _kept_analysis(path: Path) -> str:
 
 
 def _kept_sections(path: Path) -> list[str]:
-    """bench/decoder_fidelity.py's and bench/smollm2_fidelity.py's sections, kept when this
-    script rewrites the file."""
+    """The other scripts' sections (OTHER_SECTIONS), kept when this script rewrites the file."""
     text = path.read_text() if path.is_file() else ""
     kept = []
-    for start, end in (DECODERS_MARKERS, SMOLLM2_MARKERS):
+    for start, end in OTHER_SECTIONS:
         if start in text and end in text:
             kept += ["", text[text.index(start) : text.index(end) + len(end)]]
     return kept

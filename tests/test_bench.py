@@ -702,6 +702,31 @@ def test_fidelity_rows_on_cut_passages_sit_beside_the_usual_ones(fidelity_script
     ]
 
 
+def test_rewriting_fidelity_md_keeps_the_other_scripts_sections(fidelity_script, tmp_path):
+    """bench/decoder_fidelity.py, smollm2_fidelity.py and decoder_step.py write their own parts
+    of FIDELITY.md; this script's rewrite of the file keeps each as it was (decoder_step.py's
+    was dropped until 2026-11-29)."""
+    sections = [
+        f"{start}\n## {start[5:-4].title()}\n\n| a | b |\n{end}" for start, end in fidelity_script.OTHER_SECTIONS
+    ]
+    path = tmp_path / "FIDELITY.md"
+    path.write_text("# old table\n\n" + "\n\n".join(sections) + "\n")
+    results = {
+        "rows": {"hedgehog/zero-shot": _fidelity_row("zero-shot", 0.4, config="hedgehog")},
+        "not_run": {},
+        "corpus": "the corpus",
+        "heldout_passages": 256,
+        "batch": 8,
+        "threads": 1,
+        "machine": {"processor": "cpu", "cpus": 2, "load_average_at_start": [0.1], "onnxruntime": "1"},
+        "date": "today",
+    }
+    fidelity_script.write_markdown(results, path)
+    text = path.read_text()
+    assert "# old table" not in text
+    assert [section in text for section in sections] == [True] * 3
+
+
 @pytest.mark.parametrize("arguments", [["--held-out-tokens", "1"], ["--held-out-tokens", "240", "--long"]])
 def test_fidelity_held_out_tokens_refuses_what_it_cannot_measure(fidelity_script, arguments, capsys):
     with pytest.raises(SystemExit) as exit_info:
