@@ -676,15 +676,10 @@ def test_fidelity_held_out_passages_cut_as_the_tokenizer_truncates(fidelity_scri
     assert data.heldout_cut == {"heldout_tokens": 160, "heldout_mean_tokens": mean}
 
 
-def test_fidelity_rows_on_cut_passages_sit_beside_the_usual_ones(fidelity_script, tmp_path):
-    usual = _fidelity_row("zero-shot", 0.8921, config="nystrom-m64")
-    cut = _fidelity_row("zero-shot", 0.9012, config="nystrom-m64", heldout_tokens=240, heldout_mean_tokens=215.3)
-    calibrated = {**cut, "mode": "calibrated", "frontend": "torch"}
-    assert fidelity_script.row_key("nystrom-m64", "zero-shot", usual) == "nystrom-m64/zero-shot"
-    assert fidelity_script.row_key("nystrom-m64", "zero-shot", cut) == "nystrom-m64/zero-shot@240tokens"
-    assert fidelity_script.row_key("nystrom-m64", "calibrated", calibrated) == "nystrom-m64/calibrated@240tokens@torch"
-    results = {
-        "rows": {"nystrom-m64/zero-shot@240tokens": cut, "nystrom-m64/zero-shot": usual},
+def _bare_results(rows: dict) -> dict:
+    """A results file with ``rows`` and what every run records, nothing optional."""
+    return {
+        "rows": rows,
         "not_run": {},
         "corpus": "the corpus",
         "heldout_passages": 256,
@@ -692,7 +687,18 @@ def test_fidelity_rows_on_cut_passages_sit_beside_the_usual_ones(fidelity_script
         "threads": 1,
         "machine": {"processor": "cpu", "cpus": 2, "load_average_at_start": [0.1], "onnxruntime": "1"},
         "date": "today",
-    }  # a file written by --held-out-tokens runs alone: no original_seconds
+    }
+
+
+def test_fidelity_rows_on_cut_passages_sit_beside_the_usual_ones(fidelity_script, tmp_path):
+    usual = _fidelity_row("zero-shot", 0.8921, config="nystrom-m64")
+    cut = _fidelity_row("zero-shot", 0.9012, config="nystrom-m64", heldout_tokens=240, heldout_mean_tokens=215.3)
+    calibrated = {**cut, "mode": "calibrated", "frontend": "torch"}
+    assert fidelity_script.row_key("nystrom-m64", "zero-shot", usual) == "nystrom-m64/zero-shot"
+    assert fidelity_script.row_key("nystrom-m64", "zero-shot", cut) == "nystrom-m64/zero-shot@240tokens"
+    assert fidelity_script.row_key("nystrom-m64", "calibrated", calibrated) == "nystrom-m64/calibrated@240tokens@torch"
+    # a file written by --held-out-tokens runs alone: no original_seconds
+    results = _bare_results({"nystrom-m64/zero-shot@240tokens": cut, "nystrom-m64/zero-shot": usual})
     path = tmp_path / "FIDELITY.md"
     fidelity_script.write_markdown(results, path)
     main = _table_rows(path.read_text(), "# Held-out fidelity on a trained sentence encoder")
@@ -711,16 +717,7 @@ def test_rewriting_fidelity_md_keeps_the_other_scripts_sections(fidelity_script,
     ]
     path = tmp_path / "FIDELITY.md"
     path.write_text("# old table\n\n" + "\n\n".join(sections) + "\n")
-    results = {
-        "rows": {"hedgehog/zero-shot": _fidelity_row("zero-shot", 0.4, config="hedgehog")},
-        "not_run": {},
-        "corpus": "the corpus",
-        "heldout_passages": 256,
-        "batch": 8,
-        "threads": 1,
-        "machine": {"processor": "cpu", "cpus": 2, "load_average_at_start": [0.1], "onnxruntime": "1"},
-        "date": "today",
-    }
+    results = _bare_results({"hedgehog/zero-shot": _fidelity_row("zero-shot", 0.4, config="hedgehog")})
     fidelity_script.write_markdown(results, path)
     text = path.read_text()
     assert "# old table" not in text
