@@ -22,6 +22,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import sys
 import traceback
@@ -153,14 +154,12 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibrate-steps",
         type=parse_positive,
-        default=calibration.DEFAULT_STEPS,
         metavar="N",
-        help="optimizer steps per site (default: %(default)s)",
+        help=f"optimizer steps per site (default: {calibration.DEFAULT_STEPS})",
     )
     parser.add_argument(
         "--calibrate-lr",
-        type=float,
-        default=None,
+        type=parse_positive_number,
         metavar="LR",
         help=f"Adam learning rate of calibration (default: the method's, {fit.DEFAULT_LR:g}; "
         f"linformer {passes.linformer.LinformerAttention.CALIBRATION_LR:g})",
@@ -168,17 +167,15 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibrate-ce",
         type=parse_nonnegative,
-        default=0.0,
         metavar="W",
         help="add W times Hedgehog's cross-entropy between the softmax weights and the replacement's "
-        "(linear, favor without a window, hedgehog; default: %(default)s, output error only)",
+        "(linear, favor without a window, hedgehog; default: 0, output error only)",
     )
     parser.add_argument(
         "--calibrate-seed",
         type=int,
-        default=0,
         metavar="N",
-        help="seed of the minibatches calibration draws (default: %(default)s)",
+        help="seed of the minibatches calibration draws (default: 0)",
     )
     parser.add_argument(
         "--calibrate-end-to-end",
@@ -203,16 +200,14 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--finetune-rank",
         type=parse_positive,
-        default=calibration.DEFAULT_RANK,
         metavar="R",
-        help="with --finetune: the adapters' rank (default: %(default)s)",
+        help=f"with --finetune: the adapters' rank (default: {calibration.DEFAULT_RANK})",
     )
     parser.add_argument(
         "--finetune-lr",
-        type=float,
-        default=calibration.FINETUNE_LR,
+        type=parse_positive_number,
         metavar="LR",
-        help="with --finetune: Adam's learning rate (default: %(default)s)",
+        help=f"with --finetune: Adam's learning rate (default: {calibration.FINETUNE_LR})",
     )
     parser.add_argument(
         "--tokenizer",
@@ -222,10 +217,9 @@ def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-length",
         type=parse_positive,
-        default=calibration.DEFAULT_MAX_LENGTH,
         metavar="N",
         help="with --tokenizer: the length of a calibration example in tokens; a longer text is cut (and counted "
-        "in the record) (default: %(default)s)",
+        f"in the record) (default: {calibration.DEFAULT_MAX_LENGTH})",
     )
     parser.add_argument(
         "--calibrate-pack",
@@ -363,8 +357,19 @@ def parse_nonnegative(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def parse_positive_number(text: str) -> float:
+    """A learning rate: finite and above 0 (an optimizer refuses others only after stage 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -688,23 +693,35 @@ def _settings(args) -> pipeline.Settings:
         allow_exact=args.allow_exact,
         inputs=args.inputs,
         calibrate=args.calibrate or None,
-        calibrate_steps=args.calibrate_steps,
-        calibrate_lr=args.calibrate_lr,
-        calibrate_ce_weight=args.calibrate_ce,
-        calibrate_seed=args.calibrate_seed,
         calibrate_end_to_end=args.calibrate_end_to_end,
         finetune=args.finetune,
-        finetune_rank=args.finetune_rank,
-        finetune_lr=args.finetune_lr,
         tokenizer=args.tokenizer,
-        max_length=args.max_length,
         calibrate_pack=args.calibrate_pack != "off",
+        **{name: value for name, (_, value) in _fitting_settings(args).items() if value is not None},
     )
 
 
+def _fitting_settings(args) -> dict[str, tuple[str, object]]:
+    """Calibration's and fine-tuning's own settings, by Settings' name: (flag, value), None where
+    not given (Settings' default then): given, each needs its stage (_check_calibration_arguments)."""
+    return {
+        "calibrate_steps": ("--calibrate-steps", args.calibrate_steps),
+        "calibrate_lr": ("--calibrate-lr", args.calibrate_lr),
+        "calibrate_ce_weight": ("--calibrate-ce", args.calibrate_ce),
+        "calibrate_seed": ("--calibrate-seed", args.calibrate_seed),
+        "max_length": ("--max-length", args.max_length),
+        "finetune_rank": ("--finetune-rank", args.finetune_rank),
+        "finetune_lr": ("--finetune-lr", args.finetune_lr),
+    }
+
+
 def _check_calibration_arguments(args, genai_output: bool) -> None:
-    """Calibration's own flags mean nothing without --calibrate: refused, not ignored (but
-    --tokenizer, whose files a genai folder gets)."""
+    """Calibration's own flags mean nothing without --calibrate, fine-tuning's without
+    --finetune: refused, not ignored (but --tokenizer, whose files a genai folder gets)."""
+    given = {name: flag for name, (flag, value) in _fitting_settings(args).items() if value is not None}
+    tuning = [flag for name, flag in given.items() if name.startswith("finetune_")]
+    if tuning and not args.finetune:
+        raise AttnRewriteError(f"{tuning[0]} is a setting of fine-tuning; give --finetune too")
     if args.calibrate:
         return
     if args.tokenizer and not genai_output:
@@ -715,6 +732,8 @@ def _check_calibration_arguments(args, genai_output: bool) -> None:
         raise AttnRewriteError("--calibrate-end-to-end is a stage of calibration; give --calibrate too")
     if args.finetune:
         raise AttnRewriteError("--finetune trains on the calibration data; give --calibrate DATA too")
+    if given:
+        raise AttnRewriteError(f"{next(iter(given.values()))} is a setting of calibration; give --calibrate too")
 
 
 def _write_proved(result: pipeline.Result, output: str) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from typing import Any
 
@@ -91,6 +93,9 @@ class Settings:
     max_length: int = calibration.DEFAULT_MAX_LENGTH
     calibrate_pack: bool = True  # text data: consecutive texts packed into passages of max_length tokens
 
+    def __post_init__(self):
+        _refuse_bad_fitting_numbers(self)
+
     @property
     def compares(self) -> bool:
         """Whether the rewritten model is compared with the original: asked for, or implied by a
@@ -114,6 +119,27 @@ class Settings:
             if self.finetune
             else None,
         )
+
+
+# The least value of each count calibration and fine-tuning take, and the rates they take: a bad
+# one is refused before any work (torch's optimizer would refuse a rate only once stage 2 starts,
+# after stage 1's minutes; a rank of 0 divides by zero). 0 calibration steps: the learnable
+# lowerings with their initial values.
+_LEAST_COUNTS = {"calibrate_steps": 0, "calibrate_end_to_end": 0, "finetune": 0, "finetune_rank": 1, "max_length": 1}
+_RATES = ("calibrate_lr", "finetune_lr")  # calibrate_lr None: the method's
+
+
+def _refuse_bad_fitting_numbers(settings: Settings) -> None:
+    for name, least in _LEAST_COUNTS.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise AttnRewriteError(f"{name} must be an integer >= {least}, got {value!r}")
+    for name in _RATES:
+        value = getattr(settings, name)
+        if value is None and name == "calibrate_lr":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise AttnRewriteError(f"{name} must be a positive number, got {value!r}")
 
 
 class Source:

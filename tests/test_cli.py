@@ -16,6 +16,7 @@ import pytest
 import attnrewrite
 from attnrewrite import passes
 from attnrewrite.cli import EXIT_BROKEN_PIPE, format_layers, main, parse_layers
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.passes.options import describe_options
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
@@ -231,6 +232,69 @@ def test_missing_output_folder(tmp_path, capsys):
     code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", target)
     assert code == 2
     assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
+
+
+def _calibration_data(folder: Path) -> Path:
+    """The sample's inputs for calibration: 4 rows of 8 token ids."""
+    ids = np.random.default_rng(0).integers(0, 50, (4, 8))
+    np.savez(folder / "data.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    return folder / "data.npz"
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--calibrate-steps", "5"], "--calibrate-steps is a setting of calibration; give --calibrate too"),
+        (["--calibrate-lr", "0.01"], "--calibrate-lr is a setting of calibration; give --calibrate too"),
+        (["--calibrate-seed", "1"], "--calibrate-seed is a setting of calibration; give --calibrate too"),
+        (["--max-length", "64"], "--max-length is a setting of calibration; give --calibrate too"),
+        (
+            ["--calibrate", "DATA", "--finetune-rank", "4"],
+            "--finetune-rank is a setting of fine-tuning; give --finetune too",
+        ),
+        (
+            ["--calibrate", "DATA", "--finetune-lr", "1e-3"],
+            "--finetune-lr is a setting of fine-tuning; give --finetune too",
+        ),
+        (
+            ["--calibrate", "DATA", "--calibrate-lr", "-1"],
+            "argument --calibrate-lr: expected a positive number, got '-1' (see 'attnrewrite -h')",
+        ),
+        (
+            ["--calibrate", "DATA", "--finetune", "2", "--finetune-lr", "inf"],
+            "argument --finetune-lr: expected a positive number, got 'inf' (see 'attnrewrite -h')",
+        ),
+        (
+            ["--calibrate", "DATA", "--calibrate-ce", "nan"],
+            "argument --calibrate-ce: expected a number >= 0, got 'nan' (see 'attnrewrite -h')",
+        ),
+    ],
+)
+def test_fitting_flags_without_their_stage_or_out_of_range_are_refused(tmp_path, capsys, flags, message):
+    """Refused before any work, not ignored: a bad rate once failed only after calibrating."""
+    data = _calibration_data(tmp_path)
+    out = tmp_path / "out.onnx"
+    code, _, err = run(capsys, SAMPLE, "--to", "hedgehog", *[data if f == "DATA" else f for f in flags], "-o", out)
+    assert (code, err) == (2, f"attnrewrite: error: {message}\n")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"finetune": 2, "finetune_lr": -1.0}, "finetune_lr must be a positive number, got -1.0"),
+        ({"calibrate_lr": float("nan")}, "calibrate_lr must be a positive number, got nan"),
+        ({"finetune": 2, "finetune_rank": 0}, "finetune_rank must be an integer >= 1, got 0"),
+        ({"finetune": -1}, "finetune must be an integer >= 0, got -1"),
+        ({"max_length": 2.5}, "max_length must be an integer >= 1, got 2.5"),
+    ],
+)
+def test_the_apis_fitting_numbers_are_refused_before_calibrating(tmp_path, capsys, settings, message):
+    data = _calibration_data(tmp_path)
+    with pytest.raises(AttnRewriteError) as refused:
+        attnrewrite.rewrite(str(SAMPLE), to="hedgehog", calibrate=str(data), **settings)
+    assert str(refused.value) == message
+    assert "calibrating" not in capsys.readouterr().err
 
 
 def _write(path: Path, data: bytes) -> Path:

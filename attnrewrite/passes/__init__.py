@@ -55,6 +55,7 @@ which ``make_options`` reports.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
@@ -115,8 +116,10 @@ def require_fittable(method: types.ModuleType, options, ce_weight: float = 0.0) 
     reason = nothing_to_fit(method, options)
     if reason:
         raise AttnRewriteError(f"cannot calibrate: {reason}")
-    if not ce_weight >= 0:
-        raise AttnRewriteError(f"the attention-weight cross-entropy weight must be >= 0, got {ce_weight:g}")
+    if not 0 <= ce_weight < math.inf:
+        raise AttnRewriteError(
+            f"the attention-weight cross-entropy weight must be a finite number >= 0, got {ce_weight:g}"
+        )
     if ce_weight and (reason := attention_weights_unavailable(method, options)):
         raise AttnRewriteError(f"cannot calibrate with the attention-weight cross-entropy: {reason}")
 
