@@ -839,6 +839,8 @@ def _check_rewrite_arguments(args, model) -> None:
     if not args.output:
         raise AttnRewriteError("give the output path with -o")
     _check_heads_arguments(args)
+    if args.standard_ops and not args.recurrent:
+        raise AttnRewriteError("--standard-ops is for --recurrent's decoding steps; give --recurrent too")
     if args.layers == "auto" and args.min_cosine is None and args.heads != ["auto"]:
         raise AttnRewriteError("--layers auto needs --min-cosine X: the cosine the rewritten model must keep")
     onnx_io.check_output_path(args.output, args.model, reads=onnx_io.files_read_by(model))

@@ -94,6 +94,8 @@ class Settings:
     calibrate_pack: bool = True  # text data: consecutive texts packed into passages of max_length tokens
 
     def __post_init__(self):
+        if self.standard_ops and not self.recurrent:
+            raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
         _refuse_bad_fitting_numbers(self)
 
     @property

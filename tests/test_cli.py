@@ -234,6 +234,20 @@ def test_missing_output_folder(tmp_path, capsys):
     assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
 
 
+def test_standard_ops_without_recurrent_is_refused(tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    code, _, err = run(capsys, SAMPLE, "--to", "hydra", "--standard-ops", "-o", out)
+    assert (code, err) == (
+        2,
+        "attnrewrite: error: --standard-ops is for --recurrent's decoding steps; give --recurrent too\n",
+    )
+    assert not out.exists()
+    with pytest.raises(
+        AttnRewriteError, match=r"^standard_ops is for recurrent=True's decoding steps; give recurrent=True too$"
+    ):
+        attnrewrite.rewrite(str(SAMPLE), to="hydra", standard_ops=True)
+
+
 def _calibration_data(folder: Path) -> Path:
     """The sample's inputs for calibration: 4 rows of 8 token ids."""
     ids = np.random.default_rng(0).integers(0, 50, (4, 8))
