@@ -31,7 +31,7 @@ from pathlib import Path
 
 from attnrewrite import __version__, calibration, genai_folder, passes, pipeline
 from attnrewrite import check as check_mod
-from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive
+from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive, parse_positive_number
 from attnrewrite.data import load_inputs
 from attnrewrite.distributed import process_group
 from attnrewrite.errors import AttnRewriteError
@@ -359,17 +359,6 @@ def parse_nonnegative(text: str) -> float:
         value = -1.0
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def parse_positive_number(text: str) -> float:
-    """A learning rate: finite and above 0 (an optimizer refuses others only after stage 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 

@@ -5,6 +5,7 @@ have in common."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from attnrewrite.errors import AttnRewriteError
 
@@ -27,4 +28,15 @@ def parse_positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_positive_number(text: str) -> float:
+    """A rate or a temperature: finite and above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value

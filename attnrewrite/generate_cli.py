@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from attnrewrite.cli_parsing import CommandParser, parse_positive
+from attnrewrite.cli_parsing import CommandParser, parse_positive, parse_positive_number
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import PADDINGS, Generation, generate
 from attnrewrite.record import format_bytes
@@ -39,7 +39,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
         "--stop", action="append", default=[], metavar="TOKEN", help="a token that ends a prompt's text"
     )
     parser.add_argument("--sample", action="store_true", help="sample the next token instead of taking the likeliest")
-    parser.add_argument("--temperature", type=_positive_float, metavar="T", help="with --sample (default: 1)")
+    parser.add_argument("--temperature", type=parse_positive_number, metavar="T", help="with --sample (default: 1)")
     parser.add_argument("--top-k", type=parse_positive, metavar="K", help="with --sample: draw among the K likeliest")
     parser.add_argument("--seed", type=int, metavar="S", help="with --sample (default: 0)")
     parser.add_argument(
@@ -52,16 +52,6 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="onnxruntime execution provider")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks")
     return parser
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
 
 
 def generate_command(args) -> int:
