@@ -634,10 +634,10 @@ def _run(argv: list[str], run: _Run) -> int:
     if args.list:
         return _list_sites(model, args, report)
     _check_rewrite_arguments(args, model)
+    _check_calibration_arguments(args, genai_output is not None)
     settings = _settings(args)
     if settings.compares:
         check_length_fits(model.graph, args, from_empty_cache=settings.recurrent)
-    _check_calibration_arguments(args, genai_output is not None)
     result = pipeline.rewrite(pipeline.Source(args.model, loaded=model), settings, report)
     if not run.writes:
         return 0

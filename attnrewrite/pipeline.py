@@ -97,6 +97,7 @@ class Settings:
         if self.standard_ops and not self.recurrent:
             raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
         _refuse_bad_fitting_numbers(self)
+        _refuse_stages_without_their_data(self)
 
     @property
     def compares(self) -> bool:
@@ -218,7 +219,6 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
         "allow_exact": settings.allow_exact,
     }
     _check_selection(settings)
-    _check_finetune(settings)
     with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
         method, options = passes.method_and_options(settings.method, **settings.options)
     with stage("load"):
@@ -255,9 +255,12 @@ def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactP
     return check_mod.with_reason(prepare(model, settings.inputs, seq=seq or check_mod.DEFAULT_SEQ), why)
 
 
-def _check_finetune(settings: Settings) -> None:
+def _refuse_stages_without_their_data(settings: Settings) -> None:
+    """Calibration's later stages run on its data (either frontend's)."""
     if settings.finetune and settings.calibrate is None:
         raise AttnRewriteError("finetune trains on the calibration data: give calibrate too")
+    if settings.calibrate_end_to_end and settings.calibrate is None:
+        raise AttnRewriteError("calibrate_end_to_end is a stage of calibration: give calibrate too")
     if settings.finetune and settings.selects:  # its trials measure stage 1's models, and would each train
         raise AttnRewriteError(
             "finetune with layer or head selection: select first, then fine-tune a rewrite of the layers or heads it chose"

@@ -248,6 +248,23 @@ def test_standard_ops_without_recurrent_is_refused(tmp_path, capsys):
         attnrewrite.rewrite(str(SAMPLE), to="hydra", standard_ops=True)
 
 
+@pytest.mark.parametrize(
+    "stage,message",
+    [
+        ({"finetune": 2}, "finetune trains on the calibration data: give calibrate too"),
+        ({"calibrate_end_to_end": 2}, "calibrate_end_to_end is a stage of calibration: give calibrate too"),
+    ],
+)
+def test_calibrations_later_stages_need_its_data_in_either_frontend(stage, message):
+    import torch
+
+    encoder = torch.nn.TransformerEncoderLayer(16, 2, batch_first=True)
+    for model, capture in ((str(SAMPLE), {}), (encoder, {"example_inputs": (torch.randn(1, 8, 16),)})):
+        with pytest.raises(AttnRewriteError) as refused:
+            attnrewrite.rewrite(model, to="hedgehog", **stage, **capture)
+        assert str(refused.value) == message
+
+
 def _calibration_data(folder: Path) -> Path:
     """The sample's inputs for calibration: 4 rows of 8 token ids."""
     ids = np.random.default_rng(0).integers(0, 50, (4, 8))
