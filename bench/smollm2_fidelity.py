@@ -224,7 +224,8 @@ def markdown(results: dict) -> str:
         "| rewrite | mode | next-token agreement | from position 128 | perplexity ratio | from 128 | rewrite time |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for key, row in results["rows"].items():
+    rows = dict(sorted(results["rows"].items(), key=lambda item: _table_order(item[0])))
+    for key, row in rows.items():
         config, mode = key.split("/")
         if "refused" in row:
             lines.append(f"| {config} | {mode} | refused: {row['refused']} | | | | |")
@@ -235,18 +236,24 @@ def markdown(results: dict) -> str:
             f"{figures.get('agreement_far', float('nan')):.3f} | {figures.get('perplexity_ratio', float('nan')):.3f} | "
             f"{figures.get('perplexity_ratio_far', float('nan')):.3f} | {row['seconds'] / 60:.1f} min |"
         )
-    lines += ["", *(stage_line(key, row) for key, row in results["rows"].items() if row.get("finetune"))]
+    lines += ["", *(stage_line(key, row) for key, row in rows.items() if row.get("finetune"))]
     lines += ["", "Commands (run in the cache folder):", ""]
-    lines += [f"- `{row['command']}`" for row in results["rows"].values()]
+    lines += [f"- `{row['command']}`" for row in rows.values()]
     lines += [
         "",
         f"Targets (issue 48, window=64 calibrated and fine-tuned): agreement from position 128 >= "
         f"{TARGETS['agreement_far']}, perplexity ratio <= {TARGETS['perplexity_ratio']}, both stages in at most "
         f"{TARGETS['minutes']} minutes on an idle 2-core CPU.",
         "",
-        *measured_lines(results["rows"]),
+        *measured_lines(rows),
     ]
     return "\n".join(lines)
+
+
+def _table_order(key: str) -> tuple[int, int]:
+    """A row's place: by configuration, then mode, as CONFIGS and MODES list them."""
+    config, mode = key.split("/")
+    return list(CONFIGS).index(config), MODES.index(mode)
 
 
 def measured_lines(rows: dict) -> list[str]:

@@ -749,3 +749,23 @@ def test_smollm2_rows_say_which_run_measured_them():
         f"- hedgehog/zero-shot, hedgehog+window64/zero-shot: measured 2026-11-28 {run}, commit aaaaaaa.",
         f"- hedgehog+window64/calibrated: measured 2026-11-29 {run}, commit bbbbbbb.",
     ]
+
+
+def test_smollm2_table_lists_rows_by_configuration_then_mode():
+    """The rows are written in the order runs measured them; the table reads by configuration."""
+    smollm2 = load_bench_module("smollm2_fidelity")
+    measured = {"processor": "AMD EPYC", "cpus": 2, "load_average_at_start": [0.1, 0.1, 0.1], "onnxruntime": "1.32.0"}
+    measured |= {"date": "2026-11-30", "commit": "ccccccc"}
+    keys = ["hedgehog+window64/finetuned", "hedgehog/zero-shot", "hedgehog+window64/zero-shot", "hedgehog/calibrated"]
+    results = {
+        "setup": "passages",
+        "rows": {key: {"seconds": 60.0, "command": f"attnrewrite {key}", "measured": measured} for key in keys},
+        "figures": {},
+    }
+    table = [line.split(" | ")[:2] for line in smollm2.markdown(results).splitlines() if line.startswith("| hedgehog")]
+    assert table == [
+        ["| hedgehog", "zero-shot"],
+        ["| hedgehog", "calibrated"],
+        ["| hedgehog+window64", "zero-shot"],
+        ["| hedgehog+window64", "finetuned"],
+    ]
