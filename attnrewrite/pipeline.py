@@ -125,9 +125,9 @@ class Settings:
 
 
 # The least value of each count calibration and fine-tuning take, and the rates they take: a bad
-# one is refused before any work (torch's optimizer would refuse a rate only once stage 2 starts,
-# after stage 1's minutes; a rank of 0 divides by zero). 0 calibration steps: the learnable
-# lowerings with their initial values.
+# one is refused before any work (torch's optimizer refuses a rate only as its stage starts,
+# fine-tuning's after stage 1's minutes; a rank of 0 divides by zero). 0 calibration steps: the
+# learnable lowerings with their initial values.
 _LEAST_COUNTS = {"calibrate_steps": 0, "calibrate_end_to_end": 0, "finetune": 0, "finetune_rank": 1, "max_length": 1}
 _RATES = ("calibrate_lr", "finetune_lr")  # calibrate_lr None: the method's
 
