@@ -31,7 +31,7 @@ from pathlib import Path
 
 from attnrewrite import __version__, calibration, genai_folder, passes, pipeline
 from attnrewrite import check as check_mod
-from attnrewrite.cli_parsing import CommandParser, UsageError, parse_positive, parse_positive_number
+from attnrewrite.cli_parsing import CommandParser, UsageError, number_parser, parse_positive, parse_positive_number
 from attnrewrite.data import load_inputs
 from attnrewrite.distributed import process_group
 from attnrewrite.errors import AttnRewriteError
@@ -352,14 +352,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_nonnegative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+parse_nonnegative = number_parser(lambda x: 0 <= x < math.inf, "expected a number >= 0")
+parse_cosine = number_parser(lambda x: -1 <= x <= 1, "a cosine similarity is between -1 and 1")
+parse_fraction = number_parser(lambda x: 0 <= x <= 1, "an agreement is a fraction between 0 and 1")
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -370,26 +365,6 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or lengths[0] < 1:
         raise argparse.ArgumentTypeError(f"invalid length list {text!r} (expected e.g. 128,256,512)")
     return lengths
-
-
-def parse_cosine(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not -1.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a cosine similarity is between -1 and 1, got {text!r}")
-    return value
-
-
-def parse_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"an agreement is a fraction between 0 and 1, got {text!r}")
-    return value
 
 
 def parse_layers(text: str) -> list[int] | str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from attnrewrite.errors import AttnRewriteError
 
@@ -31,12 +32,20 @@ def parse_positive(text: str) -> int:
     return value
 
 
-def parse_positive_number(text: str) -> float:
-    """A rate or a temperature: finite and above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+def number_parser(within: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    """An argparse type: the number ``text`` says, where ``within`` holds for it (never for
+    text that is not a number: NaN), else refused as "``expected``, got 'text'"."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not within(value):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+parse_positive_number = number_parser(lambda x: 0 < x < math.inf, "expected a positive number")  # rates, temperature
