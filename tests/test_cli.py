@@ -296,8 +296,8 @@ def _calibration_data(folder: Path) -> Path:
             "argument --finetune-lr: expected a positive number, got 'inf' (see 'attnrewrite -h')",
         ),
         (
-            ["--calibrate", "DATA", "--calibrate-ce", "nan"],
-            "argument --calibrate-ce: expected a number >= 0, got 'nan' (see 'attnrewrite -h')",
+            ["--calibrate", "DATA", "--calibrate-ce", "inf"],
+            "argument --calibrate-ce: expected a number >= 0, got 'inf' (see 'attnrewrite -h')",
         ),
     ],
 )
