@@ -589,17 +589,21 @@ def _run(argv: list[str], run: _Run) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     report = run.report
-    run.report_to(args.report, keep=[args.model, None if args.list else args.output])
+    run.report_to(args.report, keep=[args.model, args.output])
     report.method = args.to
     if args.list or args.list_options:
         report.command = "list"
     if args.list_options:
+        _refuse_unused_arguments(parser, args, "--list-options prints a method's options", _LIST_OPTIONS_READS)
         return _print_options(args, report)
     if args.model is None:
         parser.error("the following arguments are required: model")
+    if args.list:
+        _refuse_unused_arguments(parser, args, "--list only reports the sites", _LIST_READS)
+    _check_fidelity_arguments(args)
     args.model, source = genai_folder.input_model(args.model)
     genai_output = None
-    if args.output and not args.list:
+    if args.output:
         args.output, genai_output = genai_folder.output_model(args.output, args.model)
     report.input = args.model
     with stage("load"):
@@ -679,6 +683,25 @@ def _fitting_settings(args) -> dict[str, tuple[str, object]]:
     }
 
 
+# What the two listings read; any other argument given with them would be ignored.
+_LIST_READS = {"model", "list", "seq", "inputs", "report", "verbose"}
+_LIST_OPTIONS_READS = {"to", "list_options", "report", "verbose"}
+
+
+def _refuse_unused_arguments(parser: CommandParser, args, what: str, reads: set[str]) -> None:
+    unused = [flag for dest, flag in parser.given(args).items() if dest not in reads]
+    if unused:
+        raise AttnRewriteError(f"{what}: {unused[0]} would do nothing there")
+
+
+def _check_fidelity_arguments(args) -> None:
+    """The comparison's flags that would do nothing in each other's company (rewrite and check)."""
+    if args.allow_exact and args.min_cosine is None and args.min_agreement is None:
+        raise AttnRewriteError("--allow-exact lets a gate pass; give --min-cosine or --min-agreement too")
+    if args.inputs is not None and args.seq is not None:
+        raise AttnRewriteError("--seq is the length of generated inputs, and --inputs gives yours: give one of them")
+
+
 def _check_calibration_arguments(args, genai_output: bool) -> None:
     """Calibration's own flags mean nothing without --calibrate, fine-tuning's without
     --finetune: refused, not ignored (but --tokenizer, whose files a genai folder gets)."""
@@ -725,6 +748,7 @@ def _check_command(args, run: _Run) -> int:
         "allow_exact": args.allow_exact,
     }
     run.report_to(args.report, keep=[args.original, args.rewritten])
+    _check_fidelity_arguments(args)
     if args.json:
         onnx_io.check_output_path(args.json, args.original, what="report")
     if args.report:
@@ -825,7 +849,7 @@ def _check_report_argument(args, model) -> None:
     if not args.report:
         return
     onnx_io.check_output_path(args.report, args.model, reads=onnx_io.files_read_by(model), what="report")
-    if args.output and not args.list and os.path.realpath(args.report) == os.path.realpath(args.output):
+    if args.output and os.path.realpath(args.report) == os.path.realpath(args.output):
         raise AttnRewriteError(f"{args.report}: the report and the output are the same file")
 
 

@@ -21,6 +21,15 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} -h')")
 
+    def given(self, args: argparse.Namespace) -> dict[str, str]:
+        """The arguments ``args`` sets to other than their defaults, by destination: their long
+        flag, or a positional's name as the usage line writes it."""
+        return {
+            action.dest: action.option_strings[-1] if action.option_strings else action.dest.upper()
+            for action in self._actions
+            if action.default is not argparse.SUPPRESS and getattr(args, action.dest) != action.default
+        }
+
 
 def parse_positive(text: str) -> int:
     try:

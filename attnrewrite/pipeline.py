@@ -98,6 +98,7 @@ class Settings:
             raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
         _refuse_bad_fitting_numbers(self)
         _refuse_stages_without_their_data(self)
+        _refuse_comparison_settings_that_do_nothing(self)
 
     @property
     def compares(self) -> bool:
@@ -265,6 +266,13 @@ def _refuse_stages_without_their_data(settings: Settings) -> None:
         raise AttnRewriteError(
             "finetune with layer or head selection: select first, then fine-tune a rewrite of the layers or heads it chose"
         )
+
+
+def _refuse_comparison_settings_that_do_nothing(settings: Settings) -> None:
+    if settings.allow_exact and settings.min_cosine is None and settings.min_agreement is None:
+        raise AttnRewriteError("allow_exact lets a gate pass: give min_cosine or min_agreement too")
+    if settings.inputs is not None and settings.seq is not None:
+        raise AttnRewriteError("seq is the length of generated inputs, and inputs gives yours: give one of them")
 
 
 def _check_selection(settings: Settings) -> None:

@@ -328,6 +328,70 @@ def test_the_apis_fitting_numbers_are_refused_before_calibrating(tmp_path, capsy
     assert "calibrating" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--list", "-o", "sites.txt"], "--list only reports the sites: --output would do nothing there"),
+        (["--list", "--to", "hydra"], "--list only reports the sites: --to would do nothing there"),
+        (["--list", "--check"], "--list only reports the sites: --check would do nothing there"),
+        (["--to", "hydra", "--list-options"], "--list-options prints a method's options: MODEL would do nothing there"),
+        (
+            ["--to", "hydra", "--list-options", "-O", "seed=1"],
+            "--list-options prints a method's options: --option would do nothing there",
+        ),
+    ],
+)
+def test_listings_refuse_the_arguments_they_would_ignore(tmp_path, capsys, argv, message):
+    """--list once took -o and wrote nothing, without a word; a listing reads only what it lists."""
+    model = [] if argv[0] == "--to" and "-O" in argv else [SAMPLE]
+    code, out, err = run(capsys, *model, *argv, "--report", tmp_path / "r.json")
+    assert (code, out, err) == (2, "", f"attnrewrite: error: {message}\n")
+    assert not Path("sites.txt").exists()
+
+
+def test_list_takes_the_arguments_it_reads(tmp_path, capsys):
+    code, out, _ = run(capsys, SAMPLE, "--list", "--seq", "16", "--report", tmp_path / "r.json", "-v")
+    assert code == 0 and "2 attention sites, 2 rewritable" in out
+
+
+ALLOW_EXACT_ALONE = "--allow-exact lets a gate pass; give --min-cosine or --min-agreement too"
+SEQ_AND_INPUTS = "--seq is the length of generated inputs, and --inputs gives yours: give one of them"
+
+
+@pytest.mark.parametrize("command", ["rewrite", "check"])
+@pytest.mark.parametrize(
+    "refused,accepted,message",
+    [
+        (["--allow-exact"], ["--allow-exact", "--min-cosine", "0.5"], ALLOW_EXACT_ALONE),
+        (["--seq", "32", "--inputs", "IN"], ["--inputs", "IN"], SEQ_AND_INPUTS),
+    ],
+)
+def test_comparison_flags_that_would_do_nothing_are_refused(tmp_path, capsys, command, refused, accepted, message):
+    """`check --seq 32 --inputs F` compared on F's length and `--allow-exact` without a gate
+    loosened nothing: both were silently ignored."""
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, input_ids=np.ones((1, 8), np.int64), attention_mask=np.ones((1, 8), np.int64))
+    output = tmp_path / "o.onnx"
+    argv = [SAMPLE, "--to", "hydra", "-o", output, "--check"] if command == "rewrite" else ["check", SAMPLE, SAMPLE]
+    code, out, err = run(capsys, *argv, *[inputs if f == "IN" else f for f in refused])
+    assert (code, out, err) == (2, "", f"attnrewrite: error: {message}\n")
+    assert not output.exists()
+    assert run(capsys, *argv, *[inputs if f == "IN" else f for f in accepted])[0] == 0
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"allow_exact": True}, "allow_exact lets a gate pass: give min_cosine or min_agreement too"),
+        ({"seq": 32, "inputs": {}}, "seq is the length of generated inputs, and inputs gives yours: give one of them"),
+    ],
+)
+def test_the_apis_comparison_settings_that_would_do_nothing_are_refused(settings, message):
+    with pytest.raises(AttnRewriteError) as refused:
+        attnrewrite.rewrite(str(SAMPLE), to="hydra", **settings)
+    assert str(refused.value) == message
+
+
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
