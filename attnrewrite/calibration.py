@@ -15,6 +15,7 @@ with the zero-shot ones.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -214,7 +215,7 @@ def torch_calibration(examples, **settings) -> Calibration:
         tokens = int(sum(int((m != 0).sum()) for m in masks))
     calibration = Calibration(batches, fingerprint(arrays), len(batches), tokens, **settings)
     if held:
-        calibration.held_out = HeldOut(held, [], len(held))  # the original's outputs: the frontend's (fx.calibrate)
+        calibration.held_out = HeldOut(held, len(held))  # the original's outputs: the frontend's (fx.calibrate)
     return calibration
 
 
@@ -315,32 +316,39 @@ def held_out_split(batches: list, rows: Callable[[Any], int] | None = None) -> t
 
 @dataclasses.dataclass
 class HeldOut:
-    """The guard's data: model inputs never fitted on, and the original model's outputs there.
-    ``cosine`` scores a rewrite's outputs as ``check`` does: per example (batch row) and output."""
+    """The guard's data: model inputs never fitted on, and ``reference``, the original model's
+    outputs on the batch at an index. Rewrites are scored one batch at a time: a decoder's
+    logits over the whole part would not fit in memory (SmolLM2-135M's vocabulary of 49152, 45
+    held-out passages of 512 tokens: 4.5 GB a model)."""
 
     batches: list
-    expected: list[dict[str, np.ndarray]]
     examples: int
+    reference: Callable[[int], dict[str, np.ndarray]] | None = None  # None: the frontend sets it (fx.calibrate)
 
     @classmethod
     def of(cls, original: OriginalModel, batches: list[dict[str, np.ndarray]]) -> HeldOut:
-        return cls(batches, original.outputs_on(batches), sum(map(_rows, batches)))
+        return cls(batches, sum(map(_rows, batches)), lambda index: original.outputs_of(batches[index]))
 
-    def cosine(self, outputs: list[dict[str, np.ndarray]]) -> float:
-        """The mean per-example cosine of the worst output, over the outputs the rewrite gives
-        as the original does (a recurrent rewrite's states are not its caches)."""
+    def cosines(self, *rewrites: Callable[[int], dict[str, np.ndarray]]) -> list[float]:
+        """Each rewrite's score, as ``check`` scores: the mean per-example (batch row) cosine of
+        its worst output, over the outputs it gives as the original does (a recurrent rewrite's
+        states are not its caches). ``rewrites``: each gives its outputs on the batch at an
+        index; the original runs once a batch for all of them."""
         from attnrewrite.check import per_example_cosine
 
-        names = [
-            name
-            for name, value in self.expected[0].items()
-            if np.issubdtype(value.dtype, np.floating) and outputs[0].get(name, np.empty(0)).shape == value.shape
+        scores = [collections.defaultdict(list) for _ in rewrites]
+        for index in range(len(self.batches)):
+            expected = self.reference(index)
+            for per_output, rewrite in zip(scores, rewrites):
+                outputs = rewrite(index)
+                for name, want in expected.items():
+                    got = outputs.get(name)
+                    if np.issubdtype(want.dtype, np.floating) and got is not None and got.shape == want.shape:
+                        per_output[name].append(per_example_cosine(want, got))
+        return [
+            min((float(np.mean(np.concatenate(cosines))) for cosines in per_output.values()), default=math.nan)
+            for per_output in scores
         ]
-        per_output = [
-            np.concatenate([per_example_cosine(want[name], got[name]) for want, got in zip(self.expected, outputs)])
-            for name in names
-        ]
-        return min((float(np.mean(cosines)) for cosines in per_output), default=math.nan)
 
 
 class OriginalModel:
@@ -362,10 +370,10 @@ class OriginalModel:
         """The outputs ``names`` (default: all) on ``feeds``, inputs it does not take left out."""
         return self.session.run(names, {k: v for k, v in feeds.items() if k in self.inputs})
 
-    def outputs_on(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Every output by name on each batch."""
+    def outputs_of(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every output by name on the held-out batch ``feeds``."""
         try:
-            return [dict(zip(self.outputs, self.run(feeds))) for feeds in batches]
+            return dict(zip(self.outputs, self.run(feeds)))
         except Exception as error:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise AttnRewriteError(

@@ -113,22 +113,17 @@ def _guard(gm: GraphModule, fitting: list, zero_shot: list[dict], calibration) -
     exact attention); padded queries zeroed in all three, as end to end. Where fitting made the
     model worse there, the zero-shot values are put back."""
     held = calibration.held_out
-
-    def outputs() -> list[dict]:
-        with torch.no_grad():
-            return [
-                {str(i): t.detach().cpu().numpy() for i, t in enumerate(_floating_outputs(gm, example))}
-                for example in held.batches
-            ]
-
-    with _outputs_replaced(fitting, exact=True):
-        held.expected = outputs()
     fitted = [{name: p.detach().clone() for name, p in module.named_parameters()} for _, module in fitting]
-    figures = []
-    with _outputs_replaced(fitting, exact=False):
-        for values in (zero_shot, fitted):
-            _load(fitting, values)
-            figures.append(held.cosine(outputs()))
+
+    def outputs(index: int, exact: bool, values: list[dict] | None = None) -> dict:
+        with torch.no_grad(), _outputs_replaced(fitting, exact):
+            if values is not None:
+                _load(fitting, values)
+            found = _floating_outputs(gm, held.batches[index])
+            return {str(i): t.detach().cpu().numpy() for i, t in enumerate(found)}
+
+    held.reference = functools.partial(outputs, exact=True)
+    figures = held.cosines(*(functools.partial(outputs, exact=False, values=v) for v in (zero_shot, fitted)))
     entry = calibration.judge(*figures)
     _load(fitting, zero_shot if entry["kept"] == "zero-shot" else fitted)
     for outcome, _ in fitting:

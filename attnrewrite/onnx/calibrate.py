@@ -101,14 +101,9 @@ def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibrati
     held = calibration.held_out
     feeds = [with_prefill_inputs(model.graph, batch) for batch in held.batches]
     fitted = [site.fitted() for site in sites]  # in the model now
-    names = [value.name for value in model.graph.outputs]
-    figures = []
     with _constants_as_inputs(model, sites) as path:  # one session runs both sets of values
         session = make_session(str(path))
-        for values in (zero_shot, fitted):
-            given = {value.name: array for site_values in values for value, array in site_values.items()}
-            outputs = [dict(zip(names, _run(session, names, {**batch, **given}))) for batch in feeds]
-            figures.append(held.cosine(outputs))
+        figures = held.cosines(*(_run_with(session, model, feeds, values) for values in (zero_shot, fitted)))
     entry = calibration.judge(*figures)
     if entry["kept"] == "zero-shot":
         _write(zero_shot)
@@ -116,6 +111,13 @@ def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibrati
             site.load(values)
     for site in sites:
         site.outcome.calibration["held_out"] = entry
+
+
+def _run_with(session, model: ir.Model, feeds: list[dict], values: list[dict[ir.Value, np.ndarray]]):
+    """The model's outputs on the batch at an index, its sites' constants fed ``values``."""
+    names = [value.name for value in model.graph.outputs]
+    given = {value.name: array for site_values in values for value, array in site_values.items()}
+    return lambda index: dict(zip(names, _run(session, names, {**feeds[index], **given})))
 
 
 @contextlib.contextmanager
