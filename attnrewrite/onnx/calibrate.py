@@ -47,14 +47,28 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
     """``fitting``: (outcome, learnable torch module, the lowering's constant names) per site,
     in graph order; ``calls``: site name -> replacement node. Fits in place; returns the
     record's entries of the stages after the per-site fits that ran ("end_to_end", "finetune")."""
-    from attnrewrite.onnx.torch_graph import with_query_heads
-    from attnrewrite.passes.fit import SiteSamples, fit_site
-
     sites = [_Site(outcome, module, calls[outcome.site.name], names) for outcome, module, names in fitting]
     zero_shot = [site.fitted() for site in sites]  # the initial values, the guard's fallback
     # what the later stages need, refused before any fitting
     finetuning = Finetuning(sites) if calibration.finetune else None
     whole = _torch_graph(model, sites) if calibration.end_to_end or calibration.finetune else None
+    _fit_each_site(model, sites, calibration, whole.device if whole is not None else "cpu")
+    stages = {}
+    if calibration.end_to_end:
+        stages["end_to_end"] = _fit_end_to_end(whole, sites, calibration)
+    if calibration.held_out is not None:
+        _guard(model, sites, zero_shot, calibration)
+    if finetuning is not None:
+        stages["finetune"] = finetuning.run(whole, calibration)
+    return stages
+
+
+def _fit_each_site(model: ir.Model, sites: list[_Site], calibration, later_device) -> None:
+    """Stage 1, site after site; the sites' samples and the activations carried between cuts
+    (gigabytes on a large calibration set) are gone when it returns, before the later stages."""
+    from attnrewrite.onnx.torch_graph import with_query_heads
+    from attnrewrite.passes.fit import SiteSamples, fit_site
+
     device = _fitting_device()
     batches = [with_prefill_inputs(model.graph, feeds) for feeds in calibration.batches]  # a recurrent model's states
     with _collecting(model, sites) as runs:
@@ -80,17 +94,9 @@ def calibrate_replacements(model: ir.Model, calls: dict[str, ir.Node], fitting: 
                 ce_weight=calibration.ce_weight,
                 device=device,
             )
-            site.module.to(whole.device if whole is not None else "cpu")  # where the later stages evaluate it
+            site.module.to(later_device)  # where the later stages evaluate it
             site.write_fitted()
             site.outcome.calibration = calibration.report(index, len(sites), site.outcome.site.layer, result)
-    stages = {}
-    if calibration.end_to_end:
-        stages["end_to_end"] = _fit_end_to_end(whole, sites, calibration)
-    if calibration.held_out is not None:
-        _guard(model, sites, zero_shot, calibration)
-    if finetuning is not None:
-        stages["finetune"] = finetuning.run(whole, calibration)
-    return stages
 
 
 def _guard(model: ir.Model, sites: list[_Site], zero_shot: list[dict], calibration) -> None:
