@@ -20,6 +20,10 @@ How it is made, so anyone can rebuild it byte for byte on the same Python versio
    sets share no source: near-duplicates (a method documented like its module) cannot leak;
 6. each set is thinned evenly to at most ``CALIBRATION_TEXTS`` / ``HELDOUT_TEXTS`` passages.
 
+``wide_calibration`` adds passages from the docstrings of installed packages (``PACKAGES``, read
+from their source files: nothing is imported), for measuring what more distinct text buys
+(bench/smollm2_fidelity.py): calibration side only, a paragraph with a held-out sentence dropped.
+
 Two variants for measuring calibration on text shorter than the evaluation text (bench/fidelity.py):
 ``long_heldout``, the held-out sources packed into passages of ``LONG_MIN_TOKENS`` to
 ``LONG_MAX_TOKENS`` tokens, and ``calibration_sentences``, the calibration passages cut into sentences.
@@ -28,10 +32,13 @@ Two variants for measuring calibration on text shorter than the evaluation text 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
+import random
 import re
 import subprocess
 import sys
@@ -227,6 +234,27 @@ LONG_MIN_TOKENS, LONG_MAX_TOKENS = 256, 512  # long_heldout: up to MiniLM's 512 
 HELDOUT_EVERY = 2
 CALIBRATION_TEXTS, HELDOUT_TEXTS = 512, 256
 CALIBRATION_FILE, HELDOUT_FILE = "calibration.txt", "heldout.txt"
+# Installed packages whose docstrings widen the calibration text (wide_calibration), sorted; one
+# not installed is left out. About 1.3M tokens of prose in all with the bench's environment.
+PACKAGES = (
+    "fontTools",
+    "huggingface_hub",
+    "matplotlib",
+    "networkx",
+    "numpy",
+    "onnx",
+    "onnxscript",
+    "peft",
+    "pip",
+    "pygments",
+    "scipy",
+    "setuptools",
+    "sklearn",
+    "sympy",
+    "torch",
+    "transformers",
+)
+WIDE_PASSAGES = 600  # added to the calibration passages: stage 2's 100 steps then see none twice
 TOPIC = "topic:"  # a source that is one of pydoc's help topics (pydoc_data.topics), not a module
 
 
@@ -303,6 +331,44 @@ def long_heldout(tokenizer=None) -> list[str]:
     packed like the usual ones from the held-out sources only: for measuring a model calibrated
     on shorter text."""
     return build_corpus(tokenizer, LONG_MIN_TOKENS, LONG_MAX_TOKENS).heldout
+
+
+def wide_calibration(corpus: Corpus, tokenizer=None, extra: int = WIDE_PASSAGES) -> list[str]:
+    """The calibration passages and ``extra`` more from PACKAGES' docstrings (each package's
+    share by its size), in a fixed shuffled order, spread evenly through them."""
+    tokenizer = tokenizer or minilm_tokenizer()
+    held = {s for passage in corpus.heldout for s in sentences(passage)}
+    packed = {}
+    for package in PACKAGES:
+        kept = [p for p in package_paragraphs(package) if held.isdisjoint(sentences(p))]
+        packed[package] = pack_passages(kept, tokenizer)
+    total = sum(map(len, packed.values()))
+    added = [p for found in packed.values() for p in thin(found, max(1, round(extra * len(found) / total)))]
+    random.Random(0).shuffle(added)
+    spread, every = [], len(added) / len(corpus.calibration)
+    for index, passage in enumerate(corpus.calibration):
+        spread += [*added[round(index * every) : round((index + 1) * every)], passage]
+    return spread
+
+
+def package_paragraphs(package: str) -> list[str]:
+    """The English paragraphs of the docstrings in an installed package's source files (sorted;
+    tests left out), parsed, not imported; none for a package that is not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    kept = []
+    for path in sorted(Path(spec.submodule_search_locations[0]).rglob("*.py")):
+        if {"test", "tests"} & set(path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(errors="ignore"))
+        except (SyntaxError, ValueError):  # a file for another Python version, a template
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                kept += paragraphs_of(ast.get_docstring(node) or "")
+    return list(dict.fromkeys(kept))
 
 
 def calibration_sentences(corpus: Corpus) -> list[str]:

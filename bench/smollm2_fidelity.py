@@ -1,7 +1,9 @@
 """Held-out next-token fidelity of a real pretrained decoder, SmolLM2-135M-Instruct (30 layers, 576
 wide, 9 query heads over 3 key/value heads), rewritten by the CLI: hedgehog with and without
 ``window=64``, zero-shot, calibrated (``--calibrate``) and calibrated then fine-tuned
-(``--finetune``, stage 2: adapters on the projections, merged into the weights).
+(``--finetune``, stage 2: adapters on the projections, merged into the weights), and fine-tuned
+on wider text ("finetuned-wide": the calibration texts and bench/corpus.py's wide_calibration
+passages from installed packages' docstrings, 4x the tokens: what more distinct text buys).
 
     python bench/smollm2_fidelity.py                       # every configuration and mode
     python bench/smollm2_fidelity.py --only hedgehog+window64/finetuned --finetune-steps 200
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -51,15 +54,20 @@ DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "smollm2_fidelity.json", HERE / "FIDELIT
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnrewrite-bench" / "smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ORIGINAL, TOKENIZER, CALIBRATION = "smollm2.onnx", "tokenizer.json", "calibration.txt"
+WIDE_CALIBRATION = "calibration-wide.txt"
+DISTRIBUTIONS = {
+    "sklearn": "scikit-learn",
+    "fontTools": "fonttools",
+}  # where a package's name is not its distribution's
 WINDOW, FAR_FROM, LENGTH = 64, 128, 512
 CONFIGS = {"hedgehog": [], f"hedgehog+window{WINDOW}": ["-O", f"window={WINDOW}"]}
-MODES = ("zero-shot", "calibrated", "finetuned")
+MODES = ("zero-shot", "calibrated", "finetuned", "finetuned-wide")
 TARGETS = {"agreement_far": 0.92, "perplexity_ratio": 1.05, "minutes": 60}  # issue 48, window=64 fine-tuned
 
 
-def prepare(cache: Path, calibration_texts: int, log=print) -> Path:
+def prepare(cache: Path, calibration_texts: int, wide: bool = False, log=print) -> Path:
     """The cache folder: the plain model folder, its ONNX export, tokenizer.json and the
-    calibration texts, each made once."""
+    calibration texts (``wide``: the wider ones too), each made once."""
     cache.mkdir(parents=True, exist_ok=True)
     folder = cache / "model"
     if not (folder / "config.json").is_file():
@@ -73,13 +81,24 @@ def prepare(cache: Path, calibration_texts: int, log=print) -> Path:
     texts = corpus.build_corpus()
     (cache / CALIBRATION).write_text("\n".join(texts.calibration[:calibration_texts]) + "\n")
     (cache / "heldout.txt").write_text("\n".join(texts.heldout) + "\n")
+    if wide:
+        (cache / WIDE_CALIBRATION).write_text("\n".join(corpus.wide_calibration(texts)) + "\n")
     return cache
 
 
-def texts_in_calibration_file(cache: Path) -> int:
+def texts_in(path: Path) -> int:
     """The texts the CLI calibrates on: the calibration file's non-empty lines (corpus.py's set
     may hold fewer than --calibration-texts asks for)."""
-    return sum(1 for line in (cache / CALIBRATION).read_text().splitlines() if line.strip())
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def installed_versions(packages) -> list[str]:
+    """``name version`` of each package installed (corpus.wide_calibration reads only those)."""
+    found = []
+    for package in packages:
+        if importlib.util.find_spec(package) is not None:
+            found.append(f"{package} {importlib.metadata.version(DISTRIBUTIONS.get(package, package))}")
+    return found
 
 
 def save_plain_folder(folder: Path) -> None:
@@ -154,8 +173,9 @@ def rewrite_command(config: str, mode: str, finetune_steps: int | None) -> list[
     """The user's command (run in the cache folder) that writes ``<config>-<mode>.onnx``."""
     command = ["attnrewrite", ORIGINAL, "--to", "hedgehog", *CONFIGS[config]]
     if mode != "zero-shot":
-        command += ["--calibrate", CALIBRATION, "--tokenizer", TOKENIZER, "--max-length", str(LENGTH)]
-    if mode == "finetuned":
+        data = WIDE_CALIBRATION if mode == "finetuned-wide" else CALIBRATION
+        command += ["--calibrate", data, "--tokenizer", TOKENIZER, "--max-length", str(LENGTH)]
+    if mode.startswith("finetuned"):
         command += ["--finetune", *([str(finetune_steps)] if finetune_steps else [])]
     return [*command, "-o", f"{config}-{mode}.onnx"]
 
@@ -219,7 +239,7 @@ def markdown(results: dict) -> str:
     lines = [
         "## SmolLM2-135M-Instruct: a real pretrained decoder (issue 48)",
         "",
-        f"{results['setup']}",
+        f"{results['setup']}" + (f"; {results['setup_wide']}" if "setup_wide" in results else ""),
         "",
         "| rewrite | mode | next-token agreement | from position 128 | perplexity ratio | from 128 | rewrite time |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -312,9 +332,10 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cache = prepare(args.cache, args.calibration_texts)
-    passages = heldout_passages(cache, args.heldout_passages)
     wanted = args.only or [f"{c}/{m}" for c in CONFIGS for m in MODES]
+    wide = any(key.endswith("/finetuned-wide") for key in wanted)
+    cache = prepare(args.cache, args.calibration_texts, wide)
+    passages = heldout_passages(cache, args.heldout_passages)
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}, "figures": {}}
     measured = {"date": datetime.date.today().isoformat(), **fidelity.machine()}
     for key in wanted:
@@ -326,9 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     results["figures"].update({key: value for key, value in figures.items() if key != "original"})
     results["setup"] = (
         f"{len(passages)} held-out passages of up to {LENGTH} tokens ({sum(map(len, passages))} tokens, "
-        f"bench/corpus.py's held-out sources); calibration on the {texts_in_calibration_file(cache)} texts of the others "
+        f"bench/corpus.py's held-out sources); calibration on the {texts_in(cache / CALIBRATION)} texts of the others "
         f"in {CALIBRATION} (the CLI packs them to {LENGTH} tokens)"
     )
+    if wide:
+        results["setup_wide"] = (
+            f"finetuned-wide: {WIDE_CALIBRATION}, those texts and {texts_in(cache / WIDE_CALIBRATION) - texts_in(cache / CALIBRATION)} "
+            f"more from the docstrings of {', '.join(installed_versions(corpus.PACKAGES))} (bench/corpus.py wide_calibration)"
+        )
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     decoder_fidelity.write_section(args.markdown, markdown(results), fidelity.SMOLLM2_MARKERS)
     print(markdown(results))
