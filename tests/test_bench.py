@@ -756,7 +756,8 @@ def test_smollm2_table_lists_rows_by_configuration_then_mode():
     smollm2 = load_bench_module("smollm2_fidelity")
     measured = {"processor": "AMD EPYC", "cpus": 2, "load_average_at_start": [0.1, 0.1, 0.1], "onnxruntime": "1.32.0"}
     measured |= {"date": "2026-11-30", "commit": "ccccccc"}
-    keys = ["hedgehog+window64/finetuned", "hedgehog/zero-shot", "hedgehog+window64/zero-shot", "hedgehog/calibrated"]
+    keys = ["hedgehog+window64/finetuned-wide", "hedgehog+window64/finetuned", "hedgehog/zero-shot"]
+    keys += ["hedgehog+window64/zero-shot", "hedgehog/calibrated"]
     results = {
         "setup": "passages",
         "rows": {key: {"seconds": 60.0, "command": f"attnrewrite {key}", "measured": measured} for key in keys},
@@ -768,4 +769,7 @@ def test_smollm2_table_lists_rows_by_configuration_then_mode():
         ["| hedgehog", "calibrated"],
         ["| hedgehog+window64", "zero-shot"],
         ["| hedgehog+window64", "finetuned"],
+        ["| hedgehog+window64", "finetuned-wide"],
     ]
+    wide = smollm2.rewrite_command("hedgehog+window64", "finetuned-wide", None)
+    assert wide[wide.index("--calibrate") + 1] == smollm2.WIDE_CALIBRATION and "--finetune" in wide

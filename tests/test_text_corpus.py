@@ -48,6 +48,20 @@ def test_passages_are_the_token_range_and_deterministic(built, tokenizer):
     assert again.heldout == built.heldout and again.calibration == built.calibration
 
 
+def test_wider_calibration_adds_package_prose_and_no_held_out_sentence(built, tokenizer, monkeypatch):
+    monkeypatch.setattr(corpus, "PACKAGES", ("networkx", "no_such_package", "onnxscript"))
+    wide = corpus.wide_calibration(built, tokenizer, extra=60)
+    added = [p for p in wide if p not in set(built.calibration)]
+    assert [p for p in wide if p in set(built.calibration)] == built.calibration  # all of them, in order
+    assert 55 <= len(added) <= 65 and len(set(added)) == len(added)
+    assert corpus.package_paragraphs("no_such_package") == []
+    read = "\n".join(p for name in ("networkx", "onnxscript") for p in corpus.package_paragraphs(name))
+    assert all(p[:24] in read and p[-24:] in read for p in added)  # their prose (a paragraph: >= 12 words)
+    held = {s for passage in built.heldout for s in corpus.sentences(passage)}
+    assert not [p for p in added if held & set(corpus.sentences(p))]
+    assert corpus.wide_calibration(built, tokenizer, extra=60) == wide
+
+
 def test_prose_filter():
     sentence = "The event loop runs callbacks in the order in which they were registered with it."
     assert corpus.is_prose(sentence)
