@@ -318,8 +318,8 @@ def held_out_split(batches: list, rows: Callable[[Any], int] | None = None) -> t
 class HeldOut:
     """The guard's data: model inputs never fitted on, and ``reference``, the original model's
     outputs on the batch at an index. Rewrites are scored one batch at a time: a decoder's
-    logits over the whole part would not fit in memory (SmolLM2-135M's vocabulary of 49152, 45
-    held-out passages of 512 tokens: 4.5 GB a model)."""
+    logits over the whole part would not fit in memory (SmolLM2-135M's vocabulary of 49152, 48
+    held-out passages of 512 tokens: 4.8 GB a model)."""
 
     batches: list
     examples: int
