@@ -278,7 +278,10 @@ class _Runs:
         part = self.path.with_name(f"site{index}.onnx")
         onnx.save(_cut_model(self.proto, cut, self.sites[index].outputs, self.types), str(part))
         try:
-            return make_session(str(part)), cut
+            # no arena: its outputs (the samples, the values carried to the next cut) outlive the
+            # run, and an arena would keep every chunk they touched until the last of them goes
+            # (SmolLM2-135M, its first 6 sites on 403 passages: 16.1 GB resident at the peak, 8.2 without)
+            return make_session(str(part), arena=False), cut
         except Exception as error:
             raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
 
