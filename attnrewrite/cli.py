@@ -695,11 +695,8 @@ def _refuse_unused_arguments(parser: CommandParser, args, what: str, reads: set[
 
 
 def _check_fidelity_arguments(args) -> None:
-    """The comparison's flags that would do nothing in each other's company (rewrite and check)."""
-    if args.allow_exact and args.min_cosine is None and args.min_agreement is None:
-        raise AttnRewriteError("--allow-exact lets a gate pass; give --min-cosine or --min-agreement too")
-    if args.inputs is not None and args.seq is not None:
-        raise AttnRewriteError("--seq is the length of generated inputs, and --inputs gives yours: give one of them")
+    """Before any work, in the flags' words (the rewrite's Settings checks the same again)."""
+    pipeline.refuse_comparison_settings_that_do_nothing(args, spell=lambda name: "--" + name.replace("_", "-"))
 
 
 def _check_calibration_arguments(args, genai_output: bool) -> None:

@@ -22,6 +22,7 @@ import json
 import math
 import numbers
 import os
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -98,7 +99,7 @@ class Settings:
             raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
         _refuse_bad_fitting_numbers(self)
         _refuse_stages_without_their_data(self)
-        _refuse_comparison_settings_that_do_nothing(self)
+        refuse_comparison_settings_that_do_nothing(self)
 
     @property
     def compares(self) -> bool:
@@ -268,11 +269,16 @@ def _refuse_stages_without_their_data(settings: Settings) -> None:
         )
 
 
-def _refuse_comparison_settings_that_do_nothing(settings: Settings) -> None:
+def refuse_comparison_settings_that_do_nothing(settings, spell: Callable[[str], str] = str) -> None:
+    """``settings``: the comparison's (Settings, or the CLI's arguments, whose rewrite and check
+    both have them); ``spell`` writes a setting's name as its user knows it (the CLI: its flag)."""
     if settings.allow_exact and settings.min_cosine is None and settings.min_agreement is None:
-        raise AttnRewriteError("allow_exact lets a gate pass: give min_cosine or min_agreement too")
+        gates = f"{spell('min_cosine')} or {spell('min_agreement')}"
+        raise AttnRewriteError(f"{spell('allow_exact')} lets a gate pass: give {gates} too")
     if settings.inputs is not None and settings.seq is not None:
-        raise AttnRewriteError("seq is the length of generated inputs, and inputs gives yours: give one of them")
+        raise AttnRewriteError(
+            f"{spell('seq')} is the length of generated inputs, and {spell('inputs')} gives yours: give one of them"
+        )
 
 
 def _check_selection(settings: Settings) -> None:
