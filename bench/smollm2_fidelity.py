@@ -79,7 +79,8 @@ def prepare(cache: Path, calibration_texts: int, wide: bool = False, log=print) 
     if not (cache / TOKENIZER).is_file():
         (cache / TOKENIZER).write_bytes((folder / TOKENIZER).read_bytes())
     texts = corpus.build_corpus()
-    (cache / CALIBRATION).write_text("\n".join(texts.calibration[:calibration_texts]) + "\n")
+    texts.calibration = texts.calibration[:calibration_texts]  # the wide file adds to these
+    (cache / CALIBRATION).write_text("\n".join(texts.calibration) + "\n")
     (cache / "heldout.txt").write_text("\n".join(texts.heldout) + "\n")
     if wide:
         (cache / WIDE_CALIBRATION).write_text("\n".join(corpus.wide_calibration(texts)) + "\n")

@@ -50,13 +50,16 @@ def test_passages_are_the_token_range_and_deterministic(built, tokenizer):
 
 def test_wider_calibration_adds_package_prose_and_no_held_out_sentence(built, tokenizer, monkeypatch):
     monkeypatch.setattr(corpus, "PACKAGES", ("networkx", "no_such_package", "onnxscript"))
+    read = corpus.package_paragraphs
+    leak = built.heldout[0]  # as if a package quoted a held-out passage: its first paragraph
+    monkeypatch.setattr(corpus, "package_paragraphs", lambda name: [leak, *read(name)])
     wide = corpus.wide_calibration(built, tokenizer, extra=60)
     added = [p for p in wide if p not in set(built.calibration)]
     assert [p for p in wide if p in set(built.calibration)] == built.calibration  # all of them, in order
     assert 55 <= len(added) <= 65 and len(set(added)) == len(added)
-    assert corpus.package_paragraphs("no_such_package") == []
-    read = "\n".join(p for name in ("networkx", "onnxscript") for p in corpus.package_paragraphs(name))
-    assert all(p[:24] in read and p[-24:] in read for p in added)  # their prose (a paragraph: >= 12 words)
+    assert read("no_such_package") == []
+    prose = "\n".join(p for name in ("networkx", "onnxscript") for p in read(name))
+    assert all(p[:24] in prose and p[-24:] in prose for p in added)  # their prose (a paragraph: >= 12 words)
     held = {s for passage in built.heldout for s in corpus.sentences(passage)}
     assert not [p for p in added if held & set(corpus.sentences(p))]
     assert corpus.wide_calibration(built, tokenizer, extra=60) == wide
