@@ -3,7 +3,7 @@ wide, 9 query heads over 3 key/value heads), rewritten by the CLI: hedgehog with
 ``window=64``, zero-shot, calibrated (``--calibrate``) and calibrated then fine-tuned
 (``--finetune``, stage 2: adapters on the projections, merged into the weights), and fine-tuned
 on wider text ("finetuned-wide": the calibration texts and bench/corpus.py's wide_calibration
-passages from installed packages' docstrings, 4x the tokens: what more distinct text buys).
+passages from installed packages' docstrings, 3x the passages: what more distinct text buys).
 
     python bench/smollm2_fidelity.py                       # every configuration and mode
     python bench/smollm2_fidelity.py --only hedgehog+window64/finetuned --finetune-steps 200

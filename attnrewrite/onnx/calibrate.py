@@ -280,7 +280,7 @@ class _Runs:
         try:
             # no arena: its outputs (the samples, the values carried to the next cut) outlive the
             # run, and an arena would keep every chunk they touched until the last of them goes
-            # (SmolLM2-135M, its first 6 sites on 403 passages: 16.1 GB resident at the peak, 8.2 without)
+            # (SmolLM2-135M, its first 6 sites on 400 passages: 16.1 GB resident at the peak, 8.2 without)
             return make_session(str(part), arena=False), cut
         except Exception as error:
             raise AttnRewriteError(f"onnxruntime cannot load the model to calibrate: {_first_line(error)}") from error
