@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from attnrewrite.data import conform, load_inputs, split_batch
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.data import conform, load_inputs, load_tokenizer, split_batch
+from attnrewrite.errors import AttnRewriteError, require_file
 from attnrewrite.onnx.inputs import model_around, prefill_filled, with_prefill_inputs
 from attnrewrite.passes.finetune import ALPHA_PER_RANK, DEFAULT_RANK
 from attnrewrite.passes.finetune import DEFAULT_LR as FINETUNE_LR
@@ -281,8 +281,7 @@ def fitted_calibration(batches: list[dict[str, np.ndarray]], graph: ir.Graph, **
 
 def _from_file(path: Path, graph: ir.Graph, tokenizer, max_length: int, batch_size: int, pack: bool):
     """(batches, TextData or None) of an .npz archive or a text file. An archive is never repacked."""
-    if not path.is_file():
-        raise AttnRewriteError(f"{path}: no such file")
+    require_file(path, "calibration data (an .npz archive or a text file)")
     with open(path, "rb") as file:
         is_npz = file.read(4) == NPZ_MAGIC
     if is_npz:
@@ -415,18 +414,6 @@ def similar_length_groups(lengths: list[int], size: int) -> list[list[int]]:
     return sorted(groups, key=lambda group: group[0])
 
 
-def _load_tokenizer(tokenizer_path):
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise AttnRewriteError("calibrating on text needs the tokenizers library: pip install tokenizers") from None
-    try:
-        return Tokenizer.from_file(os.fspath(tokenizer_path))
-    except Exception as error:  # the library's errors are plain exceptions with its message
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise AttnRewriteError(f"{tokenizer_path}: not a tokenizer.json ({first})") from error
-
-
 @dataclasses.dataclass
 class TextData:
     """What became of a text file's lines: ``texts`` read, ``examples`` made of them (passages
@@ -541,7 +528,7 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
     one per example, padded per batch as the tokenizer's own padding settings say. Examples of
     similar length share a batch, so little of the fitting's work goes to padding; the batches
     keep the file's order of their first examples."""
-    tokenizer = _load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, "calibrating on text")
     filled = prefill_filled(graph)  # a decoder's caches and positions: not made from text
     wanted = {v.name: v for v in graph.inputs if not v.is_initializer() and v.name not in filled}
     unknown = [name for name in wanted if name not in TEXT_INPUTS]

@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from attnrewrite import passes
 from attnrewrite.data import conform, load_inputs
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, require_file
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import (
@@ -686,8 +686,7 @@ def _session(model, label: str, threads: int | None):
             path = stack.enter_context(onnx_io.saved_copy(model))
         else:
             path = Path(model)
-            if not path.is_file():
-                raise AttnRewriteError(f"{path}: no such file")
+            require_file(path, "an ONNX file")
         try:
             session = make_session(str(path), threads=threads)
         except Exception as error:

@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, require_file
 
 
 def load_inputs(path: str | os.PathLike, graph: ir.Graph, optional: Collection[str] = ()) -> dict[str, np.ndarray]:
     """Arrays from a ``.npz`` keyed by input name, cast to each input's declared dtype (see conform)."""
     path = Path(path)
-    if not path.is_file():
-        raise AttnRewriteError(f"{path}: no such file")
+    require_file(path, "an .npz archive of inputs")
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
@@ -66,3 +65,18 @@ def split_batch(feeds: dict[str, np.ndarray], size: int) -> list[dict[str, np.nd
         return [feeds]
     rows = leading.pop()
     return [{name: array[start : start + size] for name, array in feeds.items()} for start in range(0, rows, size)]
+
+
+def load_tokenizer(path: str | os.PathLike, needed_by: str):
+    """The ``tokenizers`` library's Tokenizer of a tokenizer.json (``needed_by`` names the task
+    that reads text, for the line that says the library is missing)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise AttnRewriteError(f"{needed_by} needs the tokenizers library: pip install 'attnrewrite[text]'") from None
+    require_file(path, "a tokenizer.json")
+    try:
+        return Tokenizer.from_file(os.fspath(path))
+    except Exception as error:  # the library's errors are plain exceptions with its message
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise AttnRewriteError(f"{path}: not a tokenizer.json ({first})") from error

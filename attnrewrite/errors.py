@@ -2,6 +2,8 @@
 An error a rewrite run raises (attnrewrite.pipeline.run, and so attnrewrite.rewrite) carries the
 run's report as ``error.report`` (record.Report); pipeline.ending says which outcome it is."""
 
+import os
+
 
 class AttnRewriteError(Exception):
     """Bad input or an output that failed a validation gate; the message is one clear line."""
@@ -32,3 +34,12 @@ class RewriteFailed(AttnRewriteError):
 class InputFails(AttnRewriteError):
     """The input model itself does not run on the inputs the gates run the rewritten model
     on: bad input (exit 2), the rewrite must not take the blame."""
+
+
+def require_file(path, kind: str) -> None:
+    """One line where ``path`` names no file to read: missing, or a directory (``kind`` says what
+    was expected there, such as "a tokenizer.json")."""
+    if os.path.isdir(path):
+        raise AttnRewriteError(f"{path}: is a directory, not {kind}")
+    if not os.path.isfile(path):
+        raise AttnRewriteError(f"{path}: no such file")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from attnrewrite.errors import AttnRewriteError
+from attnrewrite.errors import AttnRewriteError, require_file
 from attnrewrite.onnx.detect import declared_cache_sizes
 from attnrewrite.onnx.inputs import positions_of
 
@@ -322,8 +322,7 @@ def open_session(model, provider: str = "cpu"):
             )
         return model, "the model"
     label = os.fspath(model)
-    if not os.path.isfile(label):
-        raise AttnRewriteError(f"{label}: no such file")
+    require_file(label, "an ONNX file")
     if provider == "cuda":
         _require_cuda(ort)
     from attnrewrite.onnx.validate import make_session

@@ -5,11 +5,11 @@ and what a token cost. The tokenizer comes from the ``tokenizers`` package (the 
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
 from attnrewrite.cli_parsing import CommandParser, parse_positive, parse_positive_number
+from attnrewrite.data import load_tokenizer
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import PADDINGS, Generation, generate
 from attnrewrite.record import format_bytes
@@ -59,7 +59,7 @@ def generate_command(args) -> int:
     given = [flag for flag, value in sampling.items() if value is not None]
     if given and not args.sample:
         raise AttnRewriteError(f"{given[0]} is a setting of sampling; give --sample too")
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, "generate")
     prompts = [_encode(tokenizer, text) for text in args.prompt]
     stops = [_token_id(tokenizer, token, args.tokenizer) for token in args.stop]
     models = [args.model] + ([args.rewritten] if args.rewritten else [])
@@ -86,20 +86,6 @@ def generate_command(args) -> int:
     for model, result in results.items():
         print(f"{model:<{width}}  {_costs(result)}")
     return 0
-
-
-def load_tokenizer(path: str):
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise AttnRewriteError("generate needs the tokenizers library: pip install 'attnrewrite[text]'") from None
-    if not os.path.isfile(path):
-        raise AttnRewriteError(f"{path}: no such file")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as error:  # the library's errors are plain exceptions with its message
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise AttnRewriteError(f"{path}: not a tokenizer.json ({first})") from error
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -202,6 +202,30 @@ def test_bad_input_is_one_line(tmp_path, capsys, make_input, message):
     assert "Traceback" not in err + out
 
 
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--calibrate", "{d}"], "{d}: is a directory, not calibration data (an .npz archive or a text file)"),
+        (["--calibrate", "{d}/missing.txt"], "{d}/missing.txt: no such file"),
+        (["--calibrate", "{d}/texts.txt", "--tokenizer", "{d}"], "{d}: is a directory, not a tokenizer.json"),
+        (["--calibrate", "{d}/texts.txt", "--tokenizer", "{d}/tokenizer.json"], "{d}/tokenizer.json: no such file"),
+        (["--inputs", "{d}", "--check"], "{d}: is a directory, not an .npz archive of inputs"),
+    ],
+)
+def test_a_folder_or_a_missing_file_given_for_data_is_one_line(tmp_path, capsys, flags, message):
+    (tmp_path / "texts.txt").write_text("One line of text to calibrate on.\n")
+    output = tmp_path / "out.onnx"
+    code, out, err = run(capsys, SAMPLE, "--to", "hedgehog", *(f.format(d=tmp_path) for f in flags), "-o", output)
+    assert (code, err.strip()) == (2, "attnrewrite: error: " + message.format(d=tmp_path))
+    assert "Traceback" not in err + out
+    assert not output.exists()
+
+
+def test_check_of_a_folder_is_one_line(tmp_path, capsys):
+    code, _, err = run(capsys, "check", SAMPLE, tmp_path)
+    assert (code, err.strip()) == (2, f"attnrewrite: error: {tmp_path}: is a directory, not an ONNX file")
+
+
 def test_random_bytes_are_not_a_model(tmp_path, capsys):
     path = _write(tmp_path / "noise.onnx", np.random.default_rng(0).bytes(4096))
     code, _, err = run(capsys, path, "--list")
