@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from attnrewrite import passes
 from attnrewrite.data import conform, load_inputs
-from attnrewrite.errors import AttnRewriteError, require_file
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import (
@@ -686,7 +686,7 @@ def _session(model, label: str, threads: int | None):
             path = stack.enter_context(onnx_io.saved_copy(model))
         else:
             path = Path(model)
-            require_file(path, "an ONNX file")
+            onnx_io.check_input_file(path)
         try:
             session = make_session(str(path), threads=threads)
         except Exception as error:

@@ -22,11 +22,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
-from attnrewrite.errors import AttnRewriteError, require_file
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import declared_cache_sizes
 from attnrewrite.onnx.inputs import positions_of
 
@@ -321,11 +322,13 @@ def open_session(model, provider: str = "cpu"):
                 f"provider {provider!r}: the session given runs on {', '.join(model.get_providers())}"
             )
         return model, "the model"
+    from attnrewrite.onnx import io as onnx_io
+    from attnrewrite.onnx.validate import make_session
+
     label = os.fspath(model)
-    require_file(label, "an ONNX file")
+    onnx_io.check_input_file(Path(label))
     if provider == "cuda":
         _require_cuda(ort)
-    from attnrewrite.onnx.validate import make_session
 
     try:
         providers = [PROVIDERS[provider]] + (

@@ -221,9 +221,17 @@ def test_a_folder_or_a_missing_file_given_for_data_is_one_line(tmp_path, capsys,
     assert not output.exists()
 
 
-def test_check_of_a_folder_is_one_line(tmp_path, capsys):
-    code, _, err = run(capsys, "check", SAMPLE, tmp_path)
-    assert (code, err.strip()) == (2, f"attnrewrite: error: {tmp_path}: is a directory, not an ONNX file")
+@pytest.mark.parametrize(
+    "make_model,message",
+    [
+        (lambda d: d, "{p}: is a directory, not an ONNX file"),
+        (lambda d: _write(d / "empty.onnx", b""), "{p}: is empty"),
+    ],
+)
+def test_check_of_a_folder_or_an_empty_file_is_one_line(tmp_path, capsys, make_model, message):
+    path = make_model(tmp_path)
+    code, _, err = run(capsys, "check", SAMPLE, path)
+    assert (code, err.strip()) == (2, "attnrewrite: error: " + message.format(p=path))
 
 
 def test_random_bytes_are_not_a_model(tmp_path, capsys):

@@ -331,6 +331,13 @@ def test_the_command_refuses_in_one_line(llama, tokenizer, capsys, extra, messag
     assert capsys.readouterr().err == f"attnrewrite: error: {message.format(tokenizer=tokenizer)}\n"
 
 
+def test_the_command_refuses_a_model_that_is_no_file_in_one_line(tokenizer, tmp_path, capsys):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    for model, why in ((tmp_path, "is a directory, not an ONNX file"), (tmp_path / "empty.onnx", "is empty")):
+        assert main(["generate", str(model), "--tokenizer", str(tokenizer), "--prompt", "w1"]) == 2
+        assert capsys.readouterr().err == f"attnrewrite: error: {model}: {why}\n"
+
+
 def test_the_command_without_the_tokenizers_library(llama, tokenizer, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)  # import tokenizers -> ImportError
     assert main(["generate", str(llama), "--tokenizer", str(tokenizer), "--prompt", "w1"]) == 2

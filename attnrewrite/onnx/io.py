@@ -51,7 +51,7 @@ _SUB_BYTE_TYPES = {"int4", "uint4", "float4e2m1", "int2", "uint2", "float6e2m3",
 def load_model(path: str | os.PathLike) -> ir.Model:
     """The model at `path`, its external data checked and mapped lazily, or AttnRewriteError."""
     path = Path(path)
-    _check_input_file(path)
+    check_input_file(path)
     proto = _parse(path)
     check_external_data(proto, path)
     _check_versions(proto, path)
@@ -66,7 +66,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     return model
 
 
-def _check_input_file(path: Path) -> None:
+def check_input_file(path: Path) -> None:
+    """One line where ``path`` is no ONNX file to read: missing, a directory, empty, over 2 GiB, unreadable."""
     try:
         info = path.stat()
     except FileNotFoundError:
