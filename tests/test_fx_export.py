@@ -21,7 +21,6 @@ from test_fx_transformers import build, exported, model_inputs
 
 import attnrewrite
 from attnrewrite.fx import rewrite_graph_module
-from attnrewrite.fx.masks import DROPPED_AT
 from attnrewrite.record import METADATA_KEY
 
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -97,7 +96,9 @@ def test_fx_then_export_equals_export_then_onnx_rewrite(name, attention, method)
     assert fx.meta[METADATA_KEY]["options"] == onnx_record["options"]
 
 
-def test_mask_threshold_is_the_onnx_frontends():
-    from attnrewrite.onnx.detect import MASKED_BELOW
+def test_mask_threshold_is_one_for_both_frontends():
+    from attnrewrite import site
+    from attnrewrite.fx import masks as fx_masks
+    from attnrewrite.onnx import masks as onnx_masks
 
-    assert DROPPED_AT == MASKED_BELOW
+    assert fx_masks.MASKED_BELOW is onnx_masks.MASKED_BELOW is site.MASKED_BELOW

@@ -885,7 +885,7 @@ def test_hydra_fp16_body_stays_finite_and_accurate_for_large_inputs(mask):
     q = (200 * rng.standard_normal((1, heads, n, d))).astype(np.float16)
     k, v = ((np.abs(200 * rng.standard_normal((1, heads, n, d))) + 200 * i).astype(np.float16) for i in range(2))
     keep = (rng.random((1, 1, n, 1)) > 0.1).astype(np.float32) if mask.key_padding else np.ones((1, 1), np.float32)
-    site = AttentionSite("s", 0.125, mask, rank=4, num_heads=heads, head_dim=d, value_dim=d, dtype="float16")
+    site = AttentionSite("s", scale=0.125, mask=mask, rank=4, num_heads=heads, head_dim=d, value_dim=d, dtype="float16")
     lowering = hydra.onnx_lowering(site, hydra.Options(), 20)
     assert "HalfHydraNormalize" in [f.name for f in lowering.functions]
     model = lowering_model(lowering, 4, TensorProto.FLOAT16, keep_rank=keep.ndim)

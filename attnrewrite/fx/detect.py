@@ -9,8 +9,9 @@ Three anchors:
   nn.TransformerEncoderLayer (symbolic_trace does not enter those).
 
 Every match becomes an ``FxMatch``: the site, plus what the rewrite needs (the q/k/v nodes and
-the node to replace, or the module to swap). A match that is not fully understood carries
-``site.skip_reason``; it is reported and never rewritten.
+the node to replace, or the module to swap). What is not fully understood raises
+``site.Unsupported`` where it is found; each matcher catches it once and the match carries the
+reason as ``site.skip_reason``: it is reported and never rewritten.
 """
 
 from __future__ import annotations
@@ -28,12 +29,19 @@ from torch.fx import Node
 
 from attnrewrite.fx import evaluate, masks, ops
 from attnrewrite.fx.facts import GraphFacts
-from attnrewrite.fx.masks import MaskEncoding, MaskUse
 from attnrewrite.fx.modules import LinearizedMultiheadAttention
-from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
+from attnrewrite.site import (
+    MASKED_BELOW,
+    UPSTREAM_WALK_DEPTH,
+    AttentionSite,
+    MaskEncoding,
+    MaskKind,
+    MaskTerm,
+    Unsupported,
+)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class FxMatch:
     site: AttentionSite
     # graph sites (softmax chains, SDPA calls): the output node is replaced by a module call
@@ -42,7 +50,7 @@ class FxMatch:
     k_transposed: Node | None = None  # [..., Dh, Nk], when k itself is not in the graph
     v: Node | None = None
     output: Node | None = None
-    key_padding: list[MaskUse] = dataclasses.field(default_factory=list)
+    key_padding: list[MaskTerm] = dataclasses.field(default_factory=list)
     # softmax .. output: erased once unused even where torch calls them impure (dropout, SDPA)
     probability_path: list[Node] = dataclasses.field(default_factory=list)
     # module sites: the nn.MultiheadAttention at attention_path is swapped, the graph unchanged
@@ -105,8 +113,8 @@ def _new_site(facts: GraphFacts, anchor: Node, form: str, path: str | None = Non
     )
 
 
-def _skipped(match: FxMatch, reason: str) -> FxMatch:
-    match.site.skip_reason = reason
+def _refused(match: FxMatch, reason: Unsupported) -> FxMatch:
+    match.site.skip_reason = str(reason)
     return match
 
 
@@ -144,30 +152,31 @@ def _fill_shapes(facts: GraphFacts, site: AttentionSite, q: Node, k_shape, v: No
     site.provenance["shapes"] = {"q": q_shape, "k": k_shape, "v": v_shape}
 
 
-def _apply_masks(facts: GraphFacts, match: FxMatch, uses: list[MaskUse], causal: bool = False) -> None:
+def _apply_masks(facts: GraphFacts, match: FxMatch, terms: list[MaskTerm], causal: bool = False) -> None:
     """Classify every mask of a site and set site.mask; key-padding masks feed key_keep."""
+    site = match.site
+    site.provenance["masks"] = [f"{t.encoding.value} {t.value.name}" for t in terms]
     key_padding = False
     details = []
-    for use in uses:
-        verdict = masks.classify(facts, use)
-        if verdict.bias_reason:
-            details.append(verdict.bias_reason)
+    for term in terms:
+        try:
+            verdict = masks.classify(facts, term)
+        except Unsupported as reason:
+            details.append(str(reason))
             continue
         causal |= verdict.causal
         if verdict.key_padding:
             key_padding = True
-            match.key_padding.append(use)
-    site = match.site
+            match.key_padding.append(term)
     if details:  # no method can express it: refused here, as the ONNX frontend does
         site.mask = MaskKind.BIAS
-        _skipped(match, "; ".join(details))
-    elif causal and key_padding:
+        raise Unsupported("; ".join(details))
+    if causal and key_padding:
         site.mask = MaskKind.CAUSAL_KEY_PADDING
     elif causal:
         site.mask = MaskKind.CAUSAL
     elif key_padding:
         site.mask = MaskKind.KEY_PADDING
-    site.provenance["masks"] = [f"{u.encoding.value} {u.tensor.name}" for u in uses]
 
 
 def _check_causal_lengths(match: FxMatch, q_shape, k_shape) -> None:
@@ -176,7 +185,7 @@ def _check_causal_lengths(match: FxMatch, q_shape, k_shape) -> None:
         return
     nq, nk = q_shape[-2], k_shape[-2]
     if isinstance(nq, int) and isinstance(nk, int) and nq != nk:
-        _skipped(match, f"causal attention with {nq} queries and {nk} keys (a cache) is not supported")
+        raise Unsupported(f"causal attention with {nq} queries and {nk} keys (a cache) is not supported")
 
 
 # --- softmax chains -----------------------------------------------------------------------------
@@ -188,7 +197,7 @@ class _Logits:
     left: Node
     right: Node
     scale: float
-    masks: list[MaskUse]
+    masks: list[MaskTerm]
 
 
 def _scaled(facts: GraphFacts, node: Node) -> tuple[Node, float] | None:
@@ -286,11 +295,12 @@ def _reaches_matmul(facts: GraphFacts, node: Any) -> bool:
 
 def _is_drop_value(facts: GraphFacts, value: Any) -> bool:
     number = facts.scalar(value)
-    return number is not None and number <= masks.DROPPED_AT
+    return number is not None and number <= MASKED_BELOW
 
 
-def _walk_logits(facts: GraphFacts, node: Node) -> _Logits | str | None:
-    """From the softmax input back to q @ k^T. None: this softmax is not attention."""
+def _walk_logits(facts: GraphFacts, node: Node) -> _Logits | None:
+    """From the softmax input back to q @ k^T. None: this softmax is not attention; Unsupported:
+    attention whose logits are not understood."""
     scale, uses = 1.0, []
     while True:
         operands = _matmul(facts, node)
@@ -298,7 +308,7 @@ def _walk_logits(facts: GraphFacts, node: Node) -> _Logits | str | None:
             return _Logits(node, *operands, scale, uses)
         if (baddbmm := ops.baddbmm_operands(node)) is not None:
             bias, a, b = baddbmm
-            return _Logits(node, a, b, scale, [*uses, MaskUse(bias, MaskEncoding.ADDITIVE)])
+            return _Logits(node, a, b, scale, [*uses, MaskTerm(bias, MaskEncoding.ADDITIVE)])
         if (x := ops.cast_input(node)) is not None:
             node = x
             continue
@@ -312,30 +322,30 @@ def _walk_logits(facts: GraphFacts, node: Node) -> _Logits | str | None:
             uses.append(use)
             continue
         if _reaches_matmul(facts, node):
-            return f"the logits pass through {ops.describe(node)}, which is not a scale, mask or cast"
+            raise Unsupported(f"the logits pass through {ops.describe(node)}, which is not a scale, mask or cast")
         return None
 
 
-def _mask_step(facts: GraphFacts, node: Node) -> tuple[Node, MaskUse] | None:
+def _mask_step(facts: GraphFacts, node: Node) -> tuple[Node, MaskTerm] | None:
     """(logits before the mask, the mask) when node applies a mask to logits."""
     if (add := ops.add_operands(node)) is not None:
         for logits, mask in (add, add[::-1]):
             if isinstance(logits, Node) and isinstance(mask, Node) and _reaches_matmul(facts, logits):
-                return logits, MaskUse(mask, MaskEncoding.ADDITIVE)
+                return logits, MaskTerm(mask, MaskEncoding.ADDITIVE)
         return None
     if (fill := ops.masked_fill_operands(node)) is not None:
         x, condition, value = fill
         if isinstance(condition, Node) and _is_drop_value(facts, value):
-            return x, MaskUse(condition, MaskEncoding.DROP)
+            return x, MaskTerm(condition, MaskEncoding.KEEP_WHERE_FALSE)
         return None
     if (where := ops.where_operands(node)) is not None:
         condition, if_true, if_false = where
         if not isinstance(condition, Node):
             return None
         if isinstance(if_true, Node) and _is_drop_value(facts, if_false):
-            return if_true, MaskUse(condition, MaskEncoding.KEEP)
+            return if_true, MaskTerm(condition, MaskEncoding.KEEP_WHERE_TRUE)
         if isinstance(if_false, Node) and _is_drop_value(facts, if_true):
-            return if_false, MaskUse(condition, MaskEncoding.DROP)
+            return if_false, MaskTerm(condition, MaskEncoding.KEEP_WHERE_FALSE)
     return None
 
 
@@ -409,11 +419,9 @@ def _decomposed_matmul_from_left(facts: GraphFacts, probs: Node) -> tuple[Node, 
         node = user
 
 
-def _walk_probabilities(
-    facts: GraphFacts, softmax: Node, logits: Node, path: list[Node]
-) -> tuple[Node, Node, float] | str:
+def _walk_probabilities(facts: GraphFacts, softmax: Node, logits: Node, path: list[Node]) -> tuple[Node, Node, float]:
     """From the softmax forward to probs @ v: (v, the product node, attention dropout p);
-    the nodes in between are appended to path."""
+    the nodes in between are appended to path. Unsupported where the probabilities go elsewhere."""
     node, dropout = softmax, 0.0
     while True:
         path.append(node)
@@ -422,7 +430,7 @@ def _walk_probabilities(
             return (*decomposed, dropout)
         users = facts.users(node)
         if len(users) != 1:
-            return (
+            raise Unsupported(
                 f"the attention probabilities have {len(users)} consumers: they are used outside "
                 "the product with the values (e.g. returned as attention weights)"
                 if users
@@ -432,7 +440,7 @@ def _walk_probabilities(
         if (operands := ops.matmul_operands(user)) is not None:
             if operands[0] is node and operands[1] is not node:
                 return operands[1], user, dropout
-            return f"the attention probabilities are not the left operand of {ops.describe(user)}"
+            raise Unsupported(f"the attention probabilities are not the left operand of {ops.describe(user)}")
         call = ops.dropout_call(user, facts.module_of)
         if call is not None and call.input is node:
             dropout = call.p if call.p is not None else dropout
@@ -440,7 +448,7 @@ def _walk_probabilities(
         elif ops.cast_input(user) is node or _guarded_input(facts, user, logits) is node:
             node = user
         else:
-            return f"the attention probabilities feed {ops.describe(user)}, not a product with the values"
+            raise Unsupported(f"the attention probabilities feed {ops.describe(user)}, not a product with the values")
 
 
 def _swap_last_two(shape):
@@ -449,14 +457,21 @@ def _swap_last_two(shape):
 
 def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
     call = ops.softmax_call(node, facts.module_of)
-    logits = _walk_logits(facts, call.input)
-    if logits is None:
-        return None  # a softmax that is not attention (a classifier head, a gate)
-    match = FxMatch(_new_site(facts, node, "softmax"))
+    match = FxMatch(site=_new_site(facts, node, "softmax"))
+    match.site.provenance["nodes"]["softmax"] = node.name
+    try:
+        logits = _walk_logits(facts, call.input)
+        if logits is None:
+            return None  # a softmax that is not attention (a classifier head, a gate)
+        _describe_softmax(facts, match, node, call, logits)
+    except Unsupported as reason:
+        return _refused(match, reason)
+    return match
+
+
+def _describe_softmax(facts: GraphFacts, match: FxMatch, node: Node, call: ops.SoftmaxCall, logits: _Logits) -> None:
+    """The site of a softmax whose logits are q @ k^T: q, k, v, its scale, shapes and masks."""
     site = match.site
-    site.provenance["nodes"]["softmax"] = node.name
-    if isinstance(logits, str):
-        return _skipped(match, logits)
     site.provenance["nodes"]["logits"] = logits.product.name
 
     # scales directly on q and on k^T fold into site.scale (as in the ONNX frontend)
@@ -464,7 +479,7 @@ def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
     k_side, k_scale = _strip_scales(facts, logits.right)
     for operand in (q, k_side):
         if _scaled_at_run_time(facts, operand):
-            return _skipped(match, f"q or k^T is scaled by a scalar that is not a constant ({ops.describe(operand)})")
+            raise Unsupported(f"q or k^T is scaled by a scalar that is not a constant ({ops.describe(operand)})")
     k = ops.last_two_swapped_input(k_side, facts.rank)
     match.q, match.k = q, k
     match.k_transposed = None if k is not None else k_side
@@ -473,22 +488,18 @@ def match_softmax(facts: GraphFacts, node: Node) -> FxMatch | None:
     k_shape = facts.shape(k) if k is not None else _swap_last_two(facts.shape(k_side))
     rank = facts.rank(call.input) or facts.rank(logits.product)
     if call.dim is None:
-        return _skipped(match, "softmax without an explicit dim")
+        raise Unsupported("softmax without an explicit dim")
     if not (call.dim == -1 or (rank is not None and call.dim == rank - 1)):
         axis = f"axis {call.dim}" + (f" of rank-{rank} logits" if rank else "")
-        return _skipped(match, f"softmax over {axis}: not the key axis (the last)")
+        raise Unsupported(f"softmax over {axis}: not the key axis (the last)")
 
-    probabilities = _walk_probabilities(facts, node, call.input, match.probability_path)
-    if isinstance(probabilities, str):
-        return _skipped(match, probabilities)
-    match.v, match.output, dropout = probabilities
+    match.v, match.output, dropout = _walk_probabilities(facts, node, call.input, match.probability_path)
     site.provenance["nodes"]["output"] = match.output.name
     if dropout:
         site.provenance["attention_dropout"] = dropout
     _fill_shapes(facts, site, q, k_shape, match.v)
     _apply_masks(facts, match, logits.masks)
     _check_causal_lengths(match, facts.shape(q), k_shape)
-    return match
 
 
 # --- scaled_dot_product_attention ---------------------------------------------------------------
@@ -507,32 +518,40 @@ def match_sdpa(facts: GraphFacts, node: Node) -> FxMatch:
     is_causal = ops.arg(node, 5, "is_causal", False)
     scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
 
-    match = FxMatch(
-        _new_site(facts, node, "scaled_dot_product_attention"), q=q, k=k, v=v, output=node, probability_path=[node]
-    )
-    site = match.site
+    site = _new_site(facts, node, "scaled_dot_product_attention")
+    match = FxMatch(site=site, q=q, k=k, v=v, output=node, probability_path=[node])
+    try:
+        _describe_sdpa(facts, match, attn_mask, dropout_p, is_causal, scale)
+    except Unsupported as reason:
+        return _refused(match, reason)
+    return match
+
+
+def _describe_sdpa(
+    facts: GraphFacts, match: FxMatch, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any
+) -> None:
+    site, q, k = match.site, match.q, match.k
     k_shape = facts.shape(k)
-    _fill_shapes(facts, site, q, k_shape, v)
+    _fill_shapes(facts, site, q, k_shape, match.v)
     if dropout_p:
         site.provenance["attention_dropout"] = dropout_p
     if not isinstance(is_causal, bool):
-        return _skipped(match, "is_causal is not a constant")
+        raise Unsupported("is_causal is not a constant")
     if scale is None:
         # SDPA's default, 1/sqrt(q.shape[-1]): without shapes the replacement reads it from q
         site.scale = 1.0 / math.sqrt(site.head_dim) if isinstance(site.head_dim, int) else None
     else:
         site.scale = facts.scalar(scale) if facts.scalar(scale) is not None else scale
         if not isinstance(site.scale, (int, float)):
-            return _skipped(match, "the scale is not a constant")
+            raise Unsupported("the scale is not a constant")
     q_shape = facts.shape(q)
     # grouped or multi-query heads (enable_gqa, or one key/value head broadcast): the splice
     # gives the replacement one key/value head per query head (passes.layout.expand_to_query_heads)
     if is_causal and attn_mask is not None:
-        return _skipped(match, "both attn_mask and is_causal are set")
-    uses = [MaskUse(attn_mask, MaskEncoding.SDPA)] if isinstance(attn_mask, Node) else []
-    _apply_masks(facts, match, uses, causal=is_causal)
+        raise Unsupported("both attn_mask and is_causal are set")
+    terms = [MaskTerm(attn_mask, MaskEncoding.SDPA)] if isinstance(attn_mask, Node) else []
+    _apply_masks(facts, match, terms, causal=is_causal)
     _check_causal_lengths(match, q_shape, k_shape)
-    return match
 
 
 # --- nn.MultiheadAttention and the torch.nn modules that hold it -------------------------------
@@ -564,12 +583,11 @@ def _mha_site(facts: GraphFacts, anchor: Node, path: str, mha: nn.MultiheadAtten
     return site
 
 
-def _mha_refusal(mha: nn.MultiheadAttention) -> str | None:
+def _check_mha(mha: nn.MultiheadAttention) -> None:
     if mha.bias_k is not None or mha.bias_v is not None:
-        return "nn.MultiheadAttention with bias_k/bias_v (learned extra key/value rows)"
+        raise Unsupported("nn.MultiheadAttention with bias_k/bias_v (learned extra key/value rows)")
     if mha.add_zero_attn:
-        return "nn.MultiheadAttention with add_zero_attn"
-    return None
+        raise Unsupported("nn.MultiheadAttention with add_zero_attn")
 
 
 def _mha_masks(facts: GraphFacts, match: FxMatch, attn_mask: Any, key_padding_mask: Any, is_causal: Any) -> None:
@@ -583,43 +601,53 @@ def _mha_masks(facts: GraphFacts, match: FxMatch, attn_mask: Any, key_padding_ma
         if isinstance(value, Node)
     ]
     if attn_mask is None:
-        if is_causal is True:
-            _skipped(match, "is_causal=True without attn_mask (torch rejects it)")
         causal = False
     elif is_causal is True:
         causal = True
     elif isinstance(attn_mask, Node):
-        verdict = masks.classify(facts, MaskUse(attn_mask, MaskEncoding.MHA))
-        if verdict.bias_reason or verdict.key_padding:
-            site.mask = MaskKind.BIAS
-            detail = verdict.bias_reason or "an attn_mask built from inputs (pass key_padding_mask instead)"
-            _skipped(match, f"{detail}; pass is_causal=True if it is a causal mask")
-            return
-        causal = verdict.causal
+        causal = _attn_mask_is_causal(facts, site, attn_mask)
     else:
-        _skipped(match, "attn_mask is not a tensor in the graph")
-        return
+        raise Unsupported("attn_mask is not a tensor in the graph")
     site.mask = {
         (False, False): MaskKind.NONE,
         (True, False): MaskKind.CAUSAL,
         (False, True): MaskKind.KEY_PADDING,
         (True, True): MaskKind.CAUSAL_KEY_PADDING,
     }[(causal, key_padding)]
+    if attn_mask is None and is_causal is True:
+        raise Unsupported("is_causal=True without attn_mask (torch rejects it)")
+
+
+def _attn_mask_is_causal(facts: GraphFacts, site: AttentionSite, attn_mask: Node) -> bool:
+    """Whether nn.MultiheadAttention's attn_mask is a causal triangle (else it masks nothing);
+    Unsupported, the site's mask a bias, when it is neither."""
+    try:
+        verdict = masks.classify(facts, MaskTerm(attn_mask, MaskEncoding.MHA))
+    except Unsupported as reason:
+        detail = str(reason)
+    else:
+        if not verdict.key_padding:
+            return verdict.causal
+        detail = "an attn_mask built from inputs (pass key_padding_mask instead)"
+    site.mask = MaskKind.BIAS
+    raise Unsupported(f"{detail}; pass is_causal=True if it is a causal mask")
 
 
 def _mha_call(facts: GraphFacts, node: Node, mha: nn.MultiheadAttention) -> FxMatch:
     args = _bind(mha, node)
-    match = FxMatch(_mha_site(facts, node, node.target, mha), attention_path=node.target)
-    for user in facts.users(node):
-        is_output = user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0
-        weights_unused = user.op == "call_function" and user.target is operator.getitem and not facts.users(user)
-        if not (is_output or weights_unused):
-            return _skipped(match, "the attention weights of nn.MultiheadAttention are used")
-    if (reason := _mha_refusal(mha)) is not None:
-        return _skipped(match, reason)
-    _mha_masks(facts, match, args["attn_mask"], args["key_padding_mask"], args["is_causal"])
-    if match.site.mask.causal and args["query"] is not args["key"]:
-        _skipped(match, "a causal mask on cross-attention (query is not key)")
+    match = FxMatch(site=_mha_site(facts, node, node.target, mha), attention_path=node.target)
+    try:
+        for user in facts.users(node):
+            is_output = user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0
+            weights_unused = user.op == "call_function" and user.target is operator.getitem and not facts.users(user)
+            if not (is_output or weights_unused):
+                raise Unsupported("the attention weights of nn.MultiheadAttention are used")
+        _check_mha(mha)
+        _mha_masks(facts, match, args["attn_mask"], args["key_padding_mask"], args["is_causal"])
+        if match.site.mask.causal and args["query"] is not args["key"]:
+            raise Unsupported("a causal mask on cross-attention (query is not key)")
+    except Unsupported as reason:
+        return _refused(match, reason)
     return match
 
 
@@ -628,17 +656,19 @@ def _contained_calls(facts: GraphFacts, node: Node, container: nn.Module) -> lis
     matches = []
     for path, mha in inner:
         full_path = f"{node.target}.{path}"
-        match = FxMatch(_mha_site(facts, node, full_path, mha), attention_path=full_path, container=node)
+        match = FxMatch(site=_mha_site(facts, node, full_path, mha), attention_path=full_path, container=node)
         matches.append(match)
-        mask_name = _CONTAINERS.get(type(container))
-        if mask_name is None:
-            _skipped(match, f"inside {type(container).__name__}, whose calling convention the rewrite does not know")
-            continue
-        if (reason := _mha_refusal(mha)) is not None:
-            _skipped(match, reason)
-            continue
-        args = _bind(container, node)
-        _mha_masks(facts, match, args[mask_name], args["src_key_padding_mask"], args["is_causal"])
+        try:
+            mask_name = _CONTAINERS.get(type(container))
+            if mask_name is None:
+                raise Unsupported(
+                    f"inside {type(container).__name__}, whose calling convention the rewrite does not know"
+                )
+            _check_mha(mha)
+            args = _bind(container, node)
+            _mha_masks(facts, match, args[mask_name], args["src_key_padding_mask"], args["is_causal"])
+        except Unsupported as reason:
+            _refused(match, reason)
     return matches
 
 
@@ -664,7 +694,7 @@ def _refuse_shared_modules(matches: list[FxMatch]) -> None:
         if len(group) > 1:
             for match in group:
                 if match.site.skip_reason is None:
-                    _skipped(match, f"{path} is called from {len(group)} places")
+                    match.site.skip_reason = f"{path} is called from {len(group)} places"
 
 
 def _make_names_unique(matches: list[FxMatch]) -> None:

@@ -1,6 +1,7 @@
 """Attention masks: how a mask enters the logits, what kind it is, and the key_keep it implies.
 
-A mask enters the logits in one of four encodings (``MaskEncoding``). Its kind is decided by
+A mask enters the logits as a ``site.MaskTerm`` in one of ``site.MaskEncoding``'s encodings (the
+ONNX frontend's vocabulary too). Its kind is decided by
 running the nodes that build it on made-up inputs (docs/ARCHITECTURE.md, "Frontends"):
 
 - built from constants and sizes only: run it and compare with "nothing masked" and with a
@@ -11,8 +12,8 @@ running the nodes that build it on made-up inputs (docs/ARCHITECTURE.md, "Fronte
   must behave like key padding (plus, maybe, a causal triangle) on two probes, "all keys kept"
   and "the last keys of each row padded", for a 1 = keep or a 0 = keep convention.
 
-Anything else is an additive bias (MaskKind.BIAS) that no linear method can express; the
-reason says why. At run time ``key_keep_from_mask`` turns the mask tensor of the graph into
+Anything else is an additive bias (MaskKind.BIAS) that no linear method can express: the
+classification raises ``site.Unsupported`` with the reason. At run time ``key_keep_from_mask`` turns the mask tensor of the graph into
 the pass modules' ``key_keep`` [..., Nk, 1]: the last query row sees every key a causal
 triangle allows, so it holds exactly the padding.
 """
@@ -20,7 +21,6 @@ triangle allows, so it holds exactly the padding.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 import torch
@@ -28,34 +28,24 @@ from torch.fx import Node
 
 from attnrewrite.fx import evaluate, ops
 from attnrewrite.fx.facts import GraphFacts
-from attnrewrite.site import ATTENTION_BIAS, MASK_PROBE_BATCH, MASK_PROBE_LENGTHS, MASK_VARIES_WITH_LENGTH
-
-# An additive mask value at or below this removes the key (exp(-1000) underflows to 0 in fp32);
-# the same threshold as the ONNX frontend's MASKED_BELOW, so both classify masks alike.
-DROPPED_AT = -1e3
-
-
-class MaskEncoding(str, enum.Enum):
-    ADDITIVE = "additive"  # logits + mask: 0 keeps, large negative drops
-    KEEP = "keep"  # boolean, True = attend (where(mask, logits, -inf); SDPA bool masks)
-    DROP = "drop"  # boolean, True = masked (masked_fill(mask, -inf); nn.MultiheadAttention)
-    SDPA = "sdpa"  # SDPA attn_mask: boolean keep or additive, by dtype
-    MHA = "mha"  # nn.MultiheadAttention attn_mask / key_padding_mask: boolean drop or additive
-
-
-@dataclasses.dataclass
-class MaskUse:
-    """One mask tensor entering the logits of a site."""
-
-    tensor: Node
-    encoding: MaskEncoding
+from attnrewrite.site import (
+    ATTENTION_BIAS,
+    MASK_PROBE_BATCH,
+    MASK_PROBE_LENGTHS,
+    MASK_VARIES_WITH_LENGTH,
+    MASKED_BELOW,
+    MaskEncoding,
+    MaskTerm,
+    Unsupported,
+)
 
 
 @dataclasses.dataclass
 class MaskClass:
+    """What a mask provably is (one that is neither is refused: Unsupported)."""
+
     causal: bool = False
     key_padding: bool = False
-    bias_reason: str | None = None  # set when the mask is not provably causal/key padding
 
 
 # --- run time -----------------------------------------------------------------------------------
@@ -66,34 +56,28 @@ def key_keep_from_mask(mask: torch.Tensor, encoding: str) -> torch.Tensor:
     if mask.dim() < 2:
         mask = mask.reshape(1, -1)
     last_row = mask[..., -1:, :]
-    encoding = MaskEncoding(encoding)
-    if encoding in (MaskEncoding.SDPA, MaskEncoding.MHA) and last_row.dtype == torch.bool:
-        encoding = MaskEncoding.KEEP if encoding is MaskEncoding.SDPA else MaskEncoding.DROP
-    if encoding is MaskEncoding.KEEP:
+    encoding = MaskEncoding(encoding).for_dtype(boolean=last_row.dtype == torch.bool)
+    if encoding is MaskEncoding.KEEP_WHERE_TRUE:
         keep = last_row.bool()
-    elif encoding is MaskEncoding.DROP:
+    elif encoding is MaskEncoding.KEEP_WHERE_FALSE:
         keep = ~last_row.bool()
     else:
-        keep = last_row > DROPPED_AT
+        keep = last_row > MASKED_BELOW
     return keep.transpose(-1, -2).to(torch.float32)
 
 
-def dropped(value: torch.Tensor, encoding: MaskEncoding) -> torch.Tensor | str:
-    """Boolean "this logit is removed" for a probed mask value, or why the value is no mask."""
-    if encoding in (MaskEncoding.SDPA, MaskEncoding.MHA):
-        if value.dtype == torch.bool:
-            encoding = MaskEncoding.KEEP if encoding is MaskEncoding.SDPA else MaskEncoding.DROP
-        else:
-            encoding = MaskEncoding.ADDITIVE
-    if encoding is MaskEncoding.KEEP:
+def dropped(value: torch.Tensor, encoding: MaskEncoding) -> torch.Tensor:
+    """Boolean "this logit is removed" for a probed mask value; Unsupported when it is no mask."""
+    encoding = encoding.for_dtype(boolean=value.dtype == torch.bool)
+    if encoding is MaskEncoding.KEEP_WHERE_TRUE:
         return ~value.bool()
-    if encoding is MaskEncoding.DROP:
+    if encoding is MaskEncoding.KEEP_WHERE_FALSE:
         return value.bool()
     if value.dtype == torch.bool or not value.dtype.is_floating_point:
-        return "an integer or boolean tensor is added to the logits"
-    drop = value <= DROPPED_AT
+        raise Unsupported("an integer or boolean tensor is added to the logits")
+    drop = value <= MASKED_BELOW
     if not bool(((value == 0) | drop).all()):
-        return ATTENTION_BIAS
+        raise Unsupported(ATTENTION_BIAS)
     return drop
 
 
@@ -144,15 +128,15 @@ def _made_up(facts: GraphFacts, node: Node, length: int, rank: int) -> torch.Ten
     return torch.zeros([length if d is None else d for d in shape], dtype=dtype)
 
 
-def _key_axis_input_shape(facts: GraphFacts, node: Node, length: int) -> tuple[int, ...] | str:
-    """Shape of a data input of the mask; it must have no query axis."""
+def _key_axis_input_shape(facts: GraphFacts, node: Node, length: int) -> tuple[int, ...]:
+    """Shape of a data input of the mask; it must have no query axis (else Unsupported)."""
     shape = facts.shape(node)
     if shape is None:
         return (MASK_PROBE_BATCH, length)
     shape = tuple(length if d is None else d for d in shape)
     inner = [d for d in shape[1:-1] if d != 1]
     if not shape or inner:
-        return f"mask input {node.name!r} of shape {list(shape)} is not a [batch, keys] key mask"
+        raise Unsupported(f"mask input {node.name!r} of shape {list(shape)} is not a [batch, keys] key mask")
     return shape
 
 
@@ -193,17 +177,27 @@ def _matches_padding(static: torch.Tensor, keep: torch.Tensor, probed: torch.Ten
         return False
 
 
-def classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
+def classify(facts: GraphFacts, term: MaskTerm) -> MaskClass:
     """Decide what a mask is by probing the nodes that build it (once per mask and encoding:
-    models share one mask among all their layers)."""
-    key = ("mask", use.tensor, use.encoding)
+    models share one mask among all their layers); Unsupported when it is neither causal nor
+    key padding."""
+    key = ("mask", term.value, term.encoding)
     if key not in facts.memo:
-        facts.memo[key] = _classify(facts, use)
+        try:
+            facts.memo[key] = _classify(facts, term)
+        except Unsupported as reason:
+            facts.memo[key] = reason
+    if isinstance(facts.memo[key], Unsupported):
+        raise Unsupported(str(facts.memo[key]))
     return facts.memo[key]
 
 
-def _classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
-    inputs = _mask_inputs(facts, use.tensor)
+class _Unevaluated(Unsupported):
+    """The probe could not run at this rank of a size-only input: another rank may run."""
+
+
+def _classify(facts: GraphFacts, term: MaskTerm) -> MaskClass:
+    inputs = _mask_inputs(facts, term.value)
     needs_lengths = any(facts.shape(n) is None or None in facts.shape(n) for n in inputs.shape_only + inputs.data)
     lengths = MASK_PROBE_LENGTHS if needs_lengths else (None,)
     # a tensor read only for its sizes may have an unknown rank: all its sizes are the probe
@@ -212,47 +206,40 @@ def _classify(facts: GraphFacts, use: MaskUse) -> MaskClass:
     verdicts = []
     for length in lengths:
         for rank in ranks:
-            verdict = _classify_at(facts, use, inputs, length or MASK_PROBE_LENGTHS[0], rank)
-            if not (verdict.bias_reason or "").startswith(_UNEVALUATED):
+            try:
+                verdict = _classify_at(facts, term, inputs, length or MASK_PROBE_LENGTHS[0], rank)
                 break
-        if verdict.bias_reason:
-            return verdict
+            except _Unevaluated as reason:
+                if rank == ranks[-1]:
+                    raise Unsupported(str(reason)) from None
         verdicts.append((verdict.causal, verdict.key_padding))
     if len(set(verdicts)) > 1:
-        return MaskClass(bias_reason=MASK_VARIES_WITH_LENGTH)
+        raise Unsupported(MASK_VARIES_WITH_LENGTH)
     causal, key_padding = verdicts[0]
     return MaskClass(causal, key_padding)
 
 
-_UNEVALUATED = "the mask could not be evaluated"
-
-
-def _classify_at(facts: GraphFacts, use: MaskUse, inputs: _Inputs, length: int, rank: int) -> MaskClass:
+def _classify_at(facts: GraphFacts, term: MaskTerm, inputs: _Inputs, length: int, rank: int) -> MaskClass:
     env: dict[Node, Any] = {node: _made_up(facts, node, length, rank) for node in inputs.shape_only}
-    shapes = {}
-    for node in inputs.data:
-        shape = _key_axis_input_shape(facts, node, length)
-        if isinstance(shape, str):
-            return MaskClass(bias_reason=shape)
-        shapes[node] = shape
+    shapes = {node: _key_axis_input_shape(facts, node, length) for node in inputs.data}
 
     def probe(keep_value: bool, padded: bool, dtype: torch.dtype):
         for node, shape in shapes.items():
             keep = _padding_pattern(shape) if padded else torch.ones(shape, dtype=torch.bool)
             env[node] = (keep if keep_value else ~keep).to(dtype)
         with torch.no_grad():
-            return dropped(evaluate.run_slice(facts.gm, use.tensor, env), use.encoding)
+            return dropped(evaluate.run_slice(facts.gm, term.value, env), term.encoding)
 
     if not shapes:
         try:
             static = probe(True, False, torch.bool)
+        except Unsupported:  # it runs, and is no mask
+            raise
         except Exception as error:  # noqa: BLE001 - any failure means "not understood"
-            return MaskClass(bias_reason=f"{_UNEVALUATED} ({type(error).__name__}: {error})")
-        if isinstance(static, str):
-            return MaskClass(bias_reason=static)
+            raise _Unevaluated(f"the mask could not be evaluated ({type(error).__name__}: {error})") from None
         causal = _causal_pattern(static)
         if causal is None:
-            return MaskClass(bias_reason="a constant mask that is neither empty nor a causal triangle")
+            raise Unsupported("a constant mask that is neither empty nor a causal triangle")
         return MaskClass(causal=causal)
 
     known = {facts.dtype(n) for n in shapes}
@@ -263,12 +250,10 @@ def _classify_at(facts: GraphFacts, use: MaskUse, inputs: _Inputs, length: int, 
             try:
                 static = probe(keep_value, False, dtype)
                 padded = probe(keep_value, True, dtype)
-            except Exception:  # noqa: BLE001 - this convention does not fit; try the next
-                continue
-            if isinstance(static, str) or isinstance(padded, str):
+            except Exception:  # noqa: BLE001 - this convention does not fit (or is no mask): try the next
                 continue
             causal = _causal_pattern(static)
             if causal is not None and _matches_padding(static, keep, padded):
                 return MaskClass(causal=causal, key_padding=True)
     names = ", ".join(repr(n.name) for n in shapes)
-    return MaskClass(bias_reason=f"the mask built from input {names} is not a key-padding (or causal) mask")
+    raise Unsupported(f"the mask built from input {names} is not a key-padding (or causal) mask")

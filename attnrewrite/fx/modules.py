@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from attnrewrite.fx.masks import MaskEncoding, key_keep_from_mask
+from attnrewrite.fx.masks import key_keep_from_mask
+from attnrewrite.site import MaskEncoding
 
 
 class LinearizedMultiheadAttention(nn.Module):

@@ -263,7 +263,7 @@ class _Splicer:
         output); sites that read the same masks share it when it already comes before them."""
         if not match.key_padding:
             return None
-        key = tuple((self._current(use.tensor), use.encoding) for use in match.key_padding)
+        key = tuple((self._current(use.value), use.encoding) for use in match.key_padding)
         shared = self.key_keeps.get(key)
         if shared is not None and _comes_before(shared, match.output):
             return shared

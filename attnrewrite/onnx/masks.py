@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from attnrewrite.onnx import bfloat16
-from attnrewrite.onnx.detect import MASKED_BELOW, MaskForm, MaskTerm, OnnxSite, Unsupported, find_onnx_sites
+from attnrewrite.onnx.detect import OnnxSite, find_onnx_sites
 from attnrewrite.onnx.inputs import first_that_runs, generate_inputs
 from attnrewrite.site import (
     ATTENTION_BIAS,
@@ -25,8 +25,12 @@ from attnrewrite.site import (
     MASK_PROBE_BATCH,
     MASK_PROBE_LENGTHS,
     MASK_VARIES_WITH_LENGTH,
+    MASKED_BELOW,
     AttentionSite,
+    MaskEncoding,
     MaskKind,
+    MaskTerm,
+    Unsupported,
 )
 
 MAX_INLINED_BYTES = 64 * 2**20  # masks read small buffers; never copy a weight into a probe
@@ -177,30 +181,30 @@ def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 def _term_keep(array: np.ndarray, term: MaskTerm, s: OnnxSite, keys: int) -> np.ndarray:
     if term.batch_first:
         return contrib_keep_matrix(array, term, s.static_batch or MASK_PROBE_BATCH, keys)
-    return keep_matrix(array, term.form)
+    return keep_matrix(array, term.encoding)
 
 
-def keep_matrix(array: np.ndarray, form: MaskForm) -> np.ndarray:
+def keep_matrix(array: np.ndarray, encoding: MaskEncoding) -> np.ndarray:
     """True where a key is attended to."""
-    if form is MaskForm.ADDITIVE:
+    if encoding is MaskEncoding.ADDITIVE:
         if not np.all((array == 0) | (array <= MASKED_BELOW)):
             raise Unsupported(ATTENTION_BIAS)
         return array == 0
     keep = array.astype(bool)
-    return keep if form is MaskForm.KEEP_WHERE_TRUE else ~keep
+    return keep if encoding is MaskEncoding.KEEP_WHERE_TRUE else ~keep
 
 
 def contrib_keep_matrix(array: np.ndarray, term: MaskTerm, batch: int, keys: int) -> np.ndarray:
     """[batch, 1, queries or 1, keys], True where onnxruntime's contrib attention attends: a raw
     mask attends where > 0; a 1-D mask_index holds key lengths ([batch], right padding) or end
-    then start positions ([2 * batch], left padding), which sets the term's form."""
+    then start positions ([2 * batch], left padding), which sets the term's encoding."""
     if array.ndim == 1:
         positions = np.arange(keys)
         if array.size == batch:
-            term.form = MaskForm.KEY_LENGTHS
+            term.encoding = MaskEncoding.KEY_LENGTHS
             keep = positions < array[:, None]
         elif array.size == 2 * batch:
-            term.form = MaskForm.KEY_RANGES
+            term.encoding = MaskEncoding.KEY_RANGES
             ends, starts = array.reshape(2, batch, 1)
             keep = (positions >= starts) & (positions < ends)
         else:

@@ -14,22 +14,14 @@ import onnx
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import known_dims
-from attnrewrite.onnx.detect import (
-    MASKED_BELOW,
-    HeadLayout,
-    HeadSource,
-    MaskForm,
-    MaskTerm,
-    OnnxSite,
-    PackedHeads,
-    Unsupported,
-)
+from attnrewrite.onnx.detect import HeadLayout, HeadSource, OnnxSite, PackedHeads, Unsupported
 from attnrewrite.onnx.grouped_query import GroupedQueryNodes
 from attnrewrite.onnx.inputs import cache_contract
 from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION, OnnxLowering
+from attnrewrite.site import MASKED_BELOW, MaskEncoding, MaskTerm
 
 INT64_MAX = np.iinfo(np.int64).max
-_KEY_INDEX = (MaskForm.KEY_LENGTHS, MaskForm.KEY_RANGES)
+_KEY_INDEX = (MaskEncoding.KEY_LENGTHS, MaskEncoding.KEY_RANGES)
 
 
 class Splicer:
@@ -213,7 +205,7 @@ class Splicer:
 
     def _key_keep(self, s: OnnxSite, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         # a key index (lengths, ranges) becomes a keep row as long as the site's keys
-        key = tuple((id(t.value), t.form, id(k) if t.form in _KEY_INDEX else None) for t in s.masks)
+        key = tuple((id(t.value), t.encoding, id(k) if t.encoding in _KEY_INDEX else None) for t in s.masks)
         if key in self._key_keep_cache:
             return self._key_keep_cache[key]
         keep = None
@@ -243,12 +235,12 @@ class Splicer:
             )
         else:
             row = self._node(new_nodes, "Unsqueeze", [mask, self._const([0])])
-        if term.form is MaskForm.ADDITIVE:
+        if term.encoding is MaskEncoding.ADDITIVE:
             threshold = np.array(MASKED_BELOW, dtype=mask.dtype.numpy())
             return self._node(new_nodes, "Greater", [row, self._const(threshold)])
         if mask.dtype != ir.DataType.BOOL:
             row = self._node(new_nodes, "Cast", [row], [ir.AttrInt64("to", ir.DataType.BOOL)])
-        if term.form is MaskForm.KEEP_WHERE_FALSE:
+        if term.encoding is MaskEncoding.KEEP_WHERE_FALSE:
             return self._node(new_nodes, "Not", [row])
         return row
 
@@ -256,8 +248,8 @@ class Splicer:
         """[batch, 1, 1, keys], True where onnxruntime's contrib attention lets the last query
         attend (masks.contrib_keep_matrix says the same in numpy)."""
         mask = self._current(term.value)
-        if term.form in _KEY_INDEX:
-            keep = self._index_keep(mask, term.form, k, new_nodes)
+        if term.encoding in _KEY_INDEX:
+            keep = self._index_keep(mask, term.encoding, k, new_nodes)
             return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2])])
         if term.rank == 3:  # [batch, queries, keys]: the last query's row
             mask = self._node(
@@ -267,13 +259,13 @@ class Splicer:
         keep = self._node(new_nodes, "Greater", [as_float, self._const(np.array(0, np.float32))])
         return self._node(new_nodes, "Unsqueeze", [keep, self._const([1, 2] if term.rank == 2 else [1])])
 
-    def _index_keep(self, index: ir.Value, form: MaskForm, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+    def _index_keep(self, index: ir.Value, form: MaskEncoding, k: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         """[batch, keys] from key lengths [batch] or end and start positions [2 * batch]."""
         index = self._node(new_nodes, "Cast", [index], [ir.AttrInt64("to", ir.DataType.INT64)])
         keys = self._node(new_nodes, "Shape", [k], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])
         zero, one = self._const(np.array(0, np.int64)), self._const(np.array(1, np.int64))
         positions = self._node(new_nodes, "Range", [zero, self._node(new_nodes, "Squeeze", [keys]), one])
-        if form is MaskForm.KEY_LENGTHS:
+        if form is MaskEncoding.KEY_LENGTHS:
             lengths = self._node(new_nodes, "Unsqueeze", [index, self._const([1])])
             return self._node(new_nodes, "Less", [positions, lengths])
         bounds = self._node(new_nodes, "Reshape", [index, self._const([2, -1, 1])])

@@ -14,17 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from attnrewrite.onnx.detect.common import (
-    MASKED_BELOW,
-    CachedTensor,
-    HeadLayout,
-    HeadSource,
-    MaskForm,
-    MaskTerm,
-    OnnxSite,
-    PackedHeads,
-    Unsupported,
-)
+from attnrewrite.onnx.detect.common import CachedTensor, HeadLayout, HeadSource, OnnxSite, PackedHeads
 from attnrewrite.onnx.detect.contrib import (
     CONTRIB_ATTENTION,
     CONTRIB_DOMAIN,
@@ -38,19 +28,16 @@ from attnrewrite.onnx.detect.gqa import GroupedQueryPlan, declared_cache_sizes, 
 from attnrewrite.onnx.detect.kv_cache import cache_inputs, cached_tensor, past_input
 from attnrewrite.onnx.detect.softmax import match_softmax
 from attnrewrite.passes.lowering import DOMAIN as REPLACEMENT_DOMAIN
-from attnrewrite.site import MaskKind
+from attnrewrite.site import MaskKind, Unsupported
 
 __all__ = [
     "CONTRIB_ATTENTION",
     "CONTRIB_DOMAIN",
     "FUSED_DECODER_ADVICE",
     "GroupedQueryPlan",
-    "MASKED_BELOW",
     "CachedTensor",
     "HeadLayout",
     "HeadSource",
-    "MaskForm",
-    "MaskTerm",
     "OnnxSite",
     "PackedHeads",
     "Unsupported",

@@ -1,6 +1,7 @@
 """What the detectors share: the site a detector hands the splice (OnnxSite, with its masks,
-its KV cache and, for a fused contrib operator, how its heads are packed), the refusal
-(Unsupported), and the shape helpers they read the graph's shapes with."""
+its KV cache and, for a fused contrib operator, how its heads are packed) and the shape helpers
+they read the graph's shapes with. The mask vocabulary (MaskTerm, MaskEncoding, MASKED_BELOW)
+and the refusal (Unsupported) are both frontends', in attnrewrite.site."""
 
 from __future__ import annotations
 
@@ -10,55 +11,22 @@ import enum
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import known_dims
-from attnrewrite.site import AttentionSite
-
-# An additive term at or below this is "masked out": exp(-1000) underflows to 0 in fp32.
-MASKED_BELOW = -1e3
+from attnrewrite.site import COPY_WALK_DEPTH, AttentionSite, MaskTerm
 
 
-class MaskForm(str, enum.Enum):
-    ADDITIVE = "additive"  # logits + m; m is 0 (keep) or <= MASKED_BELOW
-    KEEP_WHERE_TRUE = "keep_where_true"  # Where(cond, logits, fill) or a bool attn_mask
-    KEEP_WHERE_FALSE = "keep_where_false"  # Where(cond, fill, logits): masked_fill
-    # onnxruntime's fused attention (com.microsoft): a raw mask attends where it is > 0; a 1-D
-    # mask_index is one of two index forms, told apart when the mask is evaluated (masks.py)
-    KEEP_WHERE_POSITIVE = "keep_where_positive"
-    KEY_LENGTHS = "key_lengths"  # [batch]: keys before length[b] attend (right padding)
-    KEY_RANGES = "key_ranges"  # [2 * batch]: ends, then starts: start[b] <= key < end[b]
-
-
-@dataclasses.dataclass
-class MaskTerm:
-    value: ir.Value
-    form: MaskForm
-    rank: int | None = None  # learned when the mask is evaluated (masks.py)
-    # the contrib ops' layout: [batch, keys], [batch, queries, keys], [batch, 1, queries, keys]
-    # or a 1-D index, batch first and no head axis; otherwise aligned with the logits' last axes
-    batch_first: bool = False
-
-    @property
-    def key_only(self) -> bool:
-        """A key padding mask by the operator's definition, whatever its values."""
-        return self.batch_first and self.rank is not None and self.rank <= 2
-
-    @property
-    def keep_rank(self) -> int | None:
-        """The rank of the keep tensor the splice builds from this term."""
-        return 4 if self.batch_first else self.rank
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class OnnxSite:
-    """An AttentionSite plus the graph values a replacement node reads and writes."""
+    """An AttentionSite plus the graph values a replacement node reads and writes. A site refused
+    before its q and v were found (a softmax whose scores are not q @ k^T) has them None."""
 
     site: AttentionSite
-    q: ir.Value
-    k_transposed: ir.Value | None  # the logits MatMul's right operand, [..., Dh, Nk]
-    k: ir.Value | None  # [..., Nk, Dh], when the graph has it (fused Attention)
-    v: ir.Value
-    output: ir.Value
-    masks: list[MaskTerm]
-    nodes: list[ir.Node]
+    q: ir.Value | None
+    k_transposed: ir.Value | None = None  # the logits MatMul's right operand, [..., Dh, Nk]
+    k: ir.Value | None = None  # [..., Nk, Dh], when the graph has it (fused Attention)
+    v: ir.Value | None
+    output: ir.Value  # what the replacement's output takes over
+    nodes: list[ir.Node]  # what the splice removes
+    masks: list[MaskTerm] = dataclasses.field(default_factory=list)
     causal_by_attribute: bool = False
     # (queries, keys) when shape inference knows them: a model exported at a fixed sequence
     # length keeps its masks at that length whatever length the mask probe asks for
@@ -72,10 +40,6 @@ class OnnxSite:
     value_cache: CachedTensor | None = None
     # a GroupQueryAttention (gqa.py): its q, k, v packed, rotated and cached inside the operator
     grouped_query: GroupedQueryPlan | None = None
-
-
-class Unsupported(Exception):
-    """The subgraph looks like attention but cannot be proven to be one we can replace."""
 
 
 # the KV cache a site reads its keys or values from (kv_cache.py finds it)
@@ -241,7 +205,7 @@ def projected_features(value: ir.Value) -> int | None:
     if last is not None:
         return last
     node = value.producer()
-    for _ in range(4):
+    for _ in range(COPY_WALK_DEPTH):
         if node is not None and node.op_type == "MatMulNBits" and "N" in node.attributes:
             return node.attributes["N"].as_int()
         if node is None or node.op_type not in ("MatMul", "Add"):

@@ -7,21 +7,17 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from attnrewrite.onnx.detect.common import (
-    MASKED_BELOW,
     HeadLayout,
     HeadSource,
-    MaskForm,
-    MaskTerm,
     OnnxSite,
     PackedHeads,
-    Unsupported,
     projected_features,
     rank_of,
     static_dims,
 )
 from attnrewrite.onnx.detect.fused import fused_site, refused, set_scale
 from attnrewrite.onnx.detect.kv_cache import FUSED_PAST_SLOTS, caches_of, set_caches
-from attnrewrite.site import KvCache
+from attnrewrite.site import MASKED_BELOW, KvCache, MaskEncoding, MaskTerm, Unsupported
 
 # --- onnxruntime's fused attention (com.microsoft) ---------------------------------------------
 #
@@ -258,9 +254,9 @@ def _contrib_masks(mask: ir.Value | None, attention_bias: ir.Value | None, batch
     terms = []
     if mask is not None:
         _check_index_declaration(mask, batch_of)
-        terms.append(MaskTerm(mask, MaskForm.KEEP_WHERE_POSITIVE, batch_first=True))
+        terms.append(MaskTerm(mask, MaskEncoding.KEEP_WHERE_POSITIVE, batch_first=True))
     if attention_bias is not None:  # [batch or 1, heads or 1, queries, keys]: a mask if its values say so
-        terms.append(MaskTerm(attention_bias, MaskForm.ADDITIVE))
+        terms.append(MaskTerm(attention_bias, MaskEncoding.ADDITIVE))
     return terms
 
 

@@ -7,17 +7,14 @@ import onnx_ir as ir
 
 from attnrewrite.onnx.detect.common import (
     CachedTensor,
-    MaskForm,
-    MaskTerm,
     OnnxSite,
-    Unsupported,
     describe_shapes,
     rank_of,
     static_dim,
     static_dims,
 )
 from attnrewrite.onnx.detect.kv_cache import caches_of, past_input, returned, set_caches
-from attnrewrite.site import AttentionSite, MaskKind
+from attnrewrite.site import AttentionSite, MaskEncoding, MaskKind, MaskTerm, Unsupported
 
 # --- fused Attention (opset 23) -----------------------------------------------------------------
 
@@ -29,16 +26,15 @@ def match_fused_attention(node: ir.Node, index: int) -> OnnxSite:
     site = onnx_site.site
     try:
         caches = _fused_caches(node, k, v, past_key, past_value)
+        _check_fused_attention_limits(node, q, cached=caches[0] is not None)
     except Unsupported as reason:
         return refused(onnx_site, str(reason))
-    reason = _fused_attention_limits(node, q, cached=caches[0] is not None)
-    if reason:
-        return refused(onnx_site, reason)
     attrs = node.attributes
     onnx_site.causal_by_attribute = bool(attrs["is_causal"].as_int()) if "is_causal" in attrs else False
     if attn_mask is not None:
-        form = MaskForm.KEEP_WHERE_TRUE if attn_mask.dtype == ir.DataType.BOOL else MaskForm.ADDITIVE
-        onnx_site.masks.append(MaskTerm(attn_mask, form))
+        boolean = attn_mask.dtype == ir.DataType.BOOL
+        encoding = MaskEncoding.KEEP_WHERE_TRUE if boolean else MaskEncoding.ADDITIVE
+        onnx_site.masks.append(MaskTerm(attn_mask, encoding))
     describe_shapes(site, q, v, None)
     site.num_heads = static_dim(q.shape[1])  # the operator defines 4-D inputs as [B, H, N, D]
     onnx_site.static_lengths = (static_dims(q, -2)[0], static_dims(k, -2)[0])
@@ -72,7 +68,7 @@ def fused_site(node: ir.Node, index: int, q: ir.Value, k: ir.Value | None, v: ir
     """A site for one fused attention node: the node is all the splice removes."""
     site = AttentionSite(name=node.name or f"{node.op_type}_{index}", layer=index)
     site.provenance = {"nodes": [node.name]}
-    return OnnxSite(site, q, None, k, v, node.outputs[0], [], [node], causal_by_attribute=False)
+    return OnnxSite(site=site, q=q, k=k, v=v, output=node.outputs[0], nodes=[node])
 
 
 def refused(onnx_site: OnnxSite, reason: str) -> OnnxSite:
@@ -93,24 +89,23 @@ def set_scale(site: AttentionSite, node: ir.Node, zero_is_default: bool) -> None
         site.skip_reason = f"{node.op_type} without a scale attribute and with an unknown head size"
 
 
-def _fused_attention_limits(node, q, cached: bool) -> str | None:
+def _check_fused_attention_limits(node, q, cached: bool) -> None:
     attrs = node.attributes
     qk = node.outputs[3] if len(node.outputs) > 3 else None
     if qk is not None and (qk.uses() or qk.is_graph_output()):
-        return "Attention's qk output (the attention scores) is used"
+        raise Unsupported("Attention's qk output (the attention scores) is used")
     presents = [out for out in node.outputs[1:3] if out is not None and (out.uses() or out.is_graph_output())]
     if presents and not cached:
-        return "Attention's present key/value outputs are used without a past cache"
+        raise Unsupported("Attention's present key/value outputs are used without a past cache")
     if "softcap" in attrs and attrs["softcap"].as_float() != 0.0:
-        return "Attention with softcap is not expressible by linear methods"
+        raise Unsupported("Attention with softcap is not expressible by linear methods")
     if rank_of(q) != 4:
-        return "Attention with 3-D inputs (heads packed into features) is not supported; 4-D expected"
+        raise Unsupported("Attention with 3-D inputs (heads packed into features) is not supported; 4-D expected")
     if q.shape is not None and node.inputs[1].shape is not None:
         qh, kh = q.shape[1], node.inputs[1].shape[1]
         # grouped key/value heads are repeated by the splice; that needs both counts
         if not (isinstance(qh, int) and isinstance(kh, int) and qh % kh == 0):
-            return (
+            raise Unsupported(
                 f"grouped-query Attention ({qh} query heads, {kh} key heads): "
                 "the head counts must be static, the key heads dividing the query heads"
             )
-    return None

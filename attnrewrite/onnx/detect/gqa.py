@@ -20,14 +20,13 @@ from attnrewrite.onnx.detect.common import (
     CachedTensor,
     GroupedQueryPlan,
     OnnxSite,
-    Unsupported,
     projected_features,
     static_dims,
 )
 from attnrewrite.onnx.detect.contrib import CONTRIB_DOMAIN
 from attnrewrite.onnx.detect.fused import fused_site, refused, set_scale
 from attnrewrite.onnx.detect.kv_cache import returned
-from attnrewrite.site import KvCache
+from attnrewrite.site import KvCache, Unsupported
 
 # the operator's inputs, as onnxruntime's ContribOperators.md names them
 _INPUTS = (

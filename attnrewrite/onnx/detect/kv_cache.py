@@ -6,8 +6,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar
-from attnrewrite.onnx.detect.common import CachedTensor, OnnxSite, Unsupported, rank_of
-from attnrewrite.site import KvCache
+from attnrewrite.onnx.detect.common import CachedTensor, OnnxSite, rank_of
+from attnrewrite.site import CACHE_WALK_DEPTH, COPY_WALK_DEPTH, KvCache, Unsupported
 
 # --- KV cache -------------------------------------------------------------------------------------
 #
@@ -19,7 +19,6 @@ from attnrewrite.site import KvCache
 # embeddings are applied to the new keys before the Concat: the cache holds rotated keys.
 
 _LAYOUT_OPS = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Tile", "Cast", "Identity", "Mul", "Div"}
-_CACHE_WALK_DEPTH = 10
 
 
 def caches_of(k: ir.Value, v: ir.Value) -> tuple[CachedTensor | None, CachedTensor | None]:
@@ -49,7 +48,7 @@ def cached_tensor(value: ir.Value) -> CachedTensor | None:
     """The cache ``value`` is read from through layout ops; None where it reads none (Unsupported
     where it reads a graph input through something that is not a Concat(past, new))."""
     node = value.producer()
-    for _ in range(_CACHE_WALK_DEPTH):
+    for _ in range(CACHE_WALK_DEPTH):
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
         if node.op_type == "Concat":
@@ -96,7 +95,7 @@ def _cache_concat(concat: ir.Node) -> CachedTensor | None:
 def past_input(value: ir.Value) -> ir.Value | None:
     """The graph input ``value`` is, through Identity, Cast and one-input Concats (the legacy
     exporter's copy of a cache tensor); None for anything computed."""
-    for _ in range(4):
+    for _ in range(COPY_WALK_DEPTH):
         if value.is_graph_input():
             return value if not value.is_initializer() and rank_of(value) == 4 else None
         node = value.producer()
@@ -125,7 +124,7 @@ def cache_inputs(graph: ir.Graph) -> dict[str, int]:
 
 def _uses_through_copies(value: ir.Value) -> list[tuple[ir.Node, int]]:
     uses, frontier = [], [value]
-    for _ in range(4):
+    for _ in range(COPY_WALK_DEPTH):
         following = []
         for v in frontier:
             for use in v.uses():

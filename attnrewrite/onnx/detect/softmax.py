@@ -7,18 +7,19 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar
-from attnrewrite.onnx.detect.common import (
-    MASKED_BELOW,
-    MaskForm,
-    MaskTerm,
-    OnnxSite,
-    Unsupported,
-    describe_shapes,
-    rank_of,
-    static_dims,
-)
+from attnrewrite.onnx.detect.common import OnnxSite, describe_shapes, is_constant, rank_of, static_dims
 from attnrewrite.onnx.detect.kv_cache import caches_of, set_caches
-from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
+from attnrewrite.site import (
+    MASKED_BELOW,
+    PROBABILITY_PATH_LENGTH,
+    SCORE_PATH_LENGTH,
+    UPSTREAM_WALK_DEPTH,
+    AttentionSite,
+    MaskEncoding,
+    MaskKind,
+    MaskTerm,
+    Unsupported,
+)
 
 # --- Softmax-anchored attention -----------------------------------------------------------------
 
@@ -26,7 +27,6 @@ from attnrewrite.site import UPSTREAM_WALK_DEPTH, AttentionSite, MaskKind
 def match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     site = AttentionSite(name=softmax.name or f"Softmax_{index}", layer=index)
     logits = softmax.inputs[0]
-    placeholder = OnnxSite(site, logits, None, None, logits, softmax.outputs[0], [], [softmax])
     try:
         _check_softmax_axis(softmax)
         walk = _LogitsWalk()
@@ -43,7 +43,7 @@ def match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     except Unsupported as reason:
         site.skip_reason = str(reason)
         site.mask = MaskKind.UNKNOWN
-        return placeholder
+        return OnnxSite(site=site, q=None, v=None, output=softmax.outputs[0], nodes=[softmax])
 
     site.scale = walk.scale * q_scale * k_scale
     describe_shapes(site, q, v, softmax.inputs[0])
@@ -51,7 +51,9 @@ def match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
     site.provenance = {"nodes": [n.name for n in nodes]}
     lengths = static_dims(softmax.inputs[0], -2, -1)
     site.query_length = lengths[0]
-    onnx_site = OnnxSite(site, q, k_t, None, v, output, walk.masks, nodes, static_lengths=lengths)
+    onnx_site = OnnxSite(
+        site=site, q=q, k_transposed=k_t, v=v, output=output, nodes=nodes, masks=walk.masks, static_lengths=lengths
+    )
     set_caches(onnx_site, *caches)
     return onnx_site
 
@@ -84,7 +86,7 @@ class _LogitsWalk:
         self.nodes: list[ir.Node] = []
 
     def back_to_matmul(self, value: ir.Value) -> ir.Node:
-        for _ in range(16):
+        for _ in range(SCORE_PATH_LENGTH):
             node = value.producer()
             if node is None:
                 raise Unsupported("the softmax input is not computed from a MatMul of q and k")
@@ -124,23 +126,20 @@ class _LogitsWalk:
         if logits_side is None:
             raise Unsupported(f"cannot tell the logits from the mask in {node.name!r}")
         mask = b if logits_side is a else a
-        self.masks.append(MaskTerm(mask, MaskForm.ADDITIVE))
+        self.masks.append(MaskTerm(mask, MaskEncoding.ADDITIVE))
         return logits_side
 
     def _where_mask(self, node: ir.Node) -> ir.Value:
         cond, x, y = node.inputs
-        for logits, fill, form in ((x, y, MaskForm.KEEP_WHERE_TRUE), (y, x, MaskForm.KEEP_WHERE_FALSE)):
+        for logits, fill, encoding in (
+            (x, y, MaskEncoding.KEEP_WHERE_TRUE),
+            (y, x, MaskEncoding.KEEP_WHERE_FALSE),
+        ):
             fill_value = constant_scalar(fill)
             if fill_value is not None and fill_value <= MASKED_BELOW:
-                self.masks.append(MaskTerm(cond, form))
+                self.masks.append(MaskTerm(cond, encoding))
                 return logits
         raise Unsupported(f"Where {node.name!r} on the logits does not fill with a masking constant")
-
-
-def _is_weight(value: ir.Value) -> bool:
-    """A constant operand (initializer or Constant): a projection, not queries or keys."""
-    node = value.producer()
-    return value.const_value is not None or (node is not None and node.op_type == "Constant")
 
 
 def _reaches_dot_product(node: ir.Node) -> bool:
@@ -154,7 +153,8 @@ def _reaches_dot_product(node: ir.Node) -> bool:
                 continue
             seen.add(id(current))
             operands = [v for v in current.inputs if v is not None]
-            if current.op_type in ("MatMul", "Einsum") and not any(_is_weight(v) for v in operands):
+            # a constant operand is a weight: a projection, not queries or keys
+            if current.op_type in ("MatMul", "Einsum") and not any(is_constant(v) for v in operands):
                 return True
             following.extend(v.producer() for v in operands if v.producer() is not None)
         if not following:
@@ -214,7 +214,7 @@ def _forward_to_value_matmul(softmax: ir.Node) -> tuple[ir.Value, ir.Value, list
     """Follow the probabilities to the MatMul with V; they must not be used anywhere else."""
     probs = softmax.outputs[0]
     nodes: list[ir.Node] = []
-    for _ in range(8):
+    for _ in range(PROBABILITY_PATH_LENGTH):
         _check_not_graph_output(probs)
         users = {use.node for use in probs.uses()}
         guard = _nan_guard(probs, users)
