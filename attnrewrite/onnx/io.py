@@ -421,25 +421,70 @@ def _inferred(model: ir.Model) -> ir.Model:
     return _with_contrib_shapes(model) if any(node.domain == "com.microsoft" for node in model.graph) else model
 
 
+# onnxruntime's SymbolicShapeInference.infer_shapes() saves the model into the working directory
+# where some shape stays unknown, and raises; its loop, run here through these private methods,
+# keeps what it found and writes nothing. They are there in the releases from the first one this
+# package supports to the newest it was tested with; another release is not trusted with them.
+SYMBOLIC_INFERENCE_METHODS = ("_preprocess", "_infer_impl", "_update_output_from_vi")
+SYMBOLIC_INFERENCE_RELEASES = ((1, 20), (1, 32))  # (major, minor), first and last
+_SHAPE_NOTE = "attnrewrite.shape_inference_note"  # in model.meta: why the fallback, for the record
+
+
+def shape_notes(model: ir.Model) -> list[str]:
+    """What infer_shapes had to do without: its note, for the rewrite's record."""
+    return [model.meta[_SHAPE_NOTE]] if _SHAPE_NOTE in model.meta else []
+
+
 def _with_contrib_shapes(model: ir.Model) -> ir.Model:
     """ONNX shape inference cannot type onnxruntime's com.microsoft operators (a transformer
     optimizer's fused layer norms and GELUs): every shape after the first is lost. onnxruntime's
-    symbolic shape inference types them; where it fails too, the model is kept as it was."""
+    symbolic shape inference types them; where it cannot run here or fails, the model is kept as
+    ONNX shape inference left it, and a note (shape_notes) says why."""
+    inferred = _symbolic_shapes(model)
+    if isinstance(inferred, ir.Model):
+        return _keeping_base_dir(model, inferred)
+    model.meta[_SHAPE_NOTE] = (
+        f"shape inference: onnxruntime's symbolic shape inference {inferred}; the shapes past "
+        "com.microsoft operators are ONNX shape inference's (some may be unknown)"
+    )
+    return model
+
+
+def _symbolic_shapes(model: ir.Model) -> ir.Model | str:
+    """The model typed by onnxruntime's symbolic shape inference, or why it is not."""
+    import onnxruntime
+
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        # its infer_shapes() saves the model into the working directory where some shape stays
-        # unknown, and raises: the same loop here keeps what it found and writes nothing
+    except ImportError as error:
+        return f"cannot be imported ({_short(error)})"
+    unusable = _symbolic_inference_unusable(onnxruntime.__version__, SymbolicShapeInference)
+    if unusable is not None:
+        return unusable
+    try:
         inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
         with contextlib.redirect_stdout(None):
             inference._preprocess(ir.serde.serialize_model(model))
             while inference.run_:
                 inference._infer_impl()
             inference._update_output_from_vi()
-        inferred = from_proto(inference.out_mp_)
-    except Exception:
-        return model
-    return _keeping_base_dir(model, inferred)
+        return from_proto(inference.out_mp_)
+    except Exception as error:  # its own errors on a graph it cannot type: advisory, as ONNX's
+        return f"failed ({_short(error)})"
+
+
+def _symbolic_inference_unusable(version: str, inference: type) -> str | None:
+    """Why SymbolicShapeInference's private loop is not to be run on this onnxruntime; None
+    when it is."""
+    first, last = SYMBOLIC_INFERENCE_RELEASES
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if len(release) != 2 or not first <= release <= last:
+        known = f"{first[0]}.{first[1]} to {last[0]}.{last[1]}"
+        return f"is not used with onnxruntime {version} (its private methods are known in {known})"
+    missing = [name for name in SYMBOLIC_INFERENCE_METHODS if not hasattr(inference, name)]
+    if missing:
+        return f"is not used: onnxruntime {version}'s SymbolicShapeInference has no {', '.join(missing)}"
+    return None
 
 
 def default_opset(model: ir.Model) -> int:

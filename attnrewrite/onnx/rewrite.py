@@ -12,7 +12,7 @@ import onnx_ir as ir
 from attnrewrite import decision, passes
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, cache_inputs, find_onnx_sites, mark_unsupported_masks
-from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
+from attnrewrite.onnx.io import default_opset, infer_shapes, shape_notes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
@@ -100,6 +100,7 @@ def rewrite_model(
     decisions, splicer = _splicer(model, sites, decisions, recurrent)
     contrib_ops = recurrent and not standard_ops and runs_linear_attention()  # for decoding steps
     record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
+    record.notes.extend(shape_notes(model))
     note = probe_note([s.site for s in sites])
     if note:
         record.notes.append(note)
