@@ -43,17 +43,18 @@ class Unsupported(Exception):
 UPSTREAM_WALK_DEPTH = 8
 # The ONNX detector's other walks, each bounded so that a graph it does not understand ends in a
 # refusal, never in a walk through the whole model:
-# nodes from the softmax back to q @ k^T: scales, masks (a Where and its Cast each) and casts of
-# every exporter fit, twice UPSTREAM_WALK_DEPTH, since this walk follows one path only
+# nodes from the softmax back to q @ k^T, one path: the scales, mask Adds and Wheres, Casts and
+# Identities exporters write there are a handful; room for several times that
 SCORE_PATH_LENGTH = 16
 # nodes from the softmax to p @ v: a NaN guard (IsNaN and Where), casts, a Dropout
 PROBABILITY_PATH_LENGTH = 8
 # layout nodes from a KV cache's Concat(past, new) to the attention: k's transpose (between
 # Reshapes), repeated key/value heads (Unsqueeze, Expand, Reshape), a cast and a scale
 CACHE_WALK_DEPTH = 10
-# copies of a graph input (Identity, Cast, one-input Concat) a legacy export makes of a cache,
-# and MatMul / Add nodes back from q, k or v to its projection's weights
+# copies of a graph input (Identity, Cast, one-input Concat) a legacy export makes of a cache
 COPY_WALK_DEPTH = 4
+# MatMul and bias Add nodes back from a contrib operator's input to the weights that project it
+PROJECTION_WALK_DEPTH = 4
 # Masks are probed on made-up inputs of this batch and these two sequence lengths (two, so that
 # a mask that is causal at one size only is caught), where the graph does not fix the lengths.
 MASK_PROBE_LENGTHS = (6, 9)

@@ -11,7 +11,7 @@ import enum
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import known_dims
-from attnrewrite.site import COPY_WALK_DEPTH, AttentionSite, MaskTerm
+from attnrewrite.site import PROJECTION_WALK_DEPTH, AttentionSite, MaskKind, MaskTerm
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,6 +40,14 @@ class OnnxSite:
     value_cache: CachedTensor | None = None
     # a GroupQueryAttention (gqa.py): its q, k, v packed, rotated and cached inside the operator
     grouped_query: GroupedQueryPlan | None = None
+
+
+def refused(onnx_site: OnnxSite, reason: str) -> OnnxSite:
+    """Where a detector's Unsupported is caught: the site is left alone with the reason, its
+    mask unknown (it was never looked at)."""
+    onnx_site.site.skip_reason = reason
+    onnx_site.site.mask = MaskKind.UNKNOWN
+    return onnx_site
 
 
 # the KV cache a site reads its keys or values from (kv_cache.py finds it)
@@ -205,7 +213,7 @@ def projected_features(value: ir.Value) -> int | None:
     if last is not None:
         return last
     node = value.producer()
-    for _ in range(COPY_WALK_DEPTH):
+    for _ in range(PROJECTION_WALK_DEPTH):
         if node is not None and node.op_type == "MatMulNBits" and "N" in node.attributes:
             return node.attributes["N"].as_int()
         if node is None or node.op_type not in ("MatMul", "Add"):

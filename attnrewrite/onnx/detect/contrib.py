@@ -13,9 +13,10 @@ from attnrewrite.onnx.detect.common import (
     PackedHeads,
     projected_features,
     rank_of,
+    refused,
     static_dims,
 )
-from attnrewrite.onnx.detect.fused import fused_site, refused, set_scale
+from attnrewrite.onnx.detect.fused import fused_site, set_scale
 from attnrewrite.onnx.detect.kv_cache import FUSED_PAST_SLOTS, caches_of, set_caches
 from attnrewrite.site import MASKED_BELOW, KvCache, MaskEncoding, MaskTerm, Unsupported
 

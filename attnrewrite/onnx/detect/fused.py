@@ -10,11 +10,12 @@ from attnrewrite.onnx.detect.common import (
     OnnxSite,
     describe_shapes,
     rank_of,
+    refused,
     static_dim,
     static_dims,
 )
 from attnrewrite.onnx.detect.kv_cache import caches_of, past_input, returned, set_caches
-from attnrewrite.site import AttentionSite, MaskEncoding, MaskKind, MaskTerm, Unsupported
+from attnrewrite.site import AttentionSite, MaskEncoding, MaskTerm, Unsupported
 
 # --- fused Attention (opset 23) -----------------------------------------------------------------
 
@@ -69,12 +70,6 @@ def fused_site(node: ir.Node, index: int, q: ir.Value, k: ir.Value | None, v: ir
     site = AttentionSite(name=node.name or f"{node.op_type}_{index}", layer=index)
     site.provenance = {"nodes": [node.name]}
     return OnnxSite(site=site, q=q, k=k, v=v, output=node.outputs[0], nodes=[node])
-
-
-def refused(onnx_site: OnnxSite, reason: str) -> OnnxSite:
-    onnx_site.site.skip_reason = reason
-    onnx_site.site.mask = MaskKind.UNKNOWN
-    return onnx_site
 
 
 def set_scale(site: AttentionSite, node: ir.Node, zero_is_default: bool) -> None:

@@ -21,10 +21,11 @@ from attnrewrite.onnx.detect.common import (
     GroupedQueryPlan,
     OnnxSite,
     projected_features,
+    refused,
     static_dims,
 )
 from attnrewrite.onnx.detect.contrib import CONTRIB_DOMAIN
-from attnrewrite.onnx.detect.fused import fused_site, refused, set_scale
+from attnrewrite.onnx.detect.fused import fused_site, set_scale
 from attnrewrite.onnx.detect.kv_cache import returned
 from attnrewrite.site import KvCache, Unsupported
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from attnrewrite.onnx.constants import constant_scalar
-from attnrewrite.onnx.detect.common import OnnxSite, describe_shapes, is_constant, rank_of, static_dims
+from attnrewrite.onnx.detect.common import OnnxSite, describe_shapes, is_constant, rank_of, refused, static_dims
 from attnrewrite.onnx.detect.kv_cache import caches_of, set_caches
 from attnrewrite.site import (
     MASKED_BELOW,
@@ -16,7 +16,6 @@ from attnrewrite.site import (
     UPSTREAM_WALK_DEPTH,
     AttentionSite,
     MaskEncoding,
-    MaskKind,
     MaskTerm,
     Unsupported,
 )
@@ -41,9 +40,7 @@ def match_softmax(softmax: ir.Node, index: int) -> OnnxSite:
                 )
         caches = caches_of(k_t, v)
     except Unsupported as reason:
-        site.skip_reason = str(reason)
-        site.mask = MaskKind.UNKNOWN
-        return OnnxSite(site=site, q=None, v=None, output=softmax.outputs[0], nodes=[softmax])
+        return refused(OnnxSite(site=site, q=None, v=None, output=softmax.outputs[0], nodes=[softmax]), str(reason))
 
     site.scale = walk.scale * q_scale * k_scale
     describe_shapes(site, q, v, softmax.inputs[0])
