@@ -1,8 +1,8 @@
 """Attention masks: how a mask enters the logits, what kind it is, and the key_keep it implies.
 
 A mask enters the logits as a ``site.MaskTerm`` in one of ``site.MaskEncoding``'s encodings (the
-ONNX frontend's vocabulary too). Its kind is decided by
-running the nodes that build it on made-up inputs (docs/ARCHITECTURE.md, "Frontends"):
+ONNX frontend's vocabulary too). Its kind is decided by running the nodes that build it on
+made-up inputs (docs/ARCHITECTURE.md, "Frontends"):
 
 - built from constants and sizes only: run it and compare with "nothing masked" and with a
   causal triangle, at the graph's own sizes (or at two made-up sequence lengths when the graph
@@ -13,9 +13,9 @@ running the nodes that build it on made-up inputs (docs/ARCHITECTURE.md, "Fronte
   and "the last keys of each row padded", for a 1 = keep or a 0 = keep convention.
 
 Anything else is an additive bias (MaskKind.BIAS) that no linear method can express: the
-classification raises ``site.Unsupported`` with the reason. At run time ``key_keep_from_mask`` turns the mask tensor of the graph into
-the pass modules' ``key_keep`` [..., Nk, 1]: the last query row sees every key a causal
-triangle allows, so it holds exactly the padding.
+classification raises ``site.Unsupported`` with the reason. At run time ``key_keep_from_mask``
+turns the mask tensor of the graph into the pass modules' ``key_keep`` [..., Nk, 1]: the last
+query row sees every key a causal triangle allows, so it holds exactly the padding.
 """
 
 from __future__ import annotations
