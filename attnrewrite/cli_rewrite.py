@@ -188,15 +188,6 @@ def _settings(args) -> pipeline.Settings:
     )
 
 
-def _stage_settings_given(args) -> list[Flag]:
-    """The flags given of the fitting settings that mean nothing without their stage
-    (Flag.needs): given, each needs it (_check_calibration_arguments)."""
-    flags = [
-        (field.name, field.metadata["flag"]) for group in run_settings.FITTING for field in dataclasses.fields(group)
-    ]
-    return [flag for name, flag in flags if flag.needs and getattr(args, name) is not None]
-
-
 # What the two listings read; any other argument given with them would be ignored.
 _LIST_READS = {"model", "list", "seq", "inputs", "report", "verbose"}
 _LIST_OPTIONS_READS = {"to", "list_options", "report", "verbose"}
@@ -204,7 +195,8 @@ _LIST_OPTIONS_READS = {"to", "list_options", "report", "verbose"}
 
 def check_fidelity_arguments(args) -> None:
     """Before any work, in the flags' words (the rewrite's Settings checks the same again)."""
-    pipeline.refuse_comparison_settings_that_do_nothing(args, spell=lambda name: "--" + name.replace("_", "-"))
+    flags = {field.name: field.metadata["flag"].name for field in dataclasses.fields(GateSettings)}
+    pipeline.refuse_comparison_settings_that_do_nothing(args, spell=flags.get)
 
 
 def _refuse_unused_arguments(parser: CommandParser, args, what: str, reads: set[str]) -> None:
@@ -232,6 +224,15 @@ def _check_calibration_arguments(args, genai_output: bool) -> None:
         raise AttnRewriteError("--finetune trains on the calibration data; give --calibrate DATA too")
     if given:
         raise AttnRewriteError(f"{given[0].name} is a setting of {given[0].needs}; give --calibrate too")
+
+
+def _stage_settings_given(args) -> list[Flag]:
+    """The flags given of the fitting settings that mean nothing without their stage
+    (Flag.needs): given, each needs it (_check_calibration_arguments)."""
+    flags = [
+        (field.name, field.metadata["flag"]) for group in run_settings.FITTING for field in dataclasses.fields(group)
+    ]
+    return [flag for name, flag in flags if flag.needs and getattr(args, name) is not None]
 
 
 def _write_proved(result: pipeline.Result, output: str) -> None:
