@@ -142,11 +142,11 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
-def add_settings(parser: argparse.ArgumentParser, group: type, **words: str) -> None:
-    """One argument per setting of ``group`` (attnrewrite.settings), as its declaration says:
+def add_settings(parser: argparse.ArgumentParser, *groups: type, **words: str) -> None:
+    """One argument per setting of ``groups`` (attnrewrite.settings), as its declaration says:
     its flag and argparse keywords, its help with ``words`` filled in (the gate's, say); the
     value lands under the setting's name."""
-    for field in dataclasses.fields(group):
+    for field in (field for group in groups for field in dataclasses.fields(group)):
         flag = field.metadata["flag"]
         parser.add_argument(flag.name, dest=field.name, help=field.metadata["help"].format(**words), **flag.arguments)
 

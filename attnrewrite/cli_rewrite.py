@@ -102,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the run's report as JSON, failed or not: how it ended, every site, the check's figures "
         "(docs/report.md)",
     )
-    for group in run_settings.FITTING:  # --calibrate and the settings of the fit it runs
-        add_settings(parser, group)
+    add_settings(parser, *run_settings.FITTING)  # --calibrate and the settings of the fit it runs
     parser.add_argument(
         "--check", action="store_true", help="compare the rewritten outputs with the original's before writing"
     )
