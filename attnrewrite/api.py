@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -11,6 +12,8 @@ import onnx
 import onnx_ir as ir
 
 from attnrewrite import calibration, passes, pipeline
+from attnrewrite import settings as run_settings
+from attnrewrite.decision import RunPlan
 from attnrewrite.errors import AttnRewriteError, NothingRewritten
 from attnrewrite.onnx.rewrite import find_sites as find_onnx_sites
 from attnrewrite.record import METADATA_KEY
@@ -27,42 +30,23 @@ def rewrite(
     recurrent: bool = False,
     standard_ops: bool = False,
     heads: dict[int, list[int]] | str | None = None,
-    seq: int | None = None,
-    calibrate: Any = None,
-    calibrate_steps: int = calibration.DEFAULT_STEPS,
-    calibrate_lr: float | None = None,
-    calibrate_ce_weight: float = 0.0,
-    calibrate_seed: int = 0,
-    calibrate_end_to_end: int = 0,
-    finetune: int | bool = 0,
-    finetune_rank: int = calibration.DEFAULT_RANK,
-    finetune_lr: float = calibration.FINETUNE_LR,
-    tokenizer: str | os.PathLike | None = None,
-    max_length: int = calibration.DEFAULT_MAX_LENGTH,
-    calibrate_pack: bool = True,
-    min_cosine: float | None = None,
-    min_agreement: float | None = None,
-    allow_exact: bool = False,
-    inputs: str | os.PathLike | dict | None = None,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
-    **options,
+    **keywords,
 ):
     """Replace every attention site it can prove it understands with method ``to``.
 
     ``model``: an ``onnx.ModelProto``, an ``onnx_ir.Model`` (rewritten in place), a path to an
     ONNX file (an ``onnx.ModelProto`` is returned), or a torch ``nn.Module`` / ``GraphModule`` /
-    ``ExportedProgram`` (a ``GraphModule`` is returned). ``options`` are the method's
-    (``attnrewrite.passes.<method>.Options``). The record of what was done is in the ONNX model's
-    ``metadata_props["attnrewrite"]`` or the GraphModule's ``meta["attnrewrite"]``. When nothing
-    can be rewritten the model comes back unchanged, with that record, and a ``NothingRewritten``
-    warning says so. A site with a single query (a decoder step) is left exact unless
-    ``include_single_query``: linearizing it saves nothing. A rewritten ONNX model has passed the
-    validation gates (unless ``validate=False``): the ONNX checker, an onnxruntime session and a
-    run. ``seq``: the length of generated inputs: those the fidelity gates compare on (default:
-    long enough that every replaced site approximates, docs/checking.md), and those the mask
-    probe and the run gate start from (both double it until the original model runs, e.g. past
-    an audio model's convolutional front end).
+    ``ExportedProgram`` (a ``GraphModule`` is returned). ``keywords``: the run's settings
+    (attnrewrite.settings, each described below: the gates', calibration's, fine-tuning's) and
+    the method's options (``attnrewrite.passes.<method>.Options``). The record of what was done
+    is in the ONNX model's ``metadata_props["attnrewrite"]`` or the GraphModule's
+    ``meta["attnrewrite"]``. When nothing can be rewritten the model comes back unchanged, with
+    that record, and a ``NothingRewritten`` warning says so. A site with a single query (a
+    decoder step) is left exact unless ``include_single_query``: linearizing it saves nothing. A
+    rewritten ONNX model has passed the validation gates (unless ``validate=False``): the ONNX
+    checker, an onnxruntime session and a run.
 
     ``recurrent`` (ONNX decoders exported with a KV cache; linear, hedgehog, favor and their
     windows): each KV-cache site becomes a recurrence and its cache a fixed-size state, inputs
@@ -70,15 +54,6 @@ def rewrite(
     A decoding step updates and reads the kernel state with onnxruntime's
     ``com.microsoft.LinearAttention`` where the installed onnxruntime runs it; ``standard_ops``
     keeps to standard ONNX operators, for other runtimes.
-
-    Fidelity gates (ONNX models), as the CLI's ``--min-cosine`` and ``--min-agreement``: with
-    ``min_cosine`` (the per-example cosine of every output) or ``min_agreement`` (the argmax
-    agreement of every logits-like output) the rewritten model is compared with the original
-    (``attnrewrite.check``) and ``FidelityBelowThreshold`` raised when it falls below; an
-    ``AttnRewriteError`` when ``min_agreement`` finds no logits-like output; where a replaced
-    site is still exact at the length compared they fail unless ``allow_exact``. They compare on
-    ``inputs`` (a ``.npz`` path or arrays by input name, which the run gate and the mask probe
-    then use too; default: generated from the signature).
 
     What the run did and how it ended (docs/report.md, the CLI's ``--report``): an error raised
     for an ONNX model carries it as ``error.report``, the ``NothingRewritten`` warning as
@@ -100,70 +75,12 @@ def rewrite(
     ``attnrewrite.head_selection`` describes; the record's ``selection`` says each head's cost
     and each site's ``exact_heads`` which are exact. With ``calibrate`` every head is fitted,
     then the exact heads' values are left out. Not with ``recurrent``.
-
-    ``calibrate``: fit every replacement to the attention it replaces on this data, site by
-    site (``calibrate_steps`` Adam steps each, learning rate ``calibrate_lr``, by default the
-    method's: 0.03, linformer 0.003; minibatches drawn by ``calibrate_seed``; with
-    ``calibrate_ce_weight`` > 0 the loss adds that times Hedgehog's cross-entropy between the
-    softmax weights and the replacement's on sampled rows: linear, favor without a window,
-    hedgehog). ``calibrate_end_to_end``: then fit all replacements together for that many steps
-    (one batch each) so that the model's outputs match the original's; the record's
-    ``end_to_end`` says how it went. For ONNX: an ``.npz`` path (arrays by input name), a text
-    file path (one text per line, made into inputs by ``tokenizer``, a tokenizer.json: with
-    ``calibrate_pack`` consecutive texts joined into passages of at most ``max_length`` tokens,
-    framed as the tokenizer frames a pair; without, one text per example; a longer text is cut
-    and counted in the record), a dict of arrays (batch axis stacked) or a list of such dicts. A
-    part of ONNX data (the last batch or 10%, from 20 examples up) is held out and never fitted
-    on: unless the fitted values bring the whole model closer to the original there than the
-    zero-shot ones, the zero-shot ones are kept (each site's ``calibration.held_out`` says both
-    figures). For torch: a list of example inputs, each as ``example_inputs`` may be given.
-
-    ``finetune`` (steps, or True for the default; with ``calibrate``): then fine-tune, stage 2:
-    low-rank adapters of rank ``finetune_rank`` on every replaced site's query, key, value and
-    output projections, trained with the replacements' values on the calibration data (Adam,
-    ``finetune_lr``) so that the model matches the original (a decoder: its next-token
-    distribution at every real position; else its outputs), then merged into the weights, so the
-    model's graph keeps its shape. The held-out part judges it as it judges calibration, and the
-    record's ``finetune`` says what was trained and how it went (docs/calibration.md). Torch
-    models get peft's LoRA on their own ``nn.Linear`` projections, merged back when done.
-
-    ``example_inputs`` (torch models): inputs as the model is called with them, a tuple of
-    positional arguments, a dict of keyword arguments or a tokenizer's ``BatchEncoding``. A model
-    ``torch.fx.symbolic_trace`` cannot trace (every transformers model) is captured with
-    ``torch.export`` on them, batch and sequence axes dynamic (``Dim.AUTO``; ``dynamic_shapes``,
-    torch.export's argument, to choose otherwise): the module runs at any batch and any length up
-    to the model's position limit, takes its inputs as the example gave them and returns what the
-    model returns (``gm(**batch).last_hidden_state``). Dims torch.export keeps static (a size of
-    1 in the example, or fixed by the model's code) are said in a ``StaticShapes`` warning; the
-    record's ``capture`` lists which are dynamic and which static.
     """
-    settings = pipeline.Settings(
-        method=to,
-        options=options,
-        layers=layers,
-        heads=heads,
-        include_single_query=include_single_query,
-        recurrent=recurrent,
-        standard_ops=standard_ops,
-        seq=seq,
-        validate=validate,
-        min_cosine=min_cosine,
-        min_agreement=min_agreement,
-        allow_exact=allow_exact,
-        inputs=inputs,
-        calibrate=calibrate,
-        calibrate_steps=calibrate_steps,
-        calibrate_lr=calibrate_lr,
-        calibrate_ce_weight=calibrate_ce_weight,
-        calibrate_seed=calibrate_seed,
-        calibrate_end_to_end=calibrate_end_to_end,
-        finetune=calibration.FINETUNE_STEPS if finetune is True else int(finetune),
-        finetune_rank=finetune_rank,
-        finetune_lr=finetune_lr,
-        tokenizer=tokenizer,
-        max_length=max_length,
-        calibrate_pack=calibrate_pack,
-    )
+    given, options = run_settings.split(keywords)
+    if "finetune" in given:
+        given["finetune"] = calibration.FINETUNE_STEPS if given["finetune"] is True else int(given["finetune"])
+    run = dict(include_single_query=include_single_query, recurrent=recurrent, standard_ops=standard_ops)
+    settings = pipeline.Settings(to, options, layers=layers, heads=heads, validate=validate, **run, **given)
     if not _is_onnx(model):
         return _rewrite_torch(model, settings, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
     if example_inputs is not None or dynamic_shapes is not None:
@@ -176,6 +93,35 @@ def rewrite(
             original = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
             return _with_record(original, result.model)
     return result.model if isinstance(model, ir.Model) else ir.serde.serialize_model(result.model)
+
+
+_CAPTURE = """``example_inputs`` (torch models): inputs as the model is called with them, a tuple of
+positional arguments, a dict of keyword arguments or a tokenizer's ``BatchEncoding``. A model
+``torch.fx.symbolic_trace`` cannot trace (every transformers model) is captured with
+``torch.export`` on them, batch and sequence axes dynamic (``Dim.AUTO``; ``dynamic_shapes``,
+torch.export's argument, to choose otherwise): the module runs at any batch and any length up
+to the model's position limit, takes its inputs as the example gave them and returns what the
+model returns (``gm(**batch).last_hidden_state``). Dims torch.export keeps static (a size of
+1 in the example, or fixed by the model's code) are said in a ``StaticShapes`` warning; the
+record's ``capture`` lists which are dynamic and which static."""
+
+
+def _declare_settings(function) -> None:
+    """``function``'s signature lists every declared run setting as a keyword (its default and
+    type), before the method's options; its docstring adds each group's description."""
+    signature = inspect.signature(function)
+    fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    declared = [
+        inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=field.type)
+        for field in run_settings.declared()
+    ]
+    options = inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)
+    function.__signature__ = signature.replace(parameters=[*fixed, *declared, options])
+    sections = [inspect.cleandoc(group.__doc__) for group in run_settings.GROUPS]
+    function.__doc__ = "\n\n".join([inspect.cleandoc(function.__doc__), *sections, _CAPTURE])
+
+
+_declare_settings(rewrite)
 
 
 def _rewrite_torch(model, settings: pipeline.Settings, **capture):
@@ -198,14 +144,10 @@ def _rewrite_torch(model, settings: pipeline.Settings, **capture):
         passes.require_fittable(method, options, settings.calibrate_ce_weight)
         examples = [as_example(example) for example in _examples(settings.calibrate)]
         fitting = calibration.torch_calibration(examples, **settings.calibration_settings())
-    gm = rewrite_graph_module(
-        model,
-        options,
-        layers=settings.layers,
-        include_single_query=settings.include_single_query,
-        calibration=fitting,
-        **capture,
+    plan = RunPlan(
+        method, options, layers=settings.layers, include_single_query=settings.include_single_query, calibration=fitting
     )
+    gm = rewrite_graph_module(model, plan, **capture)
     record = gm.meta[METADATA_KEY]
     if not record["sites_rewritten"]:
         _warn(_nothing_rewritten(record["sites_found"]))

@@ -38,11 +38,11 @@ import onnx_ir as ir
 
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs
+from attnrewrite.decision import RunPlan
 from attnrewrite.layer_selection import Measurement, gate_measurement
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import rewrite_model, with_fitting_of
 from attnrewrite.passes.heads import attention_scale
-from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 COSTLIEST_SHOWN = 3  # heads per site the table names with their costs
@@ -274,19 +274,16 @@ def _by_head(cost: HeadCost) -> int:
 
 def select_heads_onnx(
     fresh: Callable[[], ir.Model],
-    options: MethodOptions,
-    run: dict[str, Any],
+    plan: RunPlan,
     inputs: CheckInputs,
     min_cosine: float | None = None,
     min_agreement: float | None = None,
-    calibration=None,
-    layers: list[int] | None = None,
 ) -> tuple[ir.Model, RewriteRecord, HeadSelection]:
     """Choose the exact heads of the ONNX model ``fresh()`` returns (a new copy at each call)
     and rewrite it with them. Returns the rewritten model, its record (with the selection) and
-    the selection. ``calibration``: every head is fitted once, first (module docstring).
-    ``options`` and ``run``: as layer_selection.select_onnx takes them."""
-    every_model, every_head = rewrite_model(fresh(), options, layers=layers, calibration=calibration, **run)
+    the selection. ``plan``: the run's (decision.RunPlan), its exact heads unset; with its
+    ``calibration`` every head is fitted once, first (module docstring)."""
+    every_model, every_head = rewrite_model(fresh(), plan)
     costs = head_costs(every_model, every_head, inputs.feeds)
     del every_model
     sites = [
@@ -297,7 +294,7 @@ def select_heads_onnx(
 
     def rewritten(count: int) -> tuple[ir.Model, RewriteRecord]:
         exact = by_layer(costs[:count])
-        return rewrite_model(fresh(), options, layers=layers, exact_heads=exact, fitted=every_head.fitted, **run)
+        return rewrite_model(fresh(), plan.but(calibration=None, exact_heads=exact, fitted=every_head.fitted))
 
     base = fresh()
     earlier_record = base.metadata_props.get(METADATA_KEY)
@@ -310,7 +307,7 @@ def select_heads_onnx(
         count, trials = fewest_exact_heads(len(costs), measure)
     selection = HeadSelection(sites, costs, trials, count, inputs.source, min_cosine, min_agreement)
     model, record = rewritten(count)  # rewrites are deterministic: the model measured for this count
-    if calibration is not None:
+    if plan.calibration is not None:
         with_fitting_of(record, every_head)
     for outcome in record.skipped:
         if outcome.site.layer in selection.exact and outcome.reason and outcome.reason.startswith("every head"):

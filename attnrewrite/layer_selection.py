@@ -23,10 +23,10 @@ import onnx_ir as ir
 
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, FidelityBelowThreshold, decoder_inputs
+from attnrewrite.decision import RunPlan
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import rewrite_model
-from attnrewrite.passes.options import MethodOptions
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 NOT_TRIED = "not tried: a less harmful site already broke the budget"
@@ -170,21 +170,19 @@ def gate_measurement(
 
 def select_onnx(
     fresh: Callable[[], ir.Model],
-    options: MethodOptions,
-    run: dict[str, Any],
+    plan: RunPlan,
     min_cosine: float,
     inputs: CheckInputs,
     min_agreement: float | None = None,
-    calibration=None,
 ) -> tuple[ir.Model, RewriteRecord, Selection]:
     """Choose the layers of the ONNX model ``fresh()`` returns (a new copy at each call: a rewrite
     changes its model) and rewrite them. Returns the rewritten model (the original, unchanged,
     when no site fits the budget), its record (unselected sites say why) and the selection.
-    With ``calibration`` (attnrewrite.calibration) every trial is calibrated: a site's cost is
-    its cost once fitted, and the chosen sites are fitted in the model returned. ``options``:
-    the method's Options; ``run``: rewrite_model's other keywords (include_single_query, seq,
-    recurrent)."""
-    _, full_record = rewrite_model(fresh(), options, **run)  # which sites the method can replace
+    ``plan``: the run's (decision.RunPlan), its layers unset. With its ``calibration``
+    (attnrewrite.calibration) every trial is calibrated: a site's cost is its cost once fitted,
+    and the chosen sites are fitted in the model returned."""
+    calibration = plan.calibration
+    _, full_record = rewrite_model(fresh(), plan.but(calibration=None))  # which sites the method can replace
     candidates = {o.site.layer: o.site.name for o in full_record.rewritten}
     base = fresh()
     earlier_record = base.metadata_props.get(METADATA_KEY)
@@ -194,13 +192,13 @@ def select_onnx(
         quiet = None if calibration is None else dataclasses.replace(calibration, progress=lambda line: None)
 
         def measure(layers: list[int]) -> Measurement:
-            model, _ = rewrite_model(fresh(), options, layers=layers, calibration=quiet, **run)
+            model, _ = rewrite_model(fresh(), plan.but(layers=layers, calibration=quiet))
             return gate_measurement(check_mod.check(original, model, inputs), min_cosine, min_agreement)
 
         selection = select_layers(candidates, measure, min_cosine, inputs.source, min_agreement)
 
     # rewrites are deterministic (seeded): this is the model measured last for the chosen layers
-    model, record = rewrite_model(fresh(), options, layers=sorted(selection.chosen), calibration=calibration, **run)
+    model, record = rewrite_model(fresh(), plan.but(layers=sorted(selection.chosen)))
     kept = [c for c in selection.choices if not c.replaced]
     reasons = {c.layer: f"layer selection: {c.why_kept(min_cosine, min_agreement)}" for c in kept}
     for outcome in record.outcomes:

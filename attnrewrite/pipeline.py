@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +29,7 @@ import onnx_ir as ir
 from attnrewrite import calibration, passes
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, CheckReport, FidelityBelowThreshold
+from attnrewrite.decision import RunPlan
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.head_selection import HeadSelection, select_heads_onnx
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
@@ -51,6 +50,7 @@ from attnrewrite.record import (
     RewriteRecord,
     stage,
 )
+from attnrewrite.settings import CalibrationSettings, FinetuneSettings, GateSettings, TextSettings
 
 # exit statuses, the CLI's; a report says which one its run ended with, the API's too
 EXIT_FAILED = 1  # nothing could be rewritten, the result failed a gate, or the environment failed
@@ -58,9 +58,11 @@ EXIT_BAD_INPUT = 2  # bad input or usage
 EXIT_BUG = 3
 
 
-@dataclasses.dataclass
-class Settings:
-    """What one rewrite does, in the API's words; each of the CLI's flags sets one of these."""
+@dataclasses.dataclass(frozen=True)
+class Settings(GateSettings, TextSettings, FinetuneSettings, CalibrationSettings):
+    """What one rewrite does, in the API's words; each of the CLI's flags sets one of these. The
+    fidelity gates', calibration's and fine-tuning's are declared in their groups
+    (attnrewrite.settings), keyword-only; building Settings refuses a value outside their ranges."""
 
     method: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the method's (passes.<method>.Options)
@@ -71,33 +73,13 @@ class Settings:
     include_single_query: bool = False
     recurrent: bool = False  # KV caches become recurrent states (attnrewrite.onnx.recurrent)
     standard_ops: bool = False  # no onnxruntime contrib operator in the recurrent steps
-    # generated inputs' length: the fidelity check's (default check.default_length: past every
-    # replaced site's exact part); the mask probe and the run gate start there and double it
-    # until the original runs
-    seq: int | None = None
     validate: bool = True
     check: bool = False  # compare the rewritten model's outputs with the original's
-    min_cosine: float | None = None  # fidelity gates; with layers="auto" also the selection's budget
-    min_agreement: float | None = None
-    allow_exact: bool = False  # the gates pass although replaced sites are exact at the length compared
-    inputs: str | os.PathLike | dict | None = None  # a .npz or arrays to compare, gate and select on
-    calibrate: Any = None  # the data to fit on (calibration.onnx_calibration)
-    calibrate_steps: int = calibration.DEFAULT_STEPS
-    calibrate_lr: float | None = None
-    calibrate_ce_weight: float = 0.0
-    calibrate_seed: int = 0
-    calibrate_end_to_end: int = 0
-    finetune: int = 0  # steps of stage 2 (calibration.Finetune): adapters on the projections; 0: off
-    finetune_rank: int = calibration.DEFAULT_RANK
-    finetune_lr: float = calibration.FINETUNE_LR
-    tokenizer: str | os.PathLike | None = None  # with a text file to calibrate on
-    max_length: int = calibration.DEFAULT_MAX_LENGTH
-    calibrate_pack: bool = True  # text data: consecutive texts packed into passages of max_length tokens
 
     def __post_init__(self):
         if self.standard_ops and not self.recurrent:
             raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
-        _refuse_bad_fitting_numbers(self)
+        super().__post_init__()
         _refuse_stages_without_their_data(self)
         refuse_comparison_settings_that_do_nothing(self)
 
@@ -124,27 +106,6 @@ class Settings:
             if self.finetune
             else None,
         )
-
-
-# The least value of each count calibration and fine-tuning take, and the rates they take: a bad
-# one is refused before any work (torch's optimizer refuses a rate only as its stage starts,
-# fine-tuning's after stage 1's minutes; a rank of 0 divides by zero). 0 calibration steps: the
-# learnable lowerings with their initial values.
-_LEAST_COUNTS = {"calibrate_steps": 0, "calibrate_end_to_end": 0, "finetune": 0, "finetune_rank": 1, "max_length": 1}
-_RATES = ("calibrate_lr", "finetune_lr")  # calibrate_lr None: the method's
-
-
-def _refuse_bad_fitting_numbers(settings: Settings) -> None:
-    for name, least in _LEAST_COUNTS.items():
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise AttnRewriteError(f"{name} must be an integer >= {least}, got {value!r}")
-    for name in _RATES:
-        value = getattr(settings, name)
-        if value is None and name == "calibrate_lr":
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-            raise AttnRewriteError(f"{name} must be a positive number, got {value!r}")
 
 
 class Source:
@@ -232,14 +193,19 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
             original = source.original()
     given = inputs.feeds if settings.inputs is not None and not settings.recurrent else None  # Result.given_inputs
     fitting, inputs = _calibration(settings, method, options, model, inputs)
-    run = {  # rewrite_model's settings of the run, besides the method's options
-        "include_single_query": settings.include_single_query,
-        "seq": probe_seq(settings.seq, model.graph, given),
-        "recurrent": settings.recurrent,
-        "standard_ops": settings.standard_ops,
-    }
+    plan = RunPlan(
+        method,
+        options,
+        layers=None if settings.layers == "auto" else settings.layers,
+        include_single_query=settings.include_single_query,
+        recurrent=settings.recurrent,
+        standard_ops=settings.standard_ops,
+        exact_heads=None if settings.heads == "auto" else settings.heads,
+        calibration=fitting,
+        seq=probe_seq(settings.seq, model.graph, given),
+    )
     with stage("rewrite"):
-        model, record, selection = _rewrite(source, model, settings, options, run, fitting, inputs)
+        model, record, selection = _rewrite(source, model, settings, plan, inputs)
     report.record = record
     return Result(model, record, settings, source, report, selection, inputs, original)
 
@@ -298,35 +264,15 @@ def _check_selection(settings: Settings) -> None:
         raise AttnRewriteError("layers='auto' needs min_cosine: the cosine the rewritten model must keep")
 
 
-def _rewrite(source: Source, model: ir.Model, settings: Settings, options, run: dict, fitting, inputs):
+def _rewrite(source: Source, model: ir.Model, settings: Settings, plan: RunPlan, inputs):
     """The sites asked for replaced, or those layer or head selection chooses: (model, record,
-    selection). ``options``: the method's Options; ``run``: rewrite_model's other settings."""
+    selection). ``plan``: the run's, with "auto" layers and heads left unset."""
     if settings.heads == "auto":  # "auto" layers compose: heads are the unit
-        layers = None if settings.layers == "auto" else settings.layers
-        return select_heads_onnx(
-            source.fresh,
-            options,
-            run,
-            inputs,
-            settings.min_cosine,
-            settings.min_agreement,
-            calibration=fitting,
-            layers=layers,
-        )
+        return select_heads_onnx(source.fresh, plan, inputs, settings.min_cosine, settings.min_agreement)
     if settings.layers != "auto":
-        model, record = rewrite_model(
-            model, options, layers=settings.layers, calibration=fitting, exact_heads=settings.heads, **run
-        )
+        model, record = rewrite_model(model, plan)
         return model, record, None
-    return select_onnx(
-        source.fresh,
-        options,
-        run,
-        settings.min_cosine,
-        inputs,
-        settings.min_agreement,
-        calibration=fitting,
-    )
+    return select_onnx(source.fresh, plan, settings.min_cosine, inputs, settings.min_agreement)
 
 
 def probe_seq(seq: int | None, graph: ir.Graph, given: dict | None) -> int | None:

@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import ShapeProp
 
 from attnrewrite import decision, passes
+from attnrewrite.decision import RunPlan
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx import capture, ops
 from attnrewrite.fx.detect import FxMatch, find_matches
@@ -118,32 +119,32 @@ def find_fx_sites(model: Any, example_inputs: Any = None, dynamic_shapes: Any = 
 
 def rewrite_graph_module(
     model: Any,
-    to: str | MethodOptions,
+    to: RunPlan | str | MethodOptions,
     layers: list[int] | None = None,
     *,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
-    include_single_query: bool = False,
-    calibration: Any = None,
-    **options: Any,
+    **keywords: Any,
 ) -> GraphModule:
     """Replace every attention site the method supports; the record is in gm.meta["attnrewrite"].
 
     ``model``: an nn.Module (traced with symbolic_trace where it can be), a GraphModule, or an
-    ExportedProgram. ``layers``: rewrite only sites of these layer indices (sites in graph order,
-    numbered as the ONNX frontend numbers them). ``example_inputs``: a tuple of positional
-    arguments, a dict of keyword arguments (or a tokenizer's BatchEncoding) or one tensor; used
-    for shapes when the graph has none, and to capture with torch.export a model symbolic_trace
-    cannot trace, with dynamic batch and sequence axes unless ``dynamic_shapes`` (torch.export's
-    argument) says otherwise (capture.py; the record's ``capture`` says which dims are dynamic).
-    ``include_single_query``: also rewrite sites with one query (left exact by default).
+    ExportedProgram. ``to``: the run's plan (decision.RunPlan), as the API settles it; or the
+    method's name (or Options) with the plan's fields and the method's options
+    (passes.<method>.Options) as ``keywords``, as for the ONNX path (RunPlan.of). ``layers``
+    (the plan's): rewrite only sites of these layer indices (sites in graph order, numbered as
+    the ONNX frontend numbers them). ``example_inputs``: a tuple of positional arguments, a dict
+    of keyword arguments (or a tokenizer's BatchEncoding) or one tensor; used for shapes when the
+    graph has none, and to capture with torch.export a model symbolic_trace cannot trace, with
+    dynamic batch and sequence axes unless ``dynamic_shapes`` (torch.export's argument) says
+    otherwise (capture.py; the record's ``capture`` says which dims are dynamic). The plan's
+    ``include_single_query``: also rewrite sites with one query (left exact by default); its
     ``calibration`` (attnrewrite.calibration.torch_calibration, as ``rewrite`` makes it from its
     ``calibrate`` examples): fit every replacement on it, site by site (attnrewrite.fx.calibrate);
-    the fitted values are the pass modules' nn.Parameters. ``to``: the method's name with its
-    ``options`` (passes.<method>.Options) as keywords, as for the ONNX path, or its Options.
+    the fitted values are the pass modules' nn.Parameters.
     """
-    method, method_options = passes.method_and_options(to, **options)
-    fitting_data = calibration
+    plan = RunPlan.of(to, **keywords) if layers is None else RunPlan.of(to, layers=layers, **keywords)
+    method, method_options, fitting_data = plan.method, plan.options, plan.calibration
     if fitting_data is not None:
         passes.require_fittable(method, method_options, fitting_data.ce_weight)
     fitting = []
@@ -155,7 +156,7 @@ def rewrite_graph_module(
     replaced: set[Node] = set()
 
     for match in find_matches(facts):
-        reason = decision.refusal(match.site, method, method_options, layers, include_single_query)
+        reason = decision.refusal(match.site, plan)
         if reason is None and fitting_data is not None:
             module, reason = decision.learnable_module(match.site, method, method_options)
         elif reason is None:

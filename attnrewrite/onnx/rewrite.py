@@ -10,6 +10,7 @@ import numpy as np
 import onnx_ir as ir
 
 from attnrewrite import decision, passes
+from attnrewrite.decision import RunPlan
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, cache_inputs, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, shape_notes, upgrade_opset
@@ -51,128 +52,127 @@ def rewritten_sites(model: ir.Model) -> list[ir.Node]:
     return [n for n in model.graph if n.domain == DOMAIN]
 
 
-def rewrite_model(
-    model: ir.Model,
-    to: str | MethodOptions,
-    layers: list[int] | None = None,
-    include_single_query: bool = False,
-    calibration=None,
-    seq: int | None = None,
-    recurrent: bool = False,
-    standard_ops: bool = False,
-    exact_heads: dict[int, list[int]] | None = None,
-    fitted: dict[int, dict[str, np.ndarray]] | None = None,
-    **options,
-) -> tuple[ir.Model, RewriteRecord]:
-    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model. ``to``:
-    the method's name with its ``options`` as keywords, or its Options (built once by the
-    caller, passes.method_and_options). Sites with one query are left exact unless
-    ``include_single_query``. ``calibration`` (attnrewrite.calibration.Calibration): fit every
-    replacement, in order, to the attention it replaces (attnrewrite.onnx.calibrate). ``seq``: the input length the mask probe starts from
-    (default: attnrewrite.site.MASK_PROBE_LENGTHS). ``recurrent``: the KV-cache sites become
-    recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent), the others stay;
-    their steps use com.microsoft.LinearAttention where onnxruntime runs it, unless ``standard_ops``.
-    ``exact_heads`` (layer -> head indices): those heads stay softmax inside the site's
-    replacement (attnrewrite.passes.heads); with ``calibration`` every head is fitted first and
-    the exact heads' values are sliced out (_fitted_on_every_head). Not with ``recurrent``: a
-    run refuses the two together (pipeline). ``fitted`` (layer -> values, a record's
-    ``fitted``): the replacements hold these instead of their initial values."""
-    assert not (exact_heads and recurrent), "exact heads have no recurrent form: pipeline refuses both"
-    method, opts = passes.method_and_options(to, **options)
-    if exact_heads and calibration is not None:
-        return _fitted_on_every_head(model, opts, layers, include_single_query, calibration, seq, exact_heads)
-    exact_heads, fitted = exact_heads or {}, fitted or {}
-    if calibration is not None:
-        passes.require_fittable(method, opts, calibration.ce_weight)
-    model = infer_shapes(model)
-    sites = analyze(model, seq)
-
-    def decide(s: OnnxSite) -> str | None:
-        exact = exact_heads.get(s.site.layer)
-        return decision.refusal(s.site, method, opts, layers, include_single_query, recurrent, exact)
-
-    _check_exact_heads(exact_heads, sites)
-    decisions = [decide(s) for s in sites]
-    if any(reason is None for reason in decisions) and default_opset(model) < MIN_OPSET:
-        model = infer_shapes(upgrade_opset(model))
-        sites = analyze(model, seq)
-        decisions = [decide(s) for s in sites]
-    decisions, splicer = _splicer(model, sites, decisions, recurrent)
-    contrib_ops = recurrent and not standard_ops and runs_linear_attention()  # for decoding steps
-    record = RewriteRecord(method.NAME, dataclasses.asdict(opts))
+def rewrite_model(model: ir.Model, plan: RunPlan | str | MethodOptions, **keywords) -> tuple[ir.Model, RewriteRecord]:
+    """Rewrite in place where possible; returns the (possibly new, opset-upgraded) model.
+    ``plan`` (decision.RunPlan): what the run asks of every site, as the pipeline settled it; or,
+    for a caller of its own, the method's name or Options with the plan's fields and the
+    method's options as ``keywords`` (RunPlan.of). Sites with one query are left exact unless
+    ``plan.include_single_query``. ``plan.calibration``: fit every replacement, in order, to the
+    attention it replaces (attnrewrite.onnx.calibrate). ``plan.seq``: the input length the mask
+    probe starts from (default: attnrewrite.site.MASK_PROBE_LENGTHS). ``plan.recurrent``: the
+    KV-cache sites become recurrences and the caches fixed-size states (attnrewrite.onnx.recurrent),
+    the others stay; their steps use com.microsoft.LinearAttention where onnxruntime runs it,
+    unless ``plan.standard_ops``. ``plan.exact_heads``: those heads stay softmax inside the
+    site's replacement (attnrewrite.passes.heads); with calibration every head is fitted first
+    and the exact heads' values are sliced out (_fitted_on_every_head). Not with ``recurrent``: a
+    run refuses the two together (pipeline). ``plan.fitted``: the replacements hold these values
+    instead of their initial ones."""
+    plan = RunPlan.of(plan, **keywords)
+    assert not (plan.exact_heads and plan.recurrent), "exact heads have no recurrent form: pipeline refuses both"
+    if plan.exact_heads and plan.calibration is not None:
+        return _fitted_on_every_head(model, plan)
+    if plan.calibration is not None:
+        passes.require_fittable(plan.method, plan.options, plan.calibration.ce_weight)
+    model, sites, decisions = _decided(model, plan)
+    decisions, splicer = _splicer(model, sites, decisions, plan.recurrent)
+    record = RewriteRecord(plan.method.NAME, dataclasses.asdict(plan.options))
     record.notes.extend(shape_notes(model))
     note = probe_note([s.site for s in sites])
     if note:
         record.notes.append(note)
-    fitting = []  # (outcome, learnable module, names of its constants) per rewritten site
-    for s, reason in zip(sites, decisions):
-        exact = exact_heads.get(s.site.layer)
-        if reason is None:
-            weights = fitted.get(s.site.layer)
-            plan = _plan(
-                splicer, s, method, opts, default_opset(model), calibration, weights, exact, recurrent, contrib_ops
-            )
-            reason = plan if isinstance(plan, str) else None
-        if reason is not None:
-            record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
-            continue
-        replacement = splicer.splice(s, plan.lowering, own=frozenset(plan.weights or ()))
-        outcome = SiteOutcome(s.site, True, replacement=replacement, exact_heads=sorted(set(exact)) if exact else None)
-        record.outcomes.append(outcome)
-        if plan.module is not None:
-            fitting.append((outcome, plan.module, list(plan.lowering.constants)))
+    fitting = _splice(model, plan, splicer, sites, decisions, record)
     record.bytes_added = splicer.bytes_added if splicer is not None else 0
-    if not recurrent and any(o.site.kv_cache is not None for o in record.rewritten):
+    if not plan.recurrent and any(o.site.kv_cache is not None for o in record.rewritten):
         record.notes.append(PARALLEL_CACHE_NOTE)
-    if recurrent and record.rewritten:
+    if plan.recurrent and record.rewritten:
         splicer.finish()
         record.options["recurrent"] = True
         record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts, list(cache_inputs(model.graph))))
     if fitting:
-        from attnrewrite.onnx.calibrate import calibrate_replacements
-
-        with stage("calibrate"):
-            stages = calibrate_replacements(model, splicer.calls, fitting, calibration)
-        record.end_to_end, record.finetune = stages.get("end_to_end"), stages.get("finetune")
-        record.fitted = {
-            outcome.site.layer: _fitted_values(splicer.calls[outcome.site.name], names, module)
-            for outcome, module, names in fitting
-        }
+        _calibrate(model, plan, splicer, fitting, record)
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
 
 
-class _Plan(NamedTuple):
+def _decided(model: ir.Model, plan: RunPlan) -> tuple[ir.Model, list[OnnxSite], list[str | None]]:
+    """(the model, its sites, each one's refusal or None): upgraded to the opset the
+    replacements need, and analysed again, where a site is to be replaced."""
+    model = infer_shapes(model)
+    sites = analyze(model, plan.seq)
+    _check_exact_heads(plan.exact_heads or {}, sites)
+    decisions = [decision.refusal(s.site, plan) for s in sites]
+    if any(reason is None for reason in decisions) and default_opset(model) < MIN_OPSET:
+        model = infer_shapes(upgrade_opset(model))
+        sites = analyze(model, plan.seq)
+        decisions = [decision.refusal(s.site, plan) for s in sites]
+    return model, sites, decisions
+
+
+def _splice(model: ir.Model, plan: RunPlan, splicer, sites, decisions, record: RewriteRecord) -> list:
+    """Replace the sites decided for, each outcome in ``record``; returns (outcome, learnable
+    module, names of its constants) per site calibration is to fit."""
+    contrib_ops = plan.recurrent and not plan.standard_ops and runs_linear_attention()  # for decoding steps
+    fitting = []
+    for s, reason in zip(sites, decisions):
+        exact = plan.exact_in(s.site.layer)
+        if reason is None:
+            weights = (plan.fitted or {}).get(s.site.layer)
+            replacement = _replacement(splicer, s, plan, default_opset(model), weights, contrib_ops)
+            reason = replacement if isinstance(replacement, str) else None
+        if reason is not None:
+            record.outcomes.append(SiteOutcome(s.site, rewritten=False, reason=reason))
+            continue
+        call = splicer.splice(s, replacement.lowering, own=frozenset(replacement.weights or ()))
+        outcome = SiteOutcome(s.site, True, replacement=call, exact_heads=sorted(set(exact)) if exact else None)
+        record.outcomes.append(outcome)
+        if replacement.module is not None:
+            fitting.append((outcome, replacement.module, list(replacement.lowering.constants)))
+    return fitting
+
+
+def _calibrate(model: ir.Model, plan: RunPlan, splicer, fitting: list, record: RewriteRecord) -> None:
+    """Fit the replacements (onnx/calibrate.py); the record says how, and what was fitted."""
+    from attnrewrite.onnx.calibrate import calibrate_replacements
+
+    with stage("calibrate"):
+        stages = calibrate_replacements(model, splicer.calls, fitting, plan.calibration)
+    record.end_to_end, record.finetune = stages.get("end_to_end"), stages.get("finetune")
+    record.fitted = {
+        outcome.site.layer: _fitted_values(splicer.calls[outcome.site.name], names, module)
+        for outcome, module, names in fitting
+    }
+
+
+class _Replacement(NamedTuple):
     lowering: Any
     module: Any  # the learnable module calibration fits, or None
     weights: dict | None  # the values the lowering holds instead of its initial ones
 
 
-def _plan(
-    splicer, s: OnnxSite, method, opts, opset: int, calibration, weights, exact, recurrent: bool, contrib_ops: bool
-) -> _Plan | str:
+def _replacement(splicer, s: OnnxSite, plan: RunPlan, opset: int, weights, contrib_ops: bool) -> _Replacement | str:
     """How a site decided for is replaced (weights: values given for it, fitted earlier): by
-    the method's ``recurrent`` form (its steps with onnxruntime's contrib operators where
+    the method's recurrent form (its steps with onnxruntime's contrib operators where
     ``contrib_ops``) or its parallel one; or why it cannot be after all."""
     try:
         splicer.check(s)
     except Unsupported as why:
         return str(why)
-    module = None
-    if calibration is not None:
+    method, opts, module = plan.method, plan.options, None
+    if plan.calibration is not None:
         module, reason = decision.learnable_module(s.site, method, opts)
         if module is None:
             return reason
         weights = {name: t.detach().numpy() for name, t in module.state_dict().items()}
-    if recurrent:
+    if plan.recurrent:
         form = passes_recurrent.form_for(method, s.site, opts)
         lowering = form.onnx_lowering(s.site, opset, weights, contrib_ops=contrib_ops)
-        return _Plan(lowering, module, weights)
+        return _Replacement(lowering, module, weights)
+    exact = plan.exact_in(s.site.layer)
     if not exact:
-        return _Plan(method.onnx_lowering(s.site, opts, opset, weights=weights), module, weights)
+        return _Replacement(method.onnx_lowering(s.site, opts, opset, weights=weights), module, weights)
     try:
-        return _Plan(heads.onnx_lowering(method, s.site, opts, opset, exact, weights), module, weights)
+        return _Replacement(heads.onnx_lowering(method, s.site, opts, opset, exact, weights), module, weights)
     except ValueError as why:  # a method whose values have no head axis
         return f"cannot keep heads exact: {why}"
 
@@ -203,18 +203,15 @@ def _check_exact_heads(exact_heads: dict[int, list[int]], sites: list[OnnxSite])
             )
 
 
-def _fitted_on_every_head(
-    model: ir.Model, options: MethodOptions, layers, include_single_query, calibration, seq, exact_heads
-):
+def _fitted_on_every_head(model: ir.Model, plan: RunPlan):
     """Calibrated exact heads: every head is fitted (on a copy of the model, as it would be
     without exact heads), then the model is rewritten with those values, the exact heads' left
     out; what head selection measures (attnrewrite.head_selection). The record says how each
     site was fitted."""
     earlier = model.metadata_props.get(METADATA_KEY)
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    settings = dict(include_single_query=include_single_query, seq=seq)
-    _, every_head = rewrite_model(copy, options, layers, calibration=calibration, **settings)
-    model, record = rewrite_model(model, options, layers, exact_heads=exact_heads, fitted=every_head.fitted, **settings)
+    _, every_head = rewrite_model(copy, plan.but(exact_heads=None))
+    model, record = rewrite_model(model, plan.but(calibration=None, fitted=every_head.fitted))
     with_fitting_of(record, every_head)
     if record.rewritten:
         model.metadata_props[METADATA_KEY] = record_json(record, earlier)

@@ -3,6 +3,10 @@
 ``--list-options`` and the documentation read the help, choices and range from the fields'
 metadata, and ``MethodOptions`` enforces the same declarations when an Options is built, so the
 Options class is the one place a setting is described and checked.
+
+A run's own settings (calibration's, fine-tuning's, the fidelity gates': attnrewrite.settings)
+are declared the same way, on ``RunSettings``, each field with its command-line ``flag``: the
+CLI generates its arguments from them and the API checks its keywords against them.
 """
 
 from __future__ import annotations
@@ -10,9 +14,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import math
 import numbers
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from attnrewrite.errors import AttnRewriteError
 
 UNUSED_SEED = "unused: the method draws nothing at random; accepted for a uniform interface"
 
@@ -91,10 +99,45 @@ class _OneOrEven(Range):
 ONE_OR_EVEN = _OneOrEven()  # LSH buckets: a hash is the argmax over [xR, -xR], so 2 per rotation
 
 
-def option(default: Any, help: str, *, choices: tuple | None = None, valid: Range | None = None) -> Any:
-    """A field of a pass's Options. ``choices``: the accepted values; ``valid``: the accepted
-    range of a number. Both are enforced by ``MethodOptions`` and printed by --list-options."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "valid": valid})
+class _Positive(Range):
+    def __str__(self) -> str:
+        return "> 0, finite"
+
+    def admits(self, value, options) -> bool:
+        return 0 < value < math.inf
+
+    def of_type(self, noun: str) -> str:
+        return f"a positive {noun}"
+
+
+POSITIVE = _Positive()  # a rate: NaN and infinity are no rate either
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a run setting is spelled on the command line: the flag, argparse's other keywords
+    (type, metavar, nargs, const, default, choices, action), ``read``: what turns the parsed
+    value into the setting's (``None``, not given, stays unset), and ``needs``: the stage the
+    setting means nothing without ("calibration"), which the CLI then asks for."""
+
+    name: str
+    arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    read: Callable[[Any], Any] | None = None
+    needs: str | None = None
+
+
+def flag(name: str, *, read: Callable | None = None, needs: str | None = None, **arguments) -> Flag:
+    return Flag(name, arguments, read, needs)
+
+
+def option(
+    default: Any, help: str, *, choices: tuple | None = None, valid: Range | None = None, flag: Flag | None = None
+) -> Any:
+    """A field of a pass's Options, or of a group of run settings (``RunSettings``, with its
+    ``flag``). ``choices``: the accepted values; ``valid``: the accepted range of a number. Both
+    are enforced by ``MethodOptions`` and printed by --list-options."""
+    metadata = {"help": help, "choices": choices, "valid": valid, "flag": flag}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class MethodOptions:
@@ -115,6 +158,26 @@ class MethodOptions:
             requirement = _broken_requirement(value, field.metadata, hint, self)
             if requirement:
                 raise OptionError(f"{self.method_name} option {field.name} must be {requirement}, got {value!r}")
+
+
+class RunSettings:
+    """The base of a group of a run's settings (a dataclass of ``option`` fields, each with its
+    ``flag``). Building one refuses a value outside a field's declared range, in the API's
+    words ("finetune_rank must be an integer >= 1, got 0"); fields without a range are the
+    stages' to check."""
+
+    def __post_init__(self):
+        for field, hint in _declared_fields(type(self)):
+            valid, value = field.metadata.get("valid"), getattr(self, field.name)
+            target, optional = _target_type(hint)
+            if valid is None or (value is None and optional):
+                continue
+            if not (_is_a(value, target) and valid.admits(value, self)):
+                noun = _SETTING_NOUNS.get(target, target.__name__)
+                raise AttnRewriteError(f"{field.name} must be {valid.of_type(noun)}, got {value!r}")
+
+
+_SETTING_NOUNS = {int: "integer", float: "number"}
 
 
 def _broken_requirement(value, metadata, hint, options) -> str | None:

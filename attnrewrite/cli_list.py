@@ -1,0 +1,53 @@
+"""The listings: ``attnrewrite MODEL --list`` (the attention sites found, and why each is or is
+not rewritable) and ``attnrewrite --to M --list-options`` (a method's declared options)."""
+
+from __future__ import annotations
+
+from attnrewrite import passes, pipeline
+from attnrewrite.data import load_inputs
+from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx import io as onnx_io
+from attnrewrite.onnx.masks import probe_note
+from attnrewrite.onnx.rewrite import analyze
+from attnrewrite.record import LISTED, Report, RewriteRecord, SiteOutcome, format_table, stage
+
+
+def list_sites(model, args, report: Report) -> int:
+    given = load_inputs(args.inputs, model.graph) if args.inputs else None
+    with stage("detect"):
+        sites = analyze(onnx_io.infer_shapes(model), seq=pipeline.probe_seq(args.seq, model.graph, given))
+    record = RewriteRecord("none", {}, [SiteOutcome(s.site, rewritten=False, reason=s.site.skip_reason) for s in sites])
+    report.record = record
+    header = ("site", "layer", "heads", "head_dim", "mask", "scale", "status")
+    rows = [
+        (
+            s.site.name,
+            str(s.site.layer),
+            "-" if s.site.num_heads is None else str(s.site.num_heads),
+            "-" if s.site.head_dim is None else str(s.site.head_dim),
+            s.site.mask_label,
+            f"{s.site.scale:.4g}",
+            "rewritable" if s.site.skip_reason is None else f"unsupported: {s.site.skip_reason}",
+        )
+        for s in sites
+    ]
+    print(format_table(header, rows))
+    print(f"{len(sites)} attention sites, {sum(s.site.skip_reason is None for s in sites)} rewritable")
+    note = probe_note([s.site for s in sites])
+    if note:
+        print(f"note: {note}")
+    report.end(LISTED, 0)
+    return 0
+
+
+def print_options(args, report: Report) -> int:
+    from attnrewrite.passes.options import describe_options
+
+    if not args.to:
+        raise AttnRewriteError(f"--list-options needs --to METHOD (one of: {', '.join(passes.PASSES)})")
+    method = passes.get_pass(args.to)
+    rows = [(o.name, o.type, str(o.default), o.valid or "-", o.help) for o in describe_options(method.Options)]
+    print(f"options of {method.NAME} (set with -O NAME=VALUE):")
+    print(format_table(("name", "type", "default", "valid", "meaning"), rows))
+    report.end(LISTED, 0)
+    return 0
