@@ -14,6 +14,7 @@ from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, cache_inputs, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
+from attnrewrite.onnx.prune import prune_unread_nodes
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
@@ -137,6 +138,8 @@ def rewrite_model(
             outcome.site.layer: _fitted_values(splicer.calls[outcome.site.name], names, module)
             for outcome, module, names in fitting
         }
+    if record.rewritten:
+        prune_unread_nodes(model)  # what onnxruntime would drop with a warning on each load
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
