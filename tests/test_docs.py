@@ -113,6 +113,24 @@ def test_the_readme_is_short_and_its_test_command_is_the_one_ci_runs():
     assert setup[1].endswith(f'pip install -e ".[test]" && {ci_test}')
 
 
+# a folder of one machine (not a URL's path, nor a relative one like bench/tmp/)
+MACHINE_PATH = re.compile(r"(?<![\w.:/~$-])/(?:root|home|tmp|work|Users|mnt|var/folders)/")
+
+
+@pytest.mark.parametrize(
+    "page", [*PAGES, *sorted((ROOT / "bench").glob("*.md"))], ids=lambda page: str(page.relative_to(ROOT))
+)
+def test_the_documents_name_no_folder_of_the_machine_that_wrote_them(page):
+    """Commands and results name paths relative to the repository or to a variable
+    ($XDG_CACHE_HOME, $TMPDIR: bench/common.py's shown), never /root/... of one machine."""
+    found = [
+        f"line {text.count(chr(10), 0, match.start()) + 1}: {match.group()}"
+        for text in [page.read_text()]
+        for match in MACHINE_PATH.finditer(text)
+    ]
+    assert not found, found
+
+
 def test_the_block_finder_reads_markers_indentation_and_languages(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
