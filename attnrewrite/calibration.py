@@ -34,6 +34,7 @@ from attnrewrite.passes.finetune import ALPHA_PER_RANK, DEFAULT_RANK
 from attnrewrite.passes.finetune import DEFAULT_LR as FINETUNE_LR
 from attnrewrite.passes.finetune import DEFAULT_STEPS as FINETUNE_STEPS
 from attnrewrite.passes.fit import DEFAULT_STEPS, fingerprint
+from attnrewrite.progress import TerminalProgress
 
 DEFAULT_MAX_LENGTH = 256
 BATCH_SIZE = 8  # examples per onnxruntime run while collecting
@@ -68,9 +69,12 @@ class Calibration:
     text: TextData | None = None  # for text data: how the lines became examples
     held_out: HeldOut | None = None  # what the guard compares on (never fitted on); None: no guard
     original: OriginalModel | None = None  # stage 2's teacher, loaded before the rewrite (ONNX, with finetune)
+    terminal: TerminalProgress = dataclasses.field(
+        default_factory=lambda: TerminalProgress("calibrating", "site"), repr=False, compare=False
+    )  # without ``progress``: the lines on stderr, under them on a terminal the sites done and the time left
 
     def say(self, line: str) -> None:
-        (self.progress or _to_stderr)(line)
+        (self.progress or self.terminal.say)(line)
 
     def report(self, index: int, total: int, layer, result) -> dict[str, Any]:
         """Say how site ``index`` went (stderr by default); the record's entry for it."""
@@ -79,6 +83,8 @@ class Calibration:
             f"{_after(result)} {_how(result)}"
         )
         self.say(line)
+        if self.progress is None:
+            self.terminal.done(index + 1, total)
         coverage = result.coverage
         if coverage is not None and coverage["queries"] < LOW_COVERAGE:
             self.say(self._low_coverage(index, coverage["queries"]))

@@ -3,7 +3,7 @@ and the tokenizer's files side by side (what its model builder writes and ``og.M
 opens).
 
 A folder given as the input names its decoder (its genai_config.json's ``decoder.filename``, or
-``model.onnx``). An output folder (``-o DIR/``, the trailing separator saying so) gets
+``model.onnx``). An output folder (``-o DIR/``, the trailing separator saying so; made when missing) gets
 ``model.onnx`` and a genai_config.json: the input's, everything kept but the decoder's file,
 inputs and outputs, or one built from the model and the transformers ``config.json`` /
 ``generation_config.json`` beside the input; and the tokenizer files of the input's folder (those
@@ -54,14 +54,19 @@ def input_model(path: str) -> tuple[str, Path | None]:
 
 def output_model(path: str, model: str) -> tuple[str, Path | None]:
     """(the ONNX file to write, the folder to complete for genai or None): ``DIR/``, its trailing
-    separator saying so, means a genai folder; never the folder ``model`` (the input) is in."""
+    separator saying so, means a genai folder, made (with its parents) when missing, as genai's
+    builder makes its own; never the folder ``model`` (the input) is in."""
     if not path.endswith(("/", os.sep)):
         return path, None
     folder = Path(path)
-    if not folder.is_dir():
-        raise AttnRewriteError(f"{path}: folder does not exist")
+    if folder.exists() and not folder.is_dir():
+        raise AttnRewriteError(f"{path}: is a file, not a folder")
     if folder.resolve() == Path(model).parent.resolve():
         raise AttnRewriteError(f"{path}: is the input model's folder; its files would be overwritten")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file where one of its parents should be, or no permission
+        raise AttnRewriteError(f"{path}: cannot make the folder ({error.strerror or error})") from error
     return str(folder / DECODER_FILE), folder
 
 

@@ -8,13 +8,29 @@ import dataclasses
 import datetime
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from attnrewrite import bench
 
 DECODING_MARKERS = ("<!-- DECODING -->", "<!-- /DECODING -->")  # bench/decode.py's section
+GENAI_MARKERS = ("<!-- GENAI -->", "<!-- /GENAI -->")  # bench/genai_smollm2.py's section
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def shown(text: str) -> str:
+    """``text`` with this machine's folders named as any reader's: the repository's paths
+    relative to it, the cache and temporary folders by their variables (bench/*.md name no path
+    of the machine that wrote them; tests/test_docs.py checks)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    named = {REPOSITORY: ".", cache: "$XDG_CACHE_HOME", Path(tempfile.gettempdir()): "$TMPDIR"}
+    for folder, name in named.items():
+        inside = "" if name == "." else f"{name}/"  # bench/x, not ./bench/x
+        text = text.replace(f"{folder}{os.sep}", inside).replace(str(folder), name)
+    return text
 
 
 @dataclasses.dataclass

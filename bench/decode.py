@@ -33,7 +33,7 @@ TESTS = HERE.parent / "tests"
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # common.py; this tree's attnrewrite
 
 import onnx
-from common import DECODING_MARKERS, Target, cpu_seconds, machine_state, others_cores, table
+from common import DECODING_MARKERS, Target, cpu_seconds, machine_state, others_cores, shown, table
 
 import attnrewrite
 from attnrewrite import bench
@@ -673,7 +673,7 @@ def render(results: Results, plotted: bool) -> str:
         "",
         *method_lines(results),
         "",
-        "### Targets (issues 26 and 47)",
+        "### Targets",
         "",
         table(
             ["target", "measured", "result"], [[t.text, t.measured, verdict[t.reached]] for t in targets], numeric=False
@@ -696,7 +696,7 @@ def method_lines(results: Results) -> list[str]:
     return [
         f"- Model: a Llama decoder with random weights (seed {s.shape.seed}), {s.shape.describe()}; exported for "
         "generation by tests/decoders.py (legacy exporter, opset 18) with its KV cache and without, both kept in "
-        f'{results.cache}. Rewritten with `attnrewrite.rewrite(kv_export, to="hedgehog", recurrent=True)` '
+        f'{shown(str(results.cache))}. Rewritten with `attnrewrite.rewrite(kv_export, to="hedgehog", recurrent=True)` '
         f"(and `window={WINDOW}`), zero-shot; the parallel models are `attnrewrite.rewrite(no_cache_export, "
         f'to="hedgehog")` (and `window={WINDOW}`).',
         f"- Machine: {start['cpu']}, {start['cores']} cores, {start['memory_gb']} GB memory; "

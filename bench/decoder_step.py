@@ -31,6 +31,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import corpus
 import decoder_fidelity
 import fidelity
+from common import shown
 
 from attnrewrite.generate import Decoder
 from attnrewrite.onnx.validate import make_session
@@ -84,10 +85,10 @@ def markdown(times: dict[str, list[float]], folder: Path, threads: int, m: dict)
     verdict = "met" if ratio <= BOUND else "not met"
     machine = f"{m['processor']}, {m['cpus']} cores, load {m['load_average_at_start']}, onnxruntime {m['onnxruntime']}"
     lines = [
-        "## The trained decoder's decoding step at 200 tokens (issue 47)",
+        "## The trained decoder's decoding step at 200 tokens",
         "",
         f"`python bench/decoder_step.py` ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, "
-        f"commit {m['commit']}, {machine}, {threads} intra-op threads): the models in {folder}, a batch of two "
+        f"commit {m['commit']}, {machine}, {threads} intra-op threads): the models in {shown(str(folder))}, a batch of two "
         "held-out passages, "
         f"{BLOCKS} blocks per model alternating, each a prefill of {CONTEXT} tokens then {STEPS} timed steps "
         "(one window block boundary among them); the median step.",

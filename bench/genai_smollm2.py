@@ -41,9 +41,10 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 import decoder_fidelity  # run_cli, write_section
 import fidelity  # machine()
 import smollm2_fidelity  # prepare: the cached transformers folder, tokenizer and texts
+from common import GENAI_MARKERS, shown
 
 DEFAULT_JSON, DEFAULT_MARKDOWN = HERE / "genai_smollm2.json", HERE / "RESULTS.md"
-SECTION = ("<!-- GENAI -->", "<!-- /GENAI -->")
+SECTION = GENAI_MARKERS
 WINDOW = 64
 PROMPTS = ["The Python standard library", "To open a file for reading, use"]
 LONG_PROMPT = 160  # tokens of held-out text: its continuation's queries have keys past the window
@@ -177,7 +178,7 @@ def _took(rewrite: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    rewrites = "; ".join(f"{label}: `{r['command']}` ({_took(r)})" for label, r in results["rewrites"].items())
+    rewrites = "; ".join(f"{label}: `{shown(r['command'])}` ({_took(r)})" for label, r in results["rewrites"].items())
     lines = [
         "## onnxruntime-genai: SmolLM2-135M-Instruct, builder folder -> recurrent folder",
         "",

@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # models.py, peers.py, common.py
 
 import models
-from common import DECODING_MARKERS, Target, cpu_seconds, machine_state, others_cores, table
+from common import DECODING_MARKERS, GENAI_MARKERS, Target, cpu_seconds, machine_state, others_cores, table
 
 from attnrewrite import bench, passes
 from attnrewrite.errors import AttnRewriteError
@@ -382,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             list(plots),
             causal=causal_section,
         )
-        args.output.write_text(report + previous_block(args.output, *DECODING_MARKERS))
+        args.output.write_text(
+            report + previous_block(args.output, *DECODING_MARKERS) + previous_block(args.output, *GENAI_MARKERS)
+        )
         sections = (layer_section, attention_section, causal_section)
         raw = {
             "machine": {"start": started, "end": ended},
@@ -567,7 +569,7 @@ def speedup_target(
 
 def previous_block(path: Path, start: str, end: str) -> str:
     """The text between ``start`` and ``end`` in ``path`` (markers included, on a line of its
-    own), or nothing: another writer's section (--decode's) kept when the file is regenerated."""
+    own), or nothing: another writer's section (--decode's, genai_smollm2.py's) kept when the file is regenerated."""
     text = path.read_text() if path.exists() else ""
     if start not in text or end not in text:
         return ""
@@ -637,6 +639,12 @@ def render(
         "",
         f"Written by `python bench/run_benchmarks.py` ({started['time']} to {ended['time']}). Numbers are",
         "benchmarks, not tests: rerun the script on your machine.",
+        "",
+        "Which method for an encoder, and how fast on a CPU: the tables below and the Analysis after them",
+        "(the methods added since, the window's cost); on CUDA: the Analysis' last part. Decoders, a",
+        "decoding step's time and memory: Decoding; a real model through onnxruntime-genai: the last",
+        "section. How faithful each method is: [FIDELITY.md](FIDELITY.md). Each table says once when, on",
+        "which machine and by which command it was measured.",
         "",
         "## Machine and method",
         "",

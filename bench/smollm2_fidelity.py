@@ -238,7 +238,7 @@ def evaluate(paths: dict[str, str], passages: list[np.ndarray], logits_of=whole_
 
 def markdown(results: dict) -> str:
     lines = [
-        "## SmolLM2-135M-Instruct: a real pretrained decoder (issue 48)",
+        "## SmolLM2-135M-Instruct: a real pretrained decoder",
         "",
         f"{results['setup']}" + (f"; {results['setup_wide']}" if "setup_wide" in results else ""),
         "",

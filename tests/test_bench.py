@@ -397,7 +397,7 @@ def test_decode_benchmark_writes_its_section_with_the_measured_numbers(tmp_path,
         [decode.BY_KEY[key].label, str(results.nodes[key]), f"{per_site[key]:+.0f}"] for key in recurrent
     ]
 
-    targets = _table_rows(text, "### Targets (issues 26 and 47)")
+    targets = _table_rows(text, "### Targets")
     # issue 47's short contexts (256 .. 4096) are not among these: not measured
     verdicts = {"**met**": True, "**not met**": False, "not measured": None}
     assert len(targets) == 8 + 5 + 3 and all(row[2] in verdicts for row in targets)

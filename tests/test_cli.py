@@ -266,6 +266,19 @@ def test_missing_output_folder(tmp_path, capsys):
     assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
 
 
+def test_a_file_where_the_output_folder_should_be_is_refused(tmp_path, capsys):
+    """-o DIR/ makes a missing folder, but never over a file (nor under one)."""
+    output = _write(tmp_path / "out", b"precious")
+    assert run(capsys, SAMPLE, "--to", "hydra", "-o", f"{output}/") == (
+        2,
+        "",
+        f"attnrewrite: error: {output}/: is a file, not a folder\n",
+    )
+    code, _, err = run(capsys, SAMPLE, "--to", "hydra", "-o", f"{output}/genai/")
+    assert (code, err) == (2, f"attnrewrite: error: {output}/genai/: cannot make the folder (Not a directory)\n")
+    assert output.read_bytes() == b"precious"
+
+
 def test_standard_ops_without_recurrent_is_refused(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     code, _, err = run(capsys, SAMPLE, "--to", "hydra", "--standard-ops", "-o", out)

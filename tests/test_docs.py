@@ -8,8 +8,10 @@ that calls jq needs jq."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -111,6 +113,24 @@ def test_the_readme_is_short_and_its_test_command_is_the_one_ci_runs():
     assert setup[1].endswith(f'pip install -e ".[test]" && {ci_test}')
 
 
+# a folder of one machine (not a URL's path, nor a relative one like bench/tmp/)
+MACHINE_PATH = re.compile(r"(?<![\w.:/~$-])/(?:root|home|tmp|work|Users|mnt|var/folders)/")
+
+
+@pytest.mark.parametrize(
+    "page", [*PAGES, *sorted((ROOT / "bench").glob("*.md"))], ids=lambda page: str(page.relative_to(ROOT))
+)
+def test_the_documents_name_no_folder_of_the_machine_that_wrote_them(page):
+    """Commands and results name paths relative to the repository or to a variable
+    ($XDG_CACHE_HOME, $TMPDIR: bench/common.py's shown), never /root/... of one machine."""
+    found = [
+        f"line {text.count(chr(10), 0, match.start()) + 1}: {match.group()}"
+        for text in [page.read_text()]
+        for match in MACHINE_PATH.finditer(text)
+    ]
+    assert not found, found
+
+
 def test_the_block_finder_reads_markers_indentation_and_languages(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
@@ -123,4 +143,34 @@ def test_the_block_finder_reads_markers_indentation_and_languages(tmp_path):
         (1, "sh", "echo one\n", None),
         (10, "bash", "pip install x\n", "it installs"),
         (15, "python", "print(2)\n", None),
+    ]
+
+
+def test_genais_python_example_and_attnrewrite_generate_answer_the_same_prompts(scratch):
+    """docs/genai.md's two ways to generate from the tiny decoder's folder: the same prompt ids
+    (its tokenizer adds no BOS) and the same new tokens, up to the first end of sequence."""
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        pytest.skip("onnxruntime-genai is not installed")
+    folder, env = scratch
+    page = blocks(ROOT / "docs" / "genai.md")
+    make = next(b for b in page if "samples/export_decoder.py decoder" in b.code)
+    python = next(b for b in page if "og.Model(" in b.code)
+    command = next(b for b in page if "attnrewrite generate decoder/builder" in b.code)
+    printed = {}
+    for block in (make, python, command):
+        done = subprocess.run(
+            [*RUNNERS[block.language], block.code], cwd=folder, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed[block.line] = done.stdout
+    vocab = json.loads((folder / "out" / "genai" / "tokenizer.json").read_text())["model"]["vocab"]
+    eos = json.loads((folder / "out" / "genai" / "genai_config.json").read_text())["model"]["eos_token_id"]
+    until_eos = lambda ids: ids[: ids.index(eos) + 1] if eos in ids else ids  # noqa: E731
+    prompts = ast.literal_eval(re.search(r"np\.array\((\[\[.*?\]\])", python.code)[1])
+    words = re.findall(r'--prompt "([^"]*)"', command.code)
+    assert [[vocab[word] for word in text.split()] for text in words] == [[i for i in row if i] for row in prompts]
+    genai = ast.literal_eval(printed[python.line].strip().splitlines()[-1])
+    ours = [line.split()[1:] for line in printed[command.line].splitlines() if line.startswith("  out/genai/")]
+    assert [until_eos([vocab[word] for word in row]) for row in ours] == [
+        until_eos(row)[: len(ours[0])] for row in genai
     ]

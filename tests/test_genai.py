@@ -61,7 +61,7 @@ def builder(tmp_path_factory):
 
 
 def rewrite_to_folder(source: Path, out: Path, *args: str) -> Path:
-    out.mkdir()
+    """-o OUT/ (the folder made by the command, as genai's builder makes its own)."""
     assert cli.main([str(source), "--recurrent", "-o", f"{out}/", *args]) == 0
     return out
 
@@ -251,7 +251,8 @@ def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_doe
     builder, arch, precision, method, tmp_path
 ):
     source = builder(arch, precision)
-    out = rewrite_to_folder(source, tmp_path / "out", "--to", *method)
+    out = rewrite_to_folder(source, tmp_path / "made" / "out", "--to", *method)  # with its parent
+    assert list((tmp_path / "made").iterdir()) == [out]  # nothing written beside the folder
     assert sorted(p.name for p in out.iterdir()) == [
         "genai_config.json",
         "model.onnx",

@@ -15,6 +15,7 @@ from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.detect import OnnxSite, Unsupported, cache_inputs, find_onnx_sites, mark_unsupported_masks
 from attnrewrite.onnx.io import default_opset, infer_shapes, shape_notes, upgrade_opset
 from attnrewrite.onnx.masks import classify_masks, probe_note
+from attnrewrite.onnx.prune import prune_unread_nodes
 from attnrewrite.onnx.recurrent import RecurrentSplicer, interface_refusal
 from attnrewrite.onnx.recurrent import record_note as recurrent_note
 from attnrewrite.onnx.splice import Splicer
@@ -90,6 +91,8 @@ def rewrite_model(model: ir.Model, plan: RunPlan | str | MethodOptions, **keywor
         record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts, list(cache_inputs(model.graph))))
     if fitting:
         _calibrate(model, plan, splicer, fitting, record)
+    if record.rewritten:
+        prune_unread_nodes(model)  # what onnxruntime would drop with a warning on each load
     if record.rewritten or METADATA_KEY not in model.metadata_props:
         model.metadata_props[METADATA_KEY] = record_json(record, model.metadata_props.get(METADATA_KEY))
     return model, record
