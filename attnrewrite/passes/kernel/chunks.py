@@ -8,7 +8,10 @@ carry go through bounded-depth hierarchies of triangular products (ExclusivePref
 rescaled_prefix_functions). The torch forms (what the FX frontend and calibration run) keep
 torch.cumsum, a running sum, and nest the running maxima and the rescaled carry two levels deep
 as the ONNX forms do (chunk_running_max, rescaled_prefix_sum). No form holds a (chunks x chunks)
-matrix: compute grows as N, up to the top levels' products (prefix_groups), memory as N."""
+matrix: the largest square is a top level's, [chunks / PREFIX_GROUP]^2 for the running maxima
+and rescaled carries (1024^2 at N = 1M, chunk 64: from about N = 2^18 its products cost what the
+first level's do, and compute grows faster than N again) and [chunks / PREFIX_GROUP^2]^2 for
+ExclusivePrefixSum; below that, compute and memory grow as N."""
 
 from __future__ import annotations
 
