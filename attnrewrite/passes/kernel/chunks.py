@@ -65,10 +65,10 @@ class ChunkLayout:
 
 @built_once
 def chunk_rows_functions(opset_version: int):
-    """(ChunkSize, InChunks, OutOfChunks), ChunkLayout's ONNX twin for the causal forms:
-    ChunkSize(x, chunk) the chunk ([1]) for x [G, N, X]; InChunks(x, c, fill) [G, N, X] ->
+    """(ChunkSize, ChunkedRows, UnchunkedRows), ChunkLayout's ONNX twin for the causal forms:
+    ChunkSize(x, chunk) the chunk ([1]) for x [G, N, X]; ChunkedRows(x, c, fill) [G, N, X] ->
     [G, ceil(N / c), c, X], fill after the last row (padding at the end: see ChunkLayout);
-    OutOfChunks(x4, x) -> its first N rows, N that of x."""
+    UnchunkedRows(x4, x) -> its first N rows, N that of x."""
     op = standard_opset(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
@@ -77,7 +77,7 @@ def chunk_rows_functions(opset_version: int):
         return op.Max(op.Min(chunk, op.Shape(x, start=1, end=2)), op.Constant(value_ints=[1]))
 
     @script(ATTNREWRITE, default_opset=op)
-    def InChunks(x, c, fill):
+    def ChunkedRows(x, c, fill):
         n = op.Shape(x, start=1, end=2)
         zero = op.Constant(value_ints=[0])
         chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
@@ -86,11 +86,11 @@ def chunk_rows_functions(opset_version: int):
         return op.Reshape(op.Pad(x, pads, fill), shape)
 
     @script(ATTNREWRITE, default_opset=op)
-    def OutOfChunks(x4, x):
+    def UnchunkedRows(x4, x):
         rows = op.Reshape(x4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(x4, start=3), axis=0))
         return op.Slice(rows, op.Constant(value_ints=[0]), op.Shape(x, start=1, end=2), op.Constant(value_ints=[1]))
 
-    return ChunkSize, InChunks, OutOfChunks
+    return ChunkSize, ChunkedRows, UnchunkedRows
 
 
 def exclusive_cumsum(x):

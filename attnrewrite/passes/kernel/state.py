@@ -201,7 +201,7 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
     op = standard_opset(opset_version)
     sequence_sum = sequence_sum_function(opset_version)
     prefix_sum = exclusive_prefix_sum_function(opset_version)
-    chunk_size, in_chunks, out_of_chunks = chunk_rows_functions(opset_version)
+    chunk_size, chunked_rows, unchunked_rows = chunk_rows_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalKernelAttentionFromState(phi_q, phi_k, v, kv_state, key_sum):
@@ -209,9 +209,9 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
         one, rows = op.Constant(value_ints=[1]), op.Constant(value_ints=[0, 0, -1])
         c = chunk_size(v, op.Constant(value_ints=[chunk]))
         zero = op.Constant(value_float=0.0)
-        q4 = in_chunks(phi_q, c, zero)
-        k4 = in_chunks(phi_k, c, zero)
-        v4 = in_chunks(v, c, zero)
+        q4 = chunked_rows(phi_q, c, zero)
+        k4 = chunked_rows(phi_k, c, zero)
+        v4 = chunked_rows(v, c, zero)
         k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
         kv = op.MatMul(k4t, v4)
         earlier = op.Reshape(prefix_sum(op.Reshape(kv, rows)), op.Shape(kv)) + op.Unsqueeze(kv_state, one)
@@ -221,7 +221,7 @@ def causal_linear_attention_from_state_functions(opset_version: int, chunk: int,
         numerator = op.MatMul(q4, earlier) + op.MatMul(scores, v4)
         last_axis = op.Constant(value_ints=[3])
         denominator = op.MatMul(q4, op.Unsqueeze(earlier_sum, last_axis)) + op.ReduceSum(scores, last_axis, keepdims=1)
-        out = out_of_chunks(numerator / (denominator + op.Constant(value_float=eps)), v)
+        out = unchunked_rows(numerator / (denominator + op.Constant(value_float=eps)), v)
         new_kv = kv_state + op.ReduceSum(kv, one, keepdims=0)
         return out, new_kv, key_sum + op.ReduceSum(sums, one, keepdims=0)
 
@@ -239,7 +239,7 @@ def causal_rescaled_chunks_functions(opset_version: int, chunk: int, eps: float 
     op = standard_opset(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
     ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
-    chunk_size, in_chunks, out_of_chunks = chunk_rows_functions(opset_version)
+    chunk_size, chunked_rows, unchunked_rows = chunk_rows_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalRescaledKernelChunks(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
@@ -249,10 +249,10 @@ def causal_rescaled_chunks_functions(opset_version: int, chunk: int, eps: float 
         rows = op.Constant(value_ints=[0, 0, -1])
         c = chunk_size(v, op.Constant(value_ints=[chunk]))
         zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
-        q4 = in_chunks(phi_q, c, zero)
-        k4 = in_chunks(phi_k, c, zero)
-        v4 = in_chunks(v, c, zero)
-        s = op.Reshape(in_chunks(key_log_scale, c, lowest), rows)  # [G, chunks, c]
+        q4 = chunked_rows(phi_q, c, zero)
+        k4 = chunked_rows(phi_k, c, zero)
+        v4 = chunked_rows(v, c, zero)
+        s = op.Reshape(chunked_rows(key_log_scale, c, lowest), rows)  # [G, chunks, c]
         seen = RunningMax(s, LowerTriangle(c))
         upto = op.Max(ChunkRunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2)), log_scale)
         shifted = op.Pad(
@@ -277,7 +277,7 @@ def causal_rescaled_chunks_functions(opset_version: int, chunk: int, eps: float 
         denominator = into * op.ReduceSum(
             q4 * op.Unsqueeze(earlier_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
         ) + op.ReduceSum(scores, last_axis, keepdims=1)
-        return out_of_chunks(numerator / (denominator + op.Constant(value_float=eps)), v)
+        return unchunked_rows(numerator / (denominator + op.Constant(value_float=eps)), v)
 
     return with_callees(CausalRescaledKernelChunks)
 
