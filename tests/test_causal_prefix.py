@@ -27,6 +27,7 @@ from attnrewrite.passes.kernel import chunks
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention
+from attnrewrite.passes.kernel.state import KernelState, causal_rescaled_linear_attention_from_state
 from attnrewrite.passes.lowering import DOMAIN, with_callees
 from attnrewrite.passes.window.reference import feature_map_attention_weights
 from attnrewrite.passes.window.settings import KernelScales, Window
@@ -251,6 +252,12 @@ def causal_favor(phi_q, phi_k, v, log_scale):
     return causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, chunk=2)
 
 
+def causal_favor_from_state(phi_q, phi_k, v, log_scale):
+    """The same after an absorbed state: the running max and the carry start from its log scale."""
+    state = KernelState(torch.ones(6, 8, 5), torch.ones(6, 8), torch.zeros(6))
+    return causal_rescaled_linear_attention_from_state(phi_q, phi_k, log_scale, v, state, chunk=2)
+
+
 def causal_favor_window(phi_q, phi_k, v, log_scale):
     """Windows of 2, its far part in chunks of 1 block (far_chunk=2): the most chunks per position."""
     q, k = phi_q - 0.5, phi_k - 0.5
@@ -259,7 +266,9 @@ def causal_favor_window(phi_q, phi_k, v, log_scale):
     return windowed_kernel_attention(phi_q, phi_k, q, k, v, window, scale=1.0, causal=True, scales=scales, far_chunk=2)
 
 
-@pytest.mark.parametrize("attention", [causal_favor, causal_favor_window], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "attention", [causal_favor, causal_favor_from_state, causal_favor_window], ids=lambda f: f.__name__
+)
 def test_no_torch_value_grows_faster_than_the_sequence(attention):
     """The torch causal forms with per-key log scales: from N = 300 to 1100 (550 chunks, or
     551 blocks and 553 chunks of one block) the largest value grows as N does (a (chunks x

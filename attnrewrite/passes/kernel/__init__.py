@@ -5,8 +5,11 @@ above its ONNX lowering:
 
 - numerics.py: the guards every form shares (denominators, log scales, exponents);
 - chunks.py: the chunk layout and the prefix sums and maxima over chunks, bounded in depth;
-- parallel.py: the bidirectional and causal forms over a whole sequence;
-- state.py: the causal forms continued from a state (a decoder's prefill and steps);
+- state.py: the one causal chunk form, plain or with per-key log scales, after an optional
+  state (KernelState) and returning the state after its keys (a decoder's prefill and steps);
+- parallel.py: the bidirectional form, and the causal ones over a whole sequence: state.py's
+  started from no state;
+- naive.py: the N x N reference every form is tested against, in the chunk form's signature;
 - query_key_maps.py: calibration's learnable maps in front of a fixed feature map.
 
 The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/;

@@ -1,13 +1,17 @@
 """Chunks of positions and sums over them, in both lowerings: the layout the causal forms work in
-(ChunkLayout), prefix sums and running maxima along a chunk axis that grows with N, and prefix
-sums of states rescaled to a running reference.
+(ChunkLayout, and the ONNX chunk_rows_functions), prefix sums and running maxima along a chunk
+axis that grows with N, and prefix sums of states rescaled to a running reference.
 
 The ONNX bodies take no CumSum along an axis that grows with N (onnxruntime's CUDA CumSum sums
 each output's whole prefix: O(L^2) along an axis of length L): prefix sums and the rescaled
 carry go through bounded-depth hierarchies of triangular products (ExclusivePrefixSum,
 rescaled_prefix_functions). The torch forms (what the FX frontend and calibration run) keep
-torch.cumsum, a running sum, and nest the rescaled carry two levels deep as the ONNX form does
-(rescaled_prefix_sum): neither is quadratic in N."""
+torch.cumsum, a running sum, and nest the running maxima and the rescaled carry two levels deep
+as the ONNX forms do (chunk_running_max, rescaled_prefix_sum). No form holds a (chunks x chunks)
+matrix: the largest square is a top level's, [chunks / PREFIX_GROUP]^2 for the running maxima
+and rescaled carries (1024^2 at N = 1M, chunk 64: from about N = 2^18 its products cost what the
+first level's do, and compute grows faster than N again) and [chunks / PREFIX_GROUP^2]^2 for
+ExclusivePrefixSum; below that, compute and memory grow as N."""
 
 from __future__ import annotations
 
@@ -57,6 +61,36 @@ class ChunkLayout:
     def unblock(self, x4):
         rows = x4.reshape(x4.shape[0], self.chunks * self.chunk, x4.shape[-1])
         return rows.index_select(1, torch.arange(self.n, device=x4.device) + self.pad)
+
+
+@built_once
+def chunk_rows_functions(opset_version: int):
+    """(ChunkSize, ChunkedRows, UnchunkedRows), ChunkLayout's ONNX twin for the causal forms:
+    ChunkSize(x, chunk) the chunk ([1]) for x [G, N, X]; ChunkedRows(x, c, fill) [G, N, X] ->
+    [G, ceil(N / c), c, X], fill after the last row (padding at the end: see ChunkLayout);
+    UnchunkedRows(x4, x) -> its first N rows, N that of x."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunkSize(x, chunk):
+        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
+        return op.Max(op.Min(chunk, op.Shape(x, start=1, end=2)), op.Constant(value_ints=[1]))
+
+    @script(ATTNREWRITE, default_opset=op)
+    def ChunkedRows(x, c, fill):
+        n = op.Shape(x, start=1, end=2)
+        zero = op.Constant(value_ints=[0])
+        chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
+        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
+        shape = op.Concat(op.Constant(value_ints=[-1]), chunks, c, op.Shape(x, start=2), axis=0)
+        return op.Reshape(op.Pad(x, pads, fill), shape)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def UnchunkedRows(x4, x):
+        rows = op.Reshape(x4, op.Concat(op.Constant(value_ints=[0, -1]), op.Shape(x4, start=3), axis=0))
+        return op.Slice(rows, op.Constant(value_ints=[0]), op.Shape(x, start=1, end=2), op.Constant(value_ints=[1]))
+
+    return ChunkSize, ChunkedRows, UnchunkedRows
 
 
 def exclusive_cumsum(x):

@@ -1,9 +1,17 @@
-"""The causal kernel forms continued from a state, in both lowerings (the recurrence,
-passes/kernel_recurrence.py). A decoder feeds the positions of a sequence in pieces: each call
-takes the N new positions and what the earlier ones left behind (KernelState), and returns the
-new outputs and the state after them. The sums are the parallel forms' over the whole sequence,
-grouped differently: rounding only. In ONNX every tensor is flattened to [G, ...] by the
-caller: the state to [G, F, Dv], [G, F] and [G, 1] (its log scale)."""
+"""The causal kernel form in chunks, continued from a state, in both lowerings: the one body of
+causal kernel attention. Each call takes N new positions and what the keys before them left
+behind (a KernelState; none, or zeros, for a whole sequence: kernel.parallel's causal forms are
+this one from the start), and returns the outputs and, when asked, the state after the N keys,
+as flash-linear-attention's forms do: (q, k, v, initial_state, output_final_state) -> (out, final
+state). A decoder feeds a sequence in pieces (passes/kernel_recurrence.py): the sums are those
+over the whole sequence, grouped differently, so the pieces differ from one call by rounding
+only. kernel.naive is the N x N reference every form is tested against.
+
+Within a chunk a masked (chunk x chunk) product, across chunks a prefix sum of the chunks'
+key-value states (kernel.chunks: bounded in depth, no (chunks x chunks) matrix), so compute
+grows as N and memory as O(N*F + N/chunk * F*Dv), not the O(N*F*Dv) of a per-position prefix
+sum. In ONNX every tensor is flattened to [G, ...] by the caller: the state to [G, F, Dv], [G, F]
+and [G, 1] (its log scale)."""
 
 from __future__ import annotations
 
@@ -13,15 +21,18 @@ from onnxscript import script
 
 from attnrewrite.passes.kernel.chunks import (
     ChunkLayout,
+    chunk_rows_functions,
+    chunk_running_max,
     exclusive_cumsum,
     exclusive_prefix_sum_function,
     rescaled_prefix_functions,
+    rescaled_prefix_sum,
     running_max,
     running_max_functions,
     shift_right,
 )
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
-from attnrewrite.passes.layout import flatten_heads
+from attnrewrite.passes.layout import flatten_heads, sequence_sum_function
 from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset, with_callees
 from attnrewrite.passes.optional_torch import torch
 
@@ -37,6 +48,14 @@ class KernelState(typing.NamedTuple):
     log_scale: typing.Any = None
 
 
+def empty_state(phi_k, v, rescaled: bool) -> KernelState:
+    """The state before any of the keys phi_k [..., N, F] (values v [..., N, Dv])."""
+    lead = phi_k.shape[:-2]
+    kv = torch.zeros(*lead, phi_k.shape[-1], v.shape[-1], device=phi_k.device)
+    log_scale = torch.full(lead, LOWEST_LOG_SCALE, device=phi_k.device) if rescaled else None
+    return KernelState(kv, kv.new_zeros(*lead, phi_k.shape[-1]), log_scale)
+
+
 def absorb_keys(state: KernelState, phi_k, v, key_log_scale=None) -> KernelState:
     """``state`` with the keys phi_k [..., N, F] (zero where padded) and values v added;
     ``key_log_scale`` [..., N, 1] (LOWEST_LOG_SCALE where padded) when the state has one."""
@@ -50,50 +69,101 @@ def absorb_keys(state: KernelState, phi_k, v, key_log_scale=None) -> KernelState
     return KernelState(kv, state.key_sum * held[..., None] + k_rel.sum(-2), log_scale)
 
 
-def causal_linear_attention_from_state(phi_q, phi_k, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS):
-    """causal_linear_attention of N new positions after the keys in ``state``: (out, state
-    with the new keys)."""
+def chunk_kernel_attention(
+    phi_q,
+    phi_k,
+    v,
+    key_log_scale=None,
+    initial_state: KernelState | None = None,
+    output_final_state: bool = False,
+    *,
+    chunk: int,
+    eps: float = DENOMINATOR_EPS,
+):
+    """Causal kernel attention of phi_q, phi_k [..., N, F] and v [..., N, Dv] after the keys in
+    ``initial_state`` (None: the first positions), in chunks of ``chunk`` positions: (out
+    [..., N, Dv], the state after the N keys, or None unless ``output_final_state``).
+
+    ``key_log_scale`` [..., N, 1]: key j has features phi_k[j] * exp(key_log_scale[j]), which may
+    lie far outside the float range (FAVOR+ stabilises each key by its own max), so no key is
+    ever multiplied by it: query i weighs key j <= i by exp(key_log_scale[j] - r[i]) <= 1, with
+    r[i] the running max over keys 0..i and the state's log scale. The dropped factor exp(r[i])
+    is one constant for every term of row i's numerator and denominator, so it cancels exactly,
+    and r[i] reads no key after i. Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE
+    (they must not raise r)."""
     lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
     layout = ChunkLayout(n, chunk)
     q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
-    k4t = k4.transpose(-2, -1)
-    earlier = exclusive_cumsum(k4t @ v4) + flatten_heads(state.kv).unsqueeze(1)
-    key_sum = exclusive_cumsum(k4.sum(dim=2, keepdim=True)) + state.key_sum.reshape(-1, 1, 1, q4.shape[-1])
-    scores = torch.tril(q4 @ k4t)
-    numerator = q4 @ earlier + scores @ v4
-    denominator = (q4 * key_sum).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
+    if key_log_scale is None:
+        kv, key_sum, scores, into = _plain_chunks(q4, k4, v4, initial_state)
+    else:
+        s = layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]  # [G, chunks, chunk]
+        kv, key_sum, scores, into = _rescaled_chunks(q4, k4, v4, s, layout.groups, initial_state)
+    earlier, earlier_sum = q4 @ kv, (q4 * key_sum).sum(-1, keepdim=True)
+    if into is not None:
+        earlier, earlier_sum = into * earlier, into * earlier_sum
+    numerator = earlier + scores @ v4
+    denominator = earlier_sum + scores.sum(-1, keepdim=True)
     out = layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
-    return out, absorb_keys(state, phi_k, v)
+    if not output_final_state:
+        return out, None
+    state = empty_state(phi_k, v, key_log_scale is not None) if initial_state is None else initial_state
+    return out, absorb_keys(state, phi_k, v, key_log_scale)
+
+
+def _plain_chunks(q4, k4, v4, state: KernelState | None):
+    """Per chunk, the sums of the keys before it (the state's too): kv [G, chunks, F, Dv] and
+    key sums [G, chunks, 1, F]; its masked scores; and no rescaling of those sums (None)."""
+    k4t = k4.transpose(-2, -1)
+    kv, key_sum = exclusive_cumsum(k4t @ v4), exclusive_cumsum(k4.sum(dim=2, keepdim=True))
+    if state is not None:
+        kv = kv + flatten_heads(state.kv).unsqueeze(1)
+        key_sum = key_sum + state.key_sum.reshape(-1, 1, 1, k4.shape[-1])
+    return kv, key_sum, torch.tril(q4 @ k4t), None
+
+
+def _rescaled_chunks(q4, k4, v4, s, groups, state: KernelState | None):
+    """_plain_chunks with per-key log scales s [G, chunks, chunk]: the sums relative to each
+    chunk's starting reference, and the factors [G, chunks, chunk, 1] (<= 1) that move them to
+    each row's r[i]. Across chunks the sums are re-referenced from one chunk's running max to the
+    next by rescaled_prefix_sum (no CumSum can rescale), bounded in depth as the running max."""
+    seen = running_max(s)  # inside each chunk, a [G, chunks, chunk, chunk] masked max
+    upto = chunk_running_max(seen[..., -1], groups)  # through the end of each chunk
+    before = shift_right(upto, LOWEST_LOG_SCALE)  # through the end of the chunk before
+    if state is not None:
+        absorbed = state.log_scale.reshape(-1, 1)  # [G, 1]
+        upto, before = torch.maximum(upto, absorbed), torch.maximum(before, absorbed)
+    ref = torch.maximum(seen, before.unsqueeze(-1))  # r[i]
+    # Inside a chunk: (q_i . k_j) exp(s_j - r_i), j <= i; above the diagonal the clamp only keeps
+    # exp finite before tril drops those entries.
+    decay = torch.exp(torch.clamp_max(s.unsqueeze(-2) - ref.unsqueeze(-1), 0.0))
+    scores = torch.tril((q4 @ k4.transpose(-2, -1)) * decay)
+    # Each chunk's keys relative to its own end-of-chunk max, then moved to each later chunk's
+    # starting max: exp(upto[c'] - before[c]) <= 1 for c' < c.
+    k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
+    kv = k_rel.transpose(-2, -1) @ v4  # [G, chunks, F, Dv]
+    earlier = rescaled_prefix_sum(kv.flatten(2), upto, before, groups)
+    key_sum = rescaled_prefix_sum(k_rel.sum(dim=2), upto, before, groups)  # [G, chunks, F]
+    if state is not None:
+        held = torch.exp(absorbed - before).unsqueeze(-1)  # the state moved to each chunk's start
+        earlier = earlier + held * flatten_heads(state.kv).flatten(1).unsqueeze(1)
+        key_sum = key_sum + held * state.key_sum.reshape(-1, 1, k4.shape[-1])
+    into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)  # from before[c] to r[i]
+    return earlier.reshape(kv.shape), key_sum.unsqueeze(2), scores, into
+
+
+def causal_linear_attention_from_state(phi_q, phi_k, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS):
+    """chunk_kernel_attention of N new positions after the keys in ``state``: (out, the state
+    with the new keys)."""
+    return chunk_kernel_attention(phi_q, phi_k, v, None, state, True, chunk=chunk, eps=eps)
 
 
 def causal_rescaled_linear_attention_from_state(
     phi_q, phi_k, key_log_scale, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS
 ):
-    """causal_rescaled_linear_attention of N new positions after the keys in ``state``: (out,
-    state with the new keys). Row i's reference r_i is the running max over every key up to i,
-    the state's included (its log_scale), exactly as in the parallel form."""
-    lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
-    layout = ChunkLayout(n, chunk)
-    q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
-    s = layout.blocks(key_log_scale, LOWEST_LOG_SCALE)[..., 0]
-    absorbed = state.log_scale.reshape(-1, 1)  # [G, 1]
-    seen = running_max(s)
-    upto = torch.maximum(running_max(seen[..., -1]), absorbed)
-    before = torch.maximum(shift_right(upto, LOWEST_LOG_SCALE), absorbed)
-    ref = torch.maximum(seen, before.unsqueeze(-1))
-    decay = torch.exp(torch.clamp_max(s.unsqueeze(-2) - ref.unsqueeze(-1), 0.0))
-    scores = torch.tril((q4 @ k4.transpose(-2, -1)) * decay)
-    k_rel = k4 * torch.exp(s - upto.unsqueeze(-1)).unsqueeze(-1)
-    kv = k_rel.transpose(-2, -1) @ v4
-    carry = torch.tril(torch.exp(torch.clamp_max(upto.unsqueeze(1) - before.unsqueeze(2), 0.0)), diagonal=-1)
-    held = torch.exp(absorbed - before).unsqueeze(-1)  # the state moved to each chunk's start, <= 1
-    earlier = carry @ kv.flatten(2) + held * flatten_heads(state.kv).flatten(1).unsqueeze(1)
-    key_sum = carry @ k_rel.sum(dim=2) + held * state.key_sum.reshape(-1, 1, q4.shape[-1])
-    into = torch.exp(before.unsqueeze(-1) - ref).unsqueeze(-1)
-    numerator = into * (q4 @ earlier.reshape(kv.shape)) + scores @ v4
-    denominator = into * (q4 * key_sum.unsqueeze(2)).sum(-1, keepdim=True) + scores.sum(-1, keepdim=True)
-    out = layout.unblock(numerator / (denominator + eps)).reshape(*lead, n, dv)
-    return out, absorb_keys(state, phi_k, v, key_log_scale)
+    """chunk_kernel_attention with per-key log scales, after the keys in ``state``: (out, the
+    state with the new keys)."""
+    return chunk_kernel_attention(phi_q, phi_k, v, key_log_scale, state, True, chunk=chunk, eps=eps)
 
 
 @built_once
@@ -122,88 +192,81 @@ def absorb_keys_functions(opset_version: int):
 
 @built_once
 def causal_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_linear_attention_from_state: CausalKernelAttentionFromState(phi_q,
-    phi_k, v, kv_state, key_sum) -> (out, kv_state, key_sum), after the functions it calls."""
+    """The ONNX chunk form without log scales, after the functions it calls:
+    CausalKernelAttentionFromState(phi_q, phi_k, v, kv_state, key_sum) -> (out, kv_state,
+    key_sum). The chunks' states are summed by ExclusivePrefixSum (no CumSum along the chunks),
+    the keys by SequenceSum (GEMMs); the state after the keys is the chunks' sums added to the
+    state (no second pass over the keys), so the whole sequence (CausalKernelAttention) is
+    this from a zero state at the cost of two sums over the chunks."""
     op = standard_opset(opset_version)
+    sequence_sum = sequence_sum_function(opset_version)
     prefix_sum = exclusive_prefix_sum_function(opset_version)
+    chunk_size, chunked_rows, unchunked_rows = chunk_rows_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalKernelAttentionFromState(phi_q, phi_k, v, kv_state, key_sum):
-        n = op.Shape(v, start=1, end=2)
-        f = op.Shape(phi_q, start=2)
-        dv = op.Shape(v, start=2)
-        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
-        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
-        zero, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])
-        chunks = op.Div(n + c - op.Constant(value_ints=[1]), c)
-        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
-        q4 = op.Reshape(op.Pad(phi_q, pads), op.Concat(minus_one, chunks, c, f, axis=0))
-        k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
-        v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
+        # phi_q, phi_k [G, N, F], v [G, N, Dv]; the state [G, F, Dv] and [G, F]
+        one, rows = op.Constant(value_ints=[1]), op.Constant(value_ints=[0, 0, -1])
+        c = chunk_size(v, op.Constant(value_ints=[chunk]))
+        zero = op.Constant(value_float=0.0)
+        q4 = chunked_rows(phi_q, c, zero)
+        k4 = chunked_rows(phi_k, c, zero)
+        v4 = chunked_rows(v, c, zero)
         k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
         kv = op.MatMul(k4t, v4)
-        flat_kv = op.Reshape(kv, op.Constant(value_ints=[0, 0, -1]))
-        one = op.Constant(value_ints=[1])
-        earlier = op.Reshape(prefix_sum(flat_kv), op.Shape(kv)) + op.Unsqueeze(kv_state, one)
-        sums = op.ReduceSum(k4, op.Constant(value_ints=[2]), keepdims=0)
-        earlier_sum = prefix_sum(sums) + op.Unsqueeze(key_sum, one)  # [G, chunks, F]
+        earlier = op.Reshape(prefix_sum(op.Reshape(kv, rows)), op.Shape(kv)) + op.Unsqueeze(kv_state, one)
+        sums = op.Reshape(sequence_sum(k4), rows)  # [G, chunks, F]
+        earlier_sum = prefix_sum(sums) + op.Unsqueeze(key_sum, one)
         scores = op.Trilu(op.MatMul(q4, k4t), upper=0)
         numerator = op.MatMul(q4, earlier) + op.MatMul(scores, v4)
         last_axis = op.Constant(value_ints=[3])
-        denominator = op.ReduceSum(
-            q4 * op.Unsqueeze(earlier_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
-        ) + op.ReduceSum(scores, last_axis, keepdims=1)
-        out = op.Reshape(
-            numerator / (denominator + op.Constant(value_float=eps)),
-            op.Concat(minus_one, chunks * c, dv, axis=0),
-        )
-        # the state after every key: the chunks' sums added to it (no second pass over the keys)
+        denominator = op.MatMul(q4, op.Unsqueeze(earlier_sum, last_axis)) + op.ReduceSum(scores, last_axis, keepdims=1)
+        out = unchunked_rows(numerator / (denominator + op.Constant(value_float=eps)), v)
         new_kv = kv_state + op.ReduceSum(kv, one, keepdims=0)
-        new_sum = key_sum + op.ReduceSum(sums, one, keepdims=0)
-        return op.Slice(out, zero, n, one), new_kv, new_sum
+        return out, new_kv, key_sum + op.ReduceSum(sums, one, keepdims=0)
 
     return with_callees(CausalKernelAttentionFromState)
 
 
 @built_once
-def causal_rescaled_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_rescaled_linear_attention_from_state:
-    CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum,
-    log_scale) -> (out, kv_state, key_sum, log_scale), after the functions it calls."""
+def causal_rescaled_chunks_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+    """The ONNX chunk form with per-key log scales, after the functions it calls:
+    CausalRescaledKernelChunks(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale) ->
+    out, as chunk_kernel_attention; every running max starts from the state's log_scale. The
+    carry across chunks is RescaledPrefixSum's, bounded in depth. It returns no state: that is a
+    second pass over the keys (AbsorbRescaledKeys), which the whole sequence must not pay for
+    (onnxruntime computes a function's unused outputs too)."""
     op = standard_opset(opset_version)
     RunningMax, LowerTriangle = running_max_functions(opset_version)
     ChunkRunningMax, RescaledPrefixSum = rescaled_prefix_functions(opset_version)
-    absorb = absorb_keys_functions(opset_version)[1]
+    chunk_size, chunked_rows, unchunked_rows = chunk_rows_functions(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
-    def CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
-        # as CausalRescaledKernelAttention, every running max starting from the state's log_scale
-        n = op.Shape(v, start=1, end=2)
-        f = op.Shape(phi_q, start=2)
-        dv = op.Shape(v, start=2)
-        # chunks no longer than the sequence: a decoding step (N = 1) pads nothing to a chunk
-        c = op.Max(op.Min(op.Constant(value_ints=[chunk]), n), op.Constant(value_ints=[1]))
-        zero, one, minus_one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[-1])
-        lowest = op.Constant(value_float=LOWEST_LOG_SCALE)
-        no_more = op.Constant(value_float=0.0)
-        chunks = op.Div(n + c - one, c)
-        pads = op.Concat(zero, zero, zero, zero, chunks * c - n, zero, axis=0)
-        q4 = op.Reshape(op.Pad(phi_q, pads), op.Concat(minus_one, chunks, c, f, axis=0))
-        k4 = op.Reshape(op.Pad(phi_k, pads), op.Concat(minus_one, chunks, c, f, axis=0))
-        v4 = op.Reshape(op.Pad(v, pads), op.Concat(minus_one, chunks, c, dv, axis=0))
-        s = op.Reshape(op.Pad(key_log_scale, pads, lowest), op.Concat(minus_one, chunks, c, axis=0))
+    def CausalRescaledKernelChunks(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
+        # phi_q, phi_k [G, N, F], key_log_scale [G, N, 1], v [G, N, Dv]; the state [G, F, Dv],
+        # [G, F] and [G, 1]
+        one, minus_one = op.Constant(value_ints=[1]), op.Constant(value_ints=[-1])
+        rows = op.Constant(value_ints=[0, 0, -1])
+        c = chunk_size(v, op.Constant(value_ints=[chunk]))
+        zero, lowest = op.Constant(value_float=0.0), op.Constant(value_float=LOWEST_LOG_SCALE)
+        q4 = chunked_rows(phi_q, c, zero)
+        k4 = chunked_rows(phi_k, c, zero)
+        v4 = chunked_rows(v, c, zero)
+        s = op.Reshape(chunked_rows(key_log_scale, c, lowest), rows)  # [G, chunks, c]
         seen = RunningMax(s, LowerTriangle(c))
         upto = op.Max(ChunkRunningMax(op.Gather(seen, op.Constant(value_int=-1), axis=2)), log_scale)
-        shifted = op.Pad(op.Slice(upto, zero, minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest)
+        shifted = op.Pad(
+            op.Slice(upto, op.Constant(value_ints=[0]), minus_one, one), op.Constant(value_ints=[0, 1, 0, 0]), lowest
+        )
         before = op.Max(shifted, log_scale)
         ref = op.Max(seen, op.Unsqueeze(before, minus_one))
-        decay = op.Exp(op.Min(op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one), no_more))
+        decay = op.Exp(op.Min(op.Unsqueeze(s, op.Constant(value_ints=[-2])) - op.Unsqueeze(ref, minus_one), zero))
         k4t = op.Transpose(k4, perm=[0, 1, 3, 2])
         scores = op.Trilu(op.MatMul(q4, k4t) * decay, upper=0)
         k_rel = k4 * op.Unsqueeze(op.Exp(s - op.Unsqueeze(upto, minus_one)), minus_one)
         kv = op.MatMul(op.Transpose(k_rel, perm=[0, 1, 3, 2]), v4)
         held = op.Unsqueeze(op.Exp(log_scale - before), minus_one)  # the state at each chunk's start
-        flat_kv = RescaledPrefixSum(op.Reshape(kv, op.Constant(value_ints=[0, 0, -1])), upto, before)
+        flat_kv = RescaledPrefixSum(op.Reshape(kv, rows), upto, before)
         flat_state = op.Reshape(kv_state, op.Constant(value_ints=[0, -1]))
         state = op.Reshape(flat_kv + held * op.Unsqueeze(flat_state, one), op.Shape(kv))
         earlier_sum = RescaledPrefixSum(op.ReduceSum(k_rel, op.Constant(value_ints=[2]), keepdims=0), upto, before)
@@ -214,11 +277,24 @@ def causal_rescaled_linear_attention_from_state_functions(opset_version: int, ch
         denominator = into * op.ReduceSum(
             q4 * op.Unsqueeze(earlier_sum, op.Constant(value_ints=[2])), last_axis, keepdims=1
         ) + op.ReduceSum(scores, last_axis, keepdims=1)
-        out = op.Reshape(
-            numerator / (denominator + op.Constant(value_float=eps)),
-            op.Concat(minus_one, chunks * c, dv, axis=0),
-        )
+        return unchunked_rows(numerator / (denominator + op.Constant(value_float=eps)), v)
+
+    return with_callees(CausalRescaledKernelChunks)
+
+
+@built_once
+def causal_rescaled_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
+    """ONNX form of causal_rescaled_linear_attention_from_state:
+    CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum,
+    log_scale) -> (out, kv_state, key_sum, log_scale), after the functions it calls."""
+    op = standard_opset(opset_version)
+    rescaled_chunks = causal_rescaled_chunks_functions(opset_version, chunk, eps)[-1]
+    absorb = absorb_keys_functions(opset_version)[1]
+
+    @script(ATTNREWRITE, default_opset=op)
+    def CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale):
+        out = rescaled_chunks(phi_q, phi_k, key_log_scale, v, kv_state, key_sum, log_scale)
         new_kv, new_sum, new_scale = absorb(phi_k, key_log_scale, v, kv_state, key_sum, log_scale)
-        return op.Slice(out, zero, n, one), new_kv, new_sum, new_scale
+        return out, new_kv, new_sum, new_scale
 
     return with_callees(CausalRescaledKernelAttentionFromState)
