@@ -7,8 +7,12 @@ above its ONNX lowering:
 - chunks.py: the chunk layout and the prefix sums and maxima over chunks, bounded in depth;
 - parallel.py: the bidirectional and causal forms over a whole sequence;
 - state.py: the causal forms continued from a state (a decoder's prefill and steps);
-- query_key_maps.py: calibration's learnable maps in front of a fixed feature map.
+- query_key_maps.py: calibration's learnable maps in front of a fixed feature map;
+- feature_map.py: what a kernel method supplies (its FeatureMap: phi in torch and ONNX, log
+  scales, feature count, constants) and the parallel entries' flatten -> kernel -> reshape;
+- recurrence.py: a method's recurrent form from its FeatureMap (KernelRecurrence), with the
+  state (recurrent_state.py), the torch module (recurrent_torch.py) and the ONNX entry
+  (recurrent_onnx.py).
 
-The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/;
-how a kernel method runs as a recurrence, in passes/kernel_recurrence.py.
+The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/.
 """
