@@ -19,6 +19,7 @@ from onnx import numpy_helper
 
 from attnrewrite.passes.kernel.feature_map import OnnxTerms
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.query_key_maps import QUERY_KEY_MAPS
 from attnrewrite.passes.kernel.recurrent_state import (
     KERNEL_STATE,
     LOG_SCALE,
@@ -133,7 +134,8 @@ class Body(FunctionNodes):
         """q (``which`` "q") or k through the fitted maps, where the entry has them."""
         if not self.plan.mapped:
             return x
-        return self("MatMul", self("Cast", x, to=FLOAT), "query_map" if which == "q" else "key_map")
+        query_map, key_map = QUERY_KEY_MAPS
+        return self("MatMul", self("Cast", x, to=FLOAT), query_map if which == "q" else key_map)
 
     def terms(self, q: str, k: str, keep: str) -> list[str]:
         """(phi_q, phi_k[, query log scale, key log scale]) of the method, q and k mapped."""
