@@ -1,16 +1,19 @@
 """The package's shape (docs/ARCHITECTURE.md): no import cycle, no module reaching for another's
 underscore names (bench scripts included), no arrow from the passes or the frontends up to the
-modules above them, no file over 900 lines, and the recurrent forms declared by the methods."""
+modules above them, no file over 900 lines, and the hooks (the recurrent forms among them)
+declared by the methods."""
 
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import networkx as nx
 import pytest
 
 from attnrewrite import passes
+from attnrewrite.passes import hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attnrewrite"
@@ -118,6 +121,30 @@ def test_no_file_over_the_limit():
     assert long == {}
 
 
+def test_every_method_declares_its_hooks():
+    """Every method module defines each hook passes/hooks.py lists: none is looked up with a
+    silent default."""
+    assert {name: hooks.undeclared(method) for name, method in passes.PASSES.items()} == dict.fromkeys(
+        passes.PASSES, []
+    )
+
+
+def test_a_misspelled_hook_is_refused():
+    """A method module whose exact_part is spelled exact_prt, or that has both or neither of
+    recurrence and NO_RECURRENCE, is refused (the registry raises at import), not taken as a
+    method that is never exact."""
+    misspelled = types.ModuleType("misspelled")
+    misspelled.__dict__.update({k: v for k, v in vars(passes.linear).items() if k != "exact_part"})
+    misspelled.exact_prt = passes.linear.exact_part
+    assert hooks.undeclared(misspelled) == ["defines no exact_part"]
+    misspelled.exact_part, misspelled.NO_RECURRENCE = passes.linear.exact_part, "no"
+    assert hooks.undeclared(misspelled) == [
+        "must define exactly one of recurrence and NO_RECURRENCE, not ['recurrence', 'NO_RECURRENCE']"
+    ]
+    misspelled.NO_WINDOW = "no"
+    assert "must define NO_WINDOW exactly when its Options have no window" in hooks.undeclared(misspelled)
+
+
 def test_every_method_declares_its_recurrence_and_the_shared_code_names_none():
     """A method has a recurrent form or says why not; what all recurrent forms share, and the
     ONNX splice of them, import no method."""
@@ -127,7 +154,9 @@ def test_every_method_declares_its_recurrence_and_the_shared_code_names_none():
     for shared in (
         "attnrewrite.passes.recurrent",
         "attnrewrite.onnx.recurrent",
-        "attnrewrite.passes.kernel_recurrence",
+        "attnrewrite.passes.kernel.recurrence",
+        "attnrewrite.passes.kernel.recurrent_onnx",
+        "attnrewrite.passes.kernel.recurrent_torch",
     ):
         taken = {module for module, _ in imported(PACKAGE_MODULES[shared], PACKAGE_MODULES)}
         assert taken & methods == set(), shared

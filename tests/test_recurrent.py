@@ -277,7 +277,7 @@ def axis_sizes(site, options) -> dict[str, int]:
     heads = site.num_heads or H
     kv_heads = site.kv_cache.kv_heads if site.kv_cache is not None else heads
     sizes = {"B": B, "H": heads, "Hkv": kv_heads, "G": B * heads, "D": D, "Dv": DV}
-    return {**sizes, "F": recurrent_form(site, options).feature_count(site)}
+    return {**sizes, "F": recurrent_form(site, options).feature_map.feature_count(site)}
 
 
 def run_onnx_steps(session, site, options, schedule: list[int], inputs) -> list[list[np.ndarray]]:

@@ -13,11 +13,11 @@
 - ``onnx_lowering(site, options, opset_version, weights=None) -> OnnxLowering``: model-local
   functions in domain ``attnrewrite`` with the same inputs, plus the constants (random
   features, projections) they read;
-- ``nothing_to_fit(options) -> None | reason`` (only where it can happen): why calibration cannot
-  fit this method; ``passes.nothing_to_fit`` answers None for methods without one;
-- ``exact_part(options, causal) -> None | ExactPart`` (only where it can happen): up to
-  which length the replacement is softmax attention itself (a window, N <= k, one chunk), so a
-  fidelity check can look past it; ``passes.exact_part`` answers None for methods without one.
+- ``nothing_to_fit(options) -> None | reason``: why calibration cannot fit this method
+  (``hooks.nothing_unfittable`` where it always can);
+- ``exact_part(options, causal) -> None | ExactPart``: up to which length the replacement is
+  softmax attention itself (a window, N <= k, one chunk), so a fidelity check can look past it
+  (``hooks.never_exact`` for a method never exact).
 
 Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_keep and write values back):
 - ``torch_module(..., learnable=True)``: every fittable value is an ``nn.Parameter``, initialised
@@ -34,19 +34,21 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
 - The lowering's ``constants`` are named as the module's ``state_dict()`` entries and hold the
   same values. ``weights`` (name -> np.ndarray, a fitted module's state) replaces them; for
   linear and hydra it also selects the ``Learned<Entry>`` function that applies the maps
-  (kernel.query_key_maps.with_query_key_maps). With ``weights=None`` and ``learnable=False`` the output is
+  (kernel.query_key_maps.with_learned_entry). With ``weights=None`` and ``learnable=False`` the output is
   exactly what it was before calibration existed.
 - Optional: ``attention_weights(q, k, key_keep=None)`` on the module, its normalized weights
   [..., Nq, Nk] (linear, favor, hedgehog), for the fitter's attention-weight cross-entropy; such
-  a method says for which options it has them with ``attention_weights_unavailable(options) ->
-  None | reason`` (``passes.attention_weights_unavailable`` answers for the others).
+  every method says for which options it has them with ``attention_weights_unavailable(options)
+  -> None | reason`` (``hooks.no_attention_weights(NAME)`` where it never has).
 
 Decoders that generate (passes/recurrent.py): a method that runs as a recurrence, carrying a
 fixed-size state instead of a KV cache, says so beside its other forms with ``recurrence(options)
--> Recurrence | str`` (linear, hedgehog and favor through passes/kernel_recurrence.py, window
-included; AFT-simple in aft.py); one that never does says why in ``NO_RECURRENCE``.
+-> Recurrence | str`` (linear, hedgehog and favor through passes/kernel/recurrence.py from their FeatureMap,
+window included; AFT-simple in aft.py); one that never does says why in ``NO_RECURRENCE``.
 
-Adding a method means adding a module here and listing it in ``_METHODS``. A kernel method can
+Adding a method means adding a module here and listing it in ``_METHODS``; building the registry
+checks that it declares every hook (passes/hooks.py), so a missing or misspelled one fails at
+import. A kernel method can
 take ``window`` (exact softmax over neighbouring blocks and sink keys, the kernel beyond, with
 ``window_next`` and ``sinks``: passes/window/); a method that cannot says why in ``NO_WINDOW``,
 which ``make_options`` reports.
@@ -60,11 +62,32 @@ import types
 import typing
 
 from attnrewrite.errors import AttnRewriteError
-from attnrewrite.passes import aft, efficient, favor, hedgehog, hydra, linear, linformer, lsh, nystrom, optional_torch
+from attnrewrite.passes import (
+    aft,
+    efficient,
+    favor,
+    hedgehog,
+    hooks,
+    hydra,
+    linear,
+    linformer,
+    lsh,
+    nystrom,
+    optional_torch,
+)
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.options import MethodOptions, OptionError
 
-_METHODS = (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient)
+
+def _declared(method: types.ModuleType) -> types.ModuleType:
+    """``method``, once it declares every hook (hooks.undeclared); TypeError saying what it lacks."""
+    problems = hooks.undeclared(method)
+    if problems:
+        raise TypeError(f"method module {method.__name__} {'; '.join(problems)}")
+    return method
+
+
+_METHODS = tuple(_declared(m) for m in (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient))
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 # Methods with the ``window`` option (passes/window/); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
@@ -79,22 +102,19 @@ def get_pass(name: str) -> types.ModuleType:
 
 def nothing_to_fit(method: types.ModuleType, options) -> str | None:
     """Why calibration cannot fit ``method`` with ``options``; None when it can."""
-    reason = getattr(method, "nothing_to_fit", None)
-    return reason(options) if reason is not None else None
+    return method.nothing_to_fit(options)
 
 
 def exact_part(method: types.ModuleType, options, causal: bool = False) -> ExactPart | None:
     """Where ``method`` with ``options`` is softmax attention itself (ExactPart): up to
     which length, and how many keys a query attends to exactly; None for a method never exact."""
-    exact = getattr(method, "exact_part", None)
-    return exact(options, causal) if exact is not None else None
+    return method.exact_part(options, causal)
 
 
 def attention_weights_unavailable(method: types.ModuleType, options) -> str | None:
     """Why ``method``'s modules cannot give the attention weights the fitter's cross-entropy
     compares; None when they can."""
-    unavailable = getattr(method, "attention_weights_unavailable", None)
-    return unavailable(options) if unavailable is not None else f"{method.NAME} gives no attention weights"
+    return method.attention_weights_unavailable(options)
 
 
 def method_and_options(to, **values) -> tuple[types.ModuleType, MethodOptions]:
@@ -131,7 +151,7 @@ def make_options(method: types.ModuleType, **values):
     hints = typing.get_type_hints(method.Options)
     converted = {}
     for key, value in values.items():
-        if key == "window" and "window" not in fields and hasattr(method, "NO_WINDOW"):
+        if key == "window" and "window" not in fields:  # such a method says why (hooks.NO_WINDOW)
             if _convert(value, int) != 0:  # 0 is "off", which such a method always is
                 raise OptionError(
                     f"method {method.NAME!r} cannot take window={value}: {method.NO_WINDOW} "

@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnxscript import script
 
-from attnrewrite.passes import feature_sums, recurrent
+from attnrewrite.passes import feature_sums, hooks, recurrent
 from attnrewrite.passes.feature_sums import TINY
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import sequence_sum_function
@@ -57,6 +57,8 @@ from attnrewrite.passes.recurrent import RecurrentLowering
 from attnrewrite.site import AttentionSite
 
 NAME = "aft"
+# calibration has values to fit, no length is exact, no attention weights (passes/hooks.py)
+nothing_to_fit, exact_part, attention_weights_unavailable = hooks.none_apply(NAME)
 VARIANTS = ("simple", "local")
 NO_WINDOW = (
     "AFT weighs keys by exp(k) per feature, not by q.k: there is no softmax to keep exact "

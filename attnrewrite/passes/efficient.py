@@ -32,7 +32,7 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes import feature_sums
+from attnrewrite.passes import feature_sums, hooks
 from attnrewrite.passes.feature_sums import TINY
 from attnrewrite.passes.kernel.parallel import causal_linear_attention, causal_linear_attention_functions
 from attnrewrite.passes.layout import flatten_heads_function, sequence_sum_function
@@ -42,6 +42,8 @@ from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, opti
 from attnrewrite.site import AttentionSite
 
 NAME = "efficient"
+# calibration has values to fit, no length is exact, no attention weights (passes/hooks.py)
+nothing_to_fit, exact_part, attention_weights_unavailable = hooks.none_apply(NAME)
 ZERO_SHOT_TEMPERATURE = 2.0  # times the site's scale * sqrt(head_dim); see the module docstring
 NO_WINDOW = (
     "each key feature is normalised over the whole sequence on its own, with no per-key weight "

@@ -50,30 +50,25 @@ import math
 import numpy as np
 from onnxscript import script
 
+from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel.feature_map import (
+    CausalTerms,
+    FeatureMap,
+    OnnxTerms,
+    entry_functions,
+    kernel_attention_function,
+    rescaled_kernel_attention_function,
+)
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, RESCALED_EPS
-from attnrewrite.passes.kernel.parallel import (
-    causal_rescaled_linear_attention,
-    causal_rescaled_linear_attention_functions,
-    linear_attention,
-    linear_attention_functions,
-)
-from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
-from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import (
-    ATTNREWRITE,
-    FLOAT,
-    OnnxLowering,
-    built_once,
-    standard_opset,
-    weighted,
-    with_callees,
-)
+from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention, linear_attention
+from attnrewrite.passes.kernel.recurrence import KernelRecurrence
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
 from attnrewrite.passes.window.lowering import windowed_kernel
 from attnrewrite.passes.window.settings import KernelScales, KernelUnit, Window
-from attnrewrite.passes.window.torch_form import windowed_kernel_attention
+from attnrewrite.passes.window.torch_form import module_windowed_attention
 from attnrewrite.site import AttentionSite
 
 NAME = "favor"
@@ -113,6 +108,9 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if not site.scale > 0:
         return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
     return None
+
+
+nothing_to_fit = hooks.nothing_unfittable
 
 
 exact_part = window_settings.exact_part
@@ -252,19 +250,7 @@ class FavorAttention(Module):
         else:
             phi_k, key_log_scale = key_features(log_k, keep, self.norm), kept_head_max(log_k, keep)
         scales = KernelScales(self.linear_log_weight, log_q.amax(dim=-1, keepdim=True), key_log_scale)
-        return windowed_kernel_attention(
-            phi_q,
-            phi_k,
-            q,
-            k,
-            v,
-            self.window,
-            scale=self.scale,
-            causal=self.causal,
-            key_keep=keep,
-            scales=scales,
-            eps=EPS,
-        )
+        return module_windowed_attention(self, phi_q, phi_k, q, k, v, keep, scales, EPS)
 
     def attention_weights(self, q, k, key_keep=None):
         """The normalized weights [..., Nq, Nk] the features give each key, N x N: for the
@@ -335,10 +321,8 @@ def onnx_lowering(
         else:
             keys = _head_key_features_function(op, norm, site.mask.key_padding)
             entry = _favor_function(opset_version, features, keys)
-    functions = [fn.to_function_proto() for fn in with_callees(entry)]
-    if window is not None and site.mask.causal:
-        functions[-1].name = "CausalWindowedFavor"
-    return OnnxLowering(functions, constants)
+    name = "CausalWindowedFavor" if window is not None and site.mask.causal else None
+    return OnnxLowering(entry_functions(entry, name), constants)
 
 
 def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
@@ -513,16 +497,12 @@ def _favor_features_function(op, root_scale: float, project, log_features, query
 def _favor_function(opset_version: int, favor_features, key_features):
     """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernel.parallel.linear_attention)."""
     op = standard_opset(opset_version)
-    flatten = flatten_heads_function(opset_version)
-    kernel = linear_attention_functions(opset_version, EPS)[-1]
+    kernel = kernel_attention_function(opset_version, False, 1, EPS)
 
     @script(ATTNREWRITE, default_opset=op)
     def Favor(q, k, v, key_keep, projection):
         phi_q, log_k = favor_features(q, k, projection)
-        phi_k = key_features(log_k, op.Cast(key_keep, to=FLOAT))
-        out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
-        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-        return op.CastLike(op.Reshape(out, out_shape), v)
+        return kernel(phi_q, key_features(log_k, op.Cast(key_keep, to=FLOAT)), v)
 
     return Favor
 
@@ -532,16 +512,13 @@ def _causal_favor_function(opset_version: int, chunk: int, favor_features, causa
     """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
     (kernel.parallel.causal_rescaled_linear_attention)."""
     op = standard_opset(opset_version)
-    flatten = flatten_heads_function(opset_version)
-    kernel = causal_rescaled_linear_attention_functions(opset_version, chunk, EPS)[-1]
+    kernel = rescaled_kernel_attention_function(opset_version, chunk, EPS)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalFavor(q, k, v, key_keep, projection):
         phi_q, log_k = favor_features(q, k, projection)
         phi_k, log_scale = causal_key_features(log_k, op.Cast(key_keep, to=FLOAT))
-        out = kernel(flatten(phi_q), flatten(phi_k), flatten(log_scale), flatten(v))
-        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-        return op.CastLike(op.Reshape(out, out_shape), v)
+        return kernel(phi_q, phi_k, log_scale, v)
 
     return CausalFavor
 
@@ -577,71 +554,70 @@ def _windowed_favor_function(site: AttentionSite, window: Window, opset_version:
     return WindowedFavor
 
 
-# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
+# --- the recurrent form (passes/kernel/recurrence.py) ---------------------------------------------
+
+
+class FavorFeatureMap(FeatureMap):
+    """Causal FAVOR+: each query over its row max and each key over its own max
+    (causal_key_features), the maxima as their log scales; window or not, its unit is UNIT."""
+
+    entry = "Favor"
+    unit = UNIT
+
+    def feature_count(self, site: AttentionSite) -> int:
+        return feature_count(projection_for(site, self.options), self.options.variant)
+
+    def torch_terms(self, module: FavorAttention, q, k, keep) -> CausalTerms:
+        w, hyperbolic = module.projection.float(), module.variant == "hyperbolic"
+        log_q = log_features(q.float() * module.root_scale, w, hyperbolic)
+        log_k = log_features(k.float() * module.root_scale, w, hyperbolic)
+        phi_k, key_log_scale = causal_key_features(log_k, keep, module.norm)
+        query_log_scale = log_q.amax(dim=-1, keepdim=True)
+        return CausalTerms(query_features(log_q, module.norm), phi_k, query_log_scale, key_log_scale)
+
+    def onnx_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """FavorCausalTerms(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
+        scale), as torch_terms."""
+        op = standard_opset(opset_version)
+        norm = 1 / math.sqrt(self.feature_count(site))
+        log_features = _log_features_functions(op, self.options.variant)[1]
+        causal_key_features = _causal_key_features_function(op, norm, masked=True)
+        FavorQueryTerms = self.onnx_query_terms(site, opset_version).function
+        root_scale = math.sqrt(site.scale)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def FavorCausalTerms(q, k, keep, projection):
+            w = op.Cast(projection, to=FLOAT)
+            log_k = log_features(op.Cast(k, to=FLOAT) * op.Constant(value_float=root_scale), w)
+            phi_k, key_log_scale = causal_key_features(log_k, keep)
+            phi_q, query_log_scale = FavorQueryTerms(q, projection)
+            return phi_q, phi_k, query_log_scale, key_log_scale
+
+        return OnnxTerms(FavorCausalTerms, ("projection",))
+
+    def onnx_query_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """FavorQueryTerms(q, projection) -> (phi_q, query log scale), the query over its row
+        max, which is its log scale."""
+        op = standard_opset(opset_version)
+        norm = 1 / math.sqrt(self.feature_count(site))
+        root_scale = math.sqrt(site.scale)
+        log_features = _log_features_functions(op, self.options.variant)[1]
+        query_features = _query_features_function(op, norm)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def FavorQueryTerms(q, projection):
+            log_q = log_features(
+                op.Cast(q, to=FLOAT) * op.Constant(value_float=root_scale), op.Cast(projection, to=FLOAT)
+            )
+            return query_features(log_q), op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
+
+        return OnnxTerms(FavorQueryTerms, ("projection",))
+
+    def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
+        return onnx_constants(site, self.options, weights)
 
 
 def recurrence(options: Options) -> KernelRecurrence:
     """Causal FAVOR+ is a recurrence over its features' sums, relative to the max of the
-    absorbed keys' log scales (carried in the state): window or not, its unit is UNIT."""
-    return KernelRecurrence(
-        options,
-        entry="Favor",
-        unit=UNIT,
-        feature_count=lambda site: feature_count(projection_for(site, options), options.variant),
-        torch_terms=causal_terms,
-        onnx_terms=causal_terms_function,
-        onnx_query_terms=query_terms_function,
-        constants=onnx_constants,
-    )
-
-
-def causal_terms(module: FavorAttention, q, k, keep) -> CausalTerms:
-    """What the causal form reads of q, k and keep: each query over its row max and each key
-    over its own max (causal_key_features), the maxima as their log scales."""
-    w, hyperbolic = module.projection.float(), module.variant == "hyperbolic"
-    log_q = log_features(q.float() * module.root_scale, w, hyperbolic)
-    log_k = log_features(k.float() * module.root_scale, w, hyperbolic)
-    phi_k, key_log_scale = causal_key_features(log_k, keep, module.norm)
-    query_log_scale = log_q.amax(dim=-1, keepdim=True)
-    return CausalTerms(query_features(log_q, module.norm), phi_k, query_log_scale, key_log_scale)
-
-
-def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1], as causal_terms: FavorCausalTerms(q, k, keep, projection) ->
-    (phi_q, phi_k, query log scale, key log scale), each query over its row max and each key over
-    its own max (causal_key_features), the maxima as their log scales."""
-    op = standard_opset(opset_version)
-    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
-    root_scale = math.sqrt(site.scale)
-    log_features = _log_features_functions(op, options.variant)[1]
-    causal_key_features = _causal_key_features_function(op, norm, masked=True)
-    FavorQueryTerms = query_terms_function(site, options, opset_version)[0]
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorCausalTerms(q, k, keep, projection):
-        w = op.Cast(projection, to=FLOAT)
-        log_k = log_features(op.Cast(k, to=FLOAT) * op.Constant(value_float=root_scale), w)
-        phi_k, key_log_scale = causal_key_features(log_k, keep)
-        phi_q, query_log_scale = FavorQueryTerms(q, projection)
-        return phi_q, phi_k, query_log_scale, key_log_scale
-
-    return FavorCausalTerms, ("projection",)
-
-
-def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): what a step's query reads (the keys' terms are read when they
-    join the state): FavorQueryTerms(q, projection) -> (phi_q, query log scale), the query
-    over its row max, which is its log scale."""
-    op = standard_opset(opset_version)
-    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
-    root_scale = math.sqrt(site.scale)
-    log_features = _log_features_functions(op, options.variant)[1]
-    query_features = _query_features_function(op, norm)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorQueryTerms(q, projection):
-        log_q = log_features(op.Cast(q, to=FLOAT) * op.Constant(value_float=root_scale), op.Cast(projection, to=FLOAT))
-        return query_features(log_q), op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-
-    return FavorQueryTerms, ("projection",)
+    absorbed keys' log scales (carried in the state)."""
+    return KernelRecurrence(FavorFeatureMap(options))

@@ -37,19 +37,18 @@ import math
 import numpy as np
 from onnxscript import script
 
-from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
-from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions, linear_attention_functions
-from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
-from attnrewrite.passes.layout import fitted_heads, flatten_heads_function, key_mask_function
-from attnrewrite.passes.lowering import (
-    ATTNREWRITE,
-    FLOAT,
-    OnnxLowering,
-    built_once,
-    standard_opset,
-    weighted,
-    with_callees,
+from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel.feature_map import (
+    CausalTerms,
+    FeatureMap,
+    OnnxTerms,
+    entry_functions,
+    kernel_attention_function,
 )
+from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
+from attnrewrite.passes.kernel.recurrence import KernelRecurrence
+from attnrewrite.passes.layout import fitted_heads, key_mask_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -93,6 +92,9 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.head_dim is None:
         return "the head dimension is unknown, and the feature map W [d, d] is sized at rewrite time"
     return None
+
+
+nothing_to_fit = hooks.nothing_unfittable
 
 
 exact_part = window_settings.exact_part
@@ -208,7 +210,6 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (weight, bias, linear_log_weight) as numpy arrays."""
     op = standard_opset(opset_version)
-    flatten = flatten_heads_function(opset_version)
     HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
     window = Window.of(options)
 
@@ -254,27 +255,16 @@ def onnx_lowering(
             )
             return op.CastLike(out, v)
 
-        entry = WindowedHedgehog.to_function_proto()
-        entry.name = "CausalWindowedHedgehog" if site.mask.causal else "WindowedHedgehog"
-        functions = with_callees(WindowedHedgehog)[:-1]
+        functions = entry_functions(WindowedHedgehog, "CausalWindowedHedgehog" if site.mask.causal else None)
     else:
-        if site.mask.causal:
-            *callees, kernel = causal_linear_attention_functions(opset_version, options.chunk)
-        else:
-            *callees, kernel = linear_attention_functions(opset_version)
+        kernel = kernel_attention_function(opset_version, site.mask.causal, options.chunk)
 
         @script(ATTNREWRITE, default_opset=op)
         def Hedgehog(q, k, v, key_keep, weight, bias):
-            phi_q = HedgehogFeatures(q, weight, bias)
-            phi_k = HedgehogFeatures(k, weight, bias) * key_keep
-            out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
-            out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-            return op.CastLike(op.Reshape(out, out_shape), v)
+            return kernel(HedgehogFeatures(q, weight, bias), HedgehogFeatures(k, weight, bias) * key_keep, v)
 
-        entry = Hedgehog.to_function_proto()
-        entry.name = "CausalHedgehog" if site.mask.causal else "Hedgehog"
-        functions = [HedgehogFeatures, flatten, *callees, kernel]
-    return OnnxLowering([*(f.to_function_proto() for f in functions), entry], onnx_constants(site, options, weights))
+        functions = entry_functions(Hedgehog, "CausalHedgehog" if site.mask.causal else None)
+    return OnnxLowering(functions, onnx_constants(site, options, weights))
 
 
 def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
@@ -314,70 +304,71 @@ def _log_scale_functions(op, root_scale: float):
     return HedgehogLogScale, HedgehogKeyLogScale
 
 
-# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
+# --- the recurrent form (passes/kernel/recurrence.py) ---------------------------------------------
+
+
+class HedgehogFeatureMap(FeatureMap):
+    """[softmax(z), softmax(-z)] (HedgehogAttention.features); with a window, in log scaled
+    units (WINDOW_UNIT): the state carries their max log scale too."""
+
+    entry = "Hedgehog"
+
+    @property
+    def unit(self) -> KernelUnit:
+        return WINDOW_UNIT if self.options.window else KernelUnit.SHARED
+
+    def feature_count(self, site: AttentionSite) -> int | str:
+        return "F" if site.head_dim is None else 2 * site.head_dim  # softmax(z), softmax(-z)
+
+    def torch_terms(self, module: HedgehogAttention, q, k, keep) -> CausalTerms:
+        """The features (padded keys' zero), and with a window the log scales and local_max_weight."""
+        phi_q, phi_k = module.features(q), module.features(k) * keep
+        if module.window is None:
+            return CausalTerms(phi_q, phi_k)
+        query_log_scale, key_log_scale = module.log_scales(q, k, keep)
+        return CausalTerms(phi_q, phi_k, query_log_scale, key_log_scale, module.local_max_weight)
+
+    def onnx_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """HedgehogCausalTerms(q, k, keep, weight, bias) -> (phi_q, phi_k), with a window
+        HedgehogWindowedTerms(..., query_log_scale, key_log_scale) -> (phi_q, phi_k, query log
+        scale, key log scale), as torch_terms."""
+        op = standard_opset(opset_version)
+        HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
+
+        @script(ATTNREWRITE, default_opset=op)
+        def HedgehogCausalTerms(q, k, keep, weight, bias):
+            return HedgehogFeatures(q, weight, bias), HedgehogFeatures(k, weight, bias) * keep
+
+        if not self.options.window:
+            return OnnxTerms(HedgehogCausalTerms, ("weight", "bias"))
+        HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
+
+        @script(ATTNREWRITE, default_opset=op)
+        def HedgehogWindowedTerms(q, k, keep, weight, bias, query_log_scale, key_log_scale):
+            phi_q, phi_k = HedgehogCausalTerms(q, k, keep, weight, bias)
+            return phi_q, phi_k, HedgehogLogScale(q, query_log_scale), HedgehogKeyLogScale(k, key_log_scale, keep)
+
+        return OnnxTerms(HedgehogWindowedTerms, ("weight", "bias", "query_log_scale", "key_log_scale"))
+
+    def onnx_query_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """HedgehogFeatures(q, weight, bias), with a window HedgehogQueryTerms(q, weight, bias,
+        query_log_scale) -> (phi_q, query log scale)."""
+        op = standard_opset(opset_version)
+        HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
+        if not self.options.window:
+            return OnnxTerms(HedgehogFeatures, ("weight", "bias"))
+        HedgehogLogScale = _log_scale_functions(op, math.sqrt(site.scale))[0]
+
+        @script(ATTNREWRITE, default_opset=op)
+        def HedgehogQueryTerms(q, weight, bias, query_log_scale):
+            return HedgehogFeatures(q, weight, bias), HedgehogLogScale(q, query_log_scale)
+
+        return OnnxTerms(HedgehogQueryTerms, ("weight", "bias", "query_log_scale"))
+
+    def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
+        return onnx_constants(site, self.options, weights)
 
 
 def recurrence(options: Options) -> KernelRecurrence:
-    """Causal Hedgehog is a recurrence over its features' sums; with a window, in log scaled
-    units (WINDOW_UNIT), the state carries their max log scale too."""
-    return KernelRecurrence(
-        options,
-        entry="Hedgehog",
-        unit=WINDOW_UNIT if options.window else KernelUnit.SHARED,
-        feature_count=lambda site: "F" if site.head_dim is None else 2 * site.head_dim,  # softmax(z), softmax(-z)
-        torch_terms=causal_terms,
-        onnx_terms=causal_terms_function,
-        onnx_query_terms=query_terms_function,
-        constants=onnx_constants,
-    )
-
-
-def causal_terms(module: HedgehogAttention, q, k, keep) -> CausalTerms:
-    """What the causal form reads of q, k and keep: the features (padded keys' zero), and with
-    a window the log scales and local_max_weight."""
-    phi_q, phi_k = module.features(q), module.features(k) * keep
-    if module.window is None:
-        return CausalTerms(phi_q, phi_k)
-    query_log_scale, key_log_scale = module.log_scales(q, k, keep)
-    return CausalTerms(phi_q, phi_k, query_log_scale, key_log_scale, module.local_max_weight)
-
-
-def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1], as causal_terms, padded keys' features zero: HedgehogCausalTerms
-    (q, k, keep, weight, bias) -> (phi_q, phi_k), with a window HedgehogWindowedTerms(...,
-    query_log_scale, key_log_scale) -> (phi_q, phi_k, query log scale, key log scale)."""
-    op = standard_opset(opset_version)
-    HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HedgehogCausalTerms(q, k, keep, weight, bias):
-        return HedgehogFeatures(q, weight, bias), HedgehogFeatures(k, weight, bias) * keep
-
-    if not options.window:
-        return HedgehogCausalTerms, ("weight", "bias")
-    HedgehogLogScale, HedgehogKeyLogScale = _log_scale_functions(op, math.sqrt(site.scale))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HedgehogWindowedTerms(q, k, keep, weight, bias, query_log_scale, key_log_scale):
-        phi_q, phi_k = HedgehogCausalTerms(q, k, keep, weight, bias)
-        return phi_q, phi_k, HedgehogLogScale(q, query_log_scale), HedgehogKeyLogScale(k, key_log_scale, keep)
-
-    return HedgehogWindowedTerms, ("weight", "bias", "query_log_scale", "key_log_scale")
-
-
-def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): what a step's query reads (the keys' terms are read when they
-    join the state): HedgehogFeatures(q, weight, bias), with a window HedgehogQueryTerms(q,
-    weight, bias, query_log_scale) -> (phi_q, query log scale)."""
-    op = standard_opset(opset_version)
-    HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
-    if not options.window:
-        return HedgehogFeatures, ("weight", "bias")
-    HedgehogLogScale = _log_scale_functions(op, math.sqrt(site.scale))[0]
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HedgehogQueryTerms(q, weight, bias, query_log_scale):
-        return HedgehogFeatures(q, weight, bias), HedgehogLogScale(q, query_log_scale)
-
-    return HedgehogQueryTerms, ("weight", "bias", "query_log_scale")
+    """Causal Hedgehog is a recurrence over its features' sums."""
+    return KernelRecurrence(HedgehogFeatureMap(options))

@@ -22,12 +22,13 @@ import math
 import onnx
 from onnxscript import script
 
+from attnrewrite.passes import hooks
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function
 from attnrewrite.passes.kernel.query_key_maps import (
-    add_query_key_maps,
     map_queries_and_keys,
     query_key_map_values,
     with_learned_entry,
+    with_query_key_maps,
 )
 from attnrewrite.passes.layout import key_mask_function, sequence_sum_function
 from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, with_callees
@@ -36,6 +37,8 @@ from attnrewrite.passes.options import UNUSED_SEED, Above, AtLeast, MethodOption
 from attnrewrite.site import AttentionSite
 
 NAME = "hydra"
+# calibration has values to fit, no length is exact, no attention weights (passes/hooks.py)
+nothing_to_fit, exact_part, attention_weights_unavailable = hooks.none_apply(NAME)
 # Positions per CumSum in the causal ONNX body: a bounded axis (a running sum on CPU; on CUDA
 # each output reads at most this many inputs), the chunks' totals summed by MatMuls.
 CAUSAL_CHUNK = 64
@@ -94,10 +97,7 @@ class HydraAttention(Module):
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HydraAttention:
     """``learnable``: with identity query/key maps as parameters (kernel.query_key_maps)."""
-    module = HydraAttention(site.mask.causal, feature_axes(site), options.eps)
-    if learnable:
-        add_query_key_maps(module, site)
-    return module
+    return with_query_key_maps(HydraAttention(site.mask.causal, feature_axes(site), options.eps), site, learnable)
 
 
 def onnx_lowering(

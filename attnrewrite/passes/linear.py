@@ -9,7 +9,7 @@ previous one, the next one (bidirectional, ``window_next``) and the first ``sink
 elu+1 over the rest, one normaliser; a per-head ``linear_log_weight`` (an nn.Parameter, 0 at
 first) weighs the kernel part.
 
-Causal linear attention is a recurrence (``recurrence``, passes/kernel_recurrence.py): its state
+Causal linear attention is a recurrence (``recurrence``, passes/kernel/recurrence.py): its state
 is sum phi(k) v^T and sum phi(k), with the window's last keys where it has one.
 """
 
@@ -20,16 +20,23 @@ import dataclasses
 import onnx
 from onnxscript import script
 
-from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions, linear_attention_functions
+from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel.feature_map import (
+    CausalTerms,
+    FeatureMap,
+    OnnxTerms,
+    entry_functions,
+    kernel_attention_function,
+)
 from attnrewrite.passes.kernel.query_key_maps import (
-    add_query_key_maps,
     map_queries_and_keys,
     query_key_map_values,
     with_learned_entry,
+    with_query_key_maps,
 )
-from attnrewrite.passes.kernel_recurrence import CausalTerms, KernelRecurrence
-from attnrewrite.passes.layout import flatten_heads_function, key_mask_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, weighted, with_callees
+from attnrewrite.passes.kernel.recurrence import KernelRecurrence
+from attnrewrite.passes.layout import key_mask_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -59,6 +66,9 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed by a kernel feature map"
     return None
+
+
+nothing_to_fit = hooks.nothing_unfittable
 
 
 exact_part = window_settings.exact_part
@@ -101,7 +111,7 @@ class LinearAttention(Module):
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
-    """``learnable``: with identity query/key maps as parameters (query_key_maps.add_query_key_maps);
+    """``learnable``: with identity query/key maps as parameters (query_key_maps.with_query_key_maps);
     the window's linear_log_weight is an nn.Parameter either way."""
     window = Window.of(options)
     if window is None:
@@ -110,9 +120,7 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
         module = LinearAttention(
             site.mask.causal, options.chunk, site.scale, window, window_settings.initial_linear_log_weight(site)
         )
-    if learnable:
-        add_query_key_maps(module, site)
-    return module
+    return with_query_key_maps(module, site, learnable)
 
 
 def onnx_lowering(
@@ -137,30 +145,20 @@ def onnx_constants(site: AttentionSite, options: Options, weights: dict | None =
 
 def _plain_functions(site: AttentionSite, options: Options, opset_version: int) -> list[onnx.FunctionProto]:
     op = standard_opset(opset_version)
-    if site.mask.causal:
-        *callees, kernel = causal_linear_attention_functions(opset_version, options.chunk)
-    else:
-        *callees, kernel = linear_attention_functions(opset_version)
-    flatten = flatten_heads_function(opset_version)
+    phi = features_function(opset_version)
+    kernel = kernel_attention_function(opset_version, site.mask.causal, options.chunk)
     keys = key_mask_function(opset_version, site.mask.key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def LinearAttention(q, k, v, key_keep):
-        one = op.Constant(value_float=1.0)
-        phi_q = op.Elu(op.Cast(q, to=FLOAT)) + one
-        phi_k = keys(op.Elu(op.Cast(k, to=FLOAT)) + one, key_keep)
-        out = kernel(flatten(phi_q), flatten(phi_k), flatten(v))
-        out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
-        return op.CastLike(op.Reshape(out, out_shape), v)
+        return kernel(phi(q), keys(phi(k), key_keep), v)
 
-    fn = LinearAttention.to_function_proto()
-    if site.mask.causal:
-        fn.name = "CausalLinearAttention"
-    return [*(f.to_function_proto() for f in (keys, flatten, *callees, kernel)), fn]
+    return entry_functions(LinearAttention, "CausalLinearAttention" if site.mask.causal else None)
 
 
 def _windowed_functions(site: AttentionSite, window: Window, opset_version: int) -> list[onnx.FunctionProto]:
     op = standard_opset(opset_version)
+    phi = features_function(opset_version)
     window_inputs, kernel = windowed_kernel(window, site, opset_version, KernelUnit.SHARED)
     # bidirectional: a key that is not kept weighs 0 through its [v, 1] row, so phi_k needs no
     # product by keep; causal: only with key padding (the far sums read phi_k as it is)
@@ -169,60 +167,55 @@ def _windowed_functions(site: AttentionSite, window: Window, opset_version: int)
     @script(ATTNREWRITE, default_opset=op)
     def WindowedLinearAttention(q, k, v, key_keep, linear_log_weight):
         q_in, k_in, keep = window_inputs(q, k, key_keep)
-        one = op.Constant(value_float=1.0)
-        phi_q = op.Elu(op.Cast(q_in, to=FLOAT)) + one
-        phi_k = keys(op.Elu(op.Cast(k_in, to=FLOAT)) + one, keep)
-        return op.CastLike(kernel(phi_q, phi_k, q_in, k_in, v, keep, linear_log_weight), v)
+        return op.CastLike(kernel(phi(q_in), keys(phi(k_in), keep), q_in, k_in, v, keep, linear_log_weight), v)
 
-    fn = WindowedLinearAttention.to_function_proto()
-    if site.mask.causal:
-        fn.name = "CausalWindowedLinearAttention"
-    return [*(f.to_function_proto() for f in with_callees(WindowedLinearAttention)[:-1]), fn]
+    return entry_functions(WindowedLinearAttention, "CausalWindowedLinearAttention" if site.mask.causal else None)
 
 
-# --- the recurrent form (passes/kernel_recurrence.py) ---------------------------------------------
-
-
-def recurrence(options: Options) -> KernelRecurrence:
-    return KernelRecurrence(
-        options,
-        entry="LinearAttention",
-        unit=KernelUnit.SHARED,
-        feature_count=lambda site: "F" if site.head_dim is None else site.head_dim,
-        torch_terms=causal_terms,
-        onnx_terms=causal_terms_function,
-        onnx_query_terms=query_terms_function,
-        constants=onnx_constants,
-    )
-
-
-def causal_terms(module: LinearAttention, q, k, keep) -> CausalTerms:
-    """What the causal form reads of q, k and keep: elu+1 features, padded keys' zero."""
-    return CausalTerms(elu_plus_one(q), elu_plus_one(k) * keep)
-
-
-def causal_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): what the causal form reads of q [..., N, d], k [..., N', d]
-    and keep [..., N', 1], as causal_terms: LinearCausalTerms(q, k, keep) -> (phi_q, phi_k),
-    padded keys' features zero."""
-    op = standard_opset(opset_version)
-
-    LinearFeatures = query_terms_function(site, options, opset_version)[0]
-
-    @script(ATTNREWRITE, default_opset=op)
-    def LinearCausalTerms(q, k, keep):
-        return LinearFeatures(q), LinearFeatures(k) * keep
-
-    return LinearCausalTerms, ()
-
-
-def query_terms_function(site: AttentionSite, options: Options, opset_version: int):
-    """(function, its constants): LinearFeatures(x) -> elu(x) + 1 in float32, what a step's
-    query reads (the keys' are read when they join the state)."""
+@built_once
+def features_function(opset_version: int):
+    """LinearFeatures(x): elu(x) + 1 in float32, as elu_plus_one."""
     op = standard_opset(opset_version)
 
     @script(ATTNREWRITE, default_opset=op)
     def LinearFeatures(x):
         return op.Elu(op.Cast(x, to=FLOAT)) + op.Constant(value_float=1.0)
 
-    return LinearFeatures, ()
+    return LinearFeatures
+
+
+# --- the recurrent form (passes/kernel/recurrence.py) ---------------------------------------------
+
+
+class LinearFeatureMap(FeatureMap):
+    """elu + 1, of q and k as they are (or as a learnable module's maps give them)."""
+
+    entry = "LinearAttention"
+    unit = KernelUnit.SHARED
+
+    def feature_count(self, site: AttentionSite) -> int | str:
+        return "F" if site.head_dim is None else site.head_dim
+
+    def torch_terms(self, module: LinearAttention, q, k, keep) -> CausalTerms:
+        return CausalTerms(elu_plus_one(q), elu_plus_one(k) * keep)
+
+    def onnx_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """LinearCausalTerms(q, k, keep) -> (phi_q, phi_k), padded keys' features zero."""
+        op = standard_opset(opset_version)
+        phi = features_function(opset_version)
+
+        @script(ATTNREWRITE, default_opset=op)
+        def LinearCausalTerms(q, k, keep):
+            return phi(q), phi(k) * keep
+
+        return OnnxTerms(LinearCausalTerms)
+
+    def onnx_query_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        return OnnxTerms(features_function(opset_version))
+
+    def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
+        return onnx_constants(site, self.options, weights)
+
+
+def recurrence(options: Options) -> KernelRecurrence:
+    return KernelRecurrence(LinearFeatureMap(options))

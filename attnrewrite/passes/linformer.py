@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 from onnxscript import script
 
+from attnrewrite.passes import hooks
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.layout import flatten_heads_function, key_keep_function
 from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
@@ -81,6 +82,9 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask.causal:
         return "Linformer mixes every position into each projected key, so a causal mask cannot be expressed"
     return None
+
+
+attention_weights_unavailable = hooks.no_attention_weights(NAME)
 
 
 def exact_part(options: Options, causal: bool = False) -> ExactPart | None:

@@ -40,6 +40,7 @@ import onnx
 from onnx import helper
 from onnxscript import script
 
+from attnrewrite.passes import hooks
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.layout import flatten_heads_function, key_keep_function
 from attnrewrite.passes.lowering import (
@@ -86,6 +87,9 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.head_dim is None:
         return "the head dimension is unknown, and the LSH rotations are drawn for it"
     return None
+
+
+attention_weights_unavailable = hooks.no_attention_weights(NAME)
 
 
 def exact_part(options: Options, causal: bool = False) -> ExactPart | None:

@@ -46,6 +46,7 @@ import numpy as np
 import onnx
 from onnxscript import script
 
+from attnrewrite.passes import hooks
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.layout import fitted_heads, flatten_heads_function, key_keep_function
 from attnrewrite.passes.lowering import (
@@ -89,6 +90,10 @@ def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask.causal:
         return "Nystromformer's landmarks mix every position of a segment, so a causal mask cannot be expressed"
     return None
+
+
+nothing_to_fit = hooks.nothing_unfittable
+attention_weights_unavailable = hooks.no_attention_weights(NAME)
 
 
 def exact_part(options: Options, causal: bool = False) -> ExactPart:

@@ -11,8 +11,8 @@ after)). One code path serves prefill (N new tokens from the zero state) and dec
 stepping it token by token gives the parallel causal form's outputs on the whole sequence,
 rounding aside. An all-zero state is the initial one, and padded keys (key_keep 0) never enter it.
 
-The forms: the kernel methods' (linear, hedgehog, favor, window included) in
-passes/kernel_recurrence.py, causal AFT-simple's in passes/aft.py.
+The forms: the kernel methods' (linear, hedgehog, favor, window included) in passes/kernel/
+(recurrence.py, from each method's FeatureMap), causal AFT-simple's in passes/aft.py.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ class StateTensor:
     initial: float
     meaning: str
 
+    @property
+    def output_name(self) -> str:
+        """The name of this tensor after a call, among the lowering entry's outputs."""
+        return f"{self.name}_out"
+
 
 def leading_axes(site: AttentionSite) -> tuple[str, ...]:
     """A state tensor's leading axes: q's, [B, H] or [G]."""
@@ -66,7 +71,7 @@ def key_value_axes(site: AttentionSite) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class RecurrentLowering(OnnxLowering):
-    """An OnnxLowering whose entry also takes and returns ``state`` (outputs ``<name>_out``).
+    """An OnnxLowering whose entry also takes and returns ``state`` (outputs StateTensor.output_name).
     ``key_value_groups``: the entry's k and v have one head per key/value head, each serving
     that many query heads (1: they have q's heads)."""
 
@@ -99,8 +104,8 @@ class Recurrence(abc.ABC):
 
 def recurrence(method: types.ModuleType, options) -> Recurrence | str:
     """``method``'s recurrent form with ``options``, or why it has none."""
-    declared = getattr(method, "recurrence", None)
-    return declared(options) if declared is not None else method.NO_RECURRENCE
+    # a method module defines exactly one of the two (checked at import: passes/hooks.py)
+    return method.recurrence(options) if hasattr(method, "recurrence") else method.NO_RECURRENCE
 
 
 def recurrent_refusal(method: types.ModuleType, options) -> str | None:

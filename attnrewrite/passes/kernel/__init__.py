@@ -10,8 +10,12 @@ above its ONNX lowering:
 - parallel.py: the bidirectional form, and the causal ones over a whole sequence: state.py's
   started from no state;
 - naive.py: the N x N reference every form is tested against, in the chunk form's signature;
-- query_key_maps.py: calibration's learnable maps in front of a fixed feature map.
+- query_key_maps.py: calibration's learnable maps in front of a fixed feature map;
+- feature_map.py: what a kernel method supplies (its FeatureMap: phi in torch and ONNX, log
+  scales, feature count, constants) and the parallel entries' flatten -> kernel -> reshape;
+- recurrence.py: a method's recurrent form from its FeatureMap (KernelRecurrence), with the
+  state (recurrent_state.py), the torch module (recurrent_torch.py) and the ONNX entry
+  (recurrent_onnx.py).
 
-The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/;
-how a kernel method runs as a recurrence, in passes/kernel_recurrence.py.
+The window hybrid (exact softmax nearby, a kernel beyond) is built on these in passes/window/.
 """

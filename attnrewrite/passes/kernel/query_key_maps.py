@@ -22,11 +22,14 @@ def query_key_map_shape(site) -> tuple[int, int, int]:
     return fitted_heads(site), site.head_dim, site.head_dim
 
 
-def add_query_key_maps(module, site) -> None:
-    """Register identity maps as the module's trainable ``query_map`` and ``key_map``."""
-    heads, d, _ = query_key_map_shape(site)
-    for name in QUERY_KEY_MAPS:
-        module.register_parameter(name, torch.nn.Parameter(torch.eye(d).repeat(heads, 1, 1)))
+def with_query_key_maps(module, site, learnable: bool):
+    """``module``, with identity maps registered as its trainable ``query_map`` and ``key_map``
+    where it is ``learnable``."""
+    if learnable:
+        heads, d, _ = query_key_map_shape(site)
+        for name in QUERY_KEY_MAPS:
+            module.register_parameter(name, torch.nn.Parameter(torch.eye(d).repeat(heads, 1, 1)))
+    return module
 
 
 def map_queries_and_keys(module, q, k):

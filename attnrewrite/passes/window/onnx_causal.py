@@ -12,15 +12,8 @@ from onnxscript import OnnxFunction, script
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, NO_EXACT_KEY_SHIFT
 from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset
-from attnrewrite.passes.window.onnx_blocks import (
-    WindowBlockFunctions,
-    normalised_function,
-    paired_inputs_functions,
-    per_head_function,
-    sink_rows_function,
-    units_function,
-    without_sinks_function,
-)
+from attnrewrite.passes.window import onnx_blocks
+from attnrewrite.passes.window.onnx_blocks import WindowBlockFunctions
 from attnrewrite.passes.window.onnx_pairs import (
     PairLayout,
     pair_layout_functions,
@@ -69,9 +62,9 @@ def causal_paired_window_functions(
     ExactSums = _exact_sums_function(op, blocks, pairs, sinks)
     PairRows, ValuesAndOnes = pairs.PairRows, pairs.ValuesAndOnes
     far_sums, rescaled_far_sums = _chunked_far_sums_functions(
-        opset_version, blocks, pairs, flatten, without_sinks_function(op, sinks), window, far_chunk
+        opset_version, blocks, pairs, flatten, onnx_blocks.without_sinks_function(op, sinks), window, far_chunk
     )
-    UnitsOfBoth = units_function(op)
+    UnitsOfBoth = onnx_blocks.units_function(op)
 
     if sinks:
 
@@ -94,8 +87,8 @@ def causal_paired_window_functions(
             return ExactSums(near, neighbour, shift, ValuesAndOnes(v)) + far_weight * far
 
         window_sums = CausalPairedWindow
-    inputs, row_inputs = paired_inputs_functions(op, flatten, sinks)
-    normalised = normalised_function(op, blocks, eps)
+    inputs, row_inputs = onnx_blocks.paired_inputs_functions(op, flatten, sinks)
+    normalised = onnx_blocks.normalised_function(op, blocks, eps)
     return _CausalPairedPieces(inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pairs.PairRows)
 
 
@@ -113,7 +106,7 @@ def _exact_sums_function(op, blocks: WindowBlockFunctions, pairs: PairLayout, si
 
     if not sinks:
         return ExactSums
-    SinkRows = sink_rows_function(op, blocks, sinks)
+    SinkRows = onnx_blocks.sink_rows_function(op, blocks, sinks)
 
     @script(ATTNREWRITE, default_opset=op)
     def ExactAndSinkSums(near, neighbour, sink, shift, v_rows, n):
@@ -127,7 +120,7 @@ def causal_paired_entry(op, flatten, pieces: _CausalPairedPieces, rescaled: bool
     """WindowedKernelAttention, WindowedRescaledKernelAttention or WindowedMaxWeightedKernelAttention
     (inputs as paired_window_entry's, ``key_log_scale`` one per key [..., N, 1]), causal."""
     inputs, row_inputs, window_sums, far_sums, rescaled_far_sums, normalised, pair_rows = pieces
-    per_head = per_head_function(op, flatten)
+    per_head = onnx_blocks.per_head_function(op, flatten)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedKernelAttention(phi_q, phi_k, q, k, v, key_keep, linear_log_weight):

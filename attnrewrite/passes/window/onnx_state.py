@@ -1,4 +1,4 @@
-"""The causal window hybrid continued from a state, in ONNX (passes/kernel_recurrence.py):
+"""The causal window hybrid continued from a state, in ONNX (passes/kernel/recurrence.py):
 RecurrentWindowedKernelAttention, whose inputs depend on the window and unit (so it is written
 node by node, FunctionNodes), and the functions it calls."""
 
@@ -391,3 +391,22 @@ def without_sinks_from_function(opset_version: int, sinks: int):
         return op.Where(sink, fill, x)
 
     return WithoutSinksFrom
+
+
+@built_once
+def sinks_after_function(opset_version: int):
+    """SinksAfter(sink_x, x, position): the sinks [..., sinks, F] with those among the new rows
+    x [..., N, F] (positions position .. position + N - 1, position [1]) filled in."""
+    op = standard_opset(opset_version)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def SinksAfter(sink_x, x, position):
+        zero = op.Constant(value_int=0)
+        sinks = op.Squeeze(op.Shape(sink_x, start=-2, end=-1))
+        n = op.Shape(x, start=-2, end=-1)
+        row = op.Range(zero, sinks, op.Constant(value_int=1)) - position  # sink s is new row s - position
+        new = op.And(op.GreaterOrEqual(row, zero), op.Less(row, n))
+        picked = op.Gather(x, op.Max(op.Min(row, n - op.Constant(value_ints=[1])), zero), axis=-2)
+        return op.Where(op.Unsqueeze(new, op.Constant(value_ints=[1])), op.CastLike(picked, sink_x), sink_x)
+
+    return SinksAfter

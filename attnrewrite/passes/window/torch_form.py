@@ -142,6 +142,24 @@ def _windowed_causal(phi_q, phi_k, q, k, v, keep, scales: KernelScales, window: 
     return layout.unblock(out)
 
 
+def module_windowed_attention(module, phi_q, phi_k, q, k, v, key_keep, scales, eps: float = DENOMINATOR_EPS):
+    """windowed_kernel_attention with the ``window``, ``scale`` and ``causal`` of a module (linear,
+    favor)."""
+    return windowed_kernel_attention(
+        phi_q,
+        phi_k,
+        q,
+        k,
+        v,
+        module.window,
+        scale=module.scale,
+        causal=module.causal,
+        key_keep=key_keep,
+        scales=scales,
+        eps=eps,
+    )
+
+
 def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
     """Attention with the feature maps phi_q, phi_k of a module that has ``causal``, ``chunk``,
     ``window`` (a Window or None), ``scale`` and ``linear_log_weight`` (linear, hedgehog): the
@@ -151,18 +169,7 @@ def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
         phi_k = phi_k * key_keep
     if module.window is not None:
         scales = KernelScales(linear_log_weight=module.linear_log_weight)
-        return windowed_kernel_attention(
-            phi_q,
-            phi_k,
-            q,
-            k,
-            v,
-            module.window,
-            scale=module.scale,
-            causal=module.causal,
-            key_keep=key_keep,
-            scales=scales,
-        )
+        return module_windowed_attention(module, phi_q, phi_k, q, k, v, key_keep, scales)
     if module.causal:
         return causal_linear_attention(phi_q, phi_k, v.float(), module.chunk)
     return linear_attention(phi_q, phi_k, v.float())

@@ -1,4 +1,4 @@
-"""The causal window hybrid continued from a state, in torch (passes/kernel_recurrence.py): the
+"""The causal window hybrid continued from a state, in torch (passes/kernel/recurrence.py): the
 queries of N new positions over the last 2W - 1 keys kept exactly, the sinks, and the kernel
 state of every key before them."""
 
