@@ -228,12 +228,15 @@ class FavorAttention(Module):
         if window is not None:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
+    def log_features(self, q, k):
+        """log_features of the queries and the keys, in float32 (even if the module was
+        .half()-ed), scale^(1/2) on each side so that x.y are the original logits."""
+        w, hyperbolic = self.projection.float(), self.variant == "hyperbolic"
+        return tuple(log_features(x.float() * self.root_scale, w, hyperbolic) for x in (q, k))
+
     def forward(self, q, k, v, key_keep=None):
-        w = self.projection.float()  # stays float32 even if the module was .half()-ed
-        hyperbolic = self.variant == "hyperbolic"
         keep = None if key_keep is None else key_keep.float()
-        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        log_q, log_k = self.log_features(q, k)
         phi_q = query_features(log_q, self.norm)
         if self.window is not None:
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
@@ -261,10 +264,7 @@ class FavorAttention(Module):
         product is taken in log space and nothing over- or underflows."""
         if self.window is not None:
             raise ValueError(WINDOWED_WEIGHTS)
-        w = self.projection.float()
-        hyperbolic = self.variant == "hyperbolic"
-        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        log_q, log_k = self.log_features(q, k)
         q_max, k_max = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
         product = torch.exp(log_q - q_max) @ torch.exp(log_k - k_max).transpose(-2, -1)
         log_scores = torch.log(product.clamp_min(1e-30)) + q_max + k_max.transpose(-2, -1)
@@ -470,9 +470,7 @@ class FavorFeatureMap(FeatureMap):
         return feature_count(projection_for(site, self.options), self.options.variant)
 
     def torch_terms(self, module: FavorAttention, q, k, keep) -> CausalTerms:
-        w, hyperbolic = module.projection.float(), module.variant == "hyperbolic"
-        log_q = log_features(q.float() * module.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * module.root_scale, w, hyperbolic)
+        log_q, log_k = module.log_features(q, k)
         phi_k, key_log_scale = causal_key_features(log_k, keep, module.norm)
         query_log_scale = log_q.amax(dim=-1, keepdim=True)
         return CausalTerms(query_features(log_q, module.norm), phi_k, query_log_scale, key_log_scale)
