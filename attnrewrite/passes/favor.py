@@ -62,6 +62,7 @@ from attnrewrite.passes.kernel.feature_map import (
 )
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, RESCALED_EPS
 from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention, linear_attention
+from attnrewrite.passes.kernel.random_features import default_features, draw_projection
 from attnrewrite.passes.kernel.recurrence import KernelRecurrence
 from attnrewrite.passes.layout import key_mask_function
 from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
@@ -119,35 +120,6 @@ exact_part = window_settings.exact_part
 
 
 # --- random features -------------------------------------------------------------------------
-
-
-def default_features(head_dim: int) -> int:
-    """The paper's O(d log d) features: enough for the estimator, few enough to stay cheap."""
-    return max(1, round(head_dim * math.log(head_dim)))
-
-
-def draw_projection(head_dim: int, features: int, seed: int, orthogonal: bool = True, norms: str = "chi") -> np.ndarray:
-    """W [features, head_dim] float32; the same arguments give the same bytes."""
-    rng = np.random.default_rng(seed)
-    if orthogonal:
-        blocks = [_haar_orthogonal(rng, head_dim) for _ in range(-(-features // head_dim))]
-        directions = np.concatenate(blocks)[:features]
-    else:
-        gaussian = rng.standard_normal((features, head_dim))
-        directions = gaussian / np.linalg.norm(gaussian, axis=1, keepdims=True)
-    if norms == "chi":
-        # Direction and length of a Gaussian vector are independent, so unit rows times chi(d)
-        # lengths keep every row's marginal N(0, I_d): the estimator stays unbiased.
-        lengths = np.sqrt(rng.chisquare(head_dim, size=features))
-    else:
-        lengths = np.full(features, math.sqrt(head_dim))
-    return (directions * lengths[:, None]).astype(np.float32)
-
-
-def _haar_orthogonal(rng: np.random.Generator, d: int) -> np.ndarray:
-    q, r = np.linalg.qr(rng.standard_normal((d, d)))
-    # QR leaves each column's sign to LAPACK; fixing it by R's diagonal makes Q Haar-distributed.
-    return q * np.sign(np.diag(r))
 
 
 def projection_for(site: AttentionSite, options: Options) -> np.ndarray:
