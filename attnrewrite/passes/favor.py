@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import numpy as np
-from onnxscript import script
+from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes import hooks
 from attnrewrite.passes.kernel.feature_map import (
@@ -61,8 +62,10 @@ from attnrewrite.passes.kernel.feature_map import (
 )
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, RESCALED_EPS
 from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention, linear_attention
+from attnrewrite.passes.kernel.random_features import default_features, draw_projection
 from attnrewrite.passes.kernel.recurrence import KernelRecurrence
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
+from attnrewrite.passes.layout import key_mask_function
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -117,35 +120,6 @@ exact_part = window_settings.exact_part
 
 
 # --- random features -------------------------------------------------------------------------
-
-
-def default_features(head_dim: int) -> int:
-    """The paper's O(d log d) features: enough for the estimator, few enough to stay cheap."""
-    return max(1, round(head_dim * math.log(head_dim)))
-
-
-def draw_projection(head_dim: int, features: int, seed: int, orthogonal: bool = True, norms: str = "chi") -> np.ndarray:
-    """W [features, head_dim] float32; the same arguments give the same bytes."""
-    rng = np.random.default_rng(seed)
-    if orthogonal:
-        blocks = [_haar_orthogonal(rng, head_dim) for _ in range(-(-features // head_dim))]
-        directions = np.concatenate(blocks)[:features]
-    else:
-        gaussian = rng.standard_normal((features, head_dim))
-        directions = gaussian / np.linalg.norm(gaussian, axis=1, keepdims=True)
-    if norms == "chi":
-        # Direction and length of a Gaussian vector are independent, so unit rows times chi(d)
-        # lengths keep every row's marginal N(0, I_d): the estimator stays unbiased.
-        lengths = np.sqrt(rng.chisquare(head_dim, size=features))
-    else:
-        lengths = np.full(features, math.sqrt(head_dim))
-    return (directions * lengths[:, None]).astype(np.float32)
-
-
-def _haar_orthogonal(rng: np.random.Generator, d: int) -> np.ndarray:
-    q, r = np.linalg.qr(rng.standard_normal((d, d)))
-    # QR leaves each column's sign to LAPACK; fixing it by R's diagonal makes Q Haar-distributed.
-    return q * np.sign(np.diag(r))
 
 
 def projection_for(site: AttentionSite, options: Options) -> np.ndarray:
@@ -226,12 +200,15 @@ class FavorAttention(Module):
         if window is not None:
             self.linear_log_weight = torch.nn.Parameter(torch.from_numpy(linear_log_weight))
 
+    def log_features(self, q, k):
+        """log_features of the queries and the keys, in float32 (even if the module was
+        .half()-ed), scale^(1/2) on each side so that x.y are the original logits."""
+        w, hyperbolic = self.projection.float(), self.variant == "hyperbolic"
+        return tuple(log_features(x.float() * self.root_scale, w, hyperbolic) for x in (q, k))
+
     def forward(self, q, k, v, key_keep=None):
-        w = self.projection.float()  # stays float32 even if the module was .half()-ed
-        hyperbolic = self.variant == "hyperbolic"
         keep = None if key_keep is None else key_keep.float()
-        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        log_q, log_k = self.log_features(q, k)
         phi_q = query_features(log_q, self.norm)
         if self.window is not None:
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
@@ -259,10 +236,7 @@ class FavorAttention(Module):
         product is taken in log space and nothing over- or underflows."""
         if self.window is not None:
             raise ValueError(WINDOWED_WEIGHTS)
-        w = self.projection.float()
-        hyperbolic = self.variant == "hyperbolic"
-        log_q = log_features(q.float() * self.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * self.root_scale, w, hyperbolic)
+        log_q, log_k = self.log_features(q, k)
         q_max, k_max = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
         product = torch.exp(log_q - q_max) @ torch.exp(log_k - k_max).transpose(-2, -1)
         log_scores = torch.log(product.clamp_min(1e-30)) + q_max + k_max.transpose(-2, -1)
@@ -283,8 +257,8 @@ class FavorAttention(Module):
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> FavorAttention:
     """``learnable``: the projection W is a parameter (calibration fits it), else a buffer."""
-    projection = torch.from_numpy(projection_for(site, options))
-    log_weight = window_settings.initial_linear_log_weight(site) if options.window else None
+    values = FavorFeatureMap(options).fitted_values(site)
+    projection, log_weight = torch.from_numpy(values["projection"]), values.get("linear_log_weight")
     return FavorAttention(
         projection,
         site.scale,
@@ -304,40 +278,23 @@ def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (projection, linear_log_weight) as numpy arrays."""
-    op = standard_opset(opset_version)
-    constants = onnx_constants(site, options, weights)
-    norm = 1 / math.sqrt(feature_count(projection_for(site, options), options.variant))
-    project, log_features, half_square = _log_features_functions(op, options.variant)
+    feature_map = FavorFeatureMap(options)
+    terms = feature_map.onnx_phi(site, opset_version)
     window = Window.of(options)
     if window is not None:
-        features = _window_features_function(op, norm, site.mask.causal, project, half_square)
-        entry = _windowed_favor_function(site, window, opset_version, features)
+        entry = _windowed_favor_function(window, site, opset_version, terms.both)
+    elif site.mask.causal:
+        entry = _causal_favor_function(opset_version, options.chunk, site.mask.key_padding, terms.both)
     else:
-        query_features = _query_features_function(op, norm)
-        features = _favor_features_function(op, math.sqrt(site.scale), project, log_features, query_features)
-        if site.mask.causal:
-            keys = _causal_key_features_function(op, norm, site.mask.key_padding)
-            entry = _causal_favor_function(opset_version, options.chunk, features, keys)
-        else:
-            keys = _head_key_features_function(op, norm, site.mask.key_padding)
-            entry = _favor_function(opset_version, features, keys)
+        entry = _favor_function(opset_version, site.mask.key_padding, terms.both)
     name = "CausalWindowedFavor" if window is not None and site.mask.causal else None
-    return OnnxLowering(entry_functions(entry, name), constants)
-
-
-def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
-    """The constants onnx_lowering's entry takes: the seeded projection (and the window's
-    weight), or ``weights``' values."""
-    constants = {"projection": projection_for(site, options)}
-    if options.window:
-        constants["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
-    return weighted(constants, weights)
+    return OnnxLowering(entry_functions(entry, name), feature_map.constants(site, weights))
 
 
 @built_once
-def _log_features_functions(op, variant: str):
-    """(project, LogFeatures): w.x per feature (PositiveProjection, or HyperbolicProjection's
-    +w.x and -w.x halves), and as log_features, log phi(x) + log sqrt(m) = w.x - |x|^2/2."""
+def _projection_functions(op, variant: str):
+    """(project, HalfSquare): w.x per feature (PositiveProjection, or HyperbolicProjection's
+    +w.x and -w.x halves) and |x|^2/2, the two parts of log_features."""
 
     @script(ATTNREWRITE, default_opset=op)
     def PositiveProjection(x, projection):
@@ -348,207 +305,124 @@ def _log_features_functions(op, variant: str):
         wx = op.MatMul(x, op.Transpose(projection, perm=[1, 0]))
         return op.Concat(wx, op.Neg(wx), axis=-1)
 
-    project = HyperbolicProjection if variant == "hyperbolic" else PositiveProjection
-
     @script(ATTNREWRITE, default_opset=op)
     def HalfSquare(x):
         # |x|^2 as a last-axis ReduceSum of x * x: ReduceSumSquare (and any reduction CUDA
         # cannot treat as rows of a matrix) goes through cuDNN with a scratch copy of x * x
         return op.ReduceSum(x * x, op.Constant(value_ints=[-1]), keepdims=1) * op.Constant(value_float=0.5)
 
-    @script(ATTNREWRITE, default_opset=op)
-    def LogFeatures(x, projection):
-        return project(x, projection) - HalfSquare(x)
-
-    return project, LogFeatures, HalfSquare
+    return (HyperbolicProjection if variant == "hyperbolic" else PositiveProjection), HalfSquare
 
 
-@built_once
-def _query_features_function(op, norm: float):
-    """FavorQueryFeatures(log_phi), as query_features: the queries' features over their row max."""
+class OnnxPhi(typing.NamedTuple):
+    """Favor's one ONNX phi (FavorFeatureMap.onnx_phi): ``queries`` (q, projection) -> (phi_q,
+    query log scale); ``both`` (q, k, keep, projection) -> (phi_q, phi_k, query log scale, key
+    log scale), phi_k not yet zeroed on padded keys."""
 
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorQueryFeatures(log_phi):
-        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
-        return op.Exp(log_phi - row_max) * op.Constant(value_float=norm)
-
-    return FavorQueryFeatures
+    queries: OnnxFunction
+    both: OnnxFunction
 
 
 @built_once
-def _head_key_features_function(op, norm: float, masked: bool):
-    """FavorKeyFeatures, or FavorAllKeyFeatures where every key is kept, as key_features: the
-    bidirectional keys' features over their stabiliser, the max over a head's kept keys and
-    features (FavorHeadLogScale, as kept_head_max)."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def HeadMax(x):
-        """The max over the last two axes, as two last-axis reductions (cuDNN reduces a
-        multi-axis max far slower on CUDA)."""
-        row_max = op.ReduceMax(x, op.Constant(value_ints=[-1]), keepdims=1)
-        return op.ReduceMax(row_max, op.Constant(value_ints=[-2]), keepdims=1)
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorHeadLogScale(log_phi, keep):
-        # kept_head_max: the bidirectional keys' stabiliser; each key's max first, so the select
-        # is on one value per key, not on every feature
-        kept = op.Greater(keep, op.Constant(value_float=0.0))
-        key_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
-        return HeadMax(op.Where(kept, key_max, op.Constant(value_float=LOWEST)))
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorKeyFeatures(log_phi, keep):
-        stabilized = op.Min(log_phi - FavorHeadLogScale(log_phi, keep), op.Constant(value_float=0.0))
-        return op.Exp(stabilized) * op.Constant(value_float=norm) * keep
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorAllKeyFeatures(log_phi, keep):
-        # every key kept (keep all ones, not read): no select, no product, nothing to clamp
-        return op.Exp(log_phi - HeadMax(log_phi)) * op.Constant(value_float=norm)
-
-    return FavorKeyFeatures if masked else FavorAllKeyFeatures
-
-
-@built_once
-def _causal_key_features_function(op, norm: float, masked: bool):
-    """FavorCausalKeyFeatures, or FavorCausalAllKeyFeatures where every key is kept, as
-    causal_key_features: each key's features over its own max, and that max as its log scale."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorCausalKeyFeatures(log_phi, keep):
-        kept = op.Greater(keep, op.Constant(value_float=0.0))
-        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
-        phi = op.Exp(log_phi - row_max) * op.Constant(value_float=norm) * keep
-        log_scale = op.Where(kept, row_max, op.Constant(value_float=LOWEST))
-        return phi, log_scale
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorCausalAllKeyFeatures(log_phi, keep):
-        row_max = op.ReduceMax(log_phi, op.Constant(value_ints=[-1]), keepdims=1)
-        return op.Exp(log_phi - row_max) * op.Constant(value_float=norm), row_max
-
-    return FavorCausalKeyFeatures if masked else FavorCausalAllKeyFeatures
-
-
-@built_once
-def _window_features_function(op, norm: float, causal: bool, project, half_square):
-    """FavorWindowFeatures(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
-    scale) of q and k (scaled, in the window's rows), as query_features, key_features and
-    causal_key_features compute them for the window. log phi = w.x - |x|^2/2 and each log scale
+def _phi_functions(opset_version: int, variant: str, norm: float, root_scale: float, causal: bool) -> OnnxPhi:
+    """As torch's log_features, query_features, key_features and causal_key_features, in float32
+    of x = q * scale^(1/2) and y = k * scale^(1/2). log phi = w.x - |x|^2/2 and each stabiliser
     is one value per row, so each feature is w.x less one value per row, one subtraction: no
-    [.., F] tensor of log features and no product by norm. Keys: bidirectional, over their
-    head's max (kept_head_max) with norm in their log scale, and a key that is not kept over its
-    own max, so that it stays finite without a clamp (the window weighs it 0 by its values, no
-    product by keep); causal, each over its own max, the lowest log scale if it is not kept."""
+    [.., F] tensor of log features and no product by norm. Queries: over their row max, norm in
+    their features. Keys: causal, each over its own max (nothing after it), norm in its features,
+    the lowest log scale if it is not kept; bidirectional, over their head's max (kept_head_max)
+    with norm in their log scale, and a key that is not kept over its own max, so that it stays
+    finite without a clamp."""
+    op = standard_opset(opset_version)
+    project, half_square = _projection_functions(op, variant)
     log_norm, last = math.log(norm), [-1]
 
     @script(ATTNREWRITE, default_opset=op)
-    def QueryTerms(q, projection):
-        wq = project(q, projection)
-        row_max = op.ReduceMax(wq, op.Constant(value_ints=last), keepdims=1)
-        phi_q = op.Exp(wq - (row_max - op.Constant(value_float=log_norm)))
-        return phi_q, row_max - half_square(q)
+    def Scaled(x):
+        # scale^(1/2) on each side, so that x.y are the original logits
+        return op.Cast(x, to=FLOAT) * op.Constant(value_float=root_scale)
 
     @script(ATTNREWRITE, default_opset=op)
-    def FavorWindowFeatures(q, k, keep, projection):
-        phi_q, query_log_scale = QueryTerms(q, projection)
-        wk, half_k = project(k, projection), half_square(k)
-        wk_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1)
+    def FavorQueryTerms(q, projection):
+        x = Scaled(q)
+        wx = project(x, op.Cast(projection, to=FLOAT))
+        row_max = op.ReduceMax(wx, op.Constant(value_ints=last), keepdims=1)
+        return op.Exp(wx - (row_max - op.Constant(value_float=log_norm))), row_max - half_square(x)
+
+    @script(ATTNREWRITE, default_opset=op)
+    def FavorTerms(q, k, keep, projection):
+        phi_q, query_log_scale = FavorQueryTerms(q, projection)
+        y = Scaled(k)
+        wy, half_y = project(y, op.Cast(projection, to=FLOAT)), half_square(y)
+        wy_max = op.ReduceMax(wy, op.Constant(value_ints=last), keepdims=1)
         kept = op.Greater(keep, op.Constant(value_float=0.0))
-        kept_max = op.Where(kept, wk_max - half_k, op.Constant(value_float=LOWEST))
+        kept_max = op.Where(kept, wy_max - half_y, op.Constant(value_float=LOWEST))
         head_max = op.ReduceMax(kept_max, op.Constant(value_ints=[-2]), keepdims=1)
-        # One stabiliser per row, never below the row's max of w.x, so that no feature exceeds 1
-        # and nothing needs a clamp over [.., F]: a kept key's is its head's max (plus
-        # |x|^2/2), one that is not kept its own max. norm is in the keys' log scale instead.
-        phi_k = op.Exp(wk - op.Where(kept, half_k + head_max, wk_max))
+        # never below the row's max of w.x, so that no feature exceeds 1 and nothing needs a clamp
+        phi_k = op.Exp(wy - op.Where(kept, half_y + head_max, wy_max))
         return phi_q, phi_k, query_log_scale, head_max + op.Constant(value_float=log_norm)
 
     @script(ATTNREWRITE, default_opset=op)
-    def FavorCausalWindowFeatures(q, k, keep, projection):
-        phi_q, query_log_scale = QueryTerms(q, projection)
-        wk = project(k, projection)
-        row_max = op.ReduceMax(wk, op.Constant(value_ints=last), keepdims=1)
-        phi_k = op.Exp(wk - (row_max - op.Constant(value_float=log_norm)))
+    def FavorCausalTerms(q, k, keep, projection):
+        phi_q, query_log_scale = FavorQueryTerms(q, projection)
+        y = Scaled(k)
+        wy = project(y, op.Cast(projection, to=FLOAT))
+        row_max = op.ReduceMax(wy, op.Constant(value_ints=last), keepdims=1)
+        phi_k = op.Exp(wy - (row_max - op.Constant(value_float=log_norm)))
         kept = op.Greater(keep, op.Constant(value_float=0.0))
-        key_log_scale = op.Where(kept, row_max - half_square(k), op.Constant(value_float=LOWEST))
+        key_log_scale = op.Where(kept, row_max - half_square(y), op.Constant(value_float=LOWEST))
         return phi_q, phi_k, query_log_scale, key_log_scale
 
-    return FavorCausalWindowFeatures if causal else FavorWindowFeatures
+    return OnnxPhi(FavorQueryTerms, FavorCausalTerms if causal else FavorTerms)
 
 
 @built_once
-def _favor_features_function(op, root_scale: float, project, log_features, query_features):
-    """FavorFeatures(q, k, projection): the queries' features and the keys' log features."""
-
-    @script(ATTNREWRITE, default_opset=op)
-    def FavorFeatures(q, k, projection):
-        # Both in float32; scale^(1/2) on each side so that x.y are the original logits. The
-        # queries' -|x|^2/2 is one constant per row, which their row max takes out again.
-        w = op.Cast(projection, to=FLOAT)
-        root = op.Constant(value_float=root_scale)
-        log_q = project(op.Cast(q, to=FLOAT) * root, w)
-        log_k = log_features(op.Cast(k, to=FLOAT) * root, w)
-        return query_features(log_q), log_k
-
-    return FavorFeatures
-
-
-@built_once
-def _favor_function(opset_version: int, favor_features, key_features):
-    """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernel.parallel.linear_attention)."""
+def _favor_function(opset_version: int, key_padding: bool, terms):
+    """Favor(q, k, v, key_keep, projection): bidirectional FAVOR+ (kernel.parallel.linear_attention);
+    the keys' shared stabiliser and norm, one constant, cancel, so their log scale is not read."""
     op = standard_opset(opset_version)
     kernel = kernel_attention_function(opset_version, False, 1, EPS)
+    keys = key_mask_function(opset_version, key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def Favor(q, k, v, key_keep, projection):
-        phi_q, log_k = favor_features(q, k, projection)
-        return kernel(phi_q, key_features(log_k, op.Cast(key_keep, to=FLOAT)), v)
+        keep = op.Cast(key_keep, to=FLOAT)
+        phi_q, phi_k, query_log_scale, key_log_scale = terms(q, k, keep, projection)
+        return kernel(phi_q, keys(phi_k, keep), v)
 
     return Favor
 
 
 @built_once
-def _causal_favor_function(opset_version: int, chunk: int, favor_features, causal_key_features):
+def _causal_favor_function(opset_version: int, chunk: int, key_padding: bool, terms):
     """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
     (kernel.parallel.causal_rescaled_linear_attention)."""
     op = standard_opset(opset_version)
     kernel = rescaled_kernel_attention_function(opset_version, chunk, EPS)
+    keys = key_mask_function(opset_version, key_padding)
 
     @script(ATTNREWRITE, default_opset=op)
     def CausalFavor(q, k, v, key_keep, projection):
-        phi_q, log_k = favor_features(q, k, projection)
-        phi_k, log_scale = causal_key_features(log_k, op.Cast(key_keep, to=FLOAT))
-        return kernel(phi_q, phi_k, log_scale, v)
+        keep = op.Cast(key_keep, to=FLOAT)
+        phi_q, phi_k, query_log_scale, key_log_scale = terms(q, k, keep, projection)
+        return kernel(phi_q, keys(phi_k, keep), key_log_scale, v)
 
     return CausalFavor
 
 
-def _windowed_favor_function(site: AttentionSite, window: Window, opset_version: int, features):
+def _windowed_favor_function(window: Window, site: AttentionSite, opset_version: int, terms):
     """WindowedFavor(q, k, v, key_keep, projection, linear_log_weight): the window hybrid with
-    the stabilisers' log scales (the module docstring says why); ``features``:
-    _window_features_function's."""
+    the stabilisers' log scales (the module docstring says why). A key that is not kept weighs 0
+    through its values or, causal, its lowest log scale, so phi_k needs no product by keep."""
     op = standard_opset(opset_version)
-    root_scale = math.sqrt(site.scale)
     window_inputs, kernel = windowed_kernel(window, site, opset_version, UNIT)
 
     @script(ATTNREWRITE, default_opset=op)
     def WindowedFavor(q, k, v, key_keep, projection, linear_log_weight):
         q_in, k_in, keep_in = window_inputs(q, k, key_keep)
         keep = op.Cast(keep_in, to=FLOAT)
-        root = op.Constant(value_float=root_scale)
-        q_scaled, k_scaled = op.Cast(q_in, to=FLOAT) * root, op.Cast(k_in, to=FLOAT) * root
-        phi_q, phi_k, query_log_scale, key_log_scale = features(q_scaled, k_scaled, keep, op.Cast(projection, to=FLOAT))
-        out = kernel(
-            phi_q,
-            phi_k,
-            query_log_scale,
-            key_log_scale,
-            q_in,
-            k_in,
-            v,
-            keep,
-            linear_log_weight,
-        )
+        phi_q, phi_k, query_log_scale, key_log_scale = terms(q_in, k_in, keep, projection)
+        out = kernel(phi_q, phi_k, query_log_scale, key_log_scale, q_in, k_in, v, keep, linear_log_weight)
         return op.CastLike(out, v)
 
     return WindowedFavor
@@ -568,53 +442,39 @@ class FavorFeatureMap(FeatureMap):
         return feature_count(projection_for(site, self.options), self.options.variant)
 
     def torch_terms(self, module: FavorAttention, q, k, keep) -> CausalTerms:
-        w, hyperbolic = module.projection.float(), module.variant == "hyperbolic"
-        log_q = log_features(q.float() * module.root_scale, w, hyperbolic)
-        log_k = log_features(k.float() * module.root_scale, w, hyperbolic)
+        log_q, log_k = module.log_features(q, k)
         phi_k, key_log_scale = causal_key_features(log_k, keep, module.norm)
         query_log_scale = log_q.amax(dim=-1, keepdim=True)
         return CausalTerms(query_features(log_q, module.norm), phi_k, query_log_scale, key_log_scale)
 
-    def onnx_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
-        """FavorCausalTerms(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key log
-        scale), as torch_terms."""
-        op = standard_opset(opset_version)
+    def onnx_phi(self, site: AttentionSite, opset_version: int) -> OnnxPhi:
+        """Favor's one ONNX phi at ``site``, which every form calls (_phi_functions)."""
         norm = 1 / math.sqrt(self.feature_count(site))
-        log_features = _log_features_functions(op, self.options.variant)[1]
-        causal_key_features = _causal_key_features_function(op, norm, masked=True)
-        FavorQueryTerms = self.onnx_query_terms(site, opset_version).function
-        root_scale = math.sqrt(site.scale)
+        return _phi_functions(opset_version, self.options.variant, norm, math.sqrt(site.scale), site.mask.causal)
+
+    def onnx_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
+        """FavorCausalKeptTerms(q, k, keep, projection) -> (phi_q, phi_k, query log scale, key
+        log scale), as torch_terms: onnx_phi's, padded keys' phi_k zero."""
+        op = standard_opset(opset_version)
+        terms, keys = self.onnx_phi(site, opset_version).both, key_mask_function(opset_version, True)
 
         @script(ATTNREWRITE, default_opset=op)
-        def FavorCausalTerms(q, k, keep, projection):
-            w = op.Cast(projection, to=FLOAT)
-            log_k = log_features(op.Cast(k, to=FLOAT) * op.Constant(value_float=root_scale), w)
-            phi_k, key_log_scale = causal_key_features(log_k, keep)
-            phi_q, query_log_scale = FavorQueryTerms(q, projection)
-            return phi_q, phi_k, query_log_scale, key_log_scale
+        def FavorCausalKeptTerms(q, k, keep, projection):
+            phi_q, phi_k, query_log_scale, key_log_scale = terms(q, k, keep, projection)
+            return phi_q, keys(phi_k, keep), query_log_scale, key_log_scale
 
-        return OnnxTerms(FavorCausalTerms, ("projection",))
+        return OnnxTerms(FavorCausalKeptTerms, ("projection",))
 
     def onnx_query_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
-        """FavorQueryTerms(q, projection) -> (phi_q, query log scale), the query over its row
-        max, which is its log scale."""
-        op = standard_opset(opset_version)
-        norm = 1 / math.sqrt(self.feature_count(site))
-        root_scale = math.sqrt(site.scale)
-        log_features = _log_features_functions(op, self.options.variant)[1]
-        query_features = _query_features_function(op, norm)
+        """FavorQueryTerms(q, projection) -> (phi_q, query log scale): onnx_phi's."""
+        return OnnxTerms(self.onnx_phi(site, opset_version).queries, ("projection",))
 
-        @script(ATTNREWRITE, default_opset=op)
-        def FavorQueryTerms(q, projection):
-            log_q = log_features(
-                op.Cast(q, to=FLOAT) * op.Constant(value_float=root_scale), op.Cast(projection, to=FLOAT)
-            )
-            return query_features(log_q), op.ReduceMax(log_q, op.Constant(value_ints=[-1]), keepdims=1)
-
-        return OnnxTerms(FavorQueryTerms, ("projection",))
-
-    def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
-        return onnx_constants(site, self.options, weights)
+    def fitted_values(self, site: AttentionSite) -> dict[str, np.ndarray]:
+        """The seeded projection (a parameter only of a learnable module) and the window's weight."""
+        values = {"projection": projection_for(site, self.options)}
+        if self.options.window:
+            values["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
+        return values
 
 
 def recurrence(options: Options) -> KernelRecurrence:

@@ -48,7 +48,7 @@ from attnrewrite.passes.kernel.feature_map import (
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.recurrence import KernelRecurrence
 from attnrewrite.passes.layout import fitted_heads, key_mask_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -98,21 +98,6 @@ nothing_to_fit = hooks.nothing_unfittable
 
 
 exact_part = window_settings.exact_part
-
-
-def initial_values(site: AttentionSite, options: Options) -> dict[str, np.ndarray]:
-    """The fittable values before fitting, by their state_dict names (W = I, b = 0)."""
-    heads, d = fitted_heads(site), site.head_dim
-    values = {
-        "weight": np.tile(np.eye(d, dtype=np.float32), (heads, 1, 1)),
-        "bias": np.zeros((heads, 1, d), np.float32),
-    }
-    if options.window:
-        values["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
-        values["query_log_scale"] = np.zeros((heads, d, 1), np.float32)
-        values["key_log_scale"] = np.zeros((heads, d, 1), np.float32)
-        values["local_max_weight"] = np.full((heads, 1, 1), INITIAL_LOCAL_MAX_WEIGHT, np.float32)
-    return values
 
 
 # --- torch -----------------------------------------------------------------------------------
@@ -198,7 +183,7 @@ class HedgehogAttention(Module):
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HedgehogAttention:
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
-    values = initial_values(site, options)
+    values = HedgehogFeatureMap(options).fitted_values(site)
     return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, Window.of(options), learnable)
 
 
@@ -264,12 +249,7 @@ def onnx_lowering(
             return kernel(HedgehogFeatures(q, weight, bias), HedgehogFeatures(k, weight, bias) * key_keep, v)
 
         functions = entry_functions(Hedgehog, "CausalHedgehog" if site.mask.causal else None)
-    return OnnxLowering(functions, onnx_constants(site, options, weights))
-
-
-def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
-    """The constants onnx_lowering's entry takes: initial_values, or ``weights``' values."""
-    return weighted(initial_values(site, options), weights)
+    return OnnxLowering(functions, HedgehogFeatureMap(options).constants(site, weights))
 
 
 @built_once
@@ -365,8 +345,19 @@ class HedgehogFeatureMap(FeatureMap):
 
         return OnnxTerms(HedgehogQueryTerms, ("weight", "bias", "query_log_scale"))
 
-    def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
-        return onnx_constants(site, self.options, weights)
+    def fitted_values(self, site: AttentionSite) -> dict[str, np.ndarray]:
+        """W = I and b = 0, and the window's weight, log scales and local max weight."""
+        heads, d = fitted_heads(site), site.head_dim
+        values = {
+            "weight": np.tile(np.eye(d, dtype=np.float32), (heads, 1, 1)),
+            "bias": np.zeros((heads, 1, d), np.float32),
+        }
+        if self.options.window:
+            values["linear_log_weight"] = window_settings.initial_linear_log_weight(site)
+            values["query_log_scale"] = np.zeros((heads, d, 1), np.float32)
+            values["key_log_scale"] = np.zeros((heads, d, 1), np.float32)
+            values["local_max_weight"] = np.full((heads, 1, 1), INITIAL_LOCAL_MAX_WEIGHT, np.float32)
+        return values
 
 
 def recurrence(options: Options) -> KernelRecurrence:

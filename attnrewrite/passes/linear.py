@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import onnx
 from onnxscript import script
 
@@ -36,7 +37,7 @@ from attnrewrite.passes.kernel.query_key_maps import (
 )
 from attnrewrite.passes.kernel.recurrence import KernelRecurrence
 from attnrewrite.passes.layout import key_mask_function
-from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset, weighted
+from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.options import UNUSED_SEED, AtLeast, MethodOptions, option
 from attnrewrite.passes.window import settings as window_settings
@@ -113,13 +114,8 @@ class LinearAttention(Module):
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
     """``learnable``: with identity query/key maps as parameters (query_key_maps.with_query_key_maps);
     the window's linear_log_weight is an nn.Parameter either way."""
-    window = Window.of(options)
-    if window is None:
-        module = LinearAttention(site.mask.causal, options.chunk)
-    else:
-        module = LinearAttention(
-            site.mask.causal, options.chunk, site.scale, window, window_settings.initial_linear_log_weight(site)
-        )
+    window, values = Window.of(options), LinearFeatureMap(options).fitted_values(site)
+    module = LinearAttention(site.mask.causal, options.chunk, site.scale, window, values.get("linear_log_weight"))
     return with_query_key_maps(module, site, learnable)
 
 
@@ -134,13 +130,7 @@ def onnx_lowering(
     else:
         functions = _plain_functions(site, options, opset_version)
     functions = with_learned_entry(functions, weights, opset_version)
-    return OnnxLowering(functions, onnx_constants(site, options, weights))
-
-
-def onnx_constants(site: AttentionSite, options: Options, weights: dict | None = None) -> dict:
-    """The constants onnx_lowering's entry takes, by name and in order (``weights`` as there)."""
-    window_values = {"linear_log_weight": window_settings.initial_linear_log_weight(site)} if options.window else {}
-    return {**weighted(window_values, weights), **query_key_map_values(weights)}
+    return OnnxLowering(functions, LinearFeatureMap(options).constants(site, weights))
 
 
 def _plain_functions(site: AttentionSite, options: Options, opset_version: int) -> list[onnx.FunctionProto]:
@@ -213,8 +203,13 @@ class LinearFeatureMap(FeatureMap):
     def onnx_query_terms(self, site: AttentionSite, opset_version: int) -> OnnxTerms:
         return OnnxTerms(features_function(opset_version))
 
+    def fitted_values(self, site: AttentionSite) -> dict[str, np.ndarray]:
+        """The window's weight; a learnable module's query and key maps (query_key_maps) too,
+        which join the constants only once fitted, with the Learned<Entry> that applies them."""
+        return {"linear_log_weight": window_settings.initial_linear_log_weight(site)} if self.options.window else {}
+
     def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
-        return onnx_constants(site, self.options, weights)
+        return {**super().constants(site, weights), **query_key_map_values(weights)}
 
 
 def recurrence(options: Options) -> KernelRecurrence:

@@ -12,7 +12,9 @@ above its ONNX lowering:
 - naive.py: the N x N reference every form is tested against, in the chunk form's signature;
 - query_key_maps.py: calibration's learnable maps in front of a fixed feature map;
 - feature_map.py: what a kernel method supplies (its FeatureMap: phi in torch and ONNX, log
-  scales, feature count, constants) and the parallel entries' flatten -> kernel -> reshape;
+  scales, feature count, the values calibration fits, which are its constants) and the
+  parallel entries' flatten -> kernel -> reshape;
+- random_features.py: FAVOR+'s seeded projection (orthogonal rows, chi or fixed lengths);
 - recurrence.py: a method's recurrent form from its FeatureMap (KernelRecurrence), with the
   state (recurrent_state.py), the torch module (recurrent_torch.py) and the ONNX entry
   (recurrent_onnx.py).

@@ -6,9 +6,9 @@ passes/window/, the window hybrid.
 
 A method's phi has one torch definition (its module's, which the parallel, windowed and
 recurrent forms all call) and one ONNX function, which its parallel entries and the terms
-functions here call. Calibration fits what the method's learnable torch module holds as
-parameters; the ONNX constants are named as its state_dict entries, so fitted values carry over
-through ``constants(site, weights)``.
+functions here call. What calibration fits is declared once, ``fitted_values``: the method's
+torch module is built from them (its learnable parameters, by their state_dict names) and the
+ONNX constants are them, so fitted values carry over through ``constants(site, weights)``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import abc
 import dataclasses
 import typing
 
+import numpy as np
 import onnx
 from onnxscript import OnnxFunction, script
 
@@ -27,7 +28,7 @@ from attnrewrite.passes.kernel.parallel import (
     linear_attention_functions,
 )
 from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset, with_callees
+from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset, weighted, with_callees
 from attnrewrite.passes.window.settings import KernelUnit, Window
 from attnrewrite.site import AttentionSite
 
@@ -88,8 +89,14 @@ class FeatureMap(abc.ABC):
         key's terms are read when the key joins the state)."""
 
     @abc.abstractmethod
+    def fitted_values(self, site: AttentionSite) -> dict[str, np.ndarray]:
+        """What calibration fits, before fitting, by the learnable module's state_dict names
+        (the module is built from them)."""
+
     def constants(self, site: AttentionSite, weights: dict | None = None) -> dict:
-        """The parallel lowering's constants by name and in order, ``weights``' where given."""
+        """The parallel lowering's constants by name and in order: fitted_values, ``weights``'
+        where given (a fitted module's state_dict, by the same names)."""
+        return weighted(self.fitted_values(site), weights)
 
 
 def entry_functions(entry: OnnxFunction, name: str | None = None) -> list[onnx.FunctionProto]:
