@@ -1,7 +1,6 @@
 """How the causal kernel chunk form continued from a state grows with N (issue 67): a decoder's
-prefill after earlier keys, plain and with per-key log scales (FAVOR+'s), through the public
-forms kernel.state.causal_linear_attention_from_state and
-causal_rescaled_linear_attention_from_state, so that any tree can be measured.
+prefill after earlier keys, plain and with per-key log scales (FAVOR+'s), through
+kernel.state.chunk_kernel_attention.
 
     OMP_NUM_THREADS=1 python bench/kernel_chunk.py [--lengths 2048,8192,32768] [--chunk 64] [--repeats 5] [--label NAME]
 
@@ -26,11 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnrewrite.passes.kernel.state import (
-    KernelState,
-    causal_linear_attention_from_state,
-    causal_rescaled_linear_attention_from_state,
-)
+from attnrewrite.passes.kernel.state import KernelState, chunk_kernel_attention
 
 HERE = Path(__file__).resolve().parent
 RESULTS, TABLE = HERE / "kernel_chunk.json", HERE / "kernel_chunk.md"
@@ -47,11 +42,11 @@ def inputs(n: int):
 
 
 def plain(phi_q, phi_k, v, log_scale, state, chunk):
-    return causal_linear_attention_from_state(phi_q, phi_k, v, state._replace(log_scale=None), chunk)
+    return chunk_kernel_attention(phi_q, phi_k, v, None, state._replace(log_scale=None), True, chunk=chunk)
 
 
 def rescaled(phi_q, phi_k, v, log_scale, state, chunk):
-    return causal_rescaled_linear_attention_from_state(phi_q, phi_k, log_scale, v, state, chunk)
+    return chunk_kernel_attention(phi_q, phi_k, v, log_scale, state, True, chunk=chunk)
 
 
 def linear_reference(phi_q, phi_k, v, log_scale, state, chunk):

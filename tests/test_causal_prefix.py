@@ -26,8 +26,7 @@ from attnrewrite.passes import favor, hedgehog, hydra, linear
 from attnrewrite.passes.kernel import chunks
 from attnrewrite.passes.kernel.chunks import exclusive_prefix_sum_function, rescaled_prefix_functions
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
-from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention
-from attnrewrite.passes.kernel.state import KernelState, causal_rescaled_linear_attention_from_state
+from attnrewrite.passes.kernel.state import KernelState, chunk_kernel_attention
 from attnrewrite.passes.lowering import DOMAIN, with_callees
 from attnrewrite.passes.window.reference import feature_map_attention_weights
 from attnrewrite.passes.window.settings import KernelScales, Window
@@ -249,13 +248,13 @@ def largest_torch_value(attention, n: int) -> int:
 
 
 def causal_favor(phi_q, phi_k, v, log_scale):
-    return causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, chunk=2)
+    return chunk_kernel_attention(phi_q, phi_k, v, log_scale, chunk=2)[0]
 
 
 def causal_favor_from_state(phi_q, phi_k, v, log_scale):
     """The same after an absorbed state: the running max and the carry start from its log scale."""
     state = KernelState(torch.ones(6, 8, 5), torch.ones(6, 8), torch.zeros(6))
-    return causal_rescaled_linear_attention_from_state(phi_q, phi_k, log_scale, v, state, chunk=2)
+    return chunk_kernel_attention(phi_q, phi_k, v, log_scale, state, chunk=2)[0]
 
 
 def causal_favor_window(phi_q, phi_k, v, log_scale):

@@ -25,11 +25,10 @@ from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.passes import favor, linear
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import (
-    causal_linear_attention,
     causal_linear_attention_functions,
-    causal_rescaled_linear_attention,
     causal_rescaled_linear_attention_functions,
 )
+from attnrewrite.passes.kernel.state import chunk_kernel_attention
 from attnrewrite.passes.lowering import DOMAIN, DOMAIN_VERSION
 from attnrewrite.passes.window import torch_form
 from attnrewrite.site import AttentionSite, MaskKind
@@ -183,11 +182,11 @@ def test_causal_kernels_equal_their_onnx_functions(n):
     phi_q, phi_k, log_scale, v = kernel_inputs(n)
     feeds = {"phi_q": phi_q.numpy(), "phi_k": phi_k.numpy(), "v": v.numpy()}
 
-    plain = causal_linear_attention(phi_q, phi_k, v, CHUNK)
+    plain = chunk_kernel_attention(phi_q, phi_k, v, chunk=CHUNK)[0]
     functions = causal_linear_attention_functions(18, CHUNK)
     assert rel_err(plain, run_kernel_function([f.to_function_proto() for f in functions], feeds)) < 1e-5
 
-    rescaled = causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v, CHUNK)
+    rescaled = chunk_kernel_attention(phi_q, phi_k, v, log_scale, chunk=CHUNK)[0]
     functions = causal_rescaled_linear_attention_functions(18, CHUNK)
     feeds = {**feeds, "key_log_scale": log_scale.numpy()}
     feeds = {name: feeds[name] for name in ("phi_q", "phi_k", "key_log_scale", "v")}

@@ -34,7 +34,8 @@ from onnxscript import script
 
 from attnrewrite.passes import feature_sums, hooks
 from attnrewrite.passes.feature_sums import TINY
-from attnrewrite.passes.kernel.parallel import causal_linear_attention, causal_linear_attention_functions
+from attnrewrite.passes.kernel.parallel import causal_linear_attention_functions
+from attnrewrite.passes.kernel.state import chunk_kernel_attention
 from attnrewrite.passes.layout import flatten_heads_function, sequence_sum_function
 from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, standard_opset, with_callees
 from attnrewrite.passes.optional_torch import Module, torch
@@ -106,7 +107,7 @@ class EfficientAttention(Module):
         w = feature_sums.key_weights(masked)
         if self.causal:
             running = feature_sums.causal_feature_sums(w, self.chunk).clamp_min(TINY)
-            out = causal_linear_attention(phi_q / running, w, v.float(), self.chunk, TINY)
+            out = chunk_kernel_attention(phi_q / running, w, v.float(), chunk=self.chunk, eps=TINY)[0]
         else:
             key_softmax = w / w.sum(dim=-2, keepdim=True).clamp_min(TINY)
             out = phi_q @ (key_softmax.transpose(-2, -1) @ v.float())

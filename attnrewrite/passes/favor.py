@@ -24,7 +24,7 @@ reweigh the keys.
 Bidirectional sites use one max over all kept keys and features of a head. Causal sites divide
 each key by its own max (which reads nothing after it) and hand that max to the kernel as the
 key's log scale; the kernel weighs key j in row i by exp(its max - r_i), r_i the running max over
-keys 0..i (kernel.parallel.causal_rescaled_linear_attention): exp(r_i) is one constant for row i, so it
+keys 0..i (kernel.state.chunk_kernel_attention): exp(r_i) is one constant for row i, so it
 cancels, and r_i never looks at the future. All of this runs in float32, whatever the model's
 dtype.
 
@@ -61,9 +61,10 @@ from attnrewrite.passes.kernel.feature_map import (
     rescaled_kernel_attention_function,
 )
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE, RESCALED_EPS
-from attnrewrite.passes.kernel.parallel import causal_rescaled_linear_attention, linear_attention
+from attnrewrite.passes.kernel.parallel import linear_attention
 from attnrewrite.passes.kernel.random_features import default_features, draw_projection
 from attnrewrite.passes.kernel.recurrence import KernelRecurrence
+from attnrewrite.passes.kernel.state import chunk_kernel_attention
 from attnrewrite.passes.layout import key_mask_function
 from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, OnnxLowering, built_once, standard_opset
 from attnrewrite.passes.optional_torch import Module, torch
@@ -214,7 +215,7 @@ class FavorAttention(Module):
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
         if self.causal:
             phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
-            out = causal_rescaled_linear_attention(phi_q, phi_k, log_scale, v.float(), self.chunk, EPS)
+            out = chunk_kernel_attention(phi_q, phi_k, v.float(), log_scale, chunk=self.chunk, eps=EPS)[0]
         else:
             phi_k = key_features(log_k, keep, self.norm)
             out = linear_attention(phi_q, phi_k, v.float(), EPS)
@@ -396,7 +397,7 @@ def _favor_function(opset_version: int, key_padding: bool, terms):
 @built_once
 def _causal_favor_function(opset_version: int, chunk: int, key_padding: bool, terms):
     """CausalFavor(q, k, v, key_keep, projection): causal FAVOR+, each key at its own scale
-    (kernel.parallel.causal_rescaled_linear_attention)."""
+    (kernel.state.chunk_kernel_attention)."""
     op = standard_opset(opset_version)
     kernel = rescaled_kernel_attention_function(opset_version, chunk, EPS)
     keys = key_mask_function(opset_version, key_padding)

@@ -148,7 +148,7 @@ def kernel_attention_function(opset_version: int, causal: bool, chunk: int, eps:
 @built_once
 def rescaled_kernel_attention_function(opset_version: int, chunk: int, eps: float):
     """CausalRescaledFeatureMapAttention(phi_q, phi_k, key_log_scale, v): as
-    kernel_attention_function, each key at its own scale (causal_rescaled_linear_attention)."""
+    kernel_attention_function, each key at its own scale (kernel.state.chunk_kernel_attention)."""
     op = standard_opset(opset_version)
     flatten, shaped = flatten_heads_function(opset_version), _shaped_function(opset_version)
     kernel = causal_rescaled_linear_attention_functions(opset_version, chunk, eps)[-1]

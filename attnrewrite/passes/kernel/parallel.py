@@ -1,9 +1,11 @@
-"""Kernel attention over a whole sequence, in both lowerings: bidirectional (linear_attention),
-causal (causal_linear_attention) and causal with per-key log scales (FAVOR+'s stabilisers,
-causal_rescaled_linear_attention), and the N x N weights they give (for fitting losses only).
+"""Kernel attention over a whole sequence: the bidirectional form in both lowerings
+(linear_attention), the ONNX causal forms over a whole sequence, plain and with per-key log
+scales (FAVOR+'s stabilisers), and the N x N weights kernel attention gives (for fitting losses
+only).
 
-The causal forms are kernel.state's chunk form started from no state (in ONNX, from a zero
-state: adding exact zeros and a max with the lowest log scale leave every output as it was)."""
+A causal form is kernel.state's one chunk form started from no state: in torch
+chunk_kernel_attention without an initial state, in ONNX its functions fed a zero state (adding
+exact zeros and a max with the lowest log scale leave every output as it was)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.state import (
     causal_linear_attention_from_state_functions,
     causal_rescaled_chunks_functions,
-    chunk_kernel_attention,
 )
 from attnrewrite.passes.layout import sequence_sum_function
 from attnrewrite.passes.lowering import ATTNREWRITE, built_once, rank_constant, standard_opset, with_callees
@@ -25,16 +26,6 @@ def linear_attention(phi_q, phi_k, v, eps: float = DENOMINATOR_EPS):
     numerator = phi_q @ kv
     denominator = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)
     return numerator / (denominator + eps)
-
-
-def causal_linear_attention(phi_q, phi_k, v, chunk: int, eps: float = DENOMINATOR_EPS):
-    return chunk_kernel_attention(phi_q, phi_k, v, chunk=chunk, eps=eps)[0]
-
-
-def causal_rescaled_linear_attention(phi_q, phi_k, key_log_scale, v, chunk: int, eps: float = DENOMINATOR_EPS):
-    """Causal kernel attention whose key j has features phi_k[j] * exp(key_log_scale[j])
-    (kernel.state.chunk_kernel_attention says how no factor exceeds 1)."""
-    return chunk_kernel_attention(phi_q, phi_k, v, key_log_scale, chunk=chunk, eps=eps)[0]
 
 
 def kernel_attention_weights(phi_q, phi_k, causal: bool, eps: float = DENOMINATOR_EPS):
@@ -66,7 +57,7 @@ def linear_attention_functions(opset_version: int, eps: float = DENOMINATOR_EPS)
 
 @built_once
 def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_linear_attention: CausalKernelAttentionFromState from a zero state,
+    """Causal kernel attention over a whole sequence: CausalKernelAttentionFromState from a zero state,
     after the functions it calls."""
     op = standard_opset(opset_version)
     from_state = causal_linear_attention_from_state_functions(opset_version, chunk, eps)[-1]
@@ -83,7 +74,7 @@ def causal_linear_attention_functions(opset_version: int, chunk: int, eps: float
 
 @built_once
 def causal_rescaled_linear_attention_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_rescaled_linear_attention: CausalRescaledKernelChunks from a zero
+    """Causal kernel attention with per-key log scales over a whole sequence: CausalRescaledKernelChunks from a zero
     state (log scale the lowest), after the functions it calls."""
     op = standard_opset(opset_version)
     rescaled_chunks = causal_rescaled_chunks_functions(opset_version, chunk, eps)[-1]

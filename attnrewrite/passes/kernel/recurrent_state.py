@@ -4,7 +4,7 @@
   (the normaliser) as the last column;
 - a rescaled kernel (FAVOR+, hedgehog's window: KernelUnit.rescaled): ``log_scale`` [B, H]
   float32, the max of the absorbed keys' log scales, which the two sums are relative to (the
-  parallel causal form's running max, kernel.parallel.causal_rescaled_linear_attention), the
+  parallel causal form's running max, kernel.state.chunk_kernel_attention), the
   lowest log scale before any key;
 - with a window of W: the last 2W - 1 keys and values with their keep flags (``window_keys``
   [B, H, 2W-1, D], ``window_values`` [B, H, 2W-1, Dv], ``window_keep`` [B, H, 2W-1, 1]), which a

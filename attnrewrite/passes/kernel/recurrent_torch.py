@@ -22,8 +22,7 @@ from attnrewrite.passes.kernel.recurrent_state import (
 from attnrewrite.passes.kernel.state import (
     KernelState,
     absorb_keys,
-    causal_linear_attention_from_state,
-    causal_rescaled_linear_attention_from_state,
+    chunk_kernel_attention,
 )
 from attnrewrite.passes.layout import expand_to_query_heads
 from attnrewrite.passes.optional_torch import Module, torch
@@ -76,14 +75,9 @@ class RecurrentKernelAttention(Module):
         terms = self._terms(q, k, keep)
         absorbed = _absorbed(state)
         chunk, eps = self.parallel.chunk, self.feature_map.unit.eps
-        if terms.key_log_scale is None:
-            out, absorbed = causal_linear_attention_from_state(
-                terms.phi_q, terms.phi_k, v.float(), absorbed, chunk, eps
-            )
-        else:
-            out, absorbed = causal_rescaled_linear_attention_from_state(
-                terms.phi_q, terms.phi_k, terms.key_log_scale, v.float(), absorbed, chunk, eps
-            )
+        out, absorbed = chunk_kernel_attention(
+            terms.phi_q, terms.phi_k, v.float(), terms.key_log_scale, absorbed, True, chunk=chunk, eps=eps
+        )
         return out, _with_kernel_state(state, absorbed)
 
     def _windowed(self, q, k, v, keep, state):

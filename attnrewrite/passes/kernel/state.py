@@ -152,20 +152,6 @@ def _rescaled_chunks(q4, k4, v4, s, groups, state: KernelState | None):
     return earlier.reshape(kv.shape), key_sum.unsqueeze(2), scores, into
 
 
-def causal_linear_attention_from_state(phi_q, phi_k, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS):
-    """chunk_kernel_attention of N new positions after the keys in ``state``: (out, the state
-    with the new keys)."""
-    return chunk_kernel_attention(phi_q, phi_k, v, None, state, True, chunk=chunk, eps=eps)
-
-
-def causal_rescaled_linear_attention_from_state(
-    phi_q, phi_k, key_log_scale, v, state: KernelState, chunk: int, eps: float = DENOMINATOR_EPS
-):
-    """chunk_kernel_attention with per-key log scales, after the keys in ``state``: (out, the
-    state with the new keys)."""
-    return chunk_kernel_attention(phi_q, phi_k, v, key_log_scale, state, True, chunk=chunk, eps=eps)
-
-
 @built_once
 def absorb_keys_functions(opset_version: int):
     """(AbsorbKeys, AbsorbRescaledKeys), as absorb_keys: the state with keys [G, N, F] added."""
@@ -284,7 +270,7 @@ def causal_rescaled_chunks_functions(opset_version: int, chunk: int, eps: float 
 
 @built_once
 def causal_rescaled_linear_attention_from_state_functions(opset_version: int, chunk: int, eps: float = DENOMINATOR_EPS):
-    """ONNX form of causal_rescaled_linear_attention_from_state:
+    """ONNX form of chunk_kernel_attention with per-key log scales and a state:
     CausalRescaledKernelAttentionFromState(phi_q, phi_k, key_log_scale, v, kv_state, key_sum,
     log_scale) -> (out, kv_state, key_sum, log_scale), after the functions it calls."""
     op = standard_opset(opset_version)

@@ -12,7 +12,8 @@ from attnrewrite.passes.kernel.chunks import (
     shift_right,
 )
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, EXP_FLOOR, LOWEST_LOG_SCALE, NO_EXACT_KEY_SHIFT
-from attnrewrite.passes.kernel.parallel import causal_linear_attention, linear_attention
+from attnrewrite.passes.kernel.parallel import linear_attention
+from attnrewrite.passes.kernel.state import chunk_kernel_attention
 from attnrewrite.passes.layout import flatten_heads
 from attnrewrite.passes.optional_torch import torch
 from attnrewrite.passes.window.blocks import (
@@ -171,7 +172,7 @@ def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
         scales = KernelScales(linear_log_weight=module.linear_log_weight)
         return module_windowed_attention(module, phi_q, phi_k, q, k, v, key_keep, scales)
     if module.causal:
-        return causal_linear_attention(phi_q, phi_k, v.float(), module.chunk)
+        return chunk_kernel_attention(phi_q, phi_k, v.float(), chunk=module.chunk)[0]
     return linear_attention(phi_q, phi_k, v.float())
 
 
