@@ -199,7 +199,7 @@ def run_onnx(spec: dict) -> dict:
     )
     feeds = load_feeds(session, spec["inputs"])
     if cuda:
-        run_once = _bound_cuda_run(session, feeds, ort)
+        run_once = bound_cuda_run(session, feeds, ort)
     else:
 
         def run_once():
@@ -216,7 +216,7 @@ def run_onnx(spec: dict) -> dict:
     return result
 
 
-def _bound_cuda_run(session, feeds, ort):
+def bound_cuda_run(session, feeds, ort):
     """IOBinding: inputs copied to the device once, outputs left there, so only the model's
     own work is timed."""
     binding = session.io_binding()

@@ -55,7 +55,7 @@ def measure(session, inputs: str, spec: dict, worker) -> dict:
     feeds = worker.load_feeds(session, inputs)
     worker.emit("loaded")  # a sign of life for the watchdog: loading 65536's inputs takes a while
     if cuda:
-        run_once = worker._bound_cuda_run(session, feeds, ort)
+        run_once = worker.bound_cuda_run(session, feeds, ort)
     else:
 
         def run_once():

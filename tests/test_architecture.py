@@ -86,6 +86,96 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+# Underscore names of other libraries' objects read where they offer no public one, and why.
+# Another module of ours reading one of our underscore names is never among them.
+FOREIGN_PRIVATE = {
+    "_replace": "a namedtuple's public copy-with-changes",
+    "_getframe": "sys: the caller's frame, for a warning's stacklevel",
+    "_ops": "torch: the OpOverload type",
+    "_schema": "torch: an OpOverload's schema",
+    "_C": "torch: the C functions FX graphs call",
+    "_nn": "torch: the C functions FX graphs call",
+    "_qkv_same_embed_dim": "torch: whether nn.MultiheadAttention keeps separate projections",
+    "_preprocess": "onnxruntime's symbolic shape inference, run step by step (onnx/io.py)",
+    "_infer_impl": "onnxruntime's symbolic shape inference, run step by step (onnx/io.py)",
+    "_update_output_from_vi": "onnxruntime's symbolic shape inference, run step by step (onnx/io.py)",
+}
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """Every name ``tree`` defines: functions, classes, arguments, and what it assigns,
+    attributes included."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return names
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def private_attributes(tree: ast.Module, ours: set[str]) -> list[str]:
+    """``x._name`` that ``tree`` reads but does not define: on anything but self and cls (unless
+    a FOREIGN_PRIVATE of another library), and on self or cls where another module of ours
+    defines it (a private inherited from another module's class). ``ours``: the names the
+    other modules define."""
+    own = defined_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or isinstance(node.ctx, ast.Store) or not _private(node.attr):
+            continue
+        if node.attr in own:
+            continue
+        if node.attr in ours or not (_on_self(node) or node.attr in FOREIGN_PRIVATE):
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def private_methods_handed_over(tree: ast.Module, known) -> list[str]:
+    """``self._method`` (a function ``tree`` defines) passed to a callable of another module of
+    ours, which would then call this module's underscore name."""
+    methods = {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not any(map(_is_property, n.decorator_list))
+    }
+    imported_names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if ((node.module or "") if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0] in _roots(known)
+    }
+    found = []
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        callee = call.func
+        while isinstance(callee, ast.Attribute):
+            callee = callee.value
+        if not (isinstance(callee, ast.Name) and callee.id in imported_names):
+            continue
+        for argument in [*call.args, *(k.value for k in call.keywords)]:
+            if isinstance(argument, ast.Attribute) and _on_self(argument) and argument.attr in methods:
+                if _private(argument.attr):
+                    found.append(f"{ast.unparse(call.func)}(..., {ast.unparse(argument)}) (line {call.lineno})")
+    return found
+
+
+def _is_property(decorator: ast.expr) -> bool:
+    return ast.unparse(decorator).split(".")[-1] in ("property", "cached_property")
+
+
+def _roots(known) -> set[str]:
+    return {name.split(".")[0] for name in known}
+
+
 def test_no_import_cycle():
     graph = nx.DiGraph()
     for name, tree in PACKAGE_MODULES.items():
@@ -93,11 +183,29 @@ def test_no_import_cycle():
     assert list(nx.simple_cycles(graph)) == []
 
 
+BENCH_MODULES = modules(ROOT / "bench", ROOT / "bench")
+ALL_MODULES = {**PACKAGE_MODULES, **BENCH_MODULES}
+
+
 def test_no_module_takes_another_modules_private_names():
-    bench = modules(ROOT / "bench", ROOT / "bench")
-    known = {**PACKAGE_MODULES, **bench}
-    taken = {name: private_uses(tree, known) for name, tree in known.items()}
+    taken = {name: private_uses(tree, ALL_MODULES) for name, tree in ALL_MODULES.items()}
     assert {name: uses for name, uses in taken.items() if uses} == {}
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """Imports aside: an underscore attribute read on another module's object, or inherited
+    from another module's class, is that module's private name too."""
+    defined = {name: defined_names(tree) for name, tree in ALL_MODULES.items()}
+    read = {
+        name: private_attributes(tree, set().union(*(d for other, d in defined.items() if other != name)))
+        for name, tree in ALL_MODULES.items()
+    }
+    assert {name: uses for name, uses in read.items() if uses} == {}
+
+
+def test_no_module_hands_its_private_methods_to_another():
+    handed = {name: private_methods_handed_over(tree, ALL_MODULES) for name, tree in ALL_MODULES.items()}
+    assert {name: uses for name, uses in handed.items() if uses} == {}
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -501,24 +501,19 @@ def _operator_keys(query, past, seqlens, rotary_dim: int, interleaved: int) -> n
 def _our_keys(query, mask, rotary_dim: int, interleaved: int) -> np.ndarray:
     """The rotated keys [B, kv_heads, N, D] grouped_query.py builds for the same operator."""
     from attnrewrite.onnx.detect import GroupedQueryPlan
+    from attnrewrite.onnx.graph_edit import GraphEditor
     from attnrewrite.onnx.grouped_query import GroupedQueryNodes
 
     cos, sin = (ir.Value(name=n, const_value=ir.tensor(t)) for n, t in zip(("cos", "sin"), _rotary_tables(rotary_dim)))
     x = ir.Value(name="query", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["b", "n", query.shape[2]]))
     keep = ir.Value(name="mask", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["b", "t"]))
+    graph = ir.Graph([x, keep], [], nodes=[], initializers=[cos, sin], opset_imports={"": 18})
     nodes: list[ir.Node] = []
-
-    def node(into, op, inputs, attributes=()):
-        into.append(ir.Node("", op, inputs, attributes, num_outputs=1))
-        return into[-1].outputs[0]
-
-    def const(array):
-        return node(nodes, "Constant", [], [ir.AttrTensor("value", ir.tensor(np.asarray(array, np.int64)))])
-
     plan = GroupedQueryPlan(GQA_HEADS, GQA_KV_HEADS, GQA_HEAD, x, None, None, (cos, sin), rotary_dim, bool(interleaved))
-    _, k, _ = GroupedQueryNodes(node, const, keep).heads(plan, lambda v: v, nodes)
+    _, k, _ = GroupedQueryNodes(GraphEditor(graph), keep).heads(plan, nodes)
+    graph.extend(nodes)
     k.name = "k"
-    graph = ir.Graph([x, keep], [k], nodes=nodes, initializers=[cos, sin], opset_imports={"": 18})
+    graph.outputs.append(k)
     model = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
     return session(model).run(["k"], {"query": query, "mask": mask})[0]
 

@@ -26,9 +26,9 @@ import onnx_ir as ir
 
 from attnrewrite.data import split_batch
 from attnrewrite.errors import AttnRewriteError
+from attnrewrite.onnx.graph_edit import unique_initializer_name
 from attnrewrite.onnx.inputs import with_prefill_inputs
 from attnrewrite.onnx.projections import Projection, QuantizedProjection, site_projections
-from attnrewrite.onnx.splice import unique_initializer_name
 from attnrewrite.onnx.torch_graph import TorchGraph
 from attnrewrite.passes import finetune
 from attnrewrite.passes.fit import exact_stand_in, fitted_stand_in, snapshot

@@ -26,10 +26,11 @@ import onnx_ir as ir
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.detect import CachedTensor, OnnxSite
+from attnrewrite.onnx.graph_edit import INT64_MAX
+from attnrewrite.onnx.grouped_query import GroupedQueryNodes, repeated_heads
 from attnrewrite.onnx.inputs import cache_contract, embedding_rows
-from attnrewrite.onnx.splice import INT64_MAX, Splicer
+from attnrewrite.onnx.replacement import Replacements
 from attnrewrite.onnx.state_layout import Packing, layout
-from attnrewrite.passes.lowering import DOMAIN
 from attnrewrite.passes.recurrent import RecurrentLowering
 
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
@@ -121,12 +122,15 @@ def _static_dims(past: ir.Value) -> tuple[int, int] | None:
     return dims[1], dims[3]
 
 
-class RecurrentSplicer(Splicer):
+class RecurrentSplicer:
     """Splices recurrent replacements into one model; ``finish`` then changes its interface."""
 
     def __init__(self, model: ir.Model, interface: Interface):
-        super().__init__(model)
-        self.interface = interface
+        self.replacements = Replacements(model)
+        self.edit, self.calls = self.replacements.edit, self.replacements.calls  # calls: site name -> its node
+        self.graph, self.interface = model.graph, interface
+        # positions counted in the interface's mask (a recurrent model keeps no cache rows)
+        self.grouped_query = GroupedQueryNodes(self.edit, interface.mask)
         self._new_key_keep: ir.Value | None = None
         self._past_length_value: ir.Value | None = None
         self.state_inputs: list[str] = []
@@ -134,64 +138,60 @@ class RecurrentSplicer(Splicer):
         self._caches: list[CachedTensor] = []
         self._cache_dims: dict[str, tuple[int, int]] = {}  # cache input -> (kv heads, head dim)
 
+    @property
+    def bytes_added(self) -> int:
+        """Of the initializers this splicer added."""
+        return self.replacements.initializers.bytes_added
+
     def check(self, s: OnnxSite) -> None:
         """Nothing more to check: this splice takes k and v from the caches' new tokens and
         key_keep from the attention mask, not the site's k^T and mask as the parallel one does;
         interface_refusal checked what it needs, for every site, before anything changed."""
 
     def splice(self, s: OnnxSite, lowering: RecurrentLowering, own: frozenset[str] = frozenset()) -> str:
-        anchor = s.output.producer()
+        """``own``: as Splicer.splice's. Returns the replacement's qualified op type."""
+        edit, anchor = self.edit, s.output.producer()
         new_nodes: list[ir.Node] = []
         heads, (kv_heads, head_dim) = _query_heads(s), _kv_dims(s)
         if s.grouped_query is not None:
-            q, k, v = self.grouped_query_nodes().heads(s.grouped_query, self._current, new_nodes)
+            q, k, v = self.grouped_query.heads(s.grouped_query, new_nodes)
         else:
-            q, k, v = (self._current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
+            q, k, v = (edit.current(x) for x in (s.q, s.key_cache.new, s.value_cache.new))
         if lowering.key_value_groups == 1:
-            k, v = (self.repeated_heads(x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
+            k, v = (repeated_heads(edit, x, heads, kv_heads, head_dim, new_nodes) for x in (k, v))
         elif lowering.key_value_groups * kv_heads != heads:
             raise AttnRewriteError(
                 f"{s.site.name}: the replacement takes {heads // lowering.key_value_groups} key/value heads, "
                 f"the KV cache has {kv_heads}"
             )
         packing, packed, state = self._state(s, lowering.state, heads, kv_heads, new_nodes)
-        constants = self.site_constants(s, lowering, own)
-        op_type = self._add_functions(lowering)
-        call = ir.Node(
-            DOMAIN,
-            op_type,
-            [q, k, v, self._key_keep_of_new_tokens(q, new_nodes), *state, *constants],
-            name=f"{s.site.name}/{op_type}",
-            num_outputs=1 + len(state),
-        )
+        inputs = [q, k, v, self._key_keep_of_new_tokens(q, new_nodes), *state]
+        call = self.replacements.call(s, lowering, inputs, own, num_outputs=1 + len(state))
         after: list[ir.Node] = []
         output = call.outputs[0]
         if s.grouped_query is not None:
-            output = self.grouped_query_nodes().merged(output, s.grouped_query, after)
-        output.type, output.shape = s.output.type, s.output.shape
+            output = self.grouped_query.merged(output, s.grouped_query, after)
         layer = _layer_number(s)
         for tensor, value in packing.pack(packed, list(call.outputs[1:]), after).items():
             value.name = f"present.{layer}.{tensor}"
             value.type, value.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(packing.layout.shapes[tensor])
             self.graph.outputs.append(value)
-        self.calls[s.site.name] = call
-        self.graph.insert_before(anchor, [*new_nodes, call, *after])
-        self._take_over(s.output, output)
-        self._remove_dead(s.nodes)
+        replaced = self.replacements.insert(s, anchor, [*new_nodes, call, *after], output)
+        edit.remove_dead(s.nodes)
         self._caches += [s.key_cache, s.value_cache]
         for cache in (s.key_cache, s.value_cache):
             self._cache_dims[cache.past.name] = (kv_heads, head_dim)
-        return f"{DOMAIN}.{op_type}"
+        return replaced
 
     def _key_keep_of_new_tokens(self, q: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         """[B, 1, N, 1] float, 1.0 where a new token is real: the mask's last N columns."""
         if self._new_key_keep is None:
-            new = self._node(new_nodes, "Neg", [self._dim(q, 2, new_nodes)])
-            last = self._node(
-                new_nodes, "Slice", [self.interface.mask, new, self._const([INT64_MAX]), self._const([1])]
+            new = self.edit.node(new_nodes, "Neg", [self._dim(q, 2, new_nodes)])
+            last = self.edit.node(
+                new_nodes, "Slice", [self.interface.mask, new, self.edit.const([INT64_MAX]), self.edit.const([1])]
             )
-            as_float = self._node(new_nodes, "Cast", [last], [ir.AttrInt64("to", ir.DataType.FLOAT)])
-            self._new_key_keep = self._node(new_nodes, "Unsqueeze", [as_float, self._const([1, 3])])
+            as_float = self.edit.node(new_nodes, "Cast", [last], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+            self._new_key_keep = self.edit.node(new_nodes, "Unsqueeze", [as_float, self.edit.const([1, 3])])
             self._new_key_keep.name = "attnrewrite/new_key_keep"
         return self._new_key_keep
 
@@ -202,7 +202,7 @@ class RecurrentSplicer(Splicer):
         sizes |= {"D": s.site.head_dim, "Dv": s.site.value_dim}
         model_dtype = s.key_cache.past.dtype
         dtypes = [_DTYPES.get(t.dtype, model_dtype) for t in description]
-        packing = Packing(layout(description, sizes), dtypes, self._const, self._node)
+        packing = Packing(layout(description, sizes), dtypes, self.edit)
         self.parts = packing.layout.describe()
         packed = {}
         for tensor, shape in packing.layout.shapes.items():
@@ -220,8 +220,8 @@ class RecurrentSplicer(Splicer):
         """The positions consumed before this call, padding included (PAST_LENGTH), a scalar."""
         if self._past_length_value is None:
             mask, ids = self.interface.mask, self.interface.input_ids
-            past = self._node(new_nodes, "Sub", [self._dim(mask, 1, new_nodes), self._dim(ids, 1, new_nodes)])
-            self._past_length_value = self._node(new_nodes, "Squeeze", [past, self._const([0])])
+            past = self.edit.node(new_nodes, "Sub", [self._dim(mask, 1, new_nodes), self._dim(ids, 1, new_nodes)])
+            self._past_length_value = self.edit.node(new_nodes, "Squeeze", [past, self.edit.const([0])])
         return self._past_length_value
 
     def finish(self) -> None:
@@ -236,12 +236,12 @@ class RecurrentSplicer(Splicer):
                 self._read_shape(node, functools.partial(self._cache_shape, cache, False))
             for node in _shape_readers_through_layout(cache.present):
                 self._read_shape(node, functools.partial(self._shape_of_dims, known_dims(node.inputs[0])))
-        self._remove_dead([c.node for c in self._caches])
+        self.edit.remove_dead([c.node for c in self._caches])
         for cache in self._caches:
             for node in _past_readers(cache.past):
                 if node.op_type == "Shape":
                     self._read_shape(node, functools.partial(self._cache_shape, cache, True))
-            self._remove_dead([use.node for use in cache.past.uses()])  # copies nothing reads now
+            self.edit.remove_dead([use.node for use in cache.past.uses()])  # copies nothing reads now
             if cache.past.uses():
                 raise AttnRewriteError(
                     f"--recurrent: the KV cache {cache.past.name!r} is still read by "
@@ -261,13 +261,13 @@ class RecurrentSplicer(Splicer):
         full = full_shape(nodes)
         if full is None:
             return
-        sliced = self._node(nodes, "Slice", [full, self._const([start]), self._const([end])])
+        sliced = self.edit.node(nodes, "Slice", [full, self.edit.const([start]), self.edit.const([end])])
         self.graph.insert_before(shape_node, nodes)
         shape_node.outputs[0].replace_all_uses_with(sliced)
         source = shape_node.inputs[0].producer()
         self.graph.remove(shape_node, safe=True)
         if source is not None:
-            self._remove_dead([source])
+            self.edit.remove_dead([source])
 
     def _cache_shape(self, cache: CachedTensor, past: bool, nodes: list[ir.Node]) -> ir.Value:
         """[batch, kv_heads, length, head_dim] of the cache input (length: PAST_LENGTH) or of
@@ -275,9 +275,9 @@ class RecurrentSplicer(Splicer):
         mask, ids = self.interface.mask, self.interface.input_ids
         kv_heads, head_dim = self._cache_dims[cache.past.name]
         total = self._dim(mask, 1, nodes)
-        length = self._node(nodes, "Sub", [total, self._dim(ids, 1, nodes)]) if past else total
-        shape = [self._dim(mask, 0, nodes), self._const([kv_heads]), length, self._const([head_dim])]
-        return self._node(nodes, "Concat", shape, [ir.AttrInt64("axis", 0)])
+        length = self.edit.node(nodes, "Sub", [total, self._dim(ids, 1, nodes)]) if past else total
+        shape = [self._dim(mask, 0, nodes), self.edit.const([kv_heads]), length, self.edit.const([head_dim])]
+        return self.edit.node(nodes, "Concat", shape, [ir.AttrInt64("axis", 0)])
 
     def _shape_of_dims(self, dims, nodes: list[ir.Node]) -> ir.Value | None:
         """The shape of a layout of past and new keys (GQA's repeated heads), from its inferred
@@ -286,12 +286,14 @@ class RecurrentSplicer(Splicer):
         by_symbol = {str(mask.shape[0]): 0, str(mask.shape[1]): 1}
         if dims is None or not all(isinstance(d, int) or str(d) in by_symbol for d in dims):
             return None
-        parts = [self._const([d]) if isinstance(d, int) else self._dim(mask, by_symbol[str(d)], nodes) for d in dims]
-        return self._node(nodes, "Concat", parts, [ir.AttrInt64("axis", 0)])
+        parts = [
+            self.edit.const([d]) if isinstance(d, int) else self._dim(mask, by_symbol[str(d)], nodes) for d in dims
+        ]
+        return self.edit.node(nodes, "Concat", parts, [ir.AttrInt64("axis", 0)])
 
     def _dim(self, x: ir.Value, axis: int, nodes: list[ir.Node]) -> ir.Value:
         """[x.shape[axis]]."""
-        return self._node(nodes, "Shape", [x], [ir.AttrInt64("start", axis), ir.AttrInt64("end", axis + 1)])
+        return self.edit.node(nodes, "Shape", [x], [ir.AttrInt64("start", axis), ir.AttrInt64("end", axis + 1)])
 
 
 def _shape_readers_through_layout(present: ir.Value) -> list[ir.Node]:

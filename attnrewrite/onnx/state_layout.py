@@ -21,6 +21,7 @@ import math
 
 import onnx_ir as ir
 
+from attnrewrite.onnx.graph_edit import GraphEditor
 from attnrewrite.passes.recurrent import StateTensor, state_shape
 
 RECURRENT_STATE = "recurrent_state"
@@ -91,11 +92,11 @@ def layout(description: list[StateTensor], sizes: dict) -> Layout:
 
 
 class Packing:
-    """Builds the nodes between the packed graph values and the method's parts."""
+    """Builds the nodes between the packed graph values and the method's parts, with ``edit``."""
 
-    def __init__(self, layout: Layout, dtypes: list[ir.DataType], const, node):
+    def __init__(self, layout: Layout, dtypes: list[ir.DataType], edit: GraphEditor):
         self.layout, self.dtypes = layout, dtypes  # dtypes: each part's element type
-        self._const, self._node = const, node  # the splicer's constant and node builders
+        self.edit = edit
 
     def unpack(self, packed: dict[str, ir.Value], position: ir.Value, nodes: list[ir.Node]) -> list[ir.Value]:
         """The parts, in the method's order, read from the packed inputs (``position``: the past
@@ -111,11 +112,15 @@ class Packing:
             else:
                 columns = self._slice(packed[slot.tensor], slot.start, slot.stop, axis, nodes)
             if slot.tensor == RECURRENT_STATE:
-                value = columns if len(slot.shape) == 4 else self._node(nodes, "Squeeze", [columns, self._const([-1])])
+                value = (
+                    columns
+                    if len(slot.shape) == 4
+                    else self.edit.node(nodes, "Squeeze", [columns, self.edit.const([-1])])
+                )
             else:
-                value = self._node(nodes, "Reshape", [columns, self._const([0, *slot.shape[1:]])])
+                value = self.edit.node(nodes, "Reshape", [columns, self.edit.const([0, *slot.shape[1:]])])
             if dtype != ir.DataType.FLOAT:
-                value = self._node(nodes, "Cast", [value], [ir.AttrInt64("to", dtype)])
+                value = self.edit.node(nodes, "Cast", [value], [ir.AttrInt64("to", dtype)])
             parts.append(value)
         return parts
 
@@ -127,21 +132,23 @@ class Packing:
             if slot.tensor is None:
                 continue
             if dtype != ir.DataType.FLOAT:
-                value = self._node(nodes, "Cast", [value], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+                value = self.edit.node(nodes, "Cast", [value], [ir.AttrInt64("to", ir.DataType.FLOAT)])
             if slot.tensor == RECURRENT_STATE:
                 if len(slot.shape) != 4:
-                    value = self._node(nodes, "Unsqueeze", [value, self._const([-1])])
+                    value = self.edit.node(nodes, "Unsqueeze", [value, self.edit.const([-1])])
             else:
-                value = self._node(nodes, "Reshape", [value, self._const([0, -1])])
+                value = self.edit.node(nodes, "Reshape", [value, self.edit.const([0, -1])])
             pieces[slot.tensor].append(value)
         return {tensor: self._joined(tensor, values, packed, nodes) for tensor, values in pieces.items()}
 
     def _joined(self, tensor: str, values: list[ir.Value], packed: dict[str, ir.Value], nodes) -> ir.Value:
         if not values:
-            return self._node(nodes, "Identity", [packed[tensor]])
+            return self.edit.node(nodes, "Identity", [packed[tensor]])
         if len(values) == 1:
             return values[0]
-        return self._node(nodes, "Concat", values, [ir.AttrInt64("axis", -1 if tensor == RECURRENT_STATE else 1)])
+        return self.edit.node(nodes, "Concat", values, [ir.AttrInt64("axis", -1 if tensor == RECURRENT_STATE else 1)])
 
     def _slice(self, value: ir.Value, start: int, stop: int, axis: int, nodes: list[ir.Node]) -> ir.Value:
-        return self._node(nodes, "Slice", [value, self._const([start]), self._const([stop]), self._const([axis])])
+        return self.edit.node(
+            nodes, "Slice", [value, self.edit.const([start]), self.edit.const([stop]), self.edit.const([axis])]
+        )
