@@ -1,7 +1,7 @@
 """The package's shape (docs/ARCHITECTURE.md): no import cycle, no module reaching for another's
 underscore names (bench scripts included), no arrow from the passes or the frontends up to the
-modules above them, no file over 900 lines, and the hooks (the recurrent forms among them)
-declared by the methods."""
+modules above them, no file over 800 lines nor function over 80, and the hooks (the recurrent
+forms among them) declared by the methods."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from attnrewrite.passes import hooks
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attnrewrite"
-MAX_LINES = 900
+MAX_LINES = 800
+MAX_FUNCTION_LINES = 80  # a function longer than a screen does several jobs
 # what each layer may import from the package, besides itself (docs/ARCHITECTURE.md)
 BELOW_PASSES = {"attnrewrite.site", "attnrewrite.errors"}
 BELOW_FRONTENDS = BELOW_PASSES | {
@@ -225,6 +226,17 @@ def test_no_arrow_up(layer):
 def test_no_file_over_the_limit():
     long = {
         str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_no_function_over_the_limit():
+    long = {
+        f"{name}.{node.name}": length
+        for name, tree in PACKAGE_MODULES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
     }
     assert long == {}
 
