@@ -3,7 +3,7 @@ causal kernel attention. Each call takes N new positions and what the keys befor
 behind (a KernelState; none, or zeros, for a whole sequence: kernel.parallel's causal forms are
 this one from the start), and returns the outputs and, when asked, the state after the N keys,
 as flash-linear-attention's forms do: (q, k, v, initial_state, output_final_state) -> (out, final
-state). A decoder feeds a sequence in pieces (passes/kernel_recurrence.py): the sums are those
+state). A decoder feeds a sequence in pieces (kernel/recurrence.py): the sums are those
 over the whole sequence, grouped differently, so the pieces differ from one call by rounding
 only. kernel.naive is the N x N reference every form is tested against.
 
