@@ -14,6 +14,7 @@ import pytest
 import torch
 from models import relative_error
 
+from attnrewrite.passes.kernel import state as kernel_state
 from attnrewrite.passes.kernel.naive import naive_kernel_attention
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import (
@@ -100,6 +101,22 @@ def test_pieces_through_the_state_equal_the_whole_sequence(rescaled):
         outs.append(out)
     assert relative_error(torch.cat(outs, dim=-2), expected) < TOLERANCE
     assert_states_close(state, expected_final)
+
+
+@pytest.mark.parametrize("from_state", [False, True])
+@pytest.mark.parametrize("rescaled", [False, True])
+def test_a_long_sequence_runs_in_passes_equal_to_one(monkeypatch, rescaled, from_state):
+    """Past PASS_POSITIONS the form runs pass by pass through its own state (8 positions here,
+    two chunks of 4; 37 positions: 5 passes, the last short)."""
+    monkeypatch.setattr(kernel_state, "PASS_POSITIONS", 8)
+    phi_q, phi_k, v, log_scale = sequence(37, seed=3)
+    log_scale = log_scale if rescaled else None
+    state = some_state(rescaled, seed=3) if from_state else None
+    out, final = chunk_kernel_attention(phi_q, phi_k, v, log_scale, state, True, chunk=4)
+    expected, expected_final = naive(phi_q, phi_k, v, log_scale, state)
+    assert relative_error(out, expected) < TOLERANCE
+    assert_states_close(final, expected_final)
+    assert chunk_kernel_attention(phi_q, phi_k, v, log_scale, state, chunk=4)[1] is None
 
 
 def test_bidirectional_naive_is_linear_attention():

@@ -90,7 +90,38 @@ def chunk_kernel_attention(
     r[i] the running max over keys 0..i and the state's log scale. The dropped factor exp(r[i])
     is one constant for every term of row i's numerator and denominator, so it cancels exactly,
     and r[i] reads no key after i. Masked keys: phi_k rows 0 and key_log_scale LOWEST_LOG_SCALE
-    (they must not raise r)."""
+    (they must not raise r).
+
+    A sequence longer than PASS_POSITIONS runs as passes of that many positions, each from the
+    state the one before left: the chunk sums of one pass stay in the cache, so time grows as N
+    where one pass over everything would slow down once its sums outgrow the cache."""
+    n, step = phi_q.shape[-2], _pass_length(chunk)
+    if n <= step:
+        return _one_pass(phi_q, phi_k, v, key_log_scale, initial_state, output_final_state, chunk, eps)
+    outs, state = [], initial_state
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        scales = None if key_log_scale is None else key_log_scale[..., rows, :]
+        wanted = output_final_state or start + step < n
+        out, state = _one_pass(
+            phi_q[..., rows, :], phi_k[..., rows, :], v[..., rows, :], scales, state, wanted, chunk, eps
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=-2), state
+
+
+# Positions one pass of chunk_kernel_attention takes: at F = Dv = 64 and chunks of 64 its
+# per-chunk sums of 4 heads are 2 MB. One pass over 32768 positions took 2.7x as long per
+# position as passes of 2048 on a 2-core Xeon (bench/kernel_chunk.py).
+PASS_POSITIONS = 2048
+
+
+def _pass_length(chunk: int) -> int:
+    """PASS_POSITIONS rounded down to whole chunks (at least one), so passes split no chunk."""
+    return max(chunk, PASS_POSITIONS // chunk * chunk)
+
+
+def _one_pass(phi_q, phi_k, v, key_log_scale, initial_state, output_final_state, chunk, eps):
     lead, n, dv = phi_q.shape[:-2], phi_q.shape[-2], v.shape[-1]
     layout = ChunkLayout(n, chunk)
     q4, k4, v4 = layout.blocks(phi_q), layout.blocks(phi_k), layout.blocks(v)
