@@ -72,9 +72,17 @@ class Calibration:
     terminal: TerminalProgress = dataclasses.field(
         default_factory=lambda: TerminalProgress("calibrating", "site"), repr=False, compare=False
     )  # without ``progress``: the lines on stderr, under them on a terminal the sites done and the time left
+    finetune_terminal: TerminalProgress = dataclasses.field(
+        default_factory=lambda: TerminalProgress("fine-tuning", "step"), repr=False, compare=False
+    )  # stage 2's steps done and the time left, on a terminal
 
     def say(self, line: str) -> None:
         (self.progress or self.terminal.say)(line)
+
+    def finetune_step_done(self, done: int, steps: int) -> None:
+        """Stage 2 has taken ``done`` of its ``steps`` (a bar on a terminal; nothing in a log)."""
+        if self.progress is None:
+            self.finetune_terminal.done(done, steps)
 
     def report(self, index: int, total: int, layer, result) -> dict[str, Any]:
         """Say how site ``index`` went (stderr by default); the record's entry for it."""

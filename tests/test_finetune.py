@@ -141,6 +141,26 @@ def test_a_step_takes_about_1024_tokens_and_at_most_4_examples():
     assert [finetune.examples_per_step(n) for n in (1, 16, 256, 257, 512, 600, 4096)] == [4, 4, 4, 3, 2, 1, 1]
 
 
+def test_each_step_is_reported_as_it_is_taken():
+    """Stage 2 says after each step how many of its steps are done (a terminal's bar and its
+    estimate of the time left, calibration.Calibration.finetune_step_done)."""
+    weight = torch.nn.Parameter(torch.zeros(3))
+    batches = [{"x": np.full((2, 3), float(i), np.float32)} for i in range(3)]
+
+    def student(feeds):
+        return [torch.from_numpy(feeds["x"]) * weight]
+
+    def teacher(feeds):
+        return [torch.from_numpy(feeds["x"]) * 2.0]
+
+    done = []
+    objective = finetune.Objective(finetune.OUTPUT_ERROR)
+    finetune.finetune(
+        student, teacher, [weight], batches, objective, steps=5, lr=0.1, step_done=lambda *d: done.append(d)
+    )
+    assert done == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ["matmul", "transposed"])
 def test_merging_keeps_the_weights_dtype(layout, dtype):

@@ -77,6 +77,7 @@ class Finetuning:
             steps=settings.steps,
             lr=settings.lr,
             seed=calibration.seed,
+            step_done=calibration.finetune_step_done,
         )
         held = calibration.held_out
         held_out = (

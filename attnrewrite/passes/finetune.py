@@ -26,6 +26,7 @@ import dataclasses
 import math
 import time
 import typing
+from collections.abc import Callable
 
 import numpy as np
 
@@ -147,12 +148,23 @@ class FinetuneResult:
         return dataclasses.asdict(self)
 
 
-def finetune(student, teacher, params, batches: list, objective: Objective, *, steps: int, lr: float, seed: int = 0):
+def finetune(
+    student,
+    teacher,
+    params,
+    batches: list,
+    objective: Objective,
+    *,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    step_done: Callable[[int, int], None] | None = None,
+):
     """Train ``params`` (in place, Adam) so that ``student(feeds)`` (a list of output tensors)
     matches ``teacher(feeds)`` under ``objective``, one batch of ``batches`` (model-input dicts
     of numpy arrays, examples on the leading axis) per step, every batch once per pass over them,
     in a seeded random order (the same in every process). A fit that ends with a higher loss
-    than it started with is undone."""
+    than it started with is undone. ``step_done(steps done, steps)`` after each step: progress."""
     params = list(params)
     started = time.perf_counter()
     world = _World()
@@ -168,13 +180,15 @@ def finetune(student, teacher, params, batches: list, objective: Objective, *, s
     loss_before = measured_loss()
     start = snapshot(params)
     optimizer = torch.optim.Adam(params, lr=lr)
-    for index in _passes(len(batches), steps, seed):
+    for done, index in enumerate(_passes(len(batches), steps, seed), start=1):
         feeds = batches[index]
         numerators, denominators = _loss_parts(student, teacher, feeds, objective, world)
         optimizer.zero_grad(set_to_none=True)
         (numerators / denominators).mean().backward()  # this process's share of the batch's loss
         world.sum_gradients(params)
         optimizer.step()
+        if step_done is not None:
+            step_done(done, steps)
     loss_after, rejected = kept_if_lower(params, start, loss_before, measured_loss())
     return FinetuneResult(
         loss_before,
