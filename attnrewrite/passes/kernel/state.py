@@ -96,7 +96,7 @@ def chunk_kernel_attention(
     state the one before left: the chunk sums of one pass stay in the cache, so time grows as N
     where one pass over everything would slow down once its sums outgrow the cache."""
     n, step = phi_q.shape[-2], _pass_length(chunk)
-    if n <= step:
+    if _traced() or n <= step:  # a graph being traced keeps one pass: no guard on its length
         return _one_pass(phi_q, phi_k, v, key_log_scale, initial_state, output_final_state, chunk, eps)
     outs, state = [], initial_state
     for start in range(0, n, step):
@@ -114,6 +114,12 @@ def chunk_kernel_attention(
 # per-chunk sums of 4 heads are 2 MB. One pass over 32768 positions took 2.7x as long per
 # position as passes of 2048 on a 2-core Xeon (bench/kernel_chunk.py).
 PASS_POSITIONS = 2048
+
+
+def _traced() -> bool:
+    """Whether torch is tracing (torch.export, dynamo, torch.jit.trace): there N may be symbolic,
+    or an example's length that must not decide the graph's passes."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _pass_length(chunk: int) -> int:
