@@ -328,6 +328,10 @@ def state_memory_line(memory: dict[str, Any]) -> str:
     if tokens is not None:
         cache = f"the KV cache of {tokens} tokens ({per_token} bytes per token)"
     else:
-        cache = f"the KV cache {per_token} bytes per token" if per_token is not None else "the KV cache's not known"
+        cache = (
+            f"the KV cache {per_token} bytes per token"
+            if per_token is not None
+            else "the KV cache's bytes per token not known"
+        )
     unknown = f" ({'; '.join(memory['unknown'])})" if memory.get("unknown") else ""
     return f"state: {said}, {cache}{unknown}"

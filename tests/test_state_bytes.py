@@ -15,6 +15,7 @@ from decoders import HEAD_DIM, HEADS, LAYERS
 import attnrewrite
 from attnrewrite import cli, decision
 from attnrewrite.passes.recurrent import kv_cache_bytes_per_token, rewrite_memory, sized_bytes
+from attnrewrite.record import state_memory_line
 from attnrewrite.site import AttentionSite, KvCache, MaskKind
 
 F32 = 4
@@ -89,6 +90,10 @@ def test_a_size_the_site_does_not_know_is_said_not_guessed():
     assert memory.unknown == (
         "s's state: the axes F not known",
         "s's KV cache: key/value heads, head_dim not known",
+    )
+    assert state_memory_line(memory.as_dict()) == (
+        "state: not known, the KV cache's bytes per token not known "
+        "(s's state: the axes F not known; s's KV cache: key/value heads, head_dim not known)"
     )
     assert sized_bytes([], site) == 0 and kv_cache_bytes_per_token(AttentionSite("t")) == "no KV cache"
 
