@@ -11,7 +11,7 @@ from attnrewrite import check as check_mod
 from attnrewrite.cli_parsing import CommandParser, add_settings, check_length_fits
 from attnrewrite.cli_rewrite import check_fidelity_arguments
 from attnrewrite.onnx import io as onnx_io
-from attnrewrite.record import CHECKED, stage
+from attnrewrite.record import CHECKED, stage, state_memory_line
 from attnrewrite.settings import GateSettings
 
 
@@ -54,6 +54,9 @@ def check_command(args, run) -> int:
     check_length_fits(original.graph, args, from_empty_cache=check_mod.is_recurrent(args.rewritten))
     fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(fidelity.table())
+    report.state_memory = (check_mod.model_record(args.rewritten) or {}).get("state_memory")
+    if report.state_memory is not None:
+        print(state_memory_line(report.state_memory))
     if args.json:
         Path(args.json).write_text(json.dumps(fidelity.as_dict(**report.thresholds), indent=2) + "\n")
     with stage("check"):

@@ -4,12 +4,15 @@ not rewritable) and ``attnrewrite --to M --list-options`` (a method's declared o
 from __future__ import annotations
 
 from attnrewrite import passes, pipeline
+from attnrewrite.cli_parsing import parse_options
 from attnrewrite.data import load_inputs
+from attnrewrite.decision import RunPlan, refusal
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.rewrite import analyze
-from attnrewrite.record import LISTED, Report, RewriteRecord, SiteOutcome, format_table, stage
+from attnrewrite.passes.recurrent import rewrite_memory
+from attnrewrite.record import LISTED, Report, RewriteRecord, SiteOutcome, format_table, stage, state_memory_line
 
 
 def list_sites(model, args, report: Report) -> int:
@@ -36,8 +39,23 @@ def list_sites(model, args, report: Report) -> int:
     note = probe_note([s.site for s in sites])
     if note:
         print(f"note: {note}")
+    if args.to and args.recurrent:
+        print(_state_line(args.to, parse_options(args.option), [s.site for s in sites], record))
     report.end(LISTED, 0)
     return 0
+
+
+def _state_line(method_name: str, options: dict[str, str], sites: list, record: RewriteRecord) -> str:
+    """What the recurrence of ``method_name`` with ``options`` would keep per sequence over the
+    sites a rewrite with them replaces, said and kept in ``record`` (its state_memory)."""
+    plan = RunPlan.of(method_name, recurrent=True, **options)
+    reasons = [refusal(site, plan) for site in sites]
+    replaced = [site for site, reason in zip(sites, reasons) if reason is None]
+    if not replaced:
+        why = next((reason for reason in reasons if reason), "no attention sites")
+        return f"state: none, no site becomes a recurrence of {plan.method.NAME} ({why})"
+    record.state_memory = rewrite_memory(plan.method, plan.options, replaced).as_dict()
+    return state_memory_line(record.state_memory)
 
 
 def print_options(args, report: Report) -> int:

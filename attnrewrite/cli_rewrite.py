@@ -27,7 +27,7 @@ from attnrewrite.cli_parsing import (
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.passes.options import Flag
-from attnrewrite.record import WRITTEN, RewriteRecord, format_bytes, stage
+from attnrewrite.record import WRITTEN, RewriteRecord, format_bytes, stage, state_memory_line
 from attnrewrite.settings import GateSettings
 
 
@@ -127,7 +127,9 @@ def run_rewrite(argv: list[str], run) -> int:
     if args.model is None:
         parser.error("the following arguments are required: model")
     if args.list:
-        _refuse_unused_arguments(parser, args, "--list only reports the sites", _LIST_READS)
+        # --to METHOD --recurrent: and what the method's state would cost
+        reads = _LIST_READS | (_LIST_STATE_READS if args.to and args.recurrent else set())
+        _refuse_unused_arguments(parser, args, "--list only reports the sites", reads)
     check_fidelity_arguments(args)
     args.model, source = genai_folder.input_model(args.model)
     genai_output = None
@@ -166,6 +168,8 @@ def run_rewrite(argv: list[str], run) -> int:
         f"wrote {args.output}: {len(record.rewritten)} of {len(record.outcomes)} attention sites replaced by {args.to}"
         + (f", adding {format_bytes(record.bytes_added)} of constants" if record.bytes_added else "")
     )
+    if record.state_memory is not None:
+        print(state_memory_line(record.state_memory))
     if written:
         print(f"wrote {', '.join(written)} beside it: {genai_output} is a folder onnxruntime-genai opens")
     report.end(WRITTEN, 0, output=args.output)
@@ -189,6 +193,7 @@ def _settings(args) -> pipeline.Settings:
 
 # What the two listings read; any other argument given with them would be ignored.
 _LIST_READS = {"model", "list", "seq", "inputs", "report", "verbose"}
+_LIST_STATE_READS = {"to", "option", "recurrent"}
 _LIST_OPTIONS_READS = {"to", "list_options", "report", "verbose"}
 
 

@@ -66,6 +66,8 @@ class RewriteRecord:
     selection: dict[str, Any] | None = None  # --layers auto: what each site cost and why it was chosen
     end_to_end: dict[str, Any] | None = None  # calibration's stage that fitted all sites together
     finetune: dict[str, Any] | None = None  # stage 2: adapters on the projections (onnx/ and fx/finetune.py)
+    # --recurrent: the state's bytes per sequence beside the KV cache's (passes.recurrent.StateMemory)
+    state_memory: dict[str, Any] | None = None
     # per layer, the values calibration left in each replacement (what exact heads are sliced
     # from: attnrewrite.passes.heads); not part of the record as written
     fitted: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
@@ -92,6 +94,7 @@ class RewriteRecord:
             **({"selection": self.selection} if self.selection is not None else {}),
             **({"end_to_end": self.end_to_end} if self.end_to_end is not None else {}),
             **({"finetune": self.finetune} if self.finetune is not None else {}),
+            **({"state_memory": self.state_memory} if self.state_memory is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -210,6 +213,7 @@ class Report:
     method: str | None = None  # as asked for; the record's name once there is one
     record: RewriteRecord | None = None
     fidelity: Any = None  # the check's attnrewrite.check.CheckReport
+    state_memory: dict[str, Any] | None = None  # check: the compared model's record's (without a record here)
     thresholds: dict[str, float | None] = dataclasses.field(
         default_factory=lambda: {"min_cosine": None, "min_agreement": None}
     )
@@ -265,6 +269,7 @@ class Report:
             "selection": record.get("selection"),
             "end_to_end": record.get("end_to_end"),
             "finetune": record.get("finetune"),
+            "state_memory": record.get("state_memory", self.state_memory),
             "check": None if self.fidelity is None else self.fidelity.as_dict(**self.thresholds),
             "seconds": self.times.as_dict(),
         }
@@ -312,3 +317,21 @@ def format_bytes(size: int) -> str:
             return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.1f} GB"
+
+
+def state_memory_line(memory: dict[str, Any]) -> str:
+    """A recurrent rewrite's memory per sequence (RewriteRecord.state_memory) as one line: the
+    state's bytes, and the KV cache they buy."""
+    state, per_token, tokens = memory["state_bytes"], memory["kv_bytes_per_token"], memory["kv_tokens_equivalent"]
+    layers = f"{memory['layers']} layer{'' if memory['layers'] == 1 else 's'}"
+    said = f"{format_bytes(state)} per sequence ({state} bytes over {layers})" if state is not None else "not known"
+    if tokens is not None:
+        cache = f"the KV cache of {tokens} tokens ({per_token} bytes per token)"
+    else:
+        cache = (
+            f"the KV cache {per_token} bytes per token"
+            if per_token is not None
+            else "the KV cache's bytes per token not known"
+        )
+    unknown = f" ({'; '.join(memory['unknown'])})" if memory.get("unknown") else ""
+    return f"state: {said}, {cache}{unknown}"

@@ -88,6 +88,8 @@ def rewrite_model(model: ir.Model, plan: RunPlan | str | MethodOptions, **keywor
     if plan.recurrent and record.rewritten:
         splicer.finish()
         record.options["recurrent"] = True
+        sites = [o.site for o in record.rewritten]
+        record.state_memory = passes_recurrent.rewrite_memory(plan.method, plan.options, sites).as_dict()
         record.notes.append(recurrent_note(splicer.state_inputs, splicer.parts, list(cache_inputs(model.graph))))
     if fitting:
         _calibrate(model, plan, splicer, fitting, record)

@@ -13,12 +13,16 @@ rounding aside. An all-zero state is the initial one, and padded keys (key_keep 
 
 The forms: the kernel methods' (linear, hedgehog, favor, window included) in passes/kernel/
 (recurrence.py, from each method's FeatureMap), causal AFT-simple's in passes/aft.py.
+
+What a state costs beside the KV cache it replaces, per sequence: ``rewrite_memory``
+(StateMemory), which ``--list``, the record and ``check`` state (docs/cli.md).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import types
 
 import numpy as np
@@ -100,6 +104,78 @@ class Recurrence(abc.ABC):
         named as the torch module's state_dict entries, so fitted values (``weights``) carry over.
         ``contrib_ops``: the runtime runs onnxruntime's contrib operators (LinearAttention), which
         a form may use where they beat standard ones; else standard operators only."""
+
+
+# bytes per element of the dtypes a state or a KV cache holds (a StateTensor's "model" is the site's)
+DTYPE_BYTES = {"float64": 8, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMemory:
+    """One sequence's memory in a recurrent rewrite against the KV cache it replaces, over
+    ``layers`` sites: ``state_bytes``, every state tensor at batch 1; ``kv_bytes_per_token``,
+    the keys and values one token adds to those sites' caches. None where a site does not know
+    a size; ``unknown`` says which (never guessed)."""
+
+    layers: int
+    state_bytes: int | None
+    kv_bytes_per_token: int | None
+    unknown: tuple[str, ...] = ()
+
+    @property
+    def kv_tokens_equivalent(self) -> int | None:
+        """The tokens of KV cache the state's bytes buy (whole tokens)."""
+        if self.state_bytes is None or not self.kv_bytes_per_token:
+            return None
+        return self.state_bytes // self.kv_bytes_per_token
+
+    def as_dict(self) -> dict:
+        return {
+            "layers": self.layers,
+            "state_bytes": self.state_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_tokens_equivalent": self.kv_tokens_equivalent,
+            **({"unknown": list(self.unknown)} if self.unknown else {}),
+        }
+
+
+def rewrite_memory(method: types.ModuleType, options, sites: list[AttentionSite]) -> StateMemory:
+    """The memory per sequence of ``sites`` replaced by ``method``'s recurrence with ``options``."""
+    state_bytes, kv_bytes, unknown = 0, 0, []
+    for site in sites:
+        state = sized_bytes(form_for(method, site, options).state(site), site)
+        cache = kv_cache_bytes_per_token(site)
+        for size, what in ((state, "state"), (cache, "KV cache")):
+            if isinstance(size, str):
+                unknown.append(f"{site.name}'s {what}: {size}")
+        state_bytes = None if state_bytes is None or isinstance(state, str) else state_bytes + state
+        kv_bytes = None if kv_bytes is None or isinstance(cache, str) else kv_bytes + cache
+    return StateMemory(len(sites), state_bytes, kv_bytes, tuple(unknown))
+
+
+def sized_bytes(state: list[StateTensor], site: AttentionSite) -> int | str:
+    """The bytes of ``state`` at ``site`` for one sequence (batch 1), or what is not known."""
+    sizes = {"B": 1, "H": site.num_heads, "D": site.head_dim, "Dv": site.value_dim}
+    sizes["Hkv"] = site.kv_cache.kv_heads if site.kv_cache is not None else None
+    shapes = [state_shape(t, {axis: n for axis, n in sizes.items() if n is not None}) for t in state]
+    missing = sorted({axis for shape in shapes for axis in shape if isinstance(axis, str)})
+    element_bytes = [DTYPE_BYTES.get(site.dtype if t.dtype == "model" else t.dtype) for t in state]
+    if missing or None in element_bytes:
+        return f"{'the axes ' + ', '.join(missing) if missing else 'the dtype ' + site.dtype} not known"
+    return sum(math.prod(shape) * n for shape, n in zip(shapes, element_bytes))
+
+
+def kv_cache_bytes_per_token(site: AttentionSite) -> int | str:
+    """The bytes one token adds to ``site``'s KV cache (its key and its value, every key/value
+    head), or what is not known."""
+    cache = site.kv_cache
+    if cache is None:
+        return "no KV cache"
+    dims = {"key/value heads": cache.kv_heads, "head_dim": site.head_dim, "value_dim": site.value_dim}
+    missing = [name for name, n in dims.items() if n is None]
+    if missing or site.dtype not in DTYPE_BYTES:
+        return f"{', '.join(missing) or 'the dtype ' + site.dtype} not known"
+    return cache.kv_heads * (site.head_dim + site.value_dim) * DTYPE_BYTES[site.dtype]
 
 
 def recurrence(method: types.ModuleType, options) -> Recurrence | str:
