@@ -74,6 +74,7 @@ from attnrewrite.passes import (
     lsh,
     nystrom,
     optional_torch,
+    streaming,
 )
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.options import MethodOptions, OptionError
@@ -87,7 +88,9 @@ def _declared(method: types.ModuleType) -> types.ModuleType:
     return method
 
 
-_METHODS = tuple(_declared(m) for m in (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient))
+_METHODS = tuple(
+    _declared(m) for m in (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient, streaming)
+)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 # Methods with the ``window`` option (passes/window/); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
