@@ -12,13 +12,13 @@ position: query i takes every sink before it and the later keys whose count to i
 definition.
 
 The parallel form is the N x N masked softmax (the original's cost). The recurrent form (causal
-sites, passes/recurrent.py) keeps per layer the sinks (``sink_keys``, ``sink_values``,
-``sink_keep``) and the last ``recent`` later keys (``recent_keys``, ``recent_values``,
-``recent_keep``), once per key/value head, in order, oldest first; every tensor is batch-first and
-of fixed size, and the filled sinks (the sum of sink_keep) are all the count it needs: while the
-sinks are not full every real key so far is one. A call attends over [sinks, recent, new keys]
-with the same function as the parallel form, then selects the state after with one-hot products
-(exact: every other term is a zero)."""
+sites, passes/recurrent.py) keeps per layer the last ``recent`` later keys (``recent_keys``,
+``recent_values``, ``recent_keep``; first, so genai's ``recurrent_state`` holds the recent keys)
+and the sinks (``sink_keys``, ``sink_values``, ``sink_keep``), once per key/value head, in order,
+oldest first; every tensor is batch-first and of fixed size, and the filled sinks (the sum of
+sink_keep) are all the count it needs: while the sinks are not full every real key so far is one.
+A call attends over [sinks, recent, new keys] with the same function as the parallel form, then
+selects the state after with one-hot products (exact: every other term is a zero)."""
 
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def _state(site: AttentionSite, options: Options) -> list[StateTensor]:
         StateTensor("recent_values", (*kv, r, "Dv"), "model", 0.0, "their values"),
         StateTensor("recent_keep", (*kv, r, 1), "float32", 0.0, "1.0 where those keys are filled"),
     ]
-    return [*(sinks if s else []), *recent]
+    return [*recent, *(sinks if s else [])]  # recent first: recurrent_state (onnx/state_layout.py)
 
 
 def selected_recent(flags, recent: int):
@@ -272,11 +272,8 @@ class RecurrentStreaming(Module):
     def forward(self, q, k, v, key_keep, *state):
         p = self.parallel
         keep = key_keep.float().expand(*k.shape[:-1], 1)
-        if p.sinks:
-            sink_keys, sink_values, sink_keep, recent_keys, recent_values, recent_keep = state
-        else:
-            recent_keys, recent_values, recent_keep = state
-            sink_keys, sink_values, sink_keep = (x[..., :0, :] for x in state)
+        recent_keys, recent_values, recent_keep, *sinks = state
+        sink_keys, sink_values, sink_keep = sinks or (x[..., :0, :] for x in state)  # sinks=0: none
         sink, later, rank = key_kinds(keep, sink_keep.sum(-2, keepdim=True), p.sinks)
         keys, values = (torch.cat(x, dim=-2) for x in ((sink_keys, recent_keys, k), (sink_values, recent_values, v)))
         sink_flags = torch.cat([sink_keep, torch.zeros_like(recent_keep), sink], dim=-2)
@@ -293,11 +290,10 @@ class RecurrentStreaming(Module):
         if p.sinks:
             slots = torch.arange(p.sinks, device=k.device, dtype=rank.dtype)
             fill = ((rank == slots) & (sink > 0)).float().transpose(-2, -1)  # [..., sinks, N]
-            after = [
+            after += [
                 sink_keys + (fill @ k.float()).to(k.dtype),
                 sink_values + (fill @ v.float()).to(v.dtype),
                 sink_keep + fill.sum(-1, keepdim=True),
-                *after,
             ]
         return (out, *after)
 
@@ -358,8 +354,8 @@ def _selection_functions(opset_version: int, sinks: int, recent: int):
 
 @built_once
 def _recurrent_entries(opset_version: int, sinks: int, recent: int, groups: int):
-    """RecurrentStreaming's entry: with sinks, (q, k, v, key_keep, sink_keys, sink_values,
-    sink_keep, recent_keys, recent_values, recent_keep, scale); without, the recent parts only."""
+    """RecurrentStreaming's entry: with sinks, (q, k, v, key_keep, recent_keys, recent_values,
+    recent_keep, sink_keys, sink_values, sink_keep, scale); without, the recent parts only."""
     op = standard_opset(opset_version)
     flatten, key_keep_3d = flatten_heads_function(opset_version), key_keep_function(opset_version)
     kinds, attend = kinds_function(opset_version, sinks), attention_function(opset_version, recent)
@@ -380,7 +376,7 @@ def _recurrent_entries(opset_version: int, sinks: int, recent: int, groups: int)
 
     @script(ATTNREWRITE, default_opset=op)
     def RecurrentStreamingSinks(
-        q, k, v, key_keep, sink_keys, sink_values, sink_keep, recent_keys, recent_values, recent_keep, scale
+        q, k, v, key_keep, recent_keys, recent_values, recent_keep, sink_keys, sink_values, sink_keep, scale
     ):
         rows = op.Constant(value_ints=[-2])
         keys, vals, keep = flatten(k), flatten(v), key_keep_3d(key_keep, k)
@@ -397,12 +393,12 @@ def _recurrent_entries(opset_version: int, sinks: int, recent: int, groups: int)
         fill = sink_fill(rank, sink)
         return (
             shaped,
-            StateLike(sk + op.MatMul(fill, keys), sink_keys),
-            StateLike(sv + op.MatMul(fill, vals), sink_values),
-            StateLike(skeep + op.ReduceSum(fill, op.Constant(value_ints=[-1]), keepdims=1), sink_keep),
             StateLike(op.MatMul(choose, op.Concat(rk, keys, axis=-2)), recent_keys),
             StateLike(op.MatMul(choose, op.Concat(rv, vals, axis=-2)), recent_values),
             StateLike(op.ReduceSum(choose, op.Constant(value_ints=[-1]), keepdims=1), recent_keep),
+            StateLike(sk + op.MatMul(fill, keys), sink_keys),
+            StateLike(sv + op.MatMul(fill, vals), sink_values),
+            StateLike(skeep + op.ReduceSum(fill, op.Constant(value_ints=[-1]), keepdims=1), sink_keep),
         )
 
     @script(ATTNREWRITE, default_opset=op)
@@ -411,8 +407,8 @@ def _recurrent_entries(opset_version: int, sinks: int, recent: int, groups: int)
         sink_keys = op.Slice(recent_keys, zero, zero, rows)  # no sinks: empty ones
         sink_values = op.Slice(recent_values, zero, zero, rows)
         sink_keep = op.Slice(recent_keep, zero, zero, rows)
-        out, sk, sv, skeep, rk, rv, rkeep = RecurrentStreamingSinks(
-            q, k, v, key_keep, sink_keys, sink_values, sink_keep, recent_keys, recent_values, recent_keep, scale
+        out, rk, rv, rkeep, sk, sv, skeep = RecurrentStreamingSinks(
+            q, k, v, key_keep, recent_keys, recent_values, recent_keep, sink_keys, sink_values, sink_keep, scale
         )
         return out, rk, rv, rkeep
 
