@@ -105,7 +105,7 @@ def test_list_options_needs_a_method(capsys):
     assert (code, out) == (2, "")
     assert (
         err
-        == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient)\n"
+        == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient, streaming)\n"
     )
 
 

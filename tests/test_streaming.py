@@ -12,6 +12,8 @@ import torch
 from attention_graphs import lowering_session
 from conftest import decoder_exported, read_record
 from models import padded_at_both_ends, relative_error, run_pass_module
+from test_fx_export import run_onnx, to_onnx, torch_output
+from test_fx_transformers import build, exported, model_inputs
 from test_recurrent import session_for
 from test_recurrent_models import (
     TOLERANCE,
@@ -24,6 +26,7 @@ from test_recurrent_models import (
 
 import attnrewrite
 from attnrewrite import passes
+from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.passes import recurrent, streaming
 from attnrewrite.site import AttentionSite, KvCache, MaskKind
 
@@ -173,6 +176,21 @@ def test_decoders_prefill_then_decode_as_their_parallel_rewrite(decoder_exports,
     for (start, end), (logits, _) in zip(prefill_then_steps(), stepped(recurrent_session, full, prefill_then_steps())):
         error = logits_error(logits, expected[:, :end], full["attention_mask"][:, :end])
         assert error <= TOLERANCE * scale, (start, end, error)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_both_frontends_rewrite_gpt2_alike(attention):
+    """torch.fx and ONNX, recent=2 sinks=1 (keys dropped), on GPT-2 with a right-padded row:
+    the same outputs, unlike the original's."""
+    names, args = ["input_ids", "attention_mask"], model_inputs("gpt2")
+    fx = rewrite_graph_module(exported("gpt2", attention), streaming.Options(recent=2, sinks=1))
+    from_fx = torch_output(fx, args)
+    onnx_rewritten = attnrewrite.rewrite(
+        to_onnx(build("gpt2", attention), args, names), to="streaming", recent=2, sinks=1
+    )
+    assert read_record(onnx_rewritten)["sites_rewritten"] == fx.meta["attnrewrite"]["sites_rewritten"] > 0
+    assert relative_error(run_onnx(onnx_rewritten, names, args), from_fx) < 1e-5
+    assert relative_error(torch_output(build("gpt2", attention), args), from_fx) > 1e-3
 
 
 # --- refusals, options ---------------------------------------------------------------------------
