@@ -126,7 +126,7 @@ def test_every_option_of_every_method_is_described():
     [
         (
             ["--to", "foo", "m.onnx"],
-            "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog', 'nystrom', 'aft', 'efficient')",
+            "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog', 'nystrom', 'aft', 'efficient', 'streaming')",
         ),
         (["--to", "hydra"], "the following arguments are required: model"),
         (["bench", "m.onnx"], "the following arguments are required: --to"),
