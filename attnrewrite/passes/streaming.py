@@ -173,6 +173,9 @@ def kinds_function(opset_version: int, sinks: int):
     return KeyKinds
 
 
+_ONE = onnx.helper.make_tensor("one", FLOAT, [1], [1.0])
+
+
 @built_once
 def _parallel_entry(opset_version: int, sinks: int, recent: int, key_padding: bool):
     op = standard_opset(opset_version)
@@ -193,8 +196,8 @@ def _parallel_entry(opset_version: int, sinks: int, recent: int, key_padding: bo
     def CausalStreaming(q, k, v, key_keep, scale):
         # every key kept: key_keep is not read
         keys = flatten(k)
-        keep = op.ConstantOfShape(op.Concat(op.Shape(keys, end=-1), op.Constant(value_ints=[1]), axis=0))
-        sink, later, rank = kinds(keep + op.Constant(value_float=1.0), op.Constant(value_float=0.0))
+        keep = op.ConstantOfShape(op.Concat(op.Shape(keys, end=-1), op.Constant(value_ints=[1]), axis=0), value=_ONE)
+        sink, later, rank = kinds(keep, op.Constant(value_float=0.0))
         return WithHeadsOf(attend(flatten(q), keys, flatten(v), sink, later, scale), q, v)
 
     return CausalStreamingKept if key_padding else CausalStreaming
