@@ -44,7 +44,7 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
 Decoders that generate (passes/recurrent.py): a method that runs as a recurrence, carrying a
 fixed-size state instead of a KV cache, says so beside its other forms with ``recurrence(options)
 -> Recurrence | str`` (linear, hedgehog and favor through passes/kernel/recurrence.py from their FeatureMap,
-window included; AFT-simple in aft.py); one that never does says why in ``NO_RECURRENCE``.
+window included; AFT-simple in aft.py; streaming's cache of exact keys in streaming.py); one that never does says why in ``NO_RECURRENCE``.
 
 Adding a method means adding a module here and listing it in ``_METHODS``; building the registry
 checks that it declares every hook (passes/hooks.py), so a missing or misspelled one fails at
