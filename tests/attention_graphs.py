@@ -342,6 +342,8 @@ def expected_refusal(method: str, mask: str, head_dim: int, value_dim: int) -> s
         return "Linformer mixes every position into each projected key, so a causal mask cannot be expressed"
     if method == "nystrom" and mask.startswith("causal"):
         return "Nystromformer's landmarks mix every position of a segment, so a causal mask cannot be expressed"
+    if method == "streaming" and not mask.startswith("causal"):
+        return "the most recent keys are a decoder's cache: a bidirectional site has no last keys to keep"
     if method == "hydra" and head_dim != value_dim:
         return f"Hydra multiplies keys and values feature-wise: key dim {head_dim} != value dim {value_dim}"
     if method == "aft" and head_dim != value_dim:

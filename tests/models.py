@@ -1305,12 +1305,14 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 # tokens (linformer projects to 4 keys, lsh sorts into 4 buckets of 4-position chunks).
 # Methods whose supports() refuses every causal site (projections, landmarks mix future keys in).
 CAUSAL_REFUSED = ("linformer", "nystrom")
+BIDIRECTIONAL_REFUSED = ("streaming",)  # a window of the last keys is a decoder's cache
 
 APPROXIMATING_OPTIONS = {
     "favor": {"features": 32},
     "linformer": {"proj_dim": 4},
     "nystrom": {"landmarks": 4},
     "lsh": {"n_buckets": 4, "chunk": 4, "n_hashes": 2},
+    "streaming": {"recent": 2, "sinks": 1},
 }
 
 

@@ -105,7 +105,7 @@ def test_list_options_needs_a_method(capsys):
     assert (code, out) == (2, "")
     assert (
         err
-        == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient)\n"
+        == "attnrewrite: error: --list-options needs --to METHOD (one of: linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient, streaming)\n"
     )
 
 
@@ -126,7 +126,7 @@ def test_every_option_of_every_method_is_described():
     [
         (
             ["--to", "foo", "m.onnx"],
-            "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog', 'nystrom', 'aft', 'efficient')",
+            "argument --to: invalid choice: 'foo' (choose from 'linear', 'hydra', 'favor', 'linformer', 'lsh', 'hedgehog', 'nystrom', 'aft', 'efficient', 'streaming')",
         ),
         (["--to", "hydra"], "the following arguments are required: model"),
         (["bench", "m.onnx"], "the following arguments are required: --to"),

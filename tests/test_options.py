@@ -57,6 +57,9 @@ RANGES = {
     ("aft", "seed"): ">= 0",
     ("efficient", "chunk"): ">= 1",
     ("efficient", "seed"): ">= 0",
+    ("streaming", "recent"): ">= 1",
+    ("streaming", "sinks"): ">= 0",
+    ("streaming", "seed"): ">= 0",
 }
 
 

@@ -44,7 +44,7 @@ Calibration (attnrewrite/passes/fit.py; the frontends only collect q, k, v, key_
 Decoders that generate (passes/recurrent.py): a method that runs as a recurrence, carrying a
 fixed-size state instead of a KV cache, says so beside its other forms with ``recurrence(options)
 -> Recurrence | str`` (linear, hedgehog and favor through passes/kernel/recurrence.py from their FeatureMap,
-window included; AFT-simple in aft.py); one that never does says why in ``NO_RECURRENCE``.
+window included; AFT-simple in aft.py; streaming's cache of exact keys in streaming.py); one that never does says why in ``NO_RECURRENCE``.
 
 Adding a method means adding a module here and listing it in ``_METHODS``; building the registry
 checks that it declares every hook (passes/hooks.py), so a missing or misspelled one fails at
@@ -74,6 +74,7 @@ from attnrewrite.passes import (
     lsh,
     nystrom,
     optional_torch,
+    streaming,
 )
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.options import MethodOptions, OptionError
@@ -87,7 +88,9 @@ def _declared(method: types.ModuleType) -> types.ModuleType:
     return method
 
 
-_METHODS = tuple(_declared(m) for m in (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient))
+_METHODS = tuple(
+    _declared(m) for m in (linear, hydra, favor, linformer, lsh, hedgehog, nystrom, aft, efficient, streaming)
+)
 PASSES: dict[str, types.ModuleType] = {m.NAME: m for m in _METHODS}
 # Methods with the ``window`` option (passes/window/); the others say why not.
 WINDOWED = tuple(m.NAME for m in _METHODS if "window" in {f.name for f in dataclasses.fields(m.Options)})
