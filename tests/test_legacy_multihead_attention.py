@@ -20,6 +20,7 @@ import torch
 from conftest import read_record
 from models import (
     APPROXIMATING_OPTIONS,
+    BIDIRECTIONAL_REFUSED,
     CAUSAL_REFUSED,
     HEADS,
     HIDDEN,
@@ -204,7 +205,9 @@ def test_every_method_rewrites_and_matches_its_torch_reference(legacy_export, na
     sites = attnrewrite.find_sites(export.load())
     expected_status = ["skipped" if method_pass.supports(s, opts) else "rewritten" for s in sites]
     assert [s["status"] for s in record["sites"]] == expected_status
-    assert expected_status.count("rewritten") == len(masks) - (method in CAUSAL_REFUSED) * masks.count("causal")
+    refused = (method in CAUSAL_REFUSED) * masks.count("causal")
+    refused += (method in BIDIRECTIONAL_REFUSED) * (len(masks) - masks.count("causal"))
+    assert expected_status.count("rewritten") == len(masks) - refused
 
     inputs = spec.inputs(batch=3)  # another batch than the export traced
     swap = [s.layer for s, status in zip(sites, expected_status) if status == "rewritten"]
