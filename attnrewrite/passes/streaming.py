@@ -300,14 +300,6 @@ class RecurrentStreaming(Module):
             ]
         return (out, *after)
 
-    def initial_state(self, q, v) -> tuple:
-        """The empty state for queries shaped like q (q's heads: a site without grouping)."""
-        lead, sizes = q.shape[:-2], {"D": q.shape[-1], "Dv": v.shape[-1]}
-        return tuple(
-            torch.zeros((*lead, *recurrent.state_shape(t, sizes)[-2:]), dtype=torch.float32, device=q.device)
-            for t in self.description
-        )
-
     def extra_repr(self) -> str:
         return f"method=streaming, state={[t.name for t in self.description]}"
 
