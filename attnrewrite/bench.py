@@ -67,6 +67,7 @@ from attnrewrite.onnx.inputs import generate_inputs
 from attnrewrite.onnx.limits import position_limit
 from attnrewrite.onnx.rewrite import rewrite_model
 from attnrewrite.onnx.validate import validate
+from attnrewrite.progress import TerminalProgress
 
 __all__ = [
     "DEFAULT_BUDGET_SECONDS",
@@ -156,7 +157,7 @@ def sweep(
     fails). When the ``reference`` runner fails (not over budget) at a length, the model cannot
     take that length: the whole sweep stops there. ``inputs_for(n)`` writes the inputs for
     length n (removed after that length)."""
-    progress = progress or Progress(sys.stderr)
+    progress = progress or Progress()
     measurements: list[Measurement] = []
     stopped: dict[str, str] = {}
     total = len(config.lengths) * len(runners) * config.trials
@@ -279,31 +280,22 @@ def prepare_models(config: BenchConfig, folder: Path) -> tuple[dict[str, Path], 
 
 
 class Progress:
-    """A one-line bar on a terminal; one line per step otherwise (logs stay readable)."""
+    """The sweep's configurations as lines (a log, CI: one per configuration, as they start); on a
+    terminal, under them, a bar of the configurations done with the time left (progress.py)."""
 
-    WIDTH = 24
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
+    def __init__(self):
         self.started = time.monotonic()
+        self._bar = TerminalProgress("bench", "run")
 
     def step(self, i: int, total: int, label: str) -> None:
-        filled = self.WIDTH * i // max(total, 1)
-        elapsed = time.monotonic() - self.started
-        text = f"bench [{'#' * filled}{'.' * (self.WIDTH - filled)}] {i + 1}/{total} {label} ({elapsed:.0f} s)"
-        if self.tty:
-            self.stream.write("\r\033[K" + text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        """Configuration ``i`` (from 0) of ``total`` starts; the ``i`` before it are done."""
+        if i:
+            self._bar.done(i, total)
+        self._bar.say(f"bench: {i + 1}/{total} {label} ({time.monotonic() - self.started:.0f} s)")
 
     def note(self, text: str) -> None:
-        self.stream.write(("\r\033[K" if self.tty else "") + f"bench: {text}\n")
-        self.stream.flush()
+        self._bar.say(f"bench: {text}")
 
     def done(self, total: int) -> None:
-        if self.tty:
-            self.stream.write("\r\033[K")
-        self.stream.write(f"bench: {total} configurations in {time.monotonic() - self.started:.0f} s\n")
-        self.stream.flush()
+        self._bar.done(total, total)
+        self._bar.say(f"bench: {total} configurations in {time.monotonic() - self.started:.0f} s")

@@ -13,6 +13,7 @@ from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.passes.recurrent import rewrite_memory
 from attnrewrite.record import LISTED, Report, RewriteRecord, SiteOutcome, format_table, stage, state_memory_line
+from attnrewrite.state_budget import Budget, choose
 
 
 def list_sites(model, args, report: Report) -> int:
@@ -40,7 +41,10 @@ def list_sites(model, args, report: Report) -> int:
     if note:
         print(f"note: {note}")
     if args.to and args.recurrent:
-        print(_state_line(args.to, parse_options(args.option), [s.site for s in sites], record))
+        options = parse_options(args.option)
+        if args.state_budget is not None:
+            options = _budgeted(args, options, [s.site for s in sites])
+        print(_state_line(args.to, options, [s.site for s in sites], record))
     report.end(LISTED, 0)
     return 0
 
@@ -56,6 +60,16 @@ def _state_line(method_name: str, options: dict[str, str], sites: list, record: 
         return f"state: none, no site becomes a recurrence of {plan.method.NAME} ({why})"
     record.state_memory = rewrite_memory(plan.method, plan.options, replaced).as_dict()
     return state_memory_line(record.state_memory)
+
+
+def _budgeted(args, options: dict[str, str], sites: list) -> dict:
+    """The options ``--state-budget`` chooses over the sites a rewrite would replace, said."""
+    plan = RunPlan.of(args.to, recurrent=True, **options)
+    replaced = [site for site in sites if refusal(site, plan) is None]
+    budget = Budget.parse(args.state_budget)
+    choice = choose(args.to, options, replaced, budget)
+    print(choice.describe(budget))
+    return choice.options
 
 
 def print_options(args, report: Report) -> int:

@@ -73,20 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also rewrite sites with one query (a decoder step), which stay exact by default: linearizing them saves nothing",
     )
-    parser.add_argument(
-        "--recurrent",
-        action="store_true",
-        help="for a decoder exported with a KV cache: each cache becomes the fixed-size state of a recurrence "
-        "(linear, hedgehog, favor, with or without a window), inputs past_key_values.{i}.<part>, "
-        "outputs present.{i}.<part>",
-    )
-    parser.add_argument(
-        "--standard-ops",
-        action="store_true",
-        help="with --recurrent: standard ONNX operators only, for runtimes without onnxruntime's contrib "
-        "operators (a decoding step otherwise updates the kernel state with com.microsoft.LinearAttention "
-        "where the installed onnxruntime runs it)",
-    )
+    _add_recurrent_arguments(parser)
     parser.add_argument(
         "-O",
         "--option",
@@ -110,6 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="details and tracebacks")
     parser.add_argument("--version", action="version", version=f"attnrewrite {__version__}")
     return parser
+
+
+def _add_recurrent_arguments(parser: argparse.ArgumentParser) -> None:
+    """--recurrent and the flags that shape the recurrence it makes."""
+    parser.add_argument(
+        "--recurrent",
+        action="store_true",
+        help="for a decoder exported with a KV cache: each cache becomes the fixed-size state of a recurrence "
+        "(linear, hedgehog, favor, with or without a window), inputs past_key_values.{i}.<part>, "
+        "outputs present.{i}.<part>",
+    )
+    parser.add_argument(
+        "--standard-ops",
+        action="store_true",
+        help="with --recurrent: standard ONNX operators only, for runtimes without onnxruntime's contrib "
+        "operators (a decoding step otherwise updates the kernel state with com.microsoft.LinearAttention "
+        "where the installed onnxruntime runs it)",
+    )
+    parser.add_argument(
+        "--state-budget",
+        metavar="SIZE",
+        help="with --recurrent: size the method's state to fit SIZE per sequence, in bytes (16MB, 512kB, 1.5GiB) "
+        "or as the KV cache of so many tokens (322tok): the widest window (linear, hedgehog, favor) or the "
+        "most recent keys (streaming) that fit; says what it chose",
+    )
 
 
 def run_rewrite(argv: list[str], run) -> int:
@@ -186,6 +198,7 @@ def _settings(args) -> pipeline.Settings:
         include_single_query=args.include_single_query,
         recurrent=args.recurrent,
         standard_ops=args.standard_ops,
+        state_budget=args.state_budget,
         check=args.check,
         **given_settings(args, run_settings.GROUPS),
     )
@@ -193,7 +206,7 @@ def _settings(args) -> pipeline.Settings:
 
 # What the two listings read; any other argument given with them would be ignored.
 _LIST_READS = {"model", "list", "seq", "inputs", "report", "verbose"}
-_LIST_STATE_READS = {"to", "option", "recurrent"}
+_LIST_STATE_READS = {"to", "option", "recurrent", "state_budget"}
 _LIST_OPTIONS_READS = {"to", "list_options", "report", "verbose"}
 
 
@@ -263,6 +276,8 @@ def _check_rewrite_arguments(args, model) -> None:
     _check_heads_arguments(args)
     if args.standard_ops and not args.recurrent:
         raise AttnRewriteError("--standard-ops is for --recurrent's decoding steps; give --recurrent too")
+    if args.state_budget is not None and not args.recurrent:
+        raise AttnRewriteError("--state-budget sizes a recurrent state; give --recurrent too")
     if args.layers == "auto" and args.min_cosine is None and args.heads != ["auto"]:
         raise AttnRewriteError("--layers auto needs --min-cosine X: the cosine the rewritten model must keep")
     onnx_io.check_output_path(args.output, args.model, reads=onnx_io.files_read_by(model))

@@ -30,12 +30,13 @@ from attnrewrite import calibration, passes
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, CheckReport, FidelityBelowThreshold
 from attnrewrite.decision import RunPlan
+from attnrewrite.decision import refusal as decision_refusal
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.head_selection import HeadSelection, select_heads_onnx
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.inputs import sequence_length
-from attnrewrite.onnx.rewrite import rewrite_model, rewritten_sites
+from attnrewrite.onnx.rewrite import find_sites, rewrite_model, rewritten_sites
 from attnrewrite.onnx.validate import DEFAULT_SEQ as DEFAULT_GATE_SEQ
 from attnrewrite.onnx.validate import validate_saved
 from attnrewrite.passes import heads
@@ -51,6 +52,8 @@ from attnrewrite.record import (
     stage,
 )
 from attnrewrite.settings import CalibrationSettings, FinetuneSettings, GateSettings, TextSettings
+from attnrewrite.state_budget import Budget
+from attnrewrite.state_budget import choose as choose_settings
 
 # exit statuses, the CLI's; a report says which one its run ended with, the API's too
 EXIT_FAILED = 1  # nothing could be rewritten, the result failed a gate, or the environment failed
@@ -73,12 +76,17 @@ class Settings(GateSettings, TextSettings, FinetuneSettings, CalibrationSettings
     include_single_query: bool = False
     recurrent: bool = False  # KV caches become recurrent states (attnrewrite.onnx.recurrent)
     standard_ops: bool = False  # no onnxruntime contrib operator in the recurrent steps
+    state_budget: str | None = None  # with recurrent: the method's settings sized to fit (attnrewrite.state_budget)
     validate: bool = True
     check: bool = False  # compare the rewritten model's outputs with the original's
 
     def __post_init__(self):
         if self.standard_ops and not self.recurrent:
             raise AttnRewriteError("standard_ops is for recurrent=True's decoding steps; give recurrent=True too")
+        if self.state_budget is not None:
+            if not self.recurrent:
+                raise AttnRewriteError("state_budget sizes a recurrent state; give recurrent=True too")
+            Budget.parse(self.state_budget)  # a size or one line now, before any work
         super().__post_init__()
         _refuse_stages_without_their_data(self)
         refuse_comparison_settings_that_do_nothing(self)
@@ -186,6 +194,9 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
         method, options = passes.method_and_options(settings.method, **settings.options)
     with stage("load"):
         model = source.load()
+    if settings.state_budget is not None:
+        with stage("rewrite"):
+            method, options, budgeted = _budgeted(settings, model)
     inputs = original = None
     if settings.compares:
         with stage("check"):  # from the original's signature, before the rewrite changes the model in place
@@ -206,8 +217,21 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     )
     with stage("rewrite"):
         model, record, selection = _rewrite(source, model, settings, plan, inputs)
+    if settings.state_budget is not None:
+        _add_note(model, record, budgeted)
     report.record = record
     return Result(model, record, settings, source, report, selection, inputs, original)
+
+
+def _budgeted(settings: Settings, model: ir.Model) -> tuple:
+    """(method, its options, what the budget chose in one line): the settings of the method that
+    fit its state over the sites this run replaces into ``settings.state_budget``."""
+    plan = RunPlan.of(settings.method, recurrent=True, layers=settings.layers, **settings.options)
+    sites = [site for site in find_sites(model, settings.seq) if decision_refusal(site, plan) is None]
+    budget = Budget.parse(settings.state_budget)
+    choice = choose_settings(settings.method, settings.options, sites, budget)
+    method, options = passes.method_and_options(settings.method, **choice.options)
+    return method, options, choice.describe(budget)
 
 
 def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactPart | None) -> CheckInputs:

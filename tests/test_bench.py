@@ -125,7 +125,7 @@ def test_tiny_sweep_json_table_and_plot(tmp_path, capsys):
     assert data["crossover"] == expected
     assert picture.read_bytes()[:8] == PNG_MAGIC
     assert "original ms" in out and "hydra ms" in out and "crossover:" in out
-    assert "bench [" in err  # progress on stderr
+    assert "bench: 1/" in err and "configurations in" in err  # progress on stderr
 
 
 def _config(**overrides) -> bench.BenchConfig:
@@ -330,7 +330,7 @@ def test_unwritable_json_is_refused_before_the_sweep(tmp_path, capsys):
     code, out, err = run(capsys, "bench", SAMPLE, "--to", "hydra", "--json", target)
     assert code == 2
     assert err.strip() == f"attnrewrite: error: {target}: folder {target.parent} does not exist"
-    assert "bench [" not in err  # nothing was measured
+    assert "bench: 1/" not in err  # nothing was measured
 
 
 def test_trials_pool_the_runs_of_fresh_processes():

@@ -51,3 +51,37 @@ def test_a_new_round_starts_a_new_bar(monkeypatch):
     first = progress._bar
     progress.done(1, 3)  # layer selection calibrates again from the first site
     assert progress._bar is not first and progress._bar.n == 1
+
+
+def test_the_benchmark_sweep_shows_the_runs_left_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    from attnrewrite.bench import Progress
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    progress = Progress()
+    for i, label in enumerate(["original N=16", "hydra N=16", "original N=32"]):
+        progress.step(i, 3, label)
+    progress.done(3)
+    shown = terminal.getvalue()
+    assert "bench: 1/3 original N=16 (0 s)" in shown and "bench: 3/3 original N=32" in shown
+    assert "bench:  33%" in shown and "2/3" in shown and "<" in shown  # runs done and the time left
+    assert "bench: 3 configurations in 0 s" in shown
+
+
+def test_the_benchmark_sweep_logs_one_line_per_run(monkeypatch):
+    from attnrewrite.bench import Progress
+
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    progress = Progress()
+    progress.step(0, 2, "original N=16")
+    progress.note("hydra: series stopped: over budget")
+    progress.step(1, 2, "original N=32")
+    progress.done(2)
+    assert log.getvalue().splitlines() == [
+        "bench: 1/2 original N=16 (0 s)",
+        "bench: hydra: series stopped: over budget",
+        "bench: 2/2 original N=32 (0 s)",
+        "bench: 2 configurations in 0 s",
+    ]
