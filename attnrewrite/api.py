@@ -29,6 +29,7 @@ def rewrite(
     *,
     recurrent: bool = False,
     standard_ops: bool = False,
+    state_budget: str | None = None,
     heads: dict[int, list[int]] | str | None = None,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
@@ -53,7 +54,9 @@ def rewrite(
     ``past_key_values.{i}.<part>`` and outputs ``present.{i}.<part>`` (docs/cli.md, "Decoders").
     A decoding step updates and reads the kernel state with onnxruntime's
     ``com.microsoft.LinearAttention`` where the installed onnxruntime runs it; ``standard_ops``
-    keeps to standard ONNX operators, for other runtimes.
+    keeps to standard ONNX operators, for other runtimes. ``state_budget`` (with ``recurrent``:
+    ``"16MB"``, ``"322tok"``) sizes the state to fit it: the widest window or the most recent
+    keys that fit, said in the record's notes (``attnrewrite.state_budget``).
 
     What the run did and how it ended (docs/report.md, the CLI's ``--report``): an error raised
     for an ONNX model carries it as ``error.report``, the ``NothingRewritten`` warning as
@@ -79,7 +82,12 @@ def rewrite(
     given, options = run_settings.split(keywords)
     if "finetune" in given:
         given["finetune"] = calibration.FINETUNE_STEPS if given["finetune"] is True else int(given["finetune"])
-    run = dict(include_single_query=include_single_query, recurrent=recurrent, standard_ops=standard_ops)
+    run = dict(
+        include_single_query=include_single_query,
+        recurrent=recurrent,
+        standard_ops=standard_ops,
+        state_budget=state_budget,
+    )
     settings = pipeline.Settings(to, options, layers=layers, heads=heads, validate=validate, **run, **given)
     if not _is_onnx(model):
         return _rewrite_torch(model, settings, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)

@@ -120,3 +120,13 @@ def test_a_budget_without_a_recurrent_state_is_refused(llama_sites, capsys, tmp_
     assert cli.main([*args, "--recurrent", "--state-budget", "16XB"]) == 2
     assert "not a size" in capsys.readouterr().err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_the_api_takes_the_budget_too(llama_sites):
+    cached, _ = llama_sites
+    model = attnrewrite.rewrite(str(cached.path), to="streaming", recurrent=True, state_budget="40tok")
+    record = read_record(model)
+    assert record["state_memory"]["state_bytes"] <= 40 * KV_PER_TOKEN
+    assert any(note.startswith("state budget 40tok (10.2 kB): chose recent=") for note in record["notes"])
+    with pytest.raises(AttnRewriteError, match="^state_budget sizes a recurrent state; give recurrent=True too$"):
+        attnrewrite.rewrite(str(cached.path), to="streaming", state_budget="40tok")
