@@ -96,8 +96,10 @@ class WindowedCheckReport(CheckReport):
         lines += [f"inputs: {self.input_source}", *self.footer(), *self.window.fidelity.footer("window")]
         return "\n".join(lines)
 
-    def as_dict(self, *gates, **thresholds) -> dict[str, Any]:
-        return {**super().as_dict(*gates, **thresholds), "window": self.window.as_dict()}
+    def as_dict(
+        self, min_cosine: float | None = None, min_agreement: float | None = None, allow_exact: bool = False
+    ) -> dict[str, Any]:
+        return {**super().as_dict(min_cosine, min_agreement, allow_exact), "window": self.window.as_dict()}
 
 
 def check_against_window(
