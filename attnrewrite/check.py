@@ -138,7 +138,7 @@ class CheckReport:
     @property
     def min_agreement(self) -> float | None:
         """The smallest argmax agreement of any logits-like output (None: there is none)."""
-        return min((_worst_first(o.argmax_agreement) for o in self._logits()), default=None)
+        return min((_worst_first(o.argmax_agreement) for o in self.logits_outputs()), default=None)
 
     def worst(self) -> OutputFidelity:
         return min(self.outputs, key=lambda o: _worst_first(o.cosine_min))
@@ -161,7 +161,7 @@ class CheckReport:
             self._gate_exact(allow_exact)
 
     def _gate_agreement(self, min_agreement: float) -> None:
-        logits = self._logits()
+        logits = self.logits_outputs()
         if not logits:
             # a gate that cannot look at anything must not pass silently
             names = ", ".join(o.name for o in self.outputs)
@@ -182,45 +182,25 @@ class CheckReport:
                 "or accept it with --allow-exact"
             )
 
-    def _logits(self) -> list[OutputFidelity]:
+    def logits_outputs(self) -> list[OutputFidelity]:
         return [o for o in self.outputs if o.logits_like]
 
     def table(self) -> str:
-        header = ["output", "shape", "max_abs_err", "rel_err", "cos_mean", "cos_min", "cos_p5"]
-        with_logits = bool(self._logits())  # hidden states alone: no argmax columns at all
-        if with_logits:
-            header += ["argmax_agree", "top5", "kl_mean", "kl_max"]
-        rows = []
-        for o in self.outputs:
-            row = [
-                o.name,
-                "x".join(map(str, o.shape)),
-                f"{o.max_abs_error:.3g}",
-                f"{o.relative_error:.3g}",
-                f"{o.cosine_mean:.6f}",
-                f"{o.cosine_min:.6f}",
-                f"{o.cosine_p5:.6f}",
-            ]
-            if with_logits:
-                row += (
-                    ["-"] * 4
-                    if not o.logits_like
-                    else [
-                        f"{o.argmax_agreement:.4f}",
-                        f"{o.top5_overlap:.4f}",
-                        f"{o.kl_mean:.3g}",
-                        f"{o.kl_max:.3g}",
-                    ]
-                )
-            rows.append(tuple(row))
-        lines = [format_table(tuple(header), rows), f"inputs: {self.input_source}"]
-        lines += [f"note: {e.note()}" for e in self.exact]
+        with_logits = bool(self.logits_outputs())  # hidden states alone: no argmax columns at all
+        rows = [table_row(o, with_logits) for o in self.outputs]
+        lines = [format_table(table_header(with_logits), rows), f"inputs: {self.input_source}", *self.footer()]
+        return "\n".join(lines)
+
+    def footer(self, label: str = "rewritten") -> list[str]:
+        """The lines under the table and its inputs: the sites it cannot measure, non-finite
+        values in the ``label`` model's outputs."""
+        lines = [f"note: {e.note()}" for e in self.exact]
         lines += [
-            f"warning: {o.name}: {o.nonfinite} non-finite values in the rewritten output"
+            f"warning: {o.name}: {o.nonfinite} non-finite values in the {label} output"
             for o in self.outputs
             if o.nonfinite
         ]
-        return "\n".join(lines)
+        return lines
 
     def as_dict(
         self, min_cosine: float | None = None, min_agreement: float | None = None, allow_exact: bool = False
@@ -237,6 +217,23 @@ class CheckReport:
             },
             "outputs": [{k: json_float(v) for k, v in o.as_dict().items()} for o in self.outputs],
         }
+
+
+def table_header(with_logits: bool) -> tuple[str, ...]:
+    header = ("output", "shape", "max_abs_err", "rel_err", "cos_mean", "cos_min", "cos_p5")
+    return (*header, "argmax_agree", "top5", "kl_mean", "kl_max") if with_logits else header
+
+
+def table_row(o: OutputFidelity, with_logits: bool) -> tuple[str, ...]:
+    """One output's figures as the table prints them (table_header's columns)."""
+    row = [o.name, "x".join(map(str, o.shape))]
+    row += [f"{o.max_abs_error:.3g}", f"{o.relative_error:.3g}"]
+    row += [f"{o.cosine_mean:.6f}", f"{o.cosine_min:.6f}", f"{o.cosine_p5:.6f}"]
+    if with_logits and not o.logits_like:
+        row += ["-"] * 4
+    elif with_logits:
+        row += [f"{o.argmax_agreement:.4f}", f"{o.top5_overlap:.4f}", f"{o.kl_mean:.3g}", f"{o.kl_max:.3g}"]
+    return tuple(row)
 
 
 def _worst_first(value: float | None) -> float:
@@ -495,17 +492,33 @@ def check(
     Timed as the run's stage "check" (record.stage), layer selection's trials too."""
     with stage("check"):
         record = model_record(rewritten)
-        decoding = is_recurrent(record)
-        if not isinstance(inputs, CheckInputs):
-            model, why = _as_ir(original), None
-            if seq is None and inputs is None:
-                parts = [part for part, _, _ in _replaced_exact_parts(record)]
-                seq, why = default_length(model.graph, parts, from_empty_cache=decoding)
-            prepare = prepare_decoder_inputs if decoding else prepare_inputs
-            inputs = with_reason(prepare(model, inputs, seq=seq or DEFAULT_SEQ, batch=batch, seed=seed), why)
-        report = _run_both(original, rewritten, inputs, threads)
-        report.exact = exact_sites(record, inputs, original, decoding)
+        inputs = check_inputs(original, record, inputs, seq=seq, batch=batch, seed=seed)
+        [report] = run_compared(original, [(rewritten, "the rewritten model")], inputs, threads)
+        report.exact = exact_sites(record, inputs, original, is_recurrent(record))
         return report
+
+
+def check_inputs(
+    original,
+    record: dict | None,
+    inputs: CheckInputs | str | os.PathLike | dict[str, np.ndarray] | None = None,
+    *,
+    seq: int | None = None,
+    batch: int = DEFAULT_BATCH,
+    seed: int = 0,
+    also_exact: list[passes.ExactPart] = (),
+) -> CheckInputs:
+    """The inputs check compares on (see ``check``) for a rewritten model whose record is
+    ``record``; generated ones are also past ``also_exact``'s reach (another model compared on them)."""
+    if isinstance(inputs, CheckInputs):
+        return inputs
+    decoding = is_recurrent(record)
+    model, why = as_ir(original), None
+    if seq is None and inputs is None:
+        parts = [part for part, _, _ in _replaced_exact_parts(record)]
+        seq, why = default_length(model.graph, [*parts, *also_exact], from_empty_cache=decoding)
+    prepare = prepare_decoder_inputs if decoding else prepare_inputs
+    return with_reason(prepare(model, inputs, seq=seq or DEFAULT_SEQ, batch=batch, seed=seed), why)
 
 
 def model_record(model) -> dict | None:
@@ -572,7 +585,7 @@ def exact_sites(record: dict | None, inputs: CheckInputs, original, decoding: bo
     parts = _replaced_exact_parts(record, by_site=True)
     if not parts:
         return []
-    graph = _as_ir(original).graph
+    graph = as_ir(original).graph
     seq = _compared_length(inputs, graph)
     exact = [(part, method, sites) for part, method, sites in parts if seq is not None and seq <= part.exact_up_to]
     if not exact:
@@ -597,20 +610,32 @@ def _replaced_exact_parts(record: dict | None, by_site: bool = False) -> list[tu
     bidirectional site of its method (the longest reach: default_length)."""
     groups: dict[tuple[passes.ExactPart, str], int] = {}
     while isinstance(record, dict):
-        module = passes.PASSES.get(record.get("method"))
-        if module is not None:
-            fields = {f.name for f in dataclasses.fields(module.Options)}
-            try:
-                options = module.Options(**{k: v for k, v in record.get("options", {}).items() if k in fields})
-            except passes.OptionError:
-                options = None  # a record this version does not read
-            for site in record.get("sites", []) if options is not None else []:
-                causal = by_site and "causal" in str(site.get("mask"))
-                part = passes.exact_part(module, options, causal)
-                if site.get("status") == "rewritten" and part is not None:
-                    groups[part, module.NAME] = groups.get((part, module.NAME), 0) + 1
+        recorded = recorded_method(record)
+        for site in replaced_sites(record) if recorded is not None else []:
+            module, options = recorded
+            part = passes.exact_part(module, options, by_site and "causal" in str(site.get("mask")))
+            if part is not None:
+                groups[part, module.NAME] = groups.get((part, module.NAME), 0) + 1
         record = record.get("previous")
     return [(part, method, sites) for (part, method), sites in groups.items()]
+
+
+def recorded_method(record: dict):
+    """(pass module, Options) of the rewrite ``record`` (one run's, model_record) says was made;
+    None where this version does not know the method or read its options."""
+    module = passes.PASSES.get(record.get("method"))
+    if module is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(module.Options)}
+    try:
+        return module, module.Options(**{k: v for k, v in record.get("options", {}).items() if k in fields})
+    except passes.OptionError:
+        return None
+
+
+def replaced_sites(record: dict) -> list[dict]:
+    """The sites one run's ``record`` says it replaced, as AttentionSite.describe() wrote them."""
+    return [site for site in record.get("sites", []) if site.get("status") == "rewritten"]
 
 
 def _compared_length(inputs: CheckInputs, graph: ir.Graph) -> int | None:
@@ -622,38 +647,46 @@ def _compared_length(inputs: CheckInputs, graph: ir.Graph) -> int | None:
     return sequence_length(graph, inputs.feeds)
 
 
-def _run_both(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:
+def run_compared(original, compared: list[tuple[Any, str]], inputs: CheckInputs, threads: int | None = None):
+    """A CheckReport per (model, label) of ``compared`` against ``original``, all run on ``inputs``
+    (the original once)."""
     if inputs.decode_steps is not None:
-        return _run_both_decoding(original, rewritten, inputs, threads)
+        return _run_decoding(original, compared, inputs, threads)
     with _session(original, "the original model", threads) as session:
         inputs, expected = _run_original(session, inputs, original)
-    feeds = inputs.feeds
-    with _session(rewritten, "the rewritten model", threads) as session:
-        missing = sorted(set(feeds) - {i.name for i in session.get_inputs()})
-        if missing:
-            raise AttnRewriteError(f"the rewritten model has no input {missing[0]!r}: the models' signatures differ")
-        actual = _run(session, feeds, "the rewritten model")
-    outputs = []
-    for name, value in expected.items():
-        if name not in actual:
-            raise AttnRewriteError(f"the rewritten model has no output {name!r}")
-        outputs.append(compare_outputs(name, value, actual[name]))
-    return CheckReport(outputs, {k: list(v.shape) for k, v in feeds.items()}, inputs.source)
+    feeds, reports = inputs.feeds, []
+    for model, label in compared:
+        with _session(model, label, threads) as session:
+            missing = sorted(set(feeds) - {i.name for i in session.get_inputs()})
+            if missing:
+                raise AttnRewriteError(f"{label} has no input {missing[0]!r}: the models' signatures differ")
+            actual = _run(session, feeds, label)
+        outputs = []
+        for name, value in expected.items():
+            if name not in actual:
+                raise AttnRewriteError(f"{label} has no output {name!r}")
+            outputs.append(compare_outputs(name, value, actual[name]))
+        reports.append(CheckReport(outputs, {k: list(v.shape) for k, v in feeds.items()}, inputs.source))
+    return reports
 
 
-def _run_both_decoding(original, rewritten, inputs: CheckInputs, threads: int | None) -> CheckReport:
+def _run_decoding(original, compared: list[tuple[Any, str]], inputs: CheckInputs, threads: int | None):
     """The logits of every real token as each model generates them (generate.forced_logits),
     compared as one output of [real tokens, vocab]."""
     ids = inputs.feeds["input_ids"]
     mask = inputs.feeds.get("attention_mask", np.ones_like(ids))
-    prefill = ids.shape[-1] - inputs.decode_steps
-    logits = []
-    for model, label in ((original, "the original model"), (rewritten, "the rewritten model")):
+    prefill, real = ids.shape[-1] - inputs.decode_steps, mask != 0
+    shapes = {k: list(v.shape) for k, v in inputs.feeds.items()}
+
+    def logits(model, label: str) -> np.ndarray:
         with _session(model, label, threads) as session:
-            logits.append(forced_logits(session, label, ids, mask, prefill))
-    real = mask != 0
-    output = compare_outputs("logits", logits[0][real], logits[1][real])
-    return CheckReport([output], {k: list(v.shape) for k, v in inputs.feeds.items()}, inputs.source)
+            return forced_logits(session, label, ids, mask, prefill)[real]
+
+    expected = logits(original, "the original model")
+    return [
+        CheckReport([compare_outputs("logits", expected, logits(model, label))], shapes, inputs.source)
+        for model, label in compared
+    ]
 
 
 def _run_original(session, inputs: CheckInputs, original) -> tuple[CheckInputs, dict[str, np.ndarray]]:
@@ -667,13 +700,14 @@ def _run_original(session, inputs: CheckInputs, original) -> tuple[CheckInputs, 
         at = inputs if length == inputs.seq else inputs.regenerate(length)
         return at, _run(session, at.feeds, "the original model")
 
-    length, (used, expected) = first_that_runs(run_at, inputs.seq, _as_ir(original).graph)
+    length, (used, expected) = first_that_runs(run_at, inputs.seq, as_ir(original).graph)
     if length != inputs.seq:
         used = dataclasses.replace(used, source=f"{used.source}; the original model does not run at seq {inputs.seq}")
     return used, expected
 
 
-def _as_ir(model) -> ir.Model:
+def as_ir(model) -> ir.Model:
+    """``model`` (a path or an onnx_ir.Model) as an onnx_ir.Model."""
     return model if isinstance(model, ir.Model) else onnx_io.load_model(model)
 
 

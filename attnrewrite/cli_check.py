@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from attnrewrite import check as check_mod
+from attnrewrite.check_window import check_against_window
 from attnrewrite.cli_parsing import CommandParser, add_settings, check_length_fits
 from attnrewrite.cli_rewrite import check_fidelity_arguments
 from attnrewrite.onnx import io as onnx_io
@@ -23,6 +24,12 @@ def build_check_parser() -> argparse.ArgumentParser:
     parser.add_argument("original", help="the reference model")
     parser.add_argument("rewritten", help="the model to compare with it")
     add_settings(parser, GateSettings, gate="fail (exit 1)")
+    parser.add_argument(
+        "--against-window",
+        action="store_true",
+        help="also score, on the same inputs, the original cut to a window of exact keys (streaming, 4 sinks) "
+        "whose KV cache costs the bytes of the rewritten model's state (docs/checking.md)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
     parser.add_argument(
         "--report",
@@ -52,7 +59,8 @@ def check_command(args, run) -> int:
     with stage("load"):
         original = onnx_io.load_model(args.original)
     check_length_fits(original.graph, args, from_empty_cache=check_mod.is_recurrent(args.rewritten))
-    fidelity = report.fidelity = check_mod.check(args.original, args.rewritten, args.inputs, seq=args.seq)
+    compare = check_against_window if args.against_window else check_mod.check
+    fidelity = report.fidelity = compare(args.original, args.rewritten, args.inputs, seq=args.seq)
     print(fidelity.table())
     report.state_memory = (check_mod.model_record(args.rewritten) or {}).get("state_memory")
     if report.state_memory is not None:

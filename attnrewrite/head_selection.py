@@ -43,6 +43,7 @@ from attnrewrite.layer_selection import Measurement, gate_measurement
 from attnrewrite.onnx import io as onnx_io
 from attnrewrite.onnx.rewrite import rewrite_model, with_fitting_of
 from attnrewrite.passes.heads import attention_scale
+from attnrewrite.passes.lowering import DOMAIN
 from attnrewrite.record import METADATA_KEY, RewriteRecord, format_table, json_float, record_json
 
 COSTLIEST_SHOWN = 3  # heads per site the table names with their costs
@@ -200,7 +201,11 @@ def head_costs(model: ir.Model, record: RewriteRecord, feeds: dict[str, np.ndarr
     from attnrewrite.onnx.rewrite import rewritten_sites
 
     calls = {node.name: node for node in rewritten_sites(model)}
-    measured = [o for o in record.rewritten if o.site.num_heads is not None and o.site.rank == 4]
+    measured = [
+        o
+        for o in record.rewritten
+        if o.site.num_heads is not None and o.site.rank == 4 and o.replacement.startswith(f"{DOMAIN}.")
+    ]  # an operator kept as its own replacement (a GroupQueryAttention's local window) has no call to measure
     nodes = [calls[f"{o.site.name}/{o.replacement.split('.', 1)[1]}"] for o in measured]
     collected = _collected(model, [[*node.inputs[:4], node.outputs[0]] for node in nodes], feeds)
     costs = [

@@ -185,6 +185,8 @@ PARALLEL_METHODS = {  # every causal method
     "lsh": ["lsh"],
     "efficient": ["efficient"],
     "hydra": ["hydra"],
+    "streaming": ["streaming", "-O", "recent=4"],
+    "streaming-no-sinks": ["streaming", "-O", "recent=4", "-O", "sinks=0"],  # the operator's own local window
 }
 
 

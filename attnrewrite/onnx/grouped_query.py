@@ -2,7 +2,8 @@
 (detect/gqa.py's GroupedQueryPlan): split its packed input into q, k and v heads, rotate them
 as its ``do_rotary`` does, write its KV cache (a parallel rewrite keeps the cache), and merge
 the attention's heads back into features; ``splice_in_parallel`` replaces the operator with a
-parallel call over its cache (recurrent.py builds its recurrent call with the same nodes).
+parallel call over its cache (recurrent.py builds its recurrent call with the same nodes), and
+``windowed_in_place`` keeps it where its own local window is the replacement.
 
 The operator rotates each token at its row in its cache (from ``seqlens_k``). A recurrent
 rewrite, which keeps no cache, takes the position from the attention mask's running count of
@@ -291,6 +292,17 @@ def splice_in_parallel(
         _take_over_present(edit, cache, present, plan)
     edit.remove_dead(s.nodes)
     return replaced
+
+
+def windowed_in_place(s: OnnxSite, window: int) -> str:
+    """The GroupQueryAttention kept, attending to the last ``window`` keys up to each query with
+    its own local_window_size: its cache, rows and rotary stay the operator's. The operator's
+    ``sliding_window_cache`` (onnxruntime 1.32: past and present hold only the window) would
+    change the model's cache inputs; a parallel rewrite keeps them. Returns the operator's
+    qualified op type."""
+    operator = s.key_cache.node
+    operator.attributes["local_window_size"] = ir.AttrInt64("local_window_size", window)
+    return f"{operator.domain}.{operator.op_type}"
 
 
 def _take_over_present(edit: GraphEditor, cache: CachedTensor, present: ir.Value, plan: GroupedQueryPlan) -> None:

@@ -4,7 +4,8 @@ parallel over every position.
 The replacement reads q, k (un-transposed), v, a key_keep tensor ([..., Nk, 1], 1.0 = attend)
 derived from the mask's last query row (key_keep.py), and the pass's constants. A contrib
 operator's q, k and v are unpacked first (contrib_heads.py), a GroupQueryAttention's built from
-its inputs (grouped_query.py). The nodes the attention used become dead and are removed,
+its inputs (grouped_query.py), or the operator kept where it runs the replacement itself (a
+lowering's group_query_window). The nodes the attention used become dead and are removed,
 together with initializers nothing else reads (graph_edit.py).
 """
 
@@ -17,7 +18,7 @@ from attnrewrite.onnx.constants import known_dims
 from attnrewrite.onnx.contrib_heads import merged_heads, unpacked_heads
 from attnrewrite.onnx.detect import OnnxSite, Unsupported
 from attnrewrite.onnx.graph_edit import INT64_MAX, GraphEditor
-from attnrewrite.onnx.grouped_query import GroupedQueryNodes, splice_in_parallel
+from attnrewrite.onnx.grouped_query import GroupedQueryNodes, splice_in_parallel, windowed_in_place
 from attnrewrite.onnx.key_keep import KeyKeeps
 from attnrewrite.onnx.replacement import Replacements
 from attnrewrite.passes.lowering import OnnxLowering
@@ -57,6 +58,8 @@ class Splicer:
     def splice(self, s: OnnxSite, lowering: OnnxLowering, own: frozenset[str] = frozenset()) -> str:
         """``own``: names of constants this site must not share with another (Initializers.for_site).
         Returns the replacement's qualified op type."""
+        if s.grouped_query is not None and lowering.group_query_window is not None:
+            return windowed_in_place(s, lowering.group_query_window)
         if s.grouped_query is not None:
             return splice_in_parallel(self.replacements, self.grouped_query, s, lowering, own)
         edit, anchor = self.edit, s.output.producer()

@@ -108,6 +108,10 @@ class OnnxLowering:
 
     functions: list[onnx.FunctionProto]
     constants: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # the replacement as a GroupQueryAttention computes it itself with this local_window_size
+    # (softmax over the last that many keys up to each query, its own included): at such a site
+    # the splice keeps the operator and sets it instead of calling ``functions``; None: it cannot
+    group_query_window: int | None = dataclasses.field(default=None, kw_only=True)
 
     @property
     def op_type(self) -> str:

@@ -206,10 +206,13 @@ def _parallel_entry(opset_version: int, sinks: int, recent: int, key_padding: bo
 def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
 ) -> OnnxLowering:
-    """``weights`` has nothing to replace (no fitted values)."""
+    """``weights`` has nothing to replace (no fitted values). Without sinks it is a
+    GroupQueryAttention's own local window of ``recent`` keys (onnxruntime 1.32 counts the query's
+    own key in it: tests/test_streaming_gqa.py measures it against this definition)."""
     entry = _parallel_entry(opset_version, options.sinks, options.recent, site.mask.key_padding)
     functions = [f.to_function_proto() for f in with_callees(entry)]
-    return OnnxLowering(functions, {"scale": np.array(site_scale(site), dtype=np.float32)})
+    constants = {"scale": np.array(site_scale(site), dtype=np.float32)}
+    return OnnxLowering(functions, constants, group_query_window=None if options.sinks else options.recent)
 
 
 # --- the recurrent form (passes/recurrent.py) -----------------------------------------------------
