@@ -82,13 +82,8 @@ def rewrite(
     given, options = run_settings.split(keywords)
     if "finetune" in given:
         given["finetune"] = calibration.FINETUNE_STEPS if given["finetune"] is True else int(given["finetune"])
-    run = dict(
-        include_single_query=include_single_query,
-        recurrent=recurrent,
-        standard_ops=standard_ops,
-        state_budget=state_budget,
-    )
-    settings = pipeline.Settings(to, options, layers=layers, heads=heads, validate=validate, **run, **given)
+    run = dict(include_single_query=include_single_query, standard_ops=standard_ops, state_budget=state_budget)
+    settings = pipeline.Settings(to, options, layers, heads, recurrent=recurrent, validate=validate, **run, **given)
     if not _is_onnx(model):
         return _rewrite_torch(model, settings, example_inputs=example_inputs, dynamic_shapes=dynamic_shapes)
     if example_inputs is not None or dynamic_shapes is not None:

@@ -184,11 +184,7 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     nothing proved yet."""
     report = report or Report("rewrite")
     report.method = settings.method
-    report.thresholds = {
-        "min_cosine": settings.min_cosine,
-        "min_agreement": settings.min_agreement,
-        "allow_exact": settings.allow_exact,
-    }
+    report.thresholds = {name: getattr(settings, name) for name in ("min_cosine", "min_agreement", "allow_exact")}
     _check_selection(settings)
     with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
         method, options = passes.method_and_options(settings.method, **settings.options)

@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="VARIANTS",
         help="only the attention-only section, for these comma-separated variants "
         "(softmax, a method, or method:option=value, e.g. hedgehog:window=32; several options joined by +): "
-        "print its tables, write no file",
+        "print its tables (and, with --rows-json, write them as JSON: bench/readme_table.py reads it)",
     )
+    parser.add_argument("--rows-json", type=Path, help="with --attention-rows: also write the rows to this JSON file")
     parser.add_argument(
         "--decode",
         action="store_true",
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         trials=1 if args.quick else args.trials,
     )
     if args.attention_rows:
-        return attention_rows([v.replace("+", ",") for v in args.attention_rows.split(",")], config)
+        return attention_rows([v.replace("+", ",") for v in args.attention_rows.split(",")], config, args.rows_json)
     started, cpu_start = machine_state(), cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="attnrewrite-standard-") as tmp:
         folder = Path(tmp)
@@ -399,10 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
+def attention_rows(variants: list[str], config: bench.BenchConfig, json_path: Path | None = None) -> int:
     """A few attention-only rows (softmax and the given variants) without the whole sweep:
-    the tables on stdout, with the machine's state, for pasting into RESULTS.md."""
-    cpu_start = cpu_seconds()
+    the tables on stdout, with the machine's state, for RESULTS.md; with ``json_path`` the same
+    rows as JSON (the command, the machine, each variant's median ms and peak MiB by N)."""
+    cpu_start, started = cpu_seconds(), machine_state()
     with tempfile.TemporaryDirectory(prefix="attnrewrite-rows-") as tmp:
         folder = Path(tmp)
         attention = models.export_attention(folder / "attention.onnx", **ATTENTION)
@@ -427,6 +429,25 @@ def attention_rows(variants: list[str], config: bench.BenchConfig) -> int:
         f"{config.threads} threads, {config.trials} trials x {config.repeats} runs\n"
     )
     print(section_tables(section, next((v for v in ("softmax", CAUSAL + "softmax") if v in variants), None)))
+    if json_path is not None:
+        rows = {
+            key: {
+                m.n: {"median_ms": round(m.median_s * 1e3, 2), "peak_mib": round((m.peak_bytes or 0) / 2**20)}
+                for m in section.measurements
+                if m.variant == key and m.status == "ok"
+            }
+            for key in variants
+        }
+        record = {
+            "command": "python bench/run_benchmarks.py " + " ".join(sys.argv[1:]),
+            "machine": {**started, "others_cores": round(others_cores(cpu_start, cpu_seconds()), 2)},
+            "threads": config.threads,
+            "trials": config.trials,
+            "repeats": config.repeats,
+            "attention": ATTENTION,
+            "rows": rows,
+        }
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 
