@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from models import relative_error
 from test_fx_export import to_onnx, torch_output
 from test_fx_transformers import SEQ, build, exported, model_inputs
 from test_recurrent import (
+    DV,
+    SCHEDULES,
     B,
+    D,
     fitted_parallel,
     grouped_site,
     make_site,
+    pieces,
     recurrent_form,
+    rows,
     sequence,
 )
 
@@ -29,7 +35,7 @@ import attnrewrite
 from attnrewrite import passes
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx import rewrite_graph_module
-from attnrewrite.passes import favor, hedgehog, linear
+from attnrewrite.passes import favor, hedgehog, linear, recurrent
 from attnrewrite.passes.options import OptionError
 from attnrewrite.passes.window import torch_form
 from attnrewrite.passes.window.reference import sparse_windowed_reference
@@ -145,6 +151,63 @@ def test_gradients_flow_through_the_kept_pairs_and_the_state(method):
     grads = [p.grad for p in module.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     assert torch.isfinite(k.grad).all() and k.grad[0, :, :4].abs().sum() > 0  # keys that left the window
+
+
+# --- the recurrent form ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("grouping", ["ungrouped", "grouped"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("method", METHODS)
+def test_torch_steps_equal_the_parallel_form(method, padding, grouping, schedule):
+    method, site = METHODS[method], site_of(grouping)
+    options = options_of(method, sinks=1, sparse=3)
+    parallel = fitted_parallel(method, site, options)
+    q, k, v, kept_k, kept_v, keep = query_key_values(site, padding)
+    schedule = [*SCHEDULES[schedule], LENGTH - sum(SCHEDULES[schedule])]  # the whole sequence
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep)
+        module = recurrent_form(site, options).torch_module(site, parallel)
+        state = module.initial_state(q, kept_v)
+        for piece in pieces(schedule):
+            out, *state = module(rows(q, piece), rows(kept_k, piece), rows(kept_v, piece), rows(keep, piece), *state)
+            assert relative_error(out.numpy(), expected[..., piece, :].numpy()) < 1e-5, piece
+    names = [t.name for t in recurrent_form(site, options).state(site)]
+    cache_keep = state[names.index("cache_keep")]
+    assert cache_keep.shape == (B, kept_k.shape[1], 3, 1) and cache_keep.sum() == cache_keep.numel()
+
+
+def test_state_holds_the_cache_per_key_value_head_and_counts_its_bytes():
+    site = site_of("grouped")
+    form = recurrent_form(site, options_of(hedgehog, sinks=1, sparse=5))
+    described = {t.name: (t.shape, t.dtype) for t in form.state(site)}
+    assert described["cache_keys"] == (("B", "Hkv", 5, "D"), "model")
+    assert described["cache_values"] == (("B", "Hkv", 5, "Dv"), "model")
+    assert described["cache_keep"] == (("B", "Hkv", 5, 1), "float32")
+    assert list(described)[-1] == "position"
+    plain = recurrent_form(site, options_of(hedgehog, sinks=1)).state(site)
+    kv_heads, element = site.kv_cache.kv_heads, 4  # float32 model dtype
+    more = recurrent.sized_bytes(form.state(site), site) - recurrent.sized_bytes(plain, site)
+    assert more == kv_heads * 5 * ((D + DV) * element + 4)
+
+
+def test_padded_keys_never_enter_the_cache_or_the_state():
+    """Whatever the padded positions hold, the outputs, the kernel state and the pairs held are the same."""
+    site, options = make_site(), options_of(favor, sinks=1, sparse=3)
+    module = recurrent_form(site, options).torch_module(site, fitted_parallel(favor, site, options))
+    q, k, v, _, _, keep = query_key_values(site, True, length=15)
+    junk_k, junk_v = k.clone(), v.clone()
+    junk_k[1, :, :4], junk_v[1, :, :4] = 1e3, -7.0
+    names = ["out", *(t.name for t in recurrent_form(site, options).state(site))]
+    with torch.no_grad():
+        first = dict(zip(names, module(q, k, v, keep, *module.initial_state(q, v))))
+        second = dict(zip(names, module(q, junk_k, junk_v, keep, *module.initial_state(q, v))))
+    for name in ("out", "kernel_state", "log_scale", "cache_keep"):
+        np.testing.assert_array_equal(first[name].numpy(), second[name].numpy(), err_msg=name)
+    held = first["cache_keep"] > 0
+    for name in ("cache_keys", "cache_values"):
+        torch.testing.assert_close(first[name] * held, second[name] * held, rtol=0, atol=0)
 
 
 # --- frontends, refusals -----------------------------------------------------------------------------

@@ -36,6 +36,14 @@ from attnrewrite.passes.window.settings import KernelScales, Window
 from attnrewrite.passes.window.torch_state import SinkKeys, far_key_features, positioned_exact_keys
 
 
+class Pairs(typing.NamedTuple):
+    """Keys, values and keep flags [..., rows, *]."""
+
+    k: typing.Any
+    v: typing.Any
+    keep: typing.Any
+
+
 class CacheSlots(typing.NamedTuple):
     """Which rows the cache holds, per key/value head: ``index`` [Gkv, G] into the rows of
     CachedRows, ``kept`` [Gkv, G] (False: an empty slot). Slots hold their rows in position
@@ -97,6 +105,62 @@ def sparse_windowed_causal(phi_q, phi_k, q, k, v, keep, scales: KernelScales, wi
         eps=eps,
     )
     return layout.unblock(out)
+
+
+def sparse_attention_from_state(
+    phi_q, q, rows: CachedRows, keep, pairs: Pairs, window: Window, *, start, sink_keys, far, scale, scales, eps
+):
+    """The causal window with a sparse cache continued from a decoder's state (kernel.recurrent_torch):
+    the queries phi_q, q [..., N', *] of the last N' of the rows (per query head, unweighted
+    phi_q): ``rows`` and ``keep`` [..., G + N, *], the G cached pairs first, then positions
+    ``start`` .. start + N - 1 (the window's 2W - 1 and the new ones; phi_k zero where padded),
+    ``pairs`` the same rows per key/value head as the state keeps them. ``far``: the kernel state.
+    Returns (out [..., N', Dv], the kernel state and the cache, Pairs shaped as pairs' first G
+    rows, after every block that has left by the next position)."""
+    size, n = window.sparse, q.shape[-2]
+    lead, n_keys = rows.k.shape[:-2], rows.k.shape[-2] - size
+    layout = PositionedLayout(start, n_keys, window.size)
+    if scales.linear_log_weight is not None:
+        phi_q = phi_q.float() * torch.exp(scales.linear_log_weight.float())
+    cached = CachedRows(*(None if x is None else x[..., :size, :].float() for x in rows))
+    positioned = CachedRows(*(None if x is None else x[..., size:, :].float() for x in rows))
+    far_phi_k, far_key_log_scale = far_key_features(positioned.phi_k, positioned.key_log_scale, start, window.sinks)
+    positioned = positioned._replace(phi_k=far_phi_k, key_log_scale=far_key_log_scale)
+    kv_keep = flatten_heads(pairs.keep.float())
+    out, state, slots = sparse_cached_blocks(
+        _query_blocks(layout, n_keys, q, phi_q, scales),
+        positioned_exact_keys(layout, start, positioned.k, positioned.v, keep[..., size:, :].float(), sink_keys),
+        _laid_out(layout, cached, positioned),
+        _candidates(layout, kv_keep[:, size:], start, window),
+        CacheSlots(torch.arange(size, device=q.device).expand(kv_keep.shape[0], -1), kv_keep[:, :size, 0] > 0),
+        _flat_state(far),
+        window=window,
+        scale=scale,
+        eps=eps,
+        leave_last=layout.tail == 0,
+    )
+    out = layout.unblock(out)[:, n_keys - n :].reshape(*lead, n, rows.v.shape[-1])
+    state = KernelState(*(None if x is None else x.reshape(y.shape) for x, y in zip(state, far)))
+    return out, state, _cached_pairs(layout, pairs, slots, size)
+
+
+def _flat_state(state: KernelState) -> KernelState:
+    """``state`` with its heads flattened: [G, F, Dv], [G, F], [G]."""
+    kv = flatten_heads(state.kv)
+    log_scale = None if state.log_scale is None else state.log_scale.reshape(-1)
+    return KernelState(kv, state.key_sum.reshape(kv.shape[0], -1), log_scale)
+
+
+def _cached_pairs(layout: PositionedLayout, pairs: Pairs, slots: CacheSlots, size: int) -> Pairs:
+    """The pairs the cache's slots hold, shaped as ``pairs``' first ``size`` rows (keep: 1.0 in a
+    held slot; an empty slot's key and value are whichever row its index names)."""
+
+    def held(x):
+        rows = torch.cat([flatten_heads(x[..., :size, :]), layout.blocks(x[..., size:, :]).flatten(1, 2)], dim=1)
+        return _gathered(rows, slots.index).reshape(x[..., :size, :].shape)
+
+    keep = slots.kept.to(pairs.keep.dtype).unsqueeze(-1).reshape(pairs.keep[..., :size, :].shape)
+    return Pairs(held(pairs.k), held(pairs.v), keep)
 
 
 def sparse_cached_blocks(
