@@ -230,6 +230,16 @@ def test_fx_rewrites_gpt2_with_a_cache():
     assert relative_error(small, none) > 1e-4 and relative_error(small[real], original[real]) > 1e-4
 
 
+def test_fx_calibration_fits_through_the_cache():
+    """Calibration's forward and backward run the block loop: every site's loss goes down."""
+    calibration = [model_inputs("gpt2", seed=seed) for seed in range(3)]
+    gm = attnrewrite.rewrite(
+        exported("gpt2", "eager"), to="hedgehog", window=2, sparse=2, calibrate=calibration, calibrate_steps=10
+    )
+    fitted = [entry["calibration"] for entry in gm.meta["attnrewrite"]["sites"]]
+    assert fitted and all(c["loss_after"] < c["loss_before"] for c in fitted)
+
+
 def test_refusals_say_why():
     options = options_of(linear, sparse=2)
     assert linear.supports(make_site(), options) is None

@@ -89,10 +89,8 @@ class RecurrentKernelAttention(Module):
 
     def _windowed(self, q, k, v, keep, state):
         n, position = q.shape[-2], int(state[POSITION])
-        kept_k_x = torch.cat([state[WINDOW_KEYS], k.to(state[WINDOW_KEYS].dtype)], dim=-2)
-        kept_v_x = torch.cat([state[WINDOW_VALUES], v.to(state[WINDOW_VALUES].dtype)], dim=-2)
-        kept_keep_x = torch.cat([state[WINDOW_KEEP], keep], dim=-2)
-        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in (kept_k_x, kept_v_x, kept_keep_x))
+        kept = _window_rows(state, k, v, keep)
+        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in kept)
         start = position - state[WINDOW_KEYS].shape[-2]  # the position of k_x's first row
         sinks = self.window.sinks
         kept_sinks, sink_keys = self._sinks(q, k, v, keep, state)
@@ -124,7 +122,7 @@ class RecurrentKernelAttention(Module):
         leaving = None if far_key_log_scale is None else far_key_log_scale[..., :joining, :]
         absorbed = absorb_keys(absorbed, far_phi_k[..., :joining, :], v_x[..., :joining, :], leaving)
         state = _with_kernel_state(state, absorbed)
-        return out, self._advanced(state, Pairs(kept_k_x, kept_v_x, kept_keep_x), kept_sinks, n)
+        return out, self._advanced(state, kept, kept_sinks, n)
 
     def _behind(self, position: int) -> int:
         """The rows of the window behind the previous block of a query at ``position``."""
@@ -146,9 +144,7 @@ class RecurrentKernelAttention(Module):
         """_windowed with a sparse cache (window/sparse_cache.py): its pairs are rows in front of
         the window's, and blocks leave the window into the cache or the kernel state."""
         n, position = q.shape[-2], int(state[POSITION])
-        kept = Pairs(
-            *(torch.cat([state[name], x.to(state[name].dtype)], dim=-2) for name, x in zip(WINDOW_PARTS, (k, v, keep)))
-        )
+        kept = _window_rows(state, k, v, keep)
         pairs = Pairs(*(torch.cat([state[name], x], dim=-2) for name, x in zip(CACHE_PARTS, kept)))
         k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in pairs)
         kept_sinks, sink_keys = self._sinks(q, k, v, keep, state)
@@ -184,6 +180,13 @@ class RecurrentKernelAttention(Module):
 
     def extra_repr(self) -> str:
         return f"method={self.feature_map.options.method_name}, state={[t.name for t in self.description]}"
+
+
+def _window_rows(state: dict, k, v, keep) -> Pairs:
+    """The window's kept rows, then the new ones, as the state keeps them."""
+    return Pairs(
+        *(torch.cat([state[name], x.to(state[name].dtype)], dim=-2) for name, x in zip(WINDOW_PARTS, (k, v, keep)))
+    )
 
 
 def _absorbed(state: dict) -> KernelState:
