@@ -22,6 +22,7 @@ from attnrewrite import passes
 from attnrewrite.cli import main
 from attnrewrite.passes import OptionError, make_options
 from attnrewrite.passes.options import ONE_OR_EVEN, Above, AtLeast, describe_options
+from attnrewrite.passes.window.settings import SparseCacheSize
 
 SAMPLE = Path(__file__).parents[1] / "samples" / "tiny_bert.onnx"
 
@@ -31,6 +32,7 @@ RANGES = {
     ("linear", "seed"): ">= 0",
     ("linear", "window"): ">= 0",
     ("linear", "sinks"): ">= 0",
+    ("linear", "sparse"): ">= 0, and 0 without window",
     ("hydra", "eps"): "> 0",
     ("hydra", "seed"): ">= 0",
     ("favor", "features"): ">= 1",
@@ -38,6 +40,7 @@ RANGES = {
     ("favor", "chunk"): ">= 1",
     ("favor", "window"): ">= 0",
     ("favor", "sinks"): ">= 0",
+    ("favor", "sparse"): ">= 0, and 0 without window",
     ("linformer", "proj_dim"): ">= 1",
     ("linformer", "max_len"): ">= proj_dim",
     ("linformer", "seed"): ">= 0",
@@ -48,6 +51,7 @@ RANGES = {
     ("hedgehog", "chunk"): ">= 1",
     ("hedgehog", "window"): ">= 0",
     ("hedgehog", "sinks"): ">= 0",
+    ("hedgehog", "sparse"): ">= 0, and 0 without window",
     ("hedgehog", "seed"): ">= 0",
     ("nystrom", "landmarks"): ">= 1",
     ("nystrom", "pinv_iterations"): ">= 1",
@@ -99,6 +103,11 @@ def bad_values(field: dataclasses.Field, target: type, optional: bool) -> list[B
         below = [Bad((f"{name}={text}",), f"{valid}, got {float(text)!r}") for text in texts]
     elif valid is ONE_OR_EVEN:
         below = [Bad((f"{name}={n}",), f"1 or even, got {n}") for n in (3, 0, -2)]
+    elif isinstance(valid, SparseCacheSize):  # the window's cache: none without a window
+        below = [
+            Bad((f"{name}=2",), "0 without window (window=0), got 2"),
+            Bad(("window=4", f"{name}=-1"), ">= 0, got -1"),
+        ]
     else:
         raise AssertionError(f"no out-of-range values known for {field.name}'s range {valid!r}: add them here")
     of_type = "1 or an even int" if valid is ONE_OR_EVEN else f"{'an int' if target is int else 'a float'} {valid}"

@@ -98,6 +98,7 @@ class Options(MethodOptions, method=NAME):
     window: int = window_settings.window_option("FAVOR+")
     window_next: bool = window_settings.window_next_option()
     sinks: int = window_settings.sinks_option()
+    sparse: int = window_settings.sparse_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
@@ -111,7 +112,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
         return "the head dimension is unknown, and W [features, head_dim] is drawn at rewrite time"
     if not site.scale > 0:
         return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
-    return None
+    return window_settings.sparse_refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -266,7 +267,7 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
         site.mask.causal,
         options.chunk,
         options.variant,
-        Window.of(options),
+        Window.of(options, site),
         log_weight,
         learnable,
     )

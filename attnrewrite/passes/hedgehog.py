@@ -75,13 +75,14 @@ class Options(MethodOptions, method=NAME):
     window: int = window_settings.window_option("Hedgehog")
     window_next: bool = window_settings.window_next_option()
     sinks: int = window_settings.sinks_option()
+    sparse: int = window_settings.sparse_option()
     seed: int = option(
         0, "unused: the feature map starts at the identity; accepted for a uniform interface", valid=AtLeast(0)
     )
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
-    return None  # the module's attention_weights covers every option, window included
+    return window_settings.sparse_weights_unavailable(options)  # the module's cover every other option
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -91,7 +92,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
         return f"Hedgehog folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
     if site.head_dim is None:
         return "the head dimension is unknown, and the feature map W [d, d] is sized at rewrite time"
-    return None
+    return window_settings.sparse_refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -184,7 +185,7 @@ class HedgehogAttention(Module):
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HedgehogAttention:
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
     values = HedgehogFeatureMap(options).fitted_values(site)
-    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, Window.of(options), learnable)
+    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, Window.of(options, site), learnable)
 
 
 # --- ONNX ------------------------------------------------------------------------------------

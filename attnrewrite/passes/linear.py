@@ -57,16 +57,17 @@ class Options(MethodOptions, method=NAME):
     window: int = window_settings.window_option("linear")
     window_next: bool = window_settings.window_next_option()
     sinks: int = window_settings.sinks_option()
+    sparse: int = window_settings.sparse_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
-    return None  # the module's attention_weights covers every option, window included
+    return window_settings.sparse_weights_unavailable(options)  # the module's cover every other option
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed by a kernel feature map"
-    return None
+    return window_settings.sparse_refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -114,7 +115,7 @@ class LinearAttention(Module):
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
     """``learnable``: with identity query/key maps as parameters (query_key_maps.with_query_key_maps);
     the window's linear_log_weight is an nn.Parameter either way."""
-    window, values = Window.of(options), LinearFeatureMap(options).fitted_values(site)
+    window, values = Window.of(options, site), LinearFeatureMap(options).fitted_values(site)
     module = LinearAttention(site.mask.causal, options.chunk, site.scale, window, values.get("linear_log_weight"))
     return with_query_key_maps(module, site, learnable)
 

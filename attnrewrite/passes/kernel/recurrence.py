@@ -51,6 +51,8 @@ class KernelRecurrence(Recurrence):
         parallel lowering's, without building it. With ``contrib_ops`` a step updates and reads
         the kernel state with com.microsoft.LinearAttention (where the feature count and the
         value dim are known); the prefill stays the chunked form, faster on CPU (docs/cli.md)."""
+        if self.window is not None:
+            self.window.onnx_refusal()
         feature_map = self.feature_map
         constants = feature_map.constants(site, weights)
         description = self.state(site)

@@ -11,7 +11,10 @@
   later query can still take exactly: a query of block c takes blocks c-1 and c, and blocks are
   aligned to sequence positions, so a key leaves the window (into the kernel state) once it is
   2W - 1 positions old; the sinks (``sink_keys``, ``sink_values``, ``sink_keep``, positions
-  0..sinks-1, kept from the tokens that had them); and ``position`` (int64 []), the positions
+  0..sinks-1, kept from the tokens that had them); with ``sparse`` = G the sparse cache's G
+  pairs (``cache_keys`` [B, H, G, D], ``cache_values``, ``cache_keep``, per key/value head:
+  window/sparse_cache.py,
+  in position order, empty slots last with keep 0); and ``position`` (int64 []), the positions
   consumed so far, padding included (blocks and sinks are positions of the padded sequence).
 Sizes are fixed in the context length. Padded keys (key_keep 0) never enter a state. The names
 below are the only spelling of the state's names; their outputs are StateTensor.output_name.
@@ -26,8 +29,10 @@ from attnrewrite.site import AttentionSite
 
 KERNEL_STATE, LOG_SCALE = "kernel_state", "log_scale"
 WINDOW_KEYS, WINDOW_VALUES, WINDOW_KEEP = "window_keys", "window_values", "window_keep"
+WINDOW_PARTS = (WINDOW_KEYS, WINDOW_VALUES, WINDOW_KEEP)
 SINK_KEYS, SINK_VALUES, SINK_KEEP = "sink_keys", "sink_values", "sink_keep"
 SINK_PARTS = (SINK_KEYS, SINK_VALUES, SINK_KEEP)  # the sinks: keys, values, keep flags
+CACHE_PARTS = ("cache_keys", "cache_values", "cache_keep")  # the sparse cache's, likewise
 POSITION = "position"
 
 
@@ -64,5 +69,12 @@ def kernel_state_tensors(site: AttentionSite, feature_map: FeatureMap) -> list[S
             StateTensor(SINK_KEYS, (*kv, window.sinks, "D"), "model", 0.0, "the keys at positions < sinks"),
             StateTensor(SINK_VALUES, (*kv, window.sinks, "Dv"), "model", 0.0, "their values"),
             StateTensor(SINK_KEEP, (*kv, window.sinks, 1), "float32", 0.0, "1.0 where those keys are kept"),
+        ]
+    if window.sparse:
+        held, (keys, values, keep) = window.sparse, CACHE_PARTS
+        state += [
+            StateTensor(keys, (*kv, held, "D"), "model", 0.0, f"the {held} keys beyond the window recalled worst"),
+            StateTensor(values, (*kv, held, "Dv"), "model", 0.0, "their values"),
+            StateTensor(keep, (*kv, held, 1), "float32", 0.0, "1.0 where a slot holds a pair"),
         ]
     return [*state, StateTensor(POSITION, (), "int64", 0, "positions consumed, padding included")]

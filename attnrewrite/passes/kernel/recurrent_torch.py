@@ -6,9 +6,12 @@ phi(q_t)^T z_t."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from attnrewrite.passes.kernel.feature_map import CausalTerms, FeatureMap
 from attnrewrite.passes.kernel.query_key_maps import map_queries_and_keys
 from attnrewrite.passes.kernel.recurrent_state import (
+    CACHE_PARTS,
     KERNEL_STATE,
     LOG_SCALE,
     POSITION,
@@ -17,6 +20,7 @@ from attnrewrite.passes.kernel.recurrent_state import (
     SINK_VALUES,
     WINDOW_KEEP,
     WINDOW_KEYS,
+    WINDOW_PARTS,
     WINDOW_VALUES,
 )
 from attnrewrite.passes.kernel.state import (
@@ -28,6 +32,7 @@ from attnrewrite.passes.layout import expand_to_query_heads
 from attnrewrite.passes.optional_torch import Module, torch
 from attnrewrite.passes.recurrent import StateTensor, state_shape
 from attnrewrite.passes.window.settings import KernelScales
+from attnrewrite.passes.window.sparse_cache import CachedRows, Pairs, sparse_attention_from_state
 from attnrewrite.passes.window.torch_state import SinkKeys, far_key_features, windowed_kernel_attention_from_state
 
 
@@ -42,7 +47,9 @@ class RecurrentKernelAttention(Module):
         super().__init__()
         self.parallel = parallel
         self.feature_map = feature_map
-        self.window = feature_map.window
+        window = feature_map.window
+        # a sparse cache is shared by the query heads of a key/value head
+        self.window = dataclasses.replace(window, groups=groups) if window and window.sparse else window
         self.description = description
         self.groups = groups
 
@@ -50,7 +57,7 @@ class RecurrentKernelAttention(Module):
         keep = torch.ones_like(k[..., :1], dtype=torch.float32) if key_keep is None else key_keep.float()
         keep = keep.expand(*k.shape[:-1], 1)
         state = dict(zip((t.name for t in self.description), state))
-        step = self._windowed if self.window else self._plain
+        step = (self._sparse_windowed if self.window.sparse else self._windowed) if self.window else self._plain
         out, state = step(q, k, v, keep, state)
         return (out.to(v.dtype), *(state[t.name] for t in self.description))
 
@@ -82,14 +89,11 @@ class RecurrentKernelAttention(Module):
 
     def _windowed(self, q, k, v, keep, state):
         n, position = q.shape[-2], int(state[POSITION])
-        kept_k_x = torch.cat([state[WINDOW_KEYS], k.to(state[WINDOW_KEYS].dtype)], dim=-2)
-        kept_v_x = torch.cat([state[WINDOW_VALUES], v.to(state[WINDOW_VALUES].dtype)], dim=-2)
-        kept_keep_x = torch.cat([state[WINDOW_KEEP], keep], dim=-2)
-        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in (kept_k_x, kept_v_x, kept_keep_x))
+        kept = _window_rows(state, k, v, keep)
+        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in kept)
         start = position - state[WINDOW_KEYS].shape[-2]  # the position of k_x's first row
         sinks = self.window.sinks
-        kept_sinks = _with_new_sinks(state, k, v, keep, position) if sinks else None
-        sink_keys = None if kept_sinks is None else SinkKeys(*(expand_to_query_heads(x, q) for x in kept_sinks))
+        kept_sinks, sink_keys = self._sinks(q, k, v, keep, state)
         q, mapped_k_x = map_queries_and_keys(self.parallel, q, k_x)  # the window keeps k unmapped
         terms = self._terms(q, mapped_k_x, keep_x)
         far_phi_k, far_key_log_scale = far_key_features(terms.phi_k, terms.key_log_scale, start, sinks)
@@ -106,7 +110,7 @@ class RecurrentKernelAttention(Module):
             keep_x,
             self.window,
             start=start,
-            sink_keys=None if sink_keys is None else sink_keys._replace(k=self._mapped_keys(q, sink_keys.k)),
+            sink_keys=sink_keys,
             far=absorbed,
             scale=self.parallel.scale,
             scales=scales,
@@ -114,23 +118,75 @@ class RecurrentKernelAttention(Module):
         )
         # the state stays block-aligned: the rows behind the next query's previous block join it
         # too (their keep flags turn 0), so a decoding step reads the state alone for the far keys
-        behind = self.window.size - 1 - (position + n) % self.window.size
-        joining = n + behind
+        joining = n + self._behind(position + n)
         leaving = None if far_key_log_scale is None else far_key_log_scale[..., :joining, :]
         absorbed = absorb_keys(absorbed, far_phi_k[..., :joining, :], v_x[..., :joining, :], leaving)
         state = _with_kernel_state(state, absorbed)
-        window_keep = torch.cat([torch.zeros_like(kept_keep_x[..., :behind, :]), kept_keep_x[..., joining:, :]], dim=-2)
-        state.update({WINDOW_KEYS: kept_k_x[..., n:, :], WINDOW_VALUES: kept_v_x[..., n:, :], WINDOW_KEEP: window_keep})
+        return out, self._advanced(state, kept, kept_sinks, n)
+
+    def _behind(self, position: int) -> int:
+        """The rows of the window behind the previous block of a query at ``position``."""
+        return self.window.size - 1 - position % self.window.size
+
+    def _advanced(self, state: dict, kept: Pairs, kept_sinks: SinkKeys | None, n: int) -> dict:
+        """The state after n new positions: the window's last rows (``kept``, the window's and the
+        new ones; those behind the next query's previous block, which have left it, keep 0), the
+        sinks, the position."""
+        behind = self._behind(int(state[POSITION]) + n)
+        window_keep = torch.cat([torch.zeros_like(kept.keep[..., :behind, :]), kept.keep[..., n + behind :, :]], dim=-2)
+        state.update({WINDOW_KEYS: kept.k[..., n:, :], WINDOW_VALUES: kept.v[..., n:, :], WINDOW_KEEP: window_keep})
         if kept_sinks is not None:
             state.update({SINK_KEYS: kept_sinks.k, SINK_VALUES: kept_sinks.v, SINK_KEEP: kept_sinks.keep})
         state[POSITION] = state[POSITION] + n
-        return out, state
+        return state
 
-    def _mapped_keys(self, q, k):
-        return map_queries_and_keys(self.parallel, q, k)[1]
+    def _sparse_windowed(self, q, k, v, keep, state):
+        """_windowed with a sparse cache (window/sparse_cache.py): its pairs are rows in front of
+        the window's, and blocks leave the window into the cache or the kernel state."""
+        n, position = q.shape[-2], int(state[POSITION])
+        kept = _window_rows(state, k, v, keep)
+        pairs = Pairs(*(torch.cat([state[name], x], dim=-2) for name, x in zip(CACHE_PARTS, kept)))
+        k_x, v_x, keep_x = (expand_to_query_heads(x, q) for x in pairs)
+        kept_sinks, sink_keys = self._sinks(q, k, v, keep, state)
+        q, mapped_k_x = map_queries_and_keys(self.parallel, q, k_x)
+        terms = self._terms(q, mapped_k_x, keep_x)
+        scales = KernelScales(self.parallel.linear_log_weight, terms.query_log_scale, None, terms.local_max_weight)
+        out, absorbed, cache = sparse_attention_from_state(
+            terms.phi_q,
+            q,
+            CachedRows(mapped_k_x, v_x, terms.phi_k, terms.key_log_scale),
+            keep_x,
+            pairs,
+            self.window,
+            start=position - state[WINDOW_KEYS].shape[-2],
+            sink_keys=sink_keys,
+            far=_absorbed(state),
+            scale=self.parallel.scale,
+            scales=scales,
+            eps=self.feature_map.unit.eps,
+        )
+        state = _with_kernel_state(state, absorbed)
+        state.update(zip(CACHE_PARTS, cache))
+        return out, self._advanced(state, kept, kept_sinks, n)
+
+    def _sinks(self, q, k, v, keep, state) -> tuple[SinkKeys | None, SinkKeys | None]:
+        """The sinks after the new positions, as the state keeps them and as the exact part reads
+        them (q's heads, mapped keys); (None, None) without sinks."""
+        if not self.window.sinks:
+            return None, None
+        kept = _with_new_sinks(state, k, v, keep, int(state[POSITION]))
+        read = SinkKeys(*(expand_to_query_heads(x, q) for x in kept))
+        return kept, read._replace(k=map_queries_and_keys(self.parallel, q, read.k)[1])
 
     def extra_repr(self) -> str:
         return f"method={self.feature_map.options.method_name}, state={[t.name for t in self.description]}"
+
+
+def _window_rows(state: dict, k, v, keep) -> Pairs:
+    """The window's kept rows, then the new ones, as the state keeps them."""
+    return Pairs(
+        *(torch.cat([state[name], x.to(state[name].dtype)], dim=-2) for name, x in zip(WINDOW_PARTS, (k, v, keep)))
+    )
 
 
 def _absorbed(state: dict) -> KernelState:

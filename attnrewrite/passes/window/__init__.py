@@ -11,6 +11,9 @@ decide which keys are exact, so both lowerings lay them out alike.
 - lowering.py: the ONNX entry a method calls (windowed_kernel), built from onnx_blocks.py
   (the blocks' layout and per-row pieces), onnx_pairs.py (bidirectional) and onnx_causal.py;
 - torch_state.py, onnx_state.py: the causal hybrid continued from a state (decoders).
+- sparse_cache.py: a causal window's sparse exact cache (``sparse=G``): the pairs beyond the
+  window the kernel state recalls worst, kept exactly; block by block, from no state or a
+  decoder's (its definition, and reference.sparse_cached_keys its plain simulation).
 
 A bidirectional window keeps no state per block and copies no block: one state for the whole
 sequence, [S, z] = sum_j phi_k_j [v_j, 1]^T (keys that are not kept: [v_j, 1] = 0), and the

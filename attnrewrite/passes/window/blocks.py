@@ -1,13 +1,14 @@
 """The torch window's layouts: blocks of W positions (kernel.chunks.ChunkLayout's), their pairs
 (BlockPairs, as the ONNX bidirectional window lays them out), the causal far part's chunks of
 blocks (FarChunks), blocks aligned to a decoder's positions (PositionedLayout), and the sinks'
-rows and masks in each of them."""
+rows and masks in each of them; and the softmax sums of a block's exact keys."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from attnrewrite.passes.kernel.chunks import ChunkLayout, prefix_groups, shift_right
+from attnrewrite.passes.kernel.numerics import EXP_FLOOR, LOWEST_LOG_SCALE
 from attnrewrite.passes.layout import flatten_heads
 from attnrewrite.passes.optional_torch import torch
 
@@ -190,3 +191,15 @@ def pair_structure(window: int, following: bool, causal: bool = False) -> tuple[
     offset = block[None, :] - block[:, None]  # key's block - query's
     in_pair = (offset >= -1) & (offset <= int(following))
     return in_pair, np.array([True, following]).reshape(2, 1, 1)
+
+
+def local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
+    """Block c's queries over its exact keys (torch_form's and torch_state's): the unnormalised
+    numerator and denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
+    where no exact key is kept; its weights are then all zero, never NaN). Logits more than
+    EXP_FLOOR below m_i weigh e^-EXP_FLOOR (< 1e-34 of the max's 1) instead of less: exp of
+    an argument so low that its result is subnormal or 0 takes several times longer."""
+    scores = torch.where(allowed, (q4 * scale) @ k_x.transpose(-2, -1), LOWEST_LOG_SCALE)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(torch.clamp_min(scores - row_max, -EXP_FLOOR)) * allowed
+    return weights @ v_x, weights.sum(-1, keepdim=True), row_max

@@ -28,6 +28,7 @@ class WindowedKernel(typing.NamedTuple):
 
 def windowed_kernel(window: Window, site: AttentionSite, opset_version: int, unit: KernelUnit) -> WindowedKernel:
     """The window hybrid for a method whose kernel part is in ``unit``s, at ``site``."""
+    window.onnx_refusal()
     causal = site.mask.causal
     attention = windowed_kernel_attention_functions(opset_version, window, site.scale, causal, unit)[-1]
     return WindowedKernel(window_inputs_function(opset_version, window, causal), attention)

@@ -170,7 +170,7 @@ def _positioned_layout_functions(op, window: int):
 def _recurrent_exact_keys_function(op, blocks: WindowBlockFunctions, positioned_blocks, window: int, sinks: int):
     """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
     RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
-    each query block from ``first`` (_positioned_exact_keys), their values and which each query takes."""
+    each query block from ``first`` (torch_state.positioned_exact_keys), their values and which each query takes."""
     kept_local_keys, with_previous_block, causal_kept_local_keys = _local_key_pieces(op, blocks, window)
 
     @script(ATTNREWRITE, default_opset=op)

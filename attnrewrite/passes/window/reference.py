@@ -44,11 +44,13 @@ def windowed_attention_weights(
     key_keep=None,
     scales: KernelScales = UNSCALED,
     eps: float = DENOMINATOR_EPS,
+    cached=None,
 ):
     """The normalised weights [..., Nq, Nk] of windowed_kernel_attention, written as the N x N
     matrix of its definition (same exact keys, same units), in the inputs' dtype: for
     attention-weight losses when fitting, and as the reference the blocked form is tested
-    against; never for inference."""
+    against; never for inference. ``cached`` [..., Nq, Nk]: the keys each query's sparse cache
+    holds (sparse_cached_keys), exact too."""
     linear_log_weight, query_log_scale, key_log_scale, local_max_weight = scales
     n = q.shape[-2]
     position = torch.arange(n, device=q.device)
@@ -57,6 +59,8 @@ def windowed_attention_weights(
     following = window.following and not causal
     local = (offset >= -1) & (offset <= int(following))
     exact = local | (position < window.sinks)  # the sinks: for every query
+    if cached is not None:
+        exact = exact | cached
     visible = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if key_keep is not None:
         visible = visible & (key_keep.transpose(-2, -1) > 0)
@@ -82,3 +86,55 @@ def windowed_attention_weights(
         kernel = kernel * torch.exp(torch.clamp_max(kernel_log_scale - top, 0.0))
     weights = exact_weights + torch.where(far, kernel, 0.0)
     return weights / (weights.sum(-1, keepdim=True) + eps)
+
+
+def sparse_windowed_reference(phi_q, phi_k, q, k, v, window: Window, *, scale, key_keep=None, scales=UNSCALED, eps):
+    """The causal window with a sparse cache (sparse_cache.py's definition) as N x N weights times
+    v: its cache simulated by sparse_cached_keys. For tests, never for inference."""
+    keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.expand(*k.shape[:-1], 1)
+    cached = sparse_cached_keys(phi_k, v, keep, window, scales.key_log_scale, eps)
+    weights = windowed_attention_weights(
+        phi_q, phi_k, q, k, window, scale=scale, causal=True, key_keep=key_keep, scales=scales, eps=eps, cached=cached
+    )
+    return weights @ v
+
+
+def sparse_cached_keys(phi_k, v, keep, window: Window, key_log_scale=None, eps: float = DENOMINATOR_EPS):
+    """[..., N, N] bool: the keys each query's sparse cache holds, by a plain sequential
+    simulation of sparse_cache.py's definition in float64, one key/value head at a time (its
+    window.groups query heads share the cache): block c - 2's kept non-sink keys and the cache
+    ranked by their summed recall error against the keys folded so far, the worst
+    window.sparse kept (ties: the earlier position)."""
+    lead, n, width = phi_k.shape[:-2], phi_k.shape[-2], window.size
+    phi, values = phi_k.reshape(-1, n, phi_k.shape[-1]).double(), v.reshape(-1, n, v.shape[-1]).double()
+    kept = keep.reshape(-1, n) > 0
+    log_scale = torch.zeros_like(phi[..., 0]) if key_log_scale is None else key_log_scale.reshape(-1, n).double()
+    cached = torch.zeros(phi.shape[0], n, n, dtype=torch.bool)
+    for first in range(0, phi.shape[0], window.groups):
+        heads = range(first, first + window.groups)
+        cache, folded = [], []
+        for block in range(2, -(-n // width)):
+            leaving = [
+                j for j in range((block - 2) * width, (block - 1) * width) if j >= window.sinks and kept[first, j]
+            ]
+            candidates = cache + leaving
+            errors = [
+                sum(_recall_error(phi[h], values[h], log_scale[h], folded, j, eps) for h in heads) for j in candidates
+            ]
+            ranked = sorted(range(len(candidates)), key=lambda c: (-errors[c], candidates[c]))
+            held = {candidates[c] for c in ranked[: window.sparse]}
+            cache, folded = [j for j in candidates if j in held], folded + [j for j in candidates if j not in held]
+            for h in heads:
+                cached[h, block * width : (block + 1) * width, cache] = True
+    return cached.reshape(*lead, n, n).to(phi_k.device)
+
+
+def _recall_error(phi, v, log_scale, folded: list, j: int, eps: float) -> float:
+    """|| phi_j^T S / (phi_j^T z + eps) - v_j ||^2, S and z over the keys ``folded`` (each weighed
+    by e^(its log scale - their max))."""
+    if not folded:
+        return float((v[j] ** 2).sum())
+    weight = torch.exp(log_scale[folded] - log_scale[folded].max()).unsqueeze(-1)
+    state, key_sum = (phi[folded] * weight).T @ v[folded], (phi[folded] * weight).sum(0)
+    recalled = phi[j] @ state / (phi[j] @ key_sum + eps)
+    return float(((recalled - v[j]) ** 2).sum())

@@ -11,10 +11,12 @@ import typing
 
 import numpy as np
 
+from attnrewrite.errors import AttnRewriteError
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, RESCALED_EPS
 from attnrewrite.passes.layout import fitted_heads
-from attnrewrite.passes.options import AtLeast, option
+from attnrewrite.passes.options import AtLeast, Range, option
+from attnrewrite.passes.recurrent import key_value_groups
 
 # Positions per chunk of a causal window's far part (onnx_causal._chunked_far_sums_functions), rounded
 # to whole blocks of the window: at window=32 pairs of blocks, measured faster on CPU than chunks of 4
@@ -27,18 +29,36 @@ WINDOW_FAR_CHUNK = 64
 class Window:
     """Exact softmax over each query's block of ``size`` positions, the previous block, the next
     one (bidirectional sites, ``following``) and the first ``sinks`` positions; the kernel beyond.
+    Causal sites with ``sparse`` = G > 0 also keep G earlier key/value pairs per key/value head
+    exactly, those the kernel state recalls worst (sparse_cache.py); ``groups``: the query heads
+    sharing each key/value head (1 where the site does not say).
 
     Built from a method's Options (Window.of), whose fields (window_option, window_next_option,
-    sinks_option) are where the values are checked."""
+    sinks_option, sparse_option) are where the values are checked."""
 
     size: int
     following: bool
     sinks: int
+    sparse: int = 0
+    groups: int = 1
 
     @classmethod
-    def of(cls, options) -> Window | None:
-        """The window of a windowed method's ``options``; None when it is off (window=0)."""
-        return cls(options.window, options.window_next, options.sinks) if options.window else None
+    def of(cls, options, site=None) -> Window | None:
+        """The window of a windowed method's ``options`` (at ``site``, which says how its heads
+        are grouped, for a sparse cache); None when it is off (window=0)."""
+        if not options.window:
+            return None
+        sparse = options.sparse
+        groups = key_value_groups(site) if sparse and site is not None else 1
+        return cls(options.window, options.window_next, options.sinks, sparse, groups)
+
+    def onnx_refusal(self) -> None:
+        """AttnRewriteError where this window has no ONNX form (a sparse cache: torch only)."""
+        if self.sparse:
+            raise AttnRewriteError(
+                f"sparse={self.sparse} has no ONNX form yet (its cache runs in torch only: the FX "
+                "frontend); rewrite ONNX models with sparse=0"
+            )
 
     def exact_part(self, causal: bool) -> ExactPart:
         """Where the hybrid is softmax attention itself. Bidirectional blocks are aligned to the
@@ -46,14 +66,16 @@ class Window:
         the previous, the next: 3W keys, plus the sinks); without, only while there is one (or
         every key is a sink). Causal blocks are aligned to the start: the last query's kernel
         part is the keys before its previous block, exact while they are all sinks."""
-        said = f"window={self.size}"
-        if causal:
-            return ExactPart(self.size * (2 + self.sinks // self.size), 2 * self.size + self.sinks, said)
+        said = f"window={self.size}" + (f", sparse={self.sparse}" if self.sparse else "")
+        if causal:  # the cache holds every far key while there are at most sparse of them
+            exact = self.sinks + self.sparse
+            return ExactPart(self.size * (2 + exact // self.size), 2 * self.size + exact, said)
         blocks = 2 if self.following else 1
         return ExactPart(max(blocks * self.size, self.sinks), (blocks + 1) * self.size + self.sinks, said)
 
     def __str__(self) -> str:
-        return f"window={self.size}, window_next={self.following}, sinks={self.sinks}"
+        sparse = f", sparse={self.sparse}" if self.sparse else ""
+        return f"window={self.size}, window_next={self.following}, sinks={self.sinks}{sparse}"
 
 
 class KernelUnit(enum.Enum):
@@ -120,6 +142,45 @@ def sinks_option():
         "with window: the first S key positions are exact for every query (attention sinks such as [CLS]); 0: none",
         valid=AtLeast(0),
     )
+
+
+class SparseCacheSize(Range):
+    """0, or any size with a window (a cache of keys leaving the window needs one)."""
+
+    def __str__(self) -> str:
+        return ">= 0, and 0 without window"
+
+    def admits(self, value, options) -> bool:
+        return value == 0 or (value > 0 and options.window > 0)
+
+    def requirement(self, options) -> str:
+        return ">= 0" if options.window else "0 without window (window=0)"
+
+
+def sparse_option():
+    """The ``sparse`` field of a windowed method's Options (sparse_cache.py)."""
+    return option(
+        0,
+        "with window, causal sites: G key/value pairs per key/value head kept exactly beyond the window, "
+        "those the kernel state recalls worst (LoLA), the others folded into it; 0: none",
+        valid=SparseCacheSize(),
+    )
+
+
+def sparse_refusal(site, options) -> str | None:
+    """Why a windowed method's ``options`` cannot replace ``site``: a sparse cache is causal only."""
+    if options.window and options.sparse and not site.mask.causal:
+        return f"sparse={options.sparse} keeps keys as they leave a causal window: this site is bidirectional"
+    return None
+
+
+def sparse_weights_unavailable(options) -> str | None:
+    """Why a windowed method gives no attention weights with a sparse cache."""
+    if options.window and options.sparse:
+        return (
+            f"sparse={options.sparse}: which keys the cache keeps depends on the values, which the weights do not read"
+        )
+    return None
 
 
 def window_repr(window: Window | None) -> str:

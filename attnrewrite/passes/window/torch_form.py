@@ -21,6 +21,7 @@ from attnrewrite.passes.window.blocks import (
     FarChunks,
     causal_sink_mask,
     local_causal_mask,
+    local_softmax_sums,
     pair_structure,
     paired_sink_mask,
     previous_and_own_blocks,
@@ -29,6 +30,7 @@ from attnrewrite.passes.window.blocks import (
     without_sinks,
 )
 from attnrewrite.passes.window.settings import UNSCALED, WINDOW_FAR_CHUNK, KernelScales, Window
+from attnrewrite.passes.window.sparse_cache import sparse_windowed_causal
 
 
 def windowed_kernel_attention(
@@ -59,7 +61,8 @@ def windowed_kernel_attention(
       causal, comes after the query. Positions, not the first kept keys: under left padding
       the sinks are padding, masked like any padded key.
     The kernel covers every other key: blocks <= c-2 and >= c+2 (>= c+1 without following;
-    causal: <= c-2), never a sink. Row i is
+    causal: <= c-2), never a sink; with ``window.sparse`` (causal) but for the sparse cache's
+    pairs, exact too (sparse_cache.py: block by block). Row i is
         (sum_exact e^(s_ij - m_i) v_j + w_h sum_far phi_i.phi_j v_j) / (the same without v_j)
     with s_ij = scale * q_i.k_j, m_i the max over row i's exact keys and w_h =
     exp(scales.linear_log_weight) ([heads, 1, 1], broadcast like phi_q's leading axes).
@@ -86,7 +89,9 @@ def windowed_kernel_attention(
     if scales.linear_log_weight is not None:
         phi_q = phi_q * torch.exp(scales.linear_log_weight.float())  # w_h scales the kernel part only
     keep = torch.ones_like(k[..., :1]) if key_keep is None else key_keep.float().expand(*k.shape[:-1], 1)
-    if causal:  # window.following changes nothing: a causal site never sees later keys
+    if causal and window.sparse:
+        out = sparse_windowed_causal(phi_q, phi_k, q, k, v, keep, scales, window, scale=scale, eps=eps)
+    elif causal:  # window.following changes nothing: a causal site never sees later keys
         out = _windowed_causal(phi_q, phi_k, q, k, v, keep, scales, window, scale=scale, far_chunk=far_chunk, eps=eps)
     else:
         out = windowed_bidirectional(phi_q, phi_k, q, k, v, keep, scales, window, scale=scale, eps=eps)
@@ -191,18 +196,6 @@ def _causal_exact_keys(layout, k, v, keep, sinks: int):
         sink = causal_sink_mask(layout, sinks, k.device)
         taken = torch.cat([taken.expand(layout.chunks, -1, -1), sink], dim=-1)
     return exact(k), exact(v), (exact(keep).transpose(-2, -1) > 0) & taken
-
-
-def local_softmax_sums(q4, k_x, v_x, allowed, scale: float):
-    """Block c's queries over its exact keys (_causal_exact_keys): the unnormalised numerator and
-    denominator of their softmax relative to the row max m_i, and m_i (the lowest log scale
-    where no exact key is kept; its weights are then all zero, never NaN). Logits more than
-    EXP_FLOOR below m_i weigh e^-EXP_FLOOR (< 1e-34 of the max's 1) instead of less: exp of
-    an argument so low that its result is subnormal or 0 takes several times longer."""
-    scores = torch.where(allowed, (q4 * scale) @ k_x.transpose(-2, -1), LOWEST_LOG_SCALE)
-    row_max = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(torch.clamp_min(scores - row_max, -EXP_FLOOR)) * allowed
-    return weights @ v_x, weights.sum(-1, keepdim=True), row_max
 
 
 def _far_sums(chunks: FarChunks, pq, pk, v):

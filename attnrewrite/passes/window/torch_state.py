@@ -15,11 +15,11 @@ from attnrewrite.passes.window.blocks import (
     PositionedLayout,
     earlier_blocks_sum,
     local_causal_mask,
+    local_softmax_sums,
     previous_and_own_blocks,
     without_sinks,
 )
 from attnrewrite.passes.window.settings import UNSCALED, KernelScales, Window
-from attnrewrite.passes.window.torch_form import local_softmax_sums
 
 
 def far_key_features(phi_k, key_log_scale, start: int, sinks: int):
@@ -74,7 +74,7 @@ def windowed_kernel_attention_from_state(
 
     keep = keep.float().expand(*k.shape[:-1], 1)
     local_num, local_den, local_max = local_softmax_sums(
-        query_blocks(q), *_positioned_exact_keys(layout, start, k, v, keep, sink_keys), scale
+        query_blocks(q), *positioned_exact_keys(layout, start, k, v, keep, sink_keys), scale
     )
     pq4, v4, pk4 = query_blocks(phi_q), layout.blocks(v), layout.blocks(far_phi_k)
     if far_key_log_scale is None:
@@ -96,7 +96,7 @@ def windowed_kernel_attention_from_state(
     return out.reshape(*lead, n, v.shape[-1])
 
 
-def _positioned_exact_keys(layout, start: int, k, v, keep, sink_keys: SinkKeys):
+def positioned_exact_keys(layout, start: int, k, v, keep, sink_keys: SinkKeys):
     """_causal_exact_keys of a PositionedLayout: the previous and own block up to the query,
     then the sinks from ``sink_keys``, taken by a query of a later block than their next one and
     not before them."""
