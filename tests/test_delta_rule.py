@@ -334,3 +334,20 @@ def test_calibration_fits_through_the_delta_rule(decoder_exports):
         decoder_session(recurrent_model), "recurrent", sequence["input_ids"], sequence["attention_mask"], 9
     )
     assert logits_error(actual, expected, sequence["attention_mask"]) <= TOLERANCE * np.abs(expected).max()
+
+
+def test_recent_pairs_are_recalled_where_the_additive_state_has_lost_them():
+    """The rule's purpose (delta.py's measurement): after 1024 keys, the last 8 values read back
+    with their keys' own features are near, the additive state's average of everything is not."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1024, 32, generator=generator) * 2
+    phi = torch.cat([torch.softmax(x, -1), torch.softmax(-x, -1)], -1)  # hedgehog's, W = I
+    v = torch.randn(1, 1024, 16, generator=generator)
+    _, state = delta.chunk_delta_attention(phi, phi, v, None, True, chunk=64)
+    additive = KernelState(phi[0].T @ v[0], phi[0].sum(0))
+
+    def recall_error(s: KernelState) -> float:
+        read = phi[0, -8:] @ s.kv.reshape(64, 16) / (phi[0, -8:] @ s.key_sum.reshape(64, 1))
+        return float(((read - v[0, -8:]).norm(dim=-1) / v[0, -8:].norm(dim=-1)).mean())
+
+    assert recall_error(state) < 0.5 < 0.9 < recall_error(additive)

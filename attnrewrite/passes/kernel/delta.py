@@ -12,9 +12,13 @@ S [F, Dv + 1] with the ones column included, so its last column is still the nor
 read is the additive state's: o_t = phi(q_t)^T S_t[:, :Dv] / (phi(q_t)^T S_t[:, Dv] + eps).
 beta is 1: a key's write replaces what the state held along it (|k| = 1 makes I - k k^T a
 projection), nothing piles up. The rule needs a bounded key: every method's features are
-L2-normalised here, hedgehog's too (its softmax halves sum to 2, so its L2 norm lies between
-2 / sqrt(F) and sqrt(2): an L1 normalisation would be stable as well, |k|_2 <= 1, but would write
-weakly where the features are spread; tests/test_delta_rule.py measures both). Normalised keys
+L2-normalised here, hedgehog's too. Its softmax halves sum to 2, so an L1 normalisation would be
+stable as well (|k|_2 <= 1) but writes weakly where the features are spread. Measured on hedgehog
+features of 4096 random keys (d = 32, x ~ N(0, 4), W = I), values N(0, 1), read back with each
+key's own features: L2 keeps |k|^2 = 1, the state's largest entry 2.9, every read's normaliser
+>= 0.38, and recalls the last 8 values at relative error 0.30; L1 has |k|^2 in [0.04, 0.42],
+the state's largest entry 2.6, normalisers >= 0.16, and recalls them at 0.91, the additive state
+at 1.00 (tests/test_delta_rule.py holds L2 against additive). Normalised keys
 carry no scale, so FAVOR+'s per-key log scales and its per-query one (a factor of the read's
 numerator and denominator alike) drop out: the state holds no log scale. Padded keys have zero
 features and write nothing.
