@@ -52,6 +52,8 @@ import numpy as np
 from onnxscript import OnnxFunction, script
 
 from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel import delta
+from attnrewrite.passes.kernel.delta_onnx import delta_rule_lowering
 from attnrewrite.passes.kernel.feature_map import (
     CausalTerms,
     FeatureMap,
@@ -99,9 +101,12 @@ class Options(MethodOptions, method=NAME):
     window_next: bool = window_settings.window_next_option()
     sinks: int = window_settings.sinks_option()
     sparse: int = window_settings.sparse_option()
+    update: str = delta.update_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
+    if delta.uses_delta(options):
+        return delta.NO_WEIGHTS
     return WINDOWED_WEIGHTS if options.window else None
 
 
@@ -112,7 +117,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
         return "the head dimension is unknown, and W [features, head_dim] is drawn at rewrite time"
     if not site.scale > 0:
         return f"FAVOR+ folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
-    return window_settings.sparse_refusal(site, options)
+    return window_settings.sparse_refusal(site, options) or delta.refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -185,8 +190,10 @@ class FavorAttention(Module):
         window: Window | None = None,
         linear_log_weight=None,
         learnable: bool = False,
+        update: str = delta.ADDITIVE,
     ):
         super().__init__()
+        self.update = update
         if learnable:  # calibration fits W, starting from the seeded draw
             self.projection = torch.nn.Parameter(projection)
         else:
@@ -216,6 +223,8 @@ class FavorAttention(Module):
             return self.windowed(phi_q, log_q, log_k, q, k, v, keep).to(v.dtype)
         if self.causal:
             phi_k, log_scale = causal_key_features(log_k, keep, self.norm)
+            if self.update == delta.DELTA:  # normalised keys: their log scales drop out
+                return delta.chunk_delta_attention(phi_q, phi_k, v, chunk=self.chunk)[0].to(v.dtype)
             out = chunk_kernel_attention(phi_q, phi_k, v.float(), log_scale, chunk=self.chunk, eps=EPS)[0]
         else:
             phi_k = key_features(log_k, keep, self.norm)
@@ -236,8 +245,8 @@ class FavorAttention(Module):
         fitter's attention-weight cross-entropy, never for inference. phi(x_i).phi(y_j) =
         exp(a_i + b_j) phi'(x_i).phi'(y_j) with a_i, b_j each row's max log feature, so the
         product is taken in log space and nothing over- or underflows."""
-        if self.window is not None:
-            raise ValueError(WINDOWED_WEIGHTS)
+        if self.window is not None or self.update == delta.DELTA:
+            raise ValueError(WINDOWED_WEIGHTS if self.window is not None else delta.NO_WEIGHTS)
         log_q, log_k = self.log_features(q, k)
         q_max, k_max = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
         product = torch.exp(log_q - q_max) @ torch.exp(log_k - k_max).transpose(-2, -1)
@@ -253,7 +262,7 @@ class FavorAttention(Module):
         m, d = self.projection.shape
         return (
             f"features={m}, head_dim={d}, variant={self.variant}, causal={self.causal}, "
-            f"chunk={self.chunk}{window_settings.window_repr(self.window)}"
+            f"chunk={self.chunk}, update={self.update}{window_settings.window_repr(self.window)}"
         )
 
 
@@ -270,6 +279,7 @@ def torch_module(site: AttentionSite, options: Options, learnable: bool = False)
         Window.of(options, site),
         log_weight,
         learnable,
+        options.update,
     )
 
 
@@ -281,6 +291,8 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (projection, linear_log_weight) as numpy arrays."""
     feature_map = FavorFeatureMap(options)
+    if delta.uses_delta(options):
+        return delta_rule_lowering(feature_map, site, opset_version, weights)
     terms = feature_map.onnx_phi(site, opset_version)
     window = Window.of(options)
     if window is not None:

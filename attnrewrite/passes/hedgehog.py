@@ -38,6 +38,8 @@ import numpy as np
 from onnxscript import script
 
 from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel import delta
+from attnrewrite.passes.kernel.delta_onnx import delta_rule_lowering
 from attnrewrite.passes.kernel.feature_map import (
     CausalTerms,
     FeatureMap,
@@ -79,10 +81,14 @@ class Options(MethodOptions, method=NAME):
     seed: int = option(
         0, "unused: the feature map starts at the identity; accepted for a uniform interface", valid=AtLeast(0)
     )
+    update: str = delta.update_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
-    return window_settings.sparse_weights_unavailable(options)  # the module's cover every other option
+    # the module's attention_weights covers every other option
+    return window_settings.sparse_weights_unavailable(options) or (
+        delta.NO_WEIGHTS if delta.uses_delta(options) else None
+    )
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
@@ -92,7 +98,7 @@ def supports(site: AttentionSite, options: Options) -> str | None:
         return f"Hedgehog folds scale^(1/2) into q and k and needs a positive scale, not {site.scale}"
     if site.head_dim is None:
         return "the head dimension is unknown, and the feature map W [d, d] is sized at rewrite time"
-    return window_settings.sparse_refusal(site, options)
+    return window_settings.sparse_refusal(site, options) or delta.refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -113,8 +119,10 @@ class HedgehogAttention(Module):
         chunk: int,
         window: Window | None,
         learnable: bool,
+        update: str = delta.ADDITIVE,
     ):
         super().__init__()
+        self.update = update
         for name in ("weight", "bias"):
             value = torch.from_numpy(values[name])
             if learnable:
@@ -179,13 +187,15 @@ class HedgehogAttention(Module):
 
     def extra_repr(self) -> str:
         heads, d, _ = self.weight.shape
-        return f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}{window_settings.window_repr(self.window)}"
+        said = f"heads={heads}, head_dim={d}, causal={self.causal}, chunk={self.chunk}, update={self.update}"
+        return said + window_settings.window_repr(self.window)
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> HedgehogAttention:
     """``learnable``: W and b are nn.Parameters (else buffers); linear_log_weight always is one."""
     values = HedgehogFeatureMap(options).fitted_values(site)
-    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, Window.of(options, site), learnable)
+    window = Window.of(options, site)
+    return HedgehogAttention(values, site.scale, site.mask.causal, options.chunk, window, learnable, options.update)
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -195,6 +205,8 @@ def onnx_lowering(
     site: AttentionSite, options: Options, opset_version: int, weights: dict | None = None
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (weight, bias, linear_log_weight) as numpy arrays."""
+    if delta.uses_delta(options):
+        return delta_rule_lowering(HedgehogFeatureMap(options), site, opset_version, weights)
     op = standard_opset(opset_version)
     HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
     window = Window.of(options)

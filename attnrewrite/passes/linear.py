@@ -22,6 +22,8 @@ import onnx
 from onnxscript import script
 
 from attnrewrite.passes import hooks
+from attnrewrite.passes.kernel import delta
+from attnrewrite.passes.kernel.delta_onnx import delta_rule_lowering
 from attnrewrite.passes.kernel.feature_map import (
     CausalTerms,
     FeatureMap,
@@ -58,16 +60,20 @@ class Options(MethodOptions, method=NAME):
     window_next: bool = window_settings.window_next_option()
     sinks: int = window_settings.sinks_option()
     sparse: int = window_settings.sparse_option()
+    update: str = delta.update_option()
 
 
 def attention_weights_unavailable(options: Options) -> str | None:
-    return window_settings.sparse_weights_unavailable(options)  # the module's cover every other option
+    # the module's attention_weights covers every other option
+    return window_settings.sparse_weights_unavailable(options) or (
+        delta.NO_WEIGHTS if delta.uses_delta(options) else None
+    )
 
 
 def supports(site: AttentionSite, options: Options) -> str | None:
     if site.mask is site.mask.BIAS:
         return "an additive attention bias cannot be expressed by a kernel feature map"
-    return window_settings.sparse_refusal(site, options)
+    return window_settings.sparse_refusal(site, options) or delta.refusal(site, options)
 
 
 nothing_to_fit = hooks.nothing_unfittable
@@ -88,10 +94,12 @@ class LinearAttention(Module):
         scale: float = 1.0,
         window: Window | None = None,
         linear_log_weight=None,
+        update: str = delta.ADDITIVE,
     ):
         super().__init__()
         self.causal = causal
         self.chunk = chunk
+        self.update = update
         self.scale = scale  # of the window's exact softmax only
         self.window = window
         self.linear_log_weight = None
@@ -109,14 +117,16 @@ class LinearAttention(Module):
         return feature_map_attention_weights(self, elu_plus_one(q), elu_plus_one(k), q, k, key_keep)
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, chunk={self.chunk}{window_settings.window_repr(self.window)}"
+        said = f"causal={self.causal}, chunk={self.chunk}, update={self.update}"
+        return said + window_settings.window_repr(self.window)
 
 
 def torch_module(site: AttentionSite, options: Options, learnable: bool = False) -> LinearAttention:
     """``learnable``: with identity query/key maps as parameters (query_key_maps.with_query_key_maps);
     the window's linear_log_weight is an nn.Parameter either way."""
     window, values = Window.of(options, site), LinearFeatureMap(options).fitted_values(site)
-    module = LinearAttention(site.mask.causal, options.chunk, site.scale, window, values.get("linear_log_weight"))
+    log_weight = values.get("linear_log_weight")
+    module = LinearAttention(site.mask.causal, options.chunk, site.scale, window, log_weight, options.update)
     return with_query_key_maps(module, site, learnable)
 
 
@@ -125,6 +135,8 @@ def onnx_lowering(
 ) -> OnnxLowering:
     """``weights``: a fitted module's state (linear_log_weight; query_map and key_map of a
     learnable module, which select the Learned<Entry> function that applies them)."""
+    if delta.uses_delta(options):
+        return delta_rule_lowering(LinearFeatureMap(options), site, opset_version, weights)
     window = Window.of(options)
     if window is not None:
         functions = _windowed_functions(site, window, opset_version)

@@ -97,6 +97,14 @@ def with_callees(*functions: OnnxFunction) -> list[OnnxFunction]:
     return sorted(found.values(), key=lambda function: len(reached(function)))
 
 
+def unique_functions(functions: list) -> list:
+    """Each function once (by name; a name is one body here), callees before callers kept."""
+    seen = {}
+    for function in functions:
+        seen.setdefault(function.name, function)
+    return list(seen.values())
+
+
 @dataclasses.dataclass
 class OnnxLowering:
     """One replacement node: call `function` with (q, k, v[, key_keep], *constants).

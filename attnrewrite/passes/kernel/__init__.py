@@ -10,6 +10,9 @@ above its ONNX lowering:
 - parallel.py: the bidirectional form, and the causal ones over a whole sequence: state.py's
   started from no state;
 - naive.py: the N x N reference every form is tested against, in the chunk form's signature;
+- delta.py, delta_onnx.py: the delta rule as the causal state's update (``update=delta``): its
+  sequential reference and chunked WY form in torch, its standard-ops ONNX body, the parallel
+  entry every kernel method shares under it, the pieces the recurrent entry calls;
 - query_key_maps.py: calibration's learnable maps in front of a fixed feature map;
 - feature_map.py: what a kernel method supplies (its FeatureMap: phi in torch and ONNX, log
   scales, feature count, the values calibration fits, which are its constants) and the

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnxscript import OnnxFunction, script
 
+from attnrewrite.passes.kernel.delta import uses_delta
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS
 from attnrewrite.passes.kernel.parallel import (
     causal_linear_attention_functions,
@@ -69,6 +70,17 @@ class FeatureMap(abc.ABC):
     @abc.abstractmethod
     def unit(self) -> KernelUnit:
         """How the kernel part is scaled: a rescaled unit carries log scales."""
+
+    @property
+    def delta(self) -> bool:
+        """Whether the causal state is updated by the delta rule (kernel/delta.py)."""
+        return uses_delta(self.options)
+
+    @property
+    def state_unit(self) -> KernelUnit:
+        """The unit the causal state is kept in: the delta rule's normalised keys carry no log
+        scale, so its state is shared whatever the method's unit."""
+        return KernelUnit.SHARED if self.delta else self.unit
 
     @abc.abstractmethod
     def feature_count(self, site: AttentionSite) -> int | str:

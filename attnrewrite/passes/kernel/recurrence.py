@@ -50,7 +50,8 @@ class KernelRecurrence(Recurrence):
         """The recurrent form as ONNX, the state in ``state``'s order. The constants are the
         parallel lowering's, without building it. With ``contrib_ops`` a step updates and reads
         the kernel state with com.microsoft.LinearAttention (where the feature count and the
-        value dim are known); the prefill stays the chunked form, faster on CPU (docs/cli.md)."""
+        value dim are known); the additive prefill stays the chunked form, faster on CPU
+        (docs/cli.md), the delta rule's prefill runs the operator too."""
         if self.window is not None:
             self.window.onnx_refusal()
         feature_map = self.feature_map
@@ -69,11 +70,12 @@ class KernelRecurrence(Recurrence):
         plan = EntryPlan(
             site,
             opset_version,
-            feature_map.unit,
+            feature_map.state_unit,
             self.window,
             self.options.chunk,
             self.key_value_groups(site),
             mapped=QUERY_KEY_MAPS[0] in constants,
+            delta=feature_map.delta,
             terms=terms,
             query_terms=query_terms,
             state={t.name: t for t in description},

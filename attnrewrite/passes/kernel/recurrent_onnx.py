@@ -15,8 +15,10 @@ import typing
 from collections.abc import Callable
 
 import numpy as np
+import onnx
 from onnx import numpy_helper
 
+from attnrewrite.passes.kernel.delta_onnx import delta_rule_from_state_functions, normalised_keys_function
 from attnrewrite.passes.kernel.feature_map import OnnxTerms
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.query_key_maps import QUERY_KEY_MAPS
@@ -36,7 +38,16 @@ from attnrewrite.passes.kernel.state import (
     causal_rescaled_linear_attention_from_state_functions,
 )
 from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import FLOAT, MICROSOFT, TO_THE_END, FunctionNodes, make_function, with_callees
+from attnrewrite.passes.lowering import (
+    DOMAIN,
+    FLOAT,
+    MICROSOFT,
+    TO_THE_END,
+    FunctionNodes,
+    make_function,
+    unique_functions,
+    with_callees,
+)
 from attnrewrite.passes.recurrent import StateTensor
 from attnrewrite.passes.window.onnx_state import (
     sinks_after_function,
@@ -53,7 +64,8 @@ LOWEST = LOWEST_LOG_SCALE
 @dataclasses.dataclass(frozen=True)
 class EntryPlan:
     """What every part of one entry reads. ``groups``: query heads per kept key/value head;
-    ``mapped``: q and k go through the fitted query/key maps first; ``linear_attention_rows``:
+    ``mapped``: q and k go through the fitted query/key maps first; ``delta``: the state is
+    updated by the delta rule (kernel/delta.py; no window); ``linear_attention_rows``:
     (F, Dv + 1) where a step runs com.microsoft.LinearAttention, else None; ``functions``: the
     entry's callees, each added where it is first called."""
 
@@ -64,6 +76,7 @@ class EntryPlan:
     chunk: int
     groups: int
     mapped: bool
+    delta: bool
     terms: OnnxTerms
     query_terms: OnnxTerms
     state: dict[str, StateTensor]
@@ -141,7 +154,9 @@ class Body(FunctionNodes):
         """(phi_q, phi_k[, query log scale, key log scale]) of the method, q and k mapped."""
         terms = self.plan.terms
         q, k = self.map("q", q), self.map("k", k)
-        return self.call(terms.function, q, k, keep, *terms.constants, outputs=4 if self.plan.rescaled else 2)
+        # every output the function has: the delta rule reads only the features of favor's four
+        outputs = len(terms.function.to_function_proto().output)
+        return self.call(terms.function, q, k, keep, *terms.constants, outputs=outputs)
 
     def query_terms(self, mapped_q: str) -> list[str]:
         """[phi_q[, query log scale]]: a step's query's terms alone, of the query as mapped."""
@@ -205,7 +220,7 @@ def entry_function(plan: EntryPlan, name: str, constants: list[str]):
     body, outputs = entry_body(plan)
     inputs = ["q", "k", "v", "key_keep", *plan.state, *constants]
     entry = make_function(name, inputs, outputs, body.nodes, plan.opset_version)
-    return [*_unique(plan.functions), entry]
+    return [*unique_functions(plan.functions), entry]
 
 
 def one_token_or_more(b: Body, step: Callable[[Body], None], prefill: Callable[[Body], None], outputs: list[str]):
@@ -251,6 +266,9 @@ def plain(b: Body) -> None:
     """N tokens: the chunked causal form continued from the state."""
     plan = b.plan
     terms = b.terms("q", "k", b.keep())
+    if plan.delta:
+        delta_prefill(b, terms[0], terms[1])
+        return
     if plan.rescaled:
         functions = causal_rescaled_linear_attention_from_state_functions(plan.opset_version, plan.chunk, plan.unit.eps)
         inputs = [b.flat(terms[0]), b.flat(terms[1]), b.flat(terms[3]), b.flat("v")]
@@ -269,6 +287,8 @@ def plain_step(b: Body) -> None:
     scale (the chunked form's references at N = 1)."""
     terms = b.terms("q", "k", b.keep())
     phi_q, phi_k, state = terms[0], terms[1], KERNEL_STATE
+    if b.plan.delta:
+        phi_k = normalised_keys(b, phi_k)
     if b.plan.rescaled:
         log_scale = step_log_scale(b)
         new_log_scale = b("Max", log_scale, b("Squeeze", terms[3], b.ints(-1)))
@@ -288,13 +308,16 @@ def step_log_scale(b: Body) -> str:
 
 
 def update_and_read(b: Body, phi_q: str, phi_k: str, state: str) -> tuple[str, str]:
-    """(phi_q S' [..., 1, Dv + 1], S'): S' = state + phi_k^T [v, 1], one token's update."""
+    """(phi_q S' [..., 1, Dv + 1], S'): S' = state + phi_k^T [v, 1], one token's update; by the
+    delta rule S' = state + phi_k^T ([v, 1] - phi_k state), phi_k normalised."""
     values = values_and_ones(b)
     if b.plan.linear_attention_rows:
         read, new_state = linear_attention(b, phi_q, phi_k, values, state)
         # typed again (CastLike: no conversion) for the ONNX checker, which cannot type a contrib
         # operator and then finds the If's branches disagree
         return b("CastLike", read, values), b("CastLike", new_state, state)
+    if b.plan.delta:
+        values = b("Sub", values, b("MatMul", phi_k, state))
     new_state = b("Add", state, b("MatMul", b("Transpose", phi_k, perm=b.swap_last()), values))
     return b("MatMul", phi_q, new_state), new_state
 
@@ -312,20 +335,58 @@ def linear_attention(b: Body, phi_q: str, phi_k: str, values: str, state: str) -
         sized = ((phi_q, features), (phi_k, features), (values, columns))
         rows = [b("Reshape", x, b.ints(-1, 1, size)) for x, size in sized]
         folded = b("Reshape", state, b.ints(-1, 1, features, columns))
-    read, new_state = b(
-        "LinearAttention",
-        *rows,
-        folded,
-        outputs=2,
-        domain=MICROSOFT,
-        q_num_heads=heads or 1,
-        kv_num_heads=heads or 1,
-        update_rule="linear",
-        scale=1.0,
-    )
+    read, new_state = linear_attention_node(b, rows, folded, heads or 1)
     if heads:
         return b("Reshape", read, b.ints(0, heads, 1, columns)), new_state
     return b("Reshape", read, b("Shape", values)), b("Reshape", new_state, b("Shape", state))
+
+
+def linear_attention_node(b: Body, rows: list[str], state: str, heads: int) -> tuple[str, str]:
+    """com.microsoft.LinearAttention of packed rows (q, k, [v, 1]) [B, T, heads X] from ``state``
+    [B, heads, F, Dv + 1]: (the reads, the state after), by the plan's update rule (the delta
+    rule's beta 1 for every row and head)."""
+    beta = []
+    if b.plan.delta:
+        one = onnx.helper.make_tensor("one", FLOAT, [1], [1.0])
+        beta = ["", b("ConstantOfShape", b("Concat", b("Shape", rows[0], end=2), b.ints(1), axis=0), value=one)]
+    return b(
+        "LinearAttention",
+        *rows,
+        state,
+        *beta,
+        outputs=2,
+        domain=MICROSOFT,
+        q_num_heads=heads,
+        kv_num_heads=heads,
+        update_rule="delta" if b.plan.delta else "linear",
+        scale=1.0,
+    )
+
+
+def normalised_keys(b: Body, phi_k: str) -> str:
+    """phi_k over its L2 norm per key (delta_onnx.NormalisedKeys)."""
+    function = normalised_keys_function(b.plan.opset_version)
+    b.uses(function.to_function_proto())
+    return b.call(function, phi_k)
+
+
+def delta_prefill(b: Body, phi_q: str, phi_k: str) -> None:
+    """N tokens of the delta rule from the state: com.microsoft.LinearAttention (each head of
+    each batch row a row of its own) where the plan runs it, else DeltaRuleFromState."""
+    plan, q, k, v = b.plan, b.flat(phi_q), b.flat(phi_k), b.flat("v")
+    if plan.linear_attention_rows:
+        features, columns = plan.linear_attention_rows
+        state = b("Reshape", KERNEL_STATE, b.ints(-1, 1, features, columns))
+        values = b("Pad", v, b.ints(0, 0, 0, 0, 0, 1), b("Constant", value_float=1.0))
+        read, new_state = linear_attention_node(b, [q, normalised_keys(b, k), values], state, 1)
+        b.output_flat(normalised(b, b("CastLike", read, values)))
+        b.state_output(KERNEL_STATE, b("Reshape", b("CastLike", new_state, values), b("Shape", KERNEL_STATE)))
+        return
+    functions = delta_rule_from_state_functions(plan.opset_version, plan.chunk)
+    b.uses(*functions)
+    out, *new_state = b(functions[-1].name, q, k, v, *b.flat_state(), outputs=3, domain=DOMAIN)
+    b.output_flat(out)
+    state_outputs(b, new_state)
 
 
 def values_and_ones(b: Body) -> str:
@@ -561,11 +622,3 @@ def block_joins_state(b: Body, rows: WindowRows) -> None:
 
 def _protos(function) -> list:
     return [f.to_function_proto() for f in with_callees(function)]
-
-
-def _unique(functions: list) -> list:
-    """Each function once (by name; a name is one body here), callees before callers kept."""
-    seen = {}
-    for function in functions:
-        seen.setdefault(function.name, function)
-    return list(seen.values())

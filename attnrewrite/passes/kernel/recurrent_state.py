@@ -2,7 +2,9 @@
 
 - ``kernel_state`` sum phi(k) [v, 1]^T [B, H, F, Dv+1], float32: sum phi(k) v^T, and sum phi(k)
   (the normaliser) as the last column;
-- a rescaled kernel (FAVOR+, hedgehog's window: KernelUnit.rescaled): ``log_scale`` [B, H]
+  (the delta rule's state, kernel/delta.py, is this one matrix too, updated otherwise);
+- a rescaled kernel (FAVOR+, hedgehog's window: KernelUnit.rescaled, not the delta rule's
+  normalised keys): ``log_scale`` [B, H]
   float32, the max of the absorbed keys' log scales, which the two sums are relative to (the
   parallel causal form's running max, kernel.state.chunk_kernel_attention), the
   lowest log scale before any key;
@@ -49,7 +51,7 @@ def kernel_state_tensors(site: AttentionSite, feature_map: FeatureMap) -> list[S
             "sum of phi(k) [v, 1]^T over absorbed keys: sum phi(k) v^T, and sum phi(k) (the normaliser) as the last column",
         )
     ]
-    if feature_map.unit.rescaled:
+    if feature_map.state_unit.rescaled:
         state.append(
             StateTensor(
                 LOG_SCALE, lead, "float32", LOWEST_LOG_SCALE, "max log scale of absorbed keys: the sums' reference"

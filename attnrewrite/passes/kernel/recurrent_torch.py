@@ -2,12 +2,13 @@
 new tokens run the chunked causal form seeded with the incoming state (kernel/state.py,
 window/torch_state.py) and the outgoing state is the last prefix (recurrent_state.py says what
 it holds). S_t = S_{t-1} + phi(k_t) v_t^T, z_t = z_{t-1} + phi(k_t), o_t = phi(q_t)^T S_t /
-phi(q_t)^T z_t."""
+phi(q_t)^T z_t; or the delta rule's update of the same state (kernel/delta.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from attnrewrite.passes.kernel.delta import chunk_delta_attention
 from attnrewrite.passes.kernel.feature_map import CausalTerms, FeatureMap
 from attnrewrite.passes.kernel.query_key_maps import map_queries_and_keys
 from attnrewrite.passes.kernel.recurrent_state import (
@@ -81,7 +82,10 @@ class RecurrentKernelAttention(Module):
         q, k = map_queries_and_keys(self.parallel, q, k)
         terms = self._terms(q, k, keep)
         absorbed = _absorbed(state)
-        chunk, eps = self.parallel.chunk, self.feature_map.unit.eps
+        chunk, eps = self.parallel.chunk, self.feature_map.state_unit.eps
+        if self.feature_map.delta:
+            out, absorbed = chunk_delta_attention(terms.phi_q, terms.phi_k, v, absorbed, True, chunk=chunk, eps=eps)
+            return out, _with_kernel_state(state, absorbed)
         out, absorbed = chunk_kernel_attention(
             terms.phi_q, terms.phi_k, v.float(), terms.key_log_scale, absorbed, True, chunk=chunk, eps=eps
         )

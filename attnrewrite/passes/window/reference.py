@@ -4,6 +4,7 @@ tested against; never for inference."""
 
 from __future__ import annotations
 
+from attnrewrite.passes.kernel import delta
 from attnrewrite.passes.kernel.chunks import ChunkLayout
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.parallel import kernel_attention_weights
@@ -14,6 +15,8 @@ from attnrewrite.passes.window.settings import UNSCALED, KernelScales, Window
 def feature_map_attention_weights(module, phi_q, phi_k, q, k, key_keep=None):
     """The normalised weights [..., Nq, Nk] feature_map_attention gives each key. N x N: for
     the fitter's attention-weight cross-entropy, never for inference."""
+    if module.update == delta.DELTA:
+        raise ValueError(delta.NO_WEIGHTS)
     if key_keep is not None:
         phi_k = phi_k * key_keep
     if module.window is None:

@@ -4,6 +4,7 @@ feature_map_attention, the one call of a kernel method's module, window or not."
 
 from __future__ import annotations
 
+from attnrewrite.passes.kernel import delta
 from attnrewrite.passes.kernel.chunks import (
     ChunkLayout,
     chunk_running_max,
@@ -168,14 +169,17 @@ def module_windowed_attention(module, phi_q, phi_k, q, k, v, key_keep, scales, e
 
 def feature_map_attention(module, phi_q, phi_k, q, k, v, key_keep=None):
     """Attention with the feature maps phi_q, phi_k of a module that has ``causal``, ``chunk``,
-    ``window`` (a Window or None), ``scale`` and ``linear_log_weight`` (linear, hedgehog): the
-    window hybrid when it has a window, else the plain or causal chunked kernel. Padded keys
-    leave numerator and denominator (their phi_k rows are zeroed here)."""
+    ``window`` (a Window or None), ``scale``, ``linear_log_weight`` and ``update`` (linear,
+    hedgehog): the window hybrid when it has a window, else the plain or causal chunked kernel,
+    its state additive or by the delta rule (kernel/delta.py). Padded keys leave numerator and
+    denominator (their phi_k rows are zeroed here)."""
     if key_keep is not None:
         phi_k = phi_k * key_keep
     if module.window is not None:
         scales = KernelScales(linear_log_weight=module.linear_log_weight)
         return module_windowed_attention(module, phi_q, phi_k, q, k, v, key_keep, scales)
+    if module.causal and module.update == delta.DELTA:
+        return delta.chunk_delta_attention(phi_q, phi_k, v, chunk=module.chunk)[0]
     if module.causal:
         return chunk_kernel_attention(phi_q, phi_k, v.float(), chunk=module.chunk)[0]
     return linear_attention(phi_q, phi_k, v.float())
