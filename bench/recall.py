@@ -313,6 +313,10 @@ def time_cell(row: dict) -> str:
     return f"{rewrite}{sum(row.get('measure_seconds', {}).values()) / 60:.1f} min"
 
 
+def runs_said(runs: list[dict]) -> str:
+    return " ".join(f"`{run['command']}`: {run['setup']}" for run in runs)
+
+
 def markdown(results: dict) -> str:
     rows = results["rows"]
     contexts = sorted({int(n) for row in rows.values() for n in row.get("passkey", {})})
@@ -322,7 +326,7 @@ def markdown(results: dict) -> str:
     lines = [
         "## Recall: SmolLM2-135M-Instruct's state against the same bytes of KV cache",
         "",
-        f"`{results['command']}`: {results['setup']} The builder's folder (original) and the CLI's folders, "
+        f"{runs_said(results['runs'])} The builder's folder (original) and the CLI's folders, "
         "commands run in `$XDG_CACHE_HOME/attnrewrite-bench/smollm2` (tokens of the window: what hedgehog "
         f"window=64's state buys, {results['tokens']}). key L: pass key found at L tokens (depths 10-90%); copy D: "
         f"share of a {PASSAGE}-token passage's second copy after D tokens; 2k: agreement and perplexity "
@@ -388,6 +392,7 @@ def parse_args(argv):
     parser.add_argument("--reuse", action="store_true", help="keep the folders an earlier run wrote")
     parser.add_argument("--quick", action="store_true", help="2 trials at 512 and 1024, 1 copy and passage")
     parser.add_argument("--report", action="store_true", help="only write the section and the plot from --json")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[], help="add the rows of other runs' JSON files")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
@@ -414,8 +419,19 @@ def merged(old: dict, new: dict) -> dict:
     """``old`` with ``new``'s entries, a test's per-length results entry by entry."""
     out = {**old}
     for key, value in new.items():
+        if key == "seconds" and value is None:  # a folder reused: its rewrite's time kept
+            continue
         out[key] = {**old.get(key, {}), **value} if key in ("passkey", "copy", "measure_seconds") else value
     return out
+
+
+def merged_results(results: dict, other: dict) -> dict:
+    """``results`` with another run's rows (merged) and runs (a run of those written at the same time)."""
+    rows = {**results["rows"]}
+    for label, row in other["rows"].items():
+        rows[label] = merged(rows.get(label, {}), row)
+    runs = [run for run in results.get("runs", []) if run not in other["runs"]]
+    return {**results, "rows": rows, "runs": [*runs, *other["runs"]], "tokens": other["tokens"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.json.read_text()) if args.json.is_file() else {"rows": {}}
     if not args.report:
         results = measured_results(args, results)
+    for other in args.merge:
+        results = merged_results(results, json.loads(other.read_text()))
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
     decoder_fidelity.write_section(args.markdown, markdown(results), MARKERS)
     plot(results, args.plot)
     print(markdown(results))
@@ -441,8 +460,10 @@ def measured_results(args, results: dict) -> dict:
     prompts = Prompts(cache)
     measured = {"date": datetime.date.today().isoformat(), **fidelity.machine(), "genai": og.__version__}
     measured.pop("attnrewrite")  # this machine's path
-    results |= {"tokens": sizes["tokens"], "command": shown(shlex.join(["python", "bench/recall.py", *sys.argv[1:]]))}
-    results["setup"] = setup_line(args)
+    command = shown(shlex.join(["python", "bench/recall.py", *sys.argv[1:]]))
+    results["tokens"] = sizes["tokens"]
+    runs = [run for run in results.get("runs", []) if run["command"] != command]
+    results["runs"] = [*runs, {"command": command, "setup": setup_line(args)}]
     folders = {ORIGINAL: cache / BUILDER}
     for label, arguments in wanted.items():
         row = {} if arguments is None else rewrite_row(cache, label, arguments, sizes, args.reuse)

@@ -90,8 +90,8 @@ def test_the_section_has_one_row_per_model_and_the_commands():
     window = {"state_bytes": 14_930_000, "command": "attnrewrite genai/builder --to streaming", "seconds": 30.0}
     window |= {"passkey": {"512": {"found": 1, "trials": 2}}, "copy": {"64": {"score": 0.95}}, "measured": measured}
     window |= {"heldout": {"agreement_far": 0.877, "perplexity_ratio_far": 1.19}, "measure_seconds": {"copy": 60}}
-    results = {"rows": {recall.ORIGINAL: original, "window": window}, "command": "python bench/recall.py"}
-    results |= {"setup": "a setup.", "tokens": 324}
+    results = {"rows": {recall.ORIGINAL: original, "window": window}, "tokens": 324}
+    results["runs"] = [{"command": "python bench/recall.py", "setup": "a setup."}]
     text = recall.markdown(results)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[0] == "| model | state | key 512 | copy 64 | 2k: agree | ppl x | time |"
@@ -99,3 +99,15 @@ def test_the_section_has_one_row_per_model_and_the_commands():
     assert rows[2] == "| window | 14.9 MB | 1/2 | 0.95 | 0.877 | 1.19 | 30 s + 1.0 min |"
     assert "- window: `attnrewrite genai/builder --to streaming`" in text
     assert "measured 2026-12-02 on cpu" in text
+    assert text.count("`python bench/recall.py`: a setup.") == 1
+
+
+def test_runs_written_at_the_same_time_merge_into_one_table():
+    first = {"rows": {"w": {"passkey": {"512": {"found": 1}}, "seconds": 30.0}}, "tokens": 324}
+    first["runs"] = [{"command": "one", "setup": "short."}]
+    second = {"rows": {"w": {"passkey": {"4096": {"found": 0}}, "seconds": None}, "o": {}}, "tokens": 324}
+    second["runs"] = [{"command": "two", "setup": "long."}]
+    both = recall.merged_results(first, second)
+    assert both["rows"]["w"] == {"passkey": {"512": {"found": 1}, "4096": {"found": 0}}, "seconds": 30.0}
+    assert list(both["rows"]) == ["w", "o"] and [run["command"] for run in both["runs"]] == ["one", "two"]
+    assert recall.merged_results(both, second)["runs"] == both["runs"]  # merged again: the same
