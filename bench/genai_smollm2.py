@@ -127,19 +127,24 @@ def speed(folder: Path, context: list[int], new_tokens: int) -> dict:
     }
 
 
-def held_out_fidelity(folders: dict[str, Path], cache: Path, count: int) -> dict:
-    """Per folder but the builder's: smollm2_fidelity.evaluate's figures against the builder's
-    model, each passage prefilled in one call as generation would."""
+def prefilled_logits(session, name: str, ids: np.ndarray) -> np.ndarray:
+    """The logits [N, V] of the passage ``ids`` [N] prefilled in one call as generation would,
+    from an empty cache or a zero state."""
     from attnrewrite.generate import forced_logits
 
-    def prefilled(session, name: str, ids: np.ndarray) -> np.ndarray:
-        return forced_logits(session, name, ids[None], np.ones((1, len(ids)), np.int64), prefill=len(ids))[0]
+    return forced_logits(session, name, ids[None], np.ones((1, len(ids)), np.int64), prefill=len(ids))[0]
 
+
+def held_out_fidelity(folders: dict[str, Path], cache: Path, count: int) -> dict:
+    """Per folder but the builder's: smollm2_fidelity.evaluate's figures against the builder's
+    model, each passage prefilled in one call."""
     original, *rewrites = folders
     paths = {"original": folders[original] / "model.onnx"} | {
         label: folders[label] / "model.onnx" for label in rewrites
     }
-    figures = smollm2_fidelity.evaluate(paths, smollm2_fidelity.heldout_passages(cache, count), logits_of=prefilled)
+    figures = smollm2_fidelity.evaluate(
+        paths, smollm2_fidelity.heldout_passages(cache, count), logits_of=prefilled_logits
+    )
     return {label: figures[label] for label in rewrites}
 
 

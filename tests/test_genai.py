@@ -246,8 +246,18 @@ def test_genai_generates_from_the_parallel_folder_what_attnrewrite_generate_does
         ("llama", "int4", ["hedgehog"]),
         ("qwen2", "fp32", ["favor"]),
         ("qwen2", "int4", ["linear"]),
+        ("llama", "fp32", ["streaming", "-O", "recent=5"]),  # a ring of 5 keys and 4 sinks: 27 positions pass it
+        ("llama", "fp32", ["streaming", "-O", "recent=5", "-O", "sinks=0"]),
     ],
-    ids=["llama-hedgehog", "llama-hedgehog-window", "llama-int4", "qwen2-favor", "qwen2-int4"],
+    ids=[
+        "llama-hedgehog",
+        "llama-hedgehog-window",
+        "llama-int4",
+        "qwen2-favor",
+        "qwen2-int4",
+        "llama-streaming",
+        "llama-streaming-without-sinks",
+    ],
 )
 def test_genai_generates_from_the_recurrent_folder_what_attnrewrite_generate_does(
     builder, arch, precision, method, tmp_path
