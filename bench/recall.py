@@ -310,7 +310,21 @@ def heldout_cells(row: dict) -> list[str]:
 
 def time_cell(row: dict) -> str:
     rewrite = "" if row.get("seconds") is None else f"{row['seconds']:.0f} s + "
-    return f"{rewrite}{sum(row.get('measure_seconds', {}).values()) / 60:.1f} min"
+    seconds = sum(entry["seconds"] for test in ("passkey", "copy") for entry in row.get(test, {}).values())
+    seconds += row.get("measure_seconds", {}).get("heldout", 0)
+    return f"{rewrite}{seconds / 60:.1f} min"
+
+
+def measured_line(rows: dict) -> str:
+    """Where and when the rows were measured, once: the machine, the versions, the runs' loads."""
+    runs = {json.dumps(row["measured"], sort_keys=True): row["measured"] for row in rows.values() if "measured" in row}
+    said = {
+        f"{m['date']} on {m['processor']}, {m['cpus']} CPUs, onnxruntime {m['onnxruntime']}, onnxruntime-genai "
+        f"{m.get('genai')}, commit {m['commit']}"
+        for m in runs.values()
+    }
+    loads = "; ".join(", ".join(f"{x:g}" for x in m["load_average_at_start"]) for m in runs.values())
+    return f"Measured {' and '.join(sorted(said))} (load averages at the runs' starts: {loads})."
 
 
 def runs_said(runs: list[dict]) -> str:
@@ -326,11 +340,13 @@ def markdown(results: dict) -> str:
     lines = [
         "## Recall: SmolLM2-135M-Instruct's state against the same bytes of KV cache",
         "",
-        f"{runs_said(results['runs'])} The builder's folder (original) and the CLI's folders, "
-        "commands run in `$XDG_CACHE_HOME/attnrewrite-bench/smollm2` (tokens of the window: what hedgehog "
-        f"window=64's state buys, {results['tokens']}). key L: pass key found at L tokens (depths 10-90%); copy D: "
-        f"share of a {PASSAGE}-token passage's second copy after D tokens; 2k: agreement and perplexity "
-        f"ratio from position 128 on {HELDOUT_LENGTH}-token held-out text; time: rewrite + measuring.",
+        f"{runs_said(results['runs'])} The builder's folder (the original) and the CLI's folders below (run in "
+        "`$XDG_CACHE_HOME/attnrewrite-bench/smollm2`; the window's tokens are the "
+        f"{results['tokens']} that hedgehog window=64's state buys), on onnxruntime CPU. key L: pass key found by "
+        f"genai's greedy decoding in a prompt of L tokens (8192: {8192 - NEW_TOKENS}), depths 10-90% (one trial: "
+        f"50%); copy D: share of a {PASSAGE}-token passage's second copy after D tokens; 2k: agreement and "
+        f"perplexity ratio from position 128 on {HELDOUT_LENGTH}-token held-out text (copy and 2k: model.onnx in "
+        "one call); time: rewrite + measuring.",
         "",
         "| " + " | ".join(header) + " |",
         "|---|---|" + "---:|" * (len(header) - 2),
@@ -340,7 +356,7 @@ def markdown(results: dict) -> str:
         cells += [*(copy_cell(row, d) for d in distances), *heldout_cells(row), time_cell(row)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {label}: `{row['command']}`" for label, row in rows.items() if "command" in row)]
-    lines += [*smollm2_fidelity.measured_lines(rows), "", "![recall](recall.png)"]
+    lines += [measured_line(rows), "", "![recall](recall.png)"]
     return "\n".join(lines)
 
 
@@ -404,14 +420,13 @@ def parse_args(argv):
 
 
 def measure(label: str, folder: Path, args, prompts: Prompts, log=print) -> dict:
-    """The row's pass key and copy results, and the seconds of each."""
+    """The row's pass key and copy results, each entry with its seconds."""
     row = {}
     if "passkey" not in args.skip:
         trials = trials_at(args.contexts, args.trials, args.trials_at)
         row["passkey"] = passkey_results(folder, prompts, trials, log)
     if "copy" not in args.skip:
         row["copy"] = copy_results(folder, prompts.copies(args.distances, args.copy_trials), log)
-    row["measure_seconds"] = {test: sum(v["seconds"] for v in row[test].values()) for test in TESTS if test in row}
     return row
 
 
@@ -485,12 +500,16 @@ def measured_results(args, results: dict) -> dict:
 
 
 def setup_line(args) -> str:
-    trials = trials_at(args.contexts, args.trials, args.trials_at)
-    said = ", ".join(f"{n} at {length}" for length, n in trials.items())
-    return (
-        f"pass key trials {said}; copy {args.copy_trials} trials per distance; held-out text "
-        f"{args.heldout_passages} passages; greedy decoding through onnxruntime-genai on onnxruntime CPU."
-    )
+    """What the run measured."""
+    said = []
+    if "passkey" not in args.skip:
+        trials = trials_at(args.contexts, args.trials, args.trials_at)
+        said.append("pass key trials " + ", ".join(f"{n} at {length}" for length, n in trials.items()))
+    if "copy" not in args.skip:
+        said.append(f"copy {args.copy_trials} per distance")
+    if "heldout" not in args.skip:
+        said.append(f"held-out text {args.heldout_passages} passages")
+    return "; ".join(said) + "."
 
 
 if __name__ == "__main__":
