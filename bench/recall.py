@@ -315,16 +315,20 @@ def time_cell(row: dict) -> str:
     return f"{rewrite}{seconds / 60:.1f} min"
 
 
-def measured_line(rows: dict) -> str:
-    """Where and when the rows were measured, once: the machine, the versions, the runs' loads."""
-    runs = {json.dumps(row["measured"], sort_keys=True): row["measured"] for row in rows.values() if "measured" in row}
+def measured_line(runs: list[dict]) -> str:
+    """Where and when the runs measured, once: the machine, the versions, each run's commit and load."""
+    known = [run["measured"] for run in runs if "measured" in run]
     said = {
         f"{m['date']} on {m['processor']}, {m['cpus']} CPUs, onnxruntime {m['onnxruntime']}, onnxruntime-genai "
-        f"{m.get('genai')}, commit {m['commit']}"
-        for m in runs.values()
+        f"{m['genai']}"
+        for m in known
     }
-    loads = "; ".join(", ".join(f"{x:g}" for x in m["load_average_at_start"]) for m in runs.values())
-    return f"Measured {' and '.join(sorted(said))} (load averages at the runs' starts: {loads})."
+    commits = ", ".join(dict.fromkeys(m["commit"] for m in known))
+    loads = "; ".join(
+        ", ".join(f"{x:g}" for x in m["load_average_at_start"]) if m.get("load_average_at_start") else "not recorded"
+        for m in known
+    )
+    return f"Measured {' and '.join(sorted(said))}, commits {commits} (load averages at the runs' starts: {loads})."
 
 
 def runs_said(runs: list[dict]) -> str:
@@ -356,7 +360,7 @@ def markdown(results: dict) -> str:
         cells += [*(copy_cell(row, d) for d in distances), *heldout_cells(row), time_cell(row)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {label}: `{row['command']}`" for label, row in rows.items() if "command" in row)]
-    lines += [measured_line(rows), "", "![recall](recall.png)"]
+    lines += ["", measured_line(results["runs"]), "", "![recall](recall.png)"]
     return "\n".join(lines)
 
 
@@ -365,8 +369,9 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    figure, (keys, copies, text) = plt.subplots(1, 3, figsize=(14, 4))
+    figure, (keys, copies, text) = plt.subplots(1, 3, figsize=(15, 4.5), width_ratios=(1, 1, 0.8))
     rows = results["rows"]
     for label, row in rows.items():
         found = sorted((int(n), v["found"] / v["trials"]) for n, v in row.get("passkey", {}).items())
@@ -379,9 +384,11 @@ def plot(results: dict, path: Path) -> None:
     keys.set_xticks(CONTEXTS, [str(n) for n in CONTEXTS])
     copies.set(xscale="log", xlabel="distance D (tokens)", ylabel="second copy's tokens right", ylim=(0, 1.05))
     copies.set_xticks(DISTANCES, [str(d) for d in DISTANCES])
+    for axes in (keys, copies):
+        axes.xaxis.set_minor_formatter(NullFormatter())
     scored = {label: row["heldout"]["agreement_far"] for label, row in rows.items() if "heldout" in row}
     text.barh(list(scored), list(scored.values()))
-    text.set(xlabel=f"agreement from position 128, {HELDOUT_LENGTH}-token text", xlim=(0, 1))
+    text.set(xlabel=f"agreement from position 128, {HELDOUT_LENGTH} tokens", xlim=(0, 1))
     text.invert_yaxis()
     keys.legend(fontsize=8)
     figure.suptitle("SmolLM2-135M-Instruct: recall against the same bytes of KV cache")
@@ -478,14 +485,14 @@ def measured_results(args, results: dict) -> dict:
     command = shown(shlex.join(["python", "bench/recall.py", *sys.argv[1:]]))
     results["tokens"] = sizes["tokens"]
     runs = [run for run in results.get("runs", []) if run["command"] != command]
-    results["runs"] = [*runs, {"command": command, "setup": setup_line(args)}]
+    results["runs"] = [*runs, {"command": command, "setup": setup_line(args), "measured": measured}]
     folders = {ORIGINAL: cache / BUILDER}
     for label, arguments in wanted.items():
         row = {} if arguments is None else rewrite_row(cache, label, arguments, sizes, args.reuse)
         folders[label] = cache / row.get("folder", BUILDER)
         carried = genai_smollm2.carried_bytes(folders[label], 1)
         row |= {"kv_bytes_per_token": carried} if arguments is None else {"state_bytes": carried}
-        row |= measure(label, folders[label], args, prompts) | {"measured": measured}
+        row |= measure(label, folders[label], args, prompts)
         results["rows"][label] = merged(results["rows"].get(label, {}), row)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if "heldout" not in args.skip:
