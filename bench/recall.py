@@ -46,13 +46,12 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import decoder_fidelity  # run_cli, next_token, write_section
-import fidelity  # machine()
+import fidelity  # machine(), the section markers of FIDELITY.md
 import genai_smollm2  # builder_folder, carried_bytes, prefilled_logits
 import smollm2_fidelity  # prepare, evaluate, measured_lines
 from common import shown
 
 DEFAULT_JSON, DEFAULT_MARKDOWN, DEFAULT_PLOT = HERE / "recall.json", HERE / "FIDELITY.md", HERE / "recall.png"
-MARKERS = ("<!-- RECALL -->", "<!-- /RECALL -->")
 BUILDER, FOLDERS = "genai/builder", "genai/recall"  # in the cache
 ORIGINAL = "original (KV cache)"
 SINKS = 4
@@ -464,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     for other in args.merge:
         results = merged_results(results, json.loads(other.read_text()))
     args.json.write_text(json.dumps(results, indent=2) + "\n")
-    decoder_fidelity.write_section(args.markdown, markdown(results), MARKERS)
+    decoder_fidelity.write_section(args.markdown, markdown(results), fidelity.RECALL_MARKERS)
     plot(results, args.plot)
     print(markdown(results))
     return 0
