@@ -46,13 +46,12 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import decoder_fidelity  # run_cli, next_token, write_section
-import fidelity  # machine()
+import fidelity  # machine(), the section markers of FIDELITY.md
 import genai_smollm2  # builder_folder, carried_bytes, prefilled_logits
 import smollm2_fidelity  # prepare, evaluate, measured_lines
 from common import shown
 
 DEFAULT_JSON, DEFAULT_MARKDOWN, DEFAULT_PLOT = HERE / "recall.json", HERE / "FIDELITY.md", HERE / "recall.png"
-MARKERS = ("<!-- RECALL -->", "<!-- /RECALL -->")
 BUILDER, FOLDERS = "genai/builder", "genai/recall"  # in the cache
 ORIGINAL = "original (KV cache)"
 SINKS = 4
@@ -310,7 +309,25 @@ def heldout_cells(row: dict) -> list[str]:
 
 def time_cell(row: dict) -> str:
     rewrite = "" if row.get("seconds") is None else f"{row['seconds']:.0f} s + "
-    return f"{rewrite}{sum(row.get('measure_seconds', {}).values()) / 60:.1f} min"
+    seconds = sum(entry["seconds"] for test in ("passkey", "copy") for entry in row.get(test, {}).values())
+    seconds += row.get("measure_seconds", {}).get("heldout", 0)
+    return f"{rewrite}{seconds / 60:.1f} min"
+
+
+def measured_line(runs: list[dict]) -> str:
+    """Where and when the runs measured, once: the machine, the versions, each run's commit and load."""
+    known = [run["measured"] for run in runs if "measured" in run]
+    said = {
+        f"{m['date']} on {m['processor']}, {m['cpus']} CPUs, onnxruntime {m['onnxruntime']}, onnxruntime-genai "
+        f"{m['genai']}"
+        for m in known
+    }
+    commits = ", ".join(dict.fromkeys(m["commit"] for m in known))
+    loads = "; ".join(
+        ", ".join(f"{x:g}" for x in m["load_average_at_start"]) if m.get("load_average_at_start") else "not recorded"
+        for m in known
+    )
+    return f"Measured {' and '.join(sorted(said))}, commits {commits} (load averages at the runs' starts: {loads})."
 
 
 def runs_said(runs: list[dict]) -> str:
@@ -326,11 +343,13 @@ def markdown(results: dict) -> str:
     lines = [
         "## Recall: SmolLM2-135M-Instruct's state against the same bytes of KV cache",
         "",
-        f"{runs_said(results['runs'])} The builder's folder (original) and the CLI's folders, "
-        "commands run in `$XDG_CACHE_HOME/attnrewrite-bench/smollm2` (tokens of the window: what hedgehog "
-        f"window=64's state buys, {results['tokens']}). key L: pass key found at L tokens (depths 10-90%); copy D: "
-        f"share of a {PASSAGE}-token passage's second copy after D tokens; 2k: agreement and perplexity "
-        f"ratio from position 128 on {HELDOUT_LENGTH}-token held-out text; time: rewrite + measuring.",
+        f"{runs_said(results['runs'])} The builder's folder (the original) and the CLI's folders below (run in "
+        "`$XDG_CACHE_HOME/attnrewrite-bench/smollm2`; the window's tokens are the "
+        f"{results['tokens']} that hedgehog window=64's state buys), on onnxruntime CPU. key L: pass key found by "
+        f"genai's greedy decoding in a prompt of L tokens (8192: {8192 - NEW_TOKENS}), depths 10-90% (one trial: "
+        f"50%); copy D: share of a {PASSAGE}-token passage's second copy after D tokens; 2k: agreement and "
+        f"perplexity ratio from position 128 on {HELDOUT_LENGTH}-token held-out text (copy and 2k: model.onnx in "
+        "one call); time: rewrite + measuring.",
         "",
         "| " + " | ".join(header) + " |",
         "|---|---|" + "---:|" * (len(header) - 2),
@@ -340,7 +359,7 @@ def markdown(results: dict) -> str:
         cells += [*(copy_cell(row, d) for d in distances), *heldout_cells(row), time_cell(row)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {label}: `{row['command']}`" for label, row in rows.items() if "command" in row)]
-    lines += [*smollm2_fidelity.measured_lines(rows), "", "![recall](recall.png)"]
+    lines += ["", measured_line(results["runs"]), "", "![recall](recall.png)"]
     return "\n".join(lines)
 
 
@@ -349,8 +368,9 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    figure, (keys, copies, text) = plt.subplots(1, 3, figsize=(14, 4))
+    figure, (keys, copies, text) = plt.subplots(1, 3, figsize=(15, 4.5), width_ratios=(1, 1, 0.8))
     rows = results["rows"]
     for label, row in rows.items():
         found = sorted((int(n), v["found"] / v["trials"]) for n, v in row.get("passkey", {}).items())
@@ -363,9 +383,11 @@ def plot(results: dict, path: Path) -> None:
     keys.set_xticks(CONTEXTS, [str(n) for n in CONTEXTS])
     copies.set(xscale="log", xlabel="distance D (tokens)", ylabel="second copy's tokens right", ylim=(0, 1.05))
     copies.set_xticks(DISTANCES, [str(d) for d in DISTANCES])
+    for axes in (keys, copies):
+        axes.xaxis.set_minor_formatter(NullFormatter())
     scored = {label: row["heldout"]["agreement_far"] for label, row in rows.items() if "heldout" in row}
     text.barh(list(scored), list(scored.values()))
-    text.set(xlabel=f"agreement from position 128, {HELDOUT_LENGTH}-token text", xlim=(0, 1))
+    text.set(xlabel=f"agreement from position 128, {HELDOUT_LENGTH} tokens", xlim=(0, 1))
     text.invert_yaxis()
     keys.legend(fontsize=8)
     figure.suptitle("SmolLM2-135M-Instruct: recall against the same bytes of KV cache")
@@ -404,14 +426,13 @@ def parse_args(argv):
 
 
 def measure(label: str, folder: Path, args, prompts: Prompts, log=print) -> dict:
-    """The row's pass key and copy results, and the seconds of each."""
+    """The row's pass key and copy results, each entry with its seconds."""
     row = {}
     if "passkey" not in args.skip:
         trials = trials_at(args.contexts, args.trials, args.trials_at)
         row["passkey"] = passkey_results(folder, prompts, trials, log)
     if "copy" not in args.skip:
         row["copy"] = copy_results(folder, prompts.copies(args.distances, args.copy_trials), log)
-    row["measure_seconds"] = {test: sum(v["seconds"] for v in row[test].values()) for test in TESTS if test in row}
     return row
 
 
@@ -442,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     for other in args.merge:
         results = merged_results(results, json.loads(other.read_text()))
     args.json.write_text(json.dumps(results, indent=2) + "\n")
-    decoder_fidelity.write_section(args.markdown, markdown(results), MARKERS)
+    decoder_fidelity.write_section(args.markdown, markdown(results), fidelity.RECALL_MARKERS)
     plot(results, args.plot)
     print(markdown(results))
     return 0
@@ -463,14 +484,14 @@ def measured_results(args, results: dict) -> dict:
     command = shown(shlex.join(["python", "bench/recall.py", *sys.argv[1:]]))
     results["tokens"] = sizes["tokens"]
     runs = [run for run in results.get("runs", []) if run["command"] != command]
-    results["runs"] = [*runs, {"command": command, "setup": setup_line(args)}]
+    results["runs"] = [*runs, {"command": command, "setup": setup_line(args), "measured": measured}]
     folders = {ORIGINAL: cache / BUILDER}
     for label, arguments in wanted.items():
         row = {} if arguments is None else rewrite_row(cache, label, arguments, sizes, args.reuse)
         folders[label] = cache / row.get("folder", BUILDER)
         carried = genai_smollm2.carried_bytes(folders[label], 1)
         row |= {"kv_bytes_per_token": carried} if arguments is None else {"state_bytes": carried}
-        row |= measure(label, folders[label], args, prompts) | {"measured": measured}
+        row |= measure(label, folders[label], args, prompts)
         results["rows"][label] = merged(results["rows"].get(label, {}), row)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if "heldout" not in args.skip:
@@ -485,12 +506,16 @@ def measured_results(args, results: dict) -> dict:
 
 
 def setup_line(args) -> str:
-    trials = trials_at(args.contexts, args.trials, args.trials_at)
-    said = ", ".join(f"{n} at {length}" for length, n in trials.items())
-    return (
-        f"pass key trials {said}; copy {args.copy_trials} trials per distance; held-out text "
-        f"{args.heldout_passages} passages; greedy decoding through onnxruntime-genai on onnxruntime CPU."
-    )
+    """What the run measured."""
+    said = []
+    if "passkey" not in args.skip:
+        trials = trials_at(args.contexts, args.trials, args.trials_at)
+        said.append("pass key trials " + ", ".join(f"{n} at {length}" for length, n in trials.items()))
+    if "copy" not in args.skip:
+        said.append(f"copy {args.copy_trials} per distance")
+    if "heldout" not in args.skip:
+        said.append(f"held-out text {args.heldout_passages} passages")
+    return "; ".join(said) + "."
 
 
 if __name__ == "__main__":

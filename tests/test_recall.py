@@ -85,20 +85,24 @@ def test_rows_their_arguments_and_trials():
 
 def test_the_section_has_one_row_per_model_and_the_commands():
     measured = {"date": "2026-12-02", "processor": "cpu", "cpus": 2, "load_average_at_start": [1, 1, 1]}
-    measured |= {"onnxruntime": "1.32.0", "commit": "abc"}
-    original = {"kv_bytes_per_token": 46080, "passkey": {"512": {"found": 2, "trials": 2}}, "measured": measured}
+    measured |= {"onnxruntime": "1.32.0", "genai": "0.18.0", "commit": "abc"}
+    original = {"kv_bytes_per_token": 46080, "passkey": {"512": {"found": 2, "trials": 2, "seconds": 12}}}
     window = {"state_bytes": 14_930_000, "command": "attnrewrite genai/builder --to streaming", "seconds": 30.0}
-    window |= {"passkey": {"512": {"found": 1, "trials": 2}}, "copy": {"64": {"score": 0.95}}, "measured": measured}
-    window |= {"heldout": {"agreement_far": 0.877, "perplexity_ratio_far": 1.19}, "measure_seconds": {"copy": 60}}
+    window |= {"passkey": {"512": {"found": 1, "trials": 2, "seconds": 30}}}
+    window["copy"] = {"64": {"score": 0.95, "seconds": 30}}
+    window |= {"heldout": {"agreement_far": 0.877, "perplexity_ratio_far": 1.19}, "measure_seconds": {"heldout": 60}}
     results = {"rows": {recall.ORIGINAL: original, "window": window}, "tokens": 324}
-    results["runs"] = [{"command": "python bench/recall.py", "setup": "a setup."}]
+    results["runs"] = [{"command": "python bench/recall.py", "setup": "a setup.", "measured": measured}]
     text = recall.markdown(results)
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[0] == "| model | state | key 512 | copy 64 | 2k: agree | ppl x | time |"
-    assert rows[1] == f"| {recall.ORIGINAL} | KV cache: 24 MB at 512 | 2/2 |  | 1 | 1 | 0.0 min |"
-    assert rows[2] == "| window | 14.9 MB | 1/2 | 0.95 | 0.877 | 1.19 | 30 s + 1.0 min |"
+    assert rows[1] == f"| {recall.ORIGINAL} | KV cache: 24 MB at 512 | 2/2 |  | 1 | 1 | 0.2 min |"
+    assert rows[2] == "| window | 14.9 MB | 1/2 | 0.95 | 0.877 | 1.19 | 30 s + 2.0 min |"
     assert "- window: `attnrewrite genai/builder --to streaming`" in text
-    assert "measured 2026-12-02 on cpu" in text
+    assert (
+        "Measured 2026-12-02 on cpu, 2 CPUs, onnxruntime 1.32.0, onnxruntime-genai 0.18.0, commits abc (load averages at the runs' starts: 1, 1, 1)"
+        in text
+    )
     assert text.count("`python bench/recall.py`: a setup.") == 1
 
 
