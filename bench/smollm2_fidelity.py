@@ -260,11 +260,14 @@ def markdown(results: dict) -> str:
     lines += ["", *(stage_line(key, row) for key, row in rows.items() if row.get("finetune"))]
     lines += ["", "Commands (run in the cache folder):", ""]
     lines += [f"- `{row['command']}`" for row in rows.values()]
+    if any(key.endswith(("/calibrated", "/finetuned", "/finetuned-wide")) for key in rows):
+        lines += [
+            "",
+            f"Targets (issue 48, window=64 calibrated and fine-tuned): agreement from position 128 >= "
+            f"{TARGETS['agreement_far']}, perplexity ratio <= {TARGETS['perplexity_ratio']}, both stages in at most "
+            f"{TARGETS['minutes']} minutes on an idle 2-core CPU.",
+        ]
     lines += [
-        "",
-        f"Targets (issue 48, window=64 calibrated and fine-tuned): agreement from position 128 >= "
-        f"{TARGETS['agreement_far']}, perplexity ratio <= {TARGETS['perplexity_ratio']}, both stages in at most "
-        f"{TARGETS['minutes']} minutes on an idle 2-core CPU.",
         "",
         *measured_lines(rows),
     ]

@@ -1043,7 +1043,15 @@ def test_report_records_rewritten_and_skipped_sites(tmp_path, capsys):
     assert (written["outcome"], written["output"]) == ("written", str(out))
     assert {key: written[key] for key in stored} == stored  # the report holds the record the model carries
     assert (written["method"], written["sites_found"], written["sites_rewritten"]) == ("linear", 3, 1)
-    assert written["options"] == {"chunk": 32, "window": 0, "window_next": True, "sinks": 1, "seed": 0}
+    assert written["options"] == {
+        "chunk": 32,
+        "window": 0,
+        "window_next": True,
+        "sinks": 1,
+        "sparse": 0,
+        "update": "additive",
+        "seed": 0,
+    }
     sites = {s["name"]: s for s in written["sites"]}
     assert set(sites) == {"/layer0/Softmax", "/layer1/Softmax", "/layer2/Softmax"}
     assert sites["/layer0/Softmax"]["status"] == "rewritten"

@@ -27,6 +27,7 @@ API_OWN = {
     "include_single_query",
     "recurrent",
     "standard_ops",
+    "state_budget",
     "heads",
     "example_inputs",
     "dynamic_shapes",
