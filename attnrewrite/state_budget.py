@@ -74,14 +74,6 @@ class Choice:
             f"(the KV cache of {self.memory.kv_tokens_equivalent} tokens)"
         )
 
-    def as_dict(self, budget: Budget) -> dict[str, Any]:
-        return {
-            "budget": budget.text,
-            "budget_bytes": self.budget_bytes,
-            "chosen": {name: self.options[name] for name in self.chosen},
-            "state_bytes": self.memory.state_bytes,
-        }
-
 
 def choose(method_name: str, given: dict[str, Any], sites: list[AttentionSite], budget: Budget) -> Choice:
     """The settings of ``method_name`` (beside the ``given`` ones) whose recurrent state over
