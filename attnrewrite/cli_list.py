@@ -13,7 +13,7 @@ from attnrewrite.onnx.masks import probe_note
 from attnrewrite.onnx.rewrite import analyze
 from attnrewrite.passes.recurrent import rewrite_memory
 from attnrewrite.record import LISTED, Report, RewriteRecord, SiteOutcome, format_table, stage, state_memory_line
-from attnrewrite.state_budget import Budget, choose
+from attnrewrite.state_budget import fit as fit_budget
 
 
 def list_sites(model, args, report: Report) -> int:
@@ -64,11 +64,8 @@ def _state_line(method_name: str, options: dict[str, str], sites: list, record: 
 
 def _budgeted(args, options: dict[str, str], sites: list) -> dict:
     """The options ``--state-budget`` chooses over the sites a rewrite would replace, said."""
-    plan = RunPlan.of(args.to, recurrent=True, **options)
-    replaced = [site for site in sites if refusal(site, plan) is None]
-    budget = Budget.parse(args.state_budget)
-    choice = choose(args.to, options, replaced, budget)
-    print(choice.describe(budget))
+    choice = fit_budget(args.to, options, sites, args.state_budget)
+    print(choice.describe())
     return choice.options
 
 

@@ -30,7 +30,6 @@ from attnrewrite import calibration, passes
 from attnrewrite import check as check_mod
 from attnrewrite.check import CheckInputs, CheckReport, FidelityBelowThreshold
 from attnrewrite.decision import RunPlan
-from attnrewrite.decision import refusal as decision_refusal
 from attnrewrite.errors import AttnRewriteError, NothingToRewrite, RewriteFailed
 from attnrewrite.head_selection import HeadSelection, select_heads_onnx
 from attnrewrite.layer_selection import Selection, hold_out_for_selection, select_onnx
@@ -53,7 +52,7 @@ from attnrewrite.record import (
 )
 from attnrewrite.settings import CalibrationSettings, FinetuneSettings, GateSettings, TextSettings
 from attnrewrite.state_budget import Budget
-from attnrewrite.state_budget import choose as choose_settings
+from attnrewrite.state_budget import fit as fit_budget
 
 # exit statuses, the CLI's; a report says which one its run ended with, the API's too
 EXIT_FAILED = 1  # nothing could be rewritten, the result failed a gate, or the environment failed
@@ -222,12 +221,10 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
 def _budgeted(settings: Settings, model: ir.Model) -> tuple:
     """(method, its options, what the budget chose in one line): the settings of the method that
     fit its state over the sites this run replaces into ``settings.state_budget``."""
-    plan = RunPlan.of(settings.method, recurrent=True, layers=settings.layers, **settings.options)
-    sites = [site for site in find_sites(model, settings.seq) if decision_refusal(site, plan) is None]
-    budget = Budget.parse(settings.state_budget)
-    choice = choose_settings(settings.method, settings.options, sites, budget)
+    sites = find_sites(model, settings.seq)
+    choice = fit_budget(settings.method, settings.options, sites, settings.state_budget, settings.layers)
     method, options = passes.method_and_options(settings.method, **choice.options)
-    return method, options, choice.describe(budget)
+    return method, options, choice.describe()
 
 
 def _check_inputs(model: ir.Model, settings: Settings, exact_part: passes.ExactPart | None) -> CheckInputs:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from attnrewrite import passes
+from attnrewrite import decision, passes
 from attnrewrite.errors import AttnRewriteError
 from attnrewrite.passes.recurrent import StateMemory, rewrite_memory
 from attnrewrite.record import format_bytes
@@ -64,12 +64,13 @@ class Choice:
     options: dict[str, Any]
     chosen: tuple[str, ...]
     memory: StateMemory
+    budget: Budget
     budget_bytes: int
 
-    def describe(self, budget: Budget) -> str:
+    def describe(self) -> str:
         settings = ", ".join(f"{name}={self.options[name]}" for name in self.chosen)
         return (
-            f"state budget {budget.text} ({format_bytes(self.budget_bytes)}): chose {settings}, a state of "
+            f"state budget {self.budget.text} ({format_bytes(self.budget_bytes)}): chose {settings}, a state of "
             f"{format_bytes(self.memory.state_bytes)} per sequence "
             f"(the KV cache of {self.memory.kv_tokens_equivalent} tokens)"
         )
@@ -97,16 +98,23 @@ def choose(method_name: str, given: dict[str, Any], sites: list[AttentionSite], 
         _, options = passes.method_and_options(method_name, **{**given, name: value})
         return _known(rewrite_memory(method, options, sites))
 
-    per_token = memory(search.least).kv_bytes_per_token
-    limit = budget.bytes_for(per_token)
+    smallest = memory(search.least)
+    limit = budget.bytes_for(smallest.kv_bytes_per_token)
     value = search.largest_fitting(lambda v: memory(v).state_bytes <= limit)
     if value is None:
-        least = memory(search.least).state_bytes
         raise AttnRewriteError(
             f"--state-budget {budget.text} ({format_bytes(limit)}): {method.NAME}'s smallest state here is "
-            f"{format_bytes(least)} ({name}={search.least}{search.at_least_note})"
+            f"{format_bytes(smallest.state_bytes)} ({name}={search.least}{search.at_least_note})"
         )
-    return Choice({**given, name: value}, (name,), memory(value), limit)
+    return Choice({**given, name: value}, (name,), memory(value), budget, limit)
+
+
+def fit(method_name: str, given: dict[str, Any], sites: list[AttentionSite], text: str, layers=None) -> Choice:
+    """``choose`` over the ``sites`` found that a recurrent rewrite with ``given`` (and
+    ``layers``) replaces, for the budget ``text`` (the CLI's and the API's one entry)."""
+    plan = decision.RunPlan.of(method_name, recurrent=True, layers=layers, **given)
+    replaced = [site for site in sites if decision.refusal(site, plan) is None]
+    return choose(method_name, given, replaced, Budget.parse(text))
 
 
 @dataclasses.dataclass(frozen=True)

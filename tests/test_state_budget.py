@@ -58,7 +58,7 @@ def test_the_widest_window_that_fits_is_chosen(llama_sites):
     choice = choose("hedgehog", {}, sites, Budget.parse("40tok"))  # 10240 bytes
     assert choice.options == {"window": 10} and choice.chosen == ("window",)
     assert choice.memory.state_bytes == hedgehog_state(10) <= 40 * KV_PER_TOKEN < hedgehog_state(11)
-    assert choice.describe(Budget.parse("40tok")) == (
+    assert choice.describe() == (
         "state budget 40tok (10.2 kB): chose window=10, a state of 10.1 kB per sequence (the KV cache of 39 tokens)"
     )
     sinks = choose("hedgehog", {"sinks": "3"}, sites, Budget.parse("40tok"))  # a given setting stays
