@@ -176,6 +176,68 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
             assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_recurrent_builder_model_rotates_with_the_operator_unless_standard_ops(builder, arch, tmp_path, capsys):
+    """The recurrent rewrite of a GroupQueryAttention turns its queries and keys with
+    com.microsoft.RotaryEmbedding on the operator's tables (two nodes a layer, where standard
+    operators take two dozen), stepped through a left-padded batch to the logits of
+    --standard-ops; the fitting's torch evaluation of the graph runs the node as onnxruntime."""
+    source = builder(arch, "fp32") / "model.onnx"
+    ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    logits, models = {}, {}
+    for flags in ([], ["--standard-ops"]):
+        out = tmp_path / f"recurrent{len(flags)}.onnx"
+        session = rewritten_session(source, out, ["hedgehog", "-O", "window=4"], "--recurrent", *flags)
+        models[bool(flags)] = onnx.load(out)
+        logits[bool(flags)] = forced_logits(session, "builder", ids, mask, prefill=5)
+    capsys.readouterr()
+    layers = sum(n.op_type == "GroupQueryAttention" for n in onnx.load(source).graph.node)
+    rotations = {flag: sum(n.op_type == "RotaryEmbedding" for n in m.graph.node) for flag, m in models.items()}
+    assert rotations == {False: 2 * layers, True: 0}
+    real = mask.astype(bool)
+    np.testing.assert_allclose(logits[False][real], logits[True][real], rtol=0, atol=1e-5 * np.abs(logits[True]).max())
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_the_torch_evaluation_of_rotary_embedding_is_onnxruntimes(interleaved):
+    """What fine-tuning runs in torch for the node: packed heads, the first 4 of 8 features
+    turned at each row's own positions."""
+    from onnx import TensorProto, helper
+
+    x, positions = np.random.default_rng(0).standard_normal((2, 3, 16), np.float32), np.array([[0, 1, 2], [5, 6, 7]])
+    angles = np.arange(10)[:, None] * np.array([1.0, 0.1])[None]
+    tables = {"cos_cache": np.cos(angles).astype(np.float32), "sin_cache": np.sin(angles).astype(np.float32)}
+    node = helper.make_node(
+        "RotaryEmbedding",
+        ["x", "position_ids", *tables],
+        ["y"],
+        domain="com.microsoft",
+        interleaved=interleaved,
+        num_heads=2,
+        rotary_embedding_dim=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "rotary",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, positions.shape),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x.shape)],
+        [onnx.numpy_helper.from_array(v, k) for k, v in tables.items()],
+    )
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    feeds = {"x": x, "position_ids": positions}
+    expected = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    actual = TorchGraph(ir.serde.deserialize_model(proto).graph, []).run(feeds, {})[0].numpy()
+    np.testing.assert_allclose(actual, expected, atol=1e-6)
+    assert not np.allclose(expected, x)
+
+
 PARALLEL_METHODS = {  # every causal method
     "linear": ["linear"],
     "hedgehog": ["hedgehog"],

@@ -22,7 +22,7 @@ import onnx_ir as ir
 from attnrewrite.onnx.detect import CachedTensor, GroupedQueryPlan, OnnxSite
 from attnrewrite.onnx.graph_edit import GraphEditor
 from attnrewrite.onnx.replacement import Replacements
-from attnrewrite.passes.lowering import TO_THE_END, OnnxLowering
+from attnrewrite.passes.lowering import MICROSOFT, TO_THE_END, OnnxLowering
 
 
 class CacheRows(NamedTuple):
@@ -42,8 +42,8 @@ class GroupedQueryNodes:
     mask [batch, past + new] a recurrent rewrite counts positions in (None in parallel: there the
     operator's own rows say where a token is)."""
 
-    def __init__(self, edit: GraphEditor, mask: ir.Value | None):
-        self.edit, self._mask = edit, mask
+    def __init__(self, edit: GraphEditor, mask: ir.Value | None, rotary_operator: bool = False):
+        self.edit, self._mask, self._rotary_operator = edit, mask, rotary_operator
         self._tables: dict[tuple[int, int, int], tuple[ir.Value, ir.Value]] = {}  # by (cos, sin, positions)
         self._counted: ir.Value | None = None
         self._rows: dict[tuple[int, int], CacheRows] = {}  # by (seqlens_k, total_sequence_length)
@@ -64,12 +64,22 @@ class GroupedQueryNodes:
             q, k, v = (self._columns(packed, start, stop, nodes) for start, stop in zip(bounds, bounds[1:]))
         else:
             q, k, v = (current(x) for x in (plan.query, plan.key, plan.value))
+        if plan.rotary is not None and self._rotary_operator:  # on [B, N, heads * D], before the split
+            positions = self._token_positions(rows, q, 1, nodes)
+            q, k = (self._rotated_by_operator(x, n, positions, plan, nodes) for x, n in ((q, heads), (k, kv_heads)))
         q, k, v = (self._split_heads(x, n, size, nodes) for x, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
-        if plan.rotary is not None:
-            positions = self._written_positions(rows, nodes) if rows is not None else self._real_positions(q, nodes)
-            cos, sin = self._rotary_tables(plan, positions, nodes)
+        if plan.rotary is not None and not self._rotary_operator:
+            cos, sin = self._rotary_tables(plan, self._token_positions(rows, q, 2, nodes), nodes)
             q, k = (self._rotated(x, cos, sin, plan, nodes) for x in (q, k))
         return q, k, v
+
+    def _token_positions(self, rows: CacheRows | None, x: ir.Value, token_axis: int, nodes) -> ir.Value:
+        """[B, N] int64: each new token's position, at its row of the operator's cache where
+        ``rows`` are given, else among its row's real tokens (``x``'s ``token_axis`` counts the
+        new tokens)."""
+        if rows is not None:
+            return self._written_positions(rows, nodes)
+        return self._real_positions(x, token_axis, nodes)
 
     def cache_rows(self, operator: ir.Node, nodes: list[ir.Node]) -> CacheRows:
         """The operator's CacheRows, from its query, seqlens_k and total_sequence_length inputs;
@@ -179,14 +189,16 @@ class GroupedQueryNodes:
         split = self.edit.node(nodes, "Reshape", [x, self.edit.const([0, 0, heads, size])])
         return self.edit.node(nodes, "Transpose", [split], [ir.AttrInt64s("perm", [0, 2, 1, 3])])
 
-    def _real_positions(self, q: ir.Value, nodes: list[ir.Node]) -> ir.Value:
+    def _real_positions(self, x: ir.Value, token_axis: int, nodes: list[ir.Node]) -> ir.Value:
         """[B, N]: each new token's position among its row's real tokens (the attention mask's
         running count, minus one), built once per model."""
         assert self._mask is not None, "a recurrent rewrite takes an attention mask (interface_refusal)"
         if self._counted is None:
             mask = self.edit.node(nodes, "Cast", [self._mask], [ir.AttrInt64("to", ir.DataType.INT64)])
             counted = self.edit.node(nodes, "CumSum", [mask, self.edit.const(np.array(1, np.int64))])
-            new_count = self.edit.node(nodes, "Shape", [q], [ir.AttrInt64("start", 2), ir.AttrInt64("end", 3)])
+            new_count = self.edit.node(
+                nodes, "Shape", [x], [ir.AttrInt64("start", token_axis), ir.AttrInt64("end", token_axis + 1)]
+            )
             new = self.edit.node(
                 nodes,
                 "Slice",
@@ -225,6 +237,19 @@ class GroupedQueryNodes:
                 for table in (cos_cache, sin_cache)
             )
         return self._tables[key]
+
+    def _rotated_by_operator(self, x: ir.Value, heads: int, positions: ir.Value, plan: GroupedQueryPlan, nodes):
+        """x [B, N, heads * D] rotated by com.microsoft.RotaryEmbedding: one node where the
+        standard ops take a dozen per tensor, on the operator's own tables."""
+        cos_cache, sin_cache = plan.rotary
+        attributes = [
+            ir.AttrInt64("interleaved", int(plan.interleaved)),
+            ir.AttrInt64("num_heads", heads),
+            ir.AttrInt64("rotary_embedding_dim", plan.rotary_dim),
+        ]
+        node = ir.Node(MICROSOFT, "RotaryEmbedding", [x, positions, cos_cache, sin_cache], attributes, num_outputs=1)
+        nodes.append(node)
+        return node.outputs[0]
 
     def _rotated(self, x: ir.Value, cos: ir.Value, sin: ir.Value, plan: GroupedQueryPlan, nodes) -> ir.Value:
         """x rotated on its first rotary_dim features: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos

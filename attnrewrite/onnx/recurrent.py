@@ -125,12 +125,14 @@ def _static_dims(past: ir.Value) -> tuple[int, int] | None:
 class RecurrentSplicer:
     """Splices recurrent replacements into one model; ``finish`` then changes its interface."""
 
-    def __init__(self, model: ir.Model, interface: Interface):
+    def __init__(self, model: ir.Model, interface: Interface, contrib_ops: bool = False):
+        """``contrib_ops``: a GroupQueryAttention's rotation stays onnxruntime's
+        RotaryEmbedding (the model already runs its contrib operators)."""
         self.replacements = Replacements(model)
         self.edit, self.calls = self.replacements.edit, self.replacements.calls  # calls: site name -> its node
         self.graph, self.interface = model.graph, interface
         # positions counted in the interface's mask (a recurrent model keeps no cache rows)
-        self.grouped_query = GroupedQueryNodes(self.edit, interface.mask)
+        self.grouped_query = GroupedQueryNodes(self.edit, interface.mask, rotary_operator=contrib_ops)
         self._new_key_keep: ir.Value | None = None
         self._past_length_value: ir.Value | None = None
         self.state_inputs: list[str] = []

@@ -75,7 +75,7 @@ def rewrite_model(model: ir.Model, plan: RunPlan | str | MethodOptions, **keywor
     if plan.calibration is not None:
         passes.require_fittable(plan.method, plan.options, plan.calibration.ce_weight)
     model, sites, decisions = _decided(model, plan)
-    decisions, splicer = _splicer(model, sites, decisions, plan.recurrent)
+    decisions, splicer = _splicer(model, sites, decisions, plan)
     record = RewriteRecord(plan.method.NAME, dataclasses.asdict(plan.options))
     record.notes.extend(shape_notes(model))
     note = probe_note([s.site for s in sites])
@@ -232,18 +232,18 @@ def with_fitting_of(record: RewriteRecord, fitted: RewriteRecord) -> None:
     record.end_to_end, record.finetune, record.fitted = fitted.end_to_end, fitted.finetune, fitted.fitted
 
 
-def _splicer(model: ir.Model, sites: list[OnnxSite], decisions: list[str | None], recurrent: bool):
+def _splicer(model: ir.Model, sites: list[OnnxSite], decisions: list[str | None], plan: RunPlan):
     """(decisions, the splicer of the sites accepted; None where none is). A recurrent rewrite
     refuses every site with the model's reason where its caches cannot become states."""
     accepted = [s for s, reason in zip(sites, decisions) if reason is None]
     if not accepted:
         return decisions, None
-    if not recurrent:
+    if not plan.recurrent:
         return decisions, Splicer(model)
     interface, reason = interface_refusal(model.graph, accepted)
     if reason is not None:
         return [reason if d is None else d for d in decisions], None
-    return decisions, RecurrentSplicer(model, interface)
+    return decisions, RecurrentSplicer(model, interface, contrib_ops=not plan.standard_ops)
 
 
 def read_record(model: ir.Model) -> dict | None:

@@ -147,6 +147,8 @@ def _unimplemented_setting(node: ir.Node) -> str | None:
         return "pads automatically"
     if node.op_type == "MatMulNBits":
         return _unimplemented_nbits(node)
+    if node.op_type == "RotaryEmbedding" and (_attr(node, "scale", 1.0) != 1.0 or _attr(node, "is_packed_batching", 0)):
+        return "scales or packs its batch"
     if node.op_type == "GroupQueryAttention":
         given = [name for name, v in zip(_GQA_UNEVALUATED, node.inputs[9:]) if v is not None]
         if given:
@@ -576,8 +578,22 @@ def _group_query_attention(node, query, key=None, value=None, past_key=None, pas
     return out, k, v
 
 
+def _rotary_embedding(node, x, position_ids, cos_cache, sin_cache):
+    """onnxruntime's RotaryEmbedding of x [B, N, heads * D] (or [B, heads, N, D]) at
+    ``position_ids`` [B, N], its first rotary_embedding_dim features (all where 0) turned."""
+    packed = x.dim() == 3
+    if packed:
+        batch, length, _ = x.shape
+        x = x.reshape(batch, length, _attr(node, "num_heads"), -1).transpose(1, 2)
+    rotary = _attr(node, "rotary_embedding_dim", 0) or x.shape[-1]
+    cos, sin = (table[position_ids.long()][..., : rotary // 2].unsqueeze(1) for table in (cos_cache, sin_cache))
+    out = _rotated(x, cos, sin, bool(_attr(node, "interleaved", 0)))
+    return out.transpose(1, 2).reshape(batch, length, -1) if packed else out
+
+
 def _rotated(x, cos, sin, interleaved: bool):
-    """x [B, heads, N, D] with its first 2 * cos.shape[-1] features rotated at positions 0 .. N - 1."""
+    """x [B, heads, N, D] with its first 2 * cos.shape[-1] features rotated: by cos and sin
+    [N, D'] at positions 0 .. N - 1, or [B, 1, N, D'] at each token's own."""
     rotary = 2 * cos.shape[-1]
     part, rest = x[..., :rotary], x[..., rotary:]
     if interleaved:
@@ -596,6 +612,7 @@ CONTRIB_OPS = {
     "SkipSimplifiedLayerNormalization": _skip_simplified_layer_norm,
     "GroupQueryAttention": _group_query_attention,
     "MatMulNBits": _matmul_nbits,
+    "RotaryEmbedding": _rotary_embedding,  # a recurrent rewrite's of a GroupQueryAttention's rotation
 }
 
 
