@@ -113,7 +113,8 @@ def _add_recurrent_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --recurrent: standard ONNX operators only, for runtimes without onnxruntime's contrib "
         "operators (a decoding step otherwise updates the kernel state with com.microsoft.LinearAttention "
-        "where the installed onnxruntime runs it)",
+        "where the installed onnxruntime runs it, and a GroupQueryAttention's rotation stays "
+        "com.microsoft.RotaryEmbedding)",
     )
     parser.add_argument(
         "--state-budget",

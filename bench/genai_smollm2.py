@@ -274,8 +274,8 @@ def markdown(results: dict) -> str:
         )
     lines += ["", "Greedy continuations, as genai generates them:", ""]
     for index, prompt in enumerate(results["prompts"]):
-        shown = prompt if len(prompt) < 80 else f"{prompt[:60]} ... {prompt[-60:]} ({LONG_PROMPT} tokens)"
-        lines.append(f"- *{json.dumps(shown)[1:-1]}*")
+        quoted = prompt if len(prompt) < 80 else f"{prompt[:60]} ... {prompt[-60:]} ({LONG_PROMPT} tokens)"
+        lines.append(f"- *{json.dumps(quoted)[1:-1]}*")
         for label, texts in results["text"].items():
             lines.append(f"  - {label}: {json.dumps(texts[index])}")
     return "\n".join(lines)
@@ -298,6 +298,7 @@ def plot(results: dict, path: Path) -> None:
         (prompt, "prompt's call, s (lower is better)"),
     ):
         axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
         axes.set_xlabel("context (tokens)")
         axes.set_title(title)
         axes.grid(alpha=0.3)
