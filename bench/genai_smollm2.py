@@ -311,6 +311,15 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def changed_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The numeric settings a run gave other than their defaults (the section's command says them)."""
+    return [
+        name
+        for name in ("new_tokens", "heldout_passages", "threads")
+        if getattr(args, name) != parser.get_default(name)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=smollm2_fidelity.DEFAULT_CACHE)
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": fidelity.machine(),
         "genai": og.__version__,
-        "flag": "".join(f" --{flag}" for flag in ("calibrate", "finetune") if getattr(args, flag)),
+        "flag": "".join(f" --{flag}" for flag in ("calibrate", "finetune") if getattr(args, flag))
+        + "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in changed_settings(parser, args)),
         "rewrites": rewrites,
         "prompts": prompts,
         "threads": args.threads,

@@ -112,21 +112,19 @@ class Feeder:
     """Feeds ``session`` as genai does: a prompt from an empty cache or a zero state, then one
     token a call with the presents of the call before."""
 
-    def __init__(self, session):
+    def __init__(self, session, head_size: int):
         self.session = session
         self.inputs = {i.name: i for i in session.get_inputs()}
         self.outputs = [o.name for o in session.get_outputs()]
+        # the KV cache's past length 0 (its last axis the builder's kv_cache_dim, the head size),
+        # a state's own sizes
+        sizes = {"batch_size": 1, "kv_cache_dim": head_size}
         self.past = {
-            name: np.zeros(self._empty_shape(i), np.float32)
+            name: np.zeros([sizes.get(d, 0) if isinstance(d, str) else d for d in i.shape], np.float32)
             for name, i in self.inputs.items()
             if name.startswith("past_")
         }
         self.length = 0
-
-    def _empty_shape(self, value) -> list[int]:
-        # the KV cache's past length 0, a state's own sizes; kv_cache_dim is the builder's head size
-        head = {"kv_cache_dim": self.session.get_modelmeta().custom_metadata_map.get("head_size", 64)}
-        return [1 if d == "batch_size" else int(head.get(d, 0)) if isinstance(d, str) else d for d in value.shape]
 
     def call(self, ids: list[int]) -> int:
         """The greedy next token after ``ids``."""
@@ -151,9 +149,14 @@ def session(path: Path, profile_prefix: str | None = None):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def head_size(path: Path) -> int:
+    """The decoder's head size, from the genai_config.json beside ``path``."""
+    return json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+
+
 def timed(path: Path, context: list[int], steps: int) -> dict:
     """Unprofiled: the prompt's call (s) and the median step (ms)."""
-    feeder = Feeder(session(path))
+    feeder = Feeder(session(path), head_size(path))
     start = time.perf_counter()
     token = feeder.call(context)
     prompt_s = time.perf_counter() - start
@@ -167,7 +170,7 @@ def timed(path: Path, context: list[int], steps: int) -> dict:
 
 def profiled(path: Path, context: list[int], steps: int, folder: Path) -> dict:
     """The profile's summaries of the prompt's call and of the steps after it."""
-    feeder = Feeder(session(path, str(folder / "profile")))
+    feeder = Feeder(session(path, str(folder / "profile")), head_size(path))
     token = feeder.call(context)
     for _ in range(steps):
         token = feeder.call([token])
