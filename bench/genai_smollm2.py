@@ -93,22 +93,14 @@ def recurrent_folder(builder: Path, out: Path, cache: Path, stage: str, reuse: b
     return row | (smollm2_fidelity.fitting(out / "model.onnx", done.stderr) if fitting else {})
 
 
-def baseline_folder(builder: Path, out: Path, cache: Path, reuse: bool, log=print) -> dict:
-    """The window of the same bytes as the zero-shot recurrent state (bench/recall.py's)."""
+def baseline_folder(cache: Path, reuse: bool) -> tuple[Path, dict]:
+    """(the folder, its row) of bench/recall.py's window of the same bytes as hedgehog
+    window=64's zero-shot state, written by recall.py's rewrite_row in the cache."""
     import recall  # imports this module: not at the top
 
-    recent = recall.budget_sizes(cache)["recent"]
-    command = ["attnrewrite", str(builder), "--to", "streaming", "-O", f"recent={recent}", "-O", "sinks=4"]
-    command += ["--recurrent", "-o", f"{out}/"]
-    if reuse and (out / "genai_config.json").is_file():
-        log(f"reusing {out} (made by: {' '.join(command)})")
-        return {"command": " ".join(command), "seconds": None}
-    log("$ " + " ".join(command))
-    start = time.perf_counter()
-    done = decoder_fidelity.run_cli(command, out.parent)
-    if done.returncode:
-        raise SystemExit(f"the baseline's rewrite failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return {"command": " ".join(command), "seconds": round(time.perf_counter() - start, 1)}
+    label = "window, same bytes"
+    row = recall.rewrite_row(cache, label, recall.DEFAULT_ROWS[label], recall.budget_sizes(cache), reuse)
+    return cache / row["folder"], row
 
 
 def genai_model(folder: Path, threads: int):
@@ -351,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{recurrent}, {stage}"
         folders[label] = folder / STAGES[stage][1]
         rewrites[label] = recurrent_folder(builder, folders[label], cache, stage, args.reuse)
-    folders[BASELINE] = folder / "window-same-bytes"
-    rewrites[BASELINE] = baseline_folder(builder, folders[BASELINE], cache, args.reuse)
+    folders[BASELINE], rewrites[BASELINE] = baseline_folder(cache, args.reuse)
     timed = [*list(folders)[:2], BASELINE]  # a fitted model runs the same graph as the zero-shot one
     prompts = [*PROMPTS, long_prompt(cache)]
     # the prompt and its new tokens within the model's context (8192 for SmolLM2: "8k" is 8160 + 32)

@@ -212,10 +212,9 @@ def markdown(results: dict) -> str:
             f"{step['builder_ms']:.1f} / {step['attention_ms']:.1f} | {step['bytes_written'] / 1e6:.1f} | "
             f"{step['large_writes']:.0f} | {r['prompt_s']:.2f} | {prompt['builder_ms']:.0f} / {prompt['attention_ms']:.0f} |"
         )
+    contexts = [r["context"] for r in results["rows"]]
     for r in results["rows"]:
-        if r["context"] != results["rows"][-1]["context"] and r["context"] != min(
-            x["context"] for x in results["rows"]
-        ):
+        if r["context"] not in (min(contexts), max(contexts)):  # the largest writes at the ends only
             continue
         lines += ["", f"{r['model']} at {r['context']}, a step's largest writes (node, every layer's together):", ""]
         lines += ["| op | node | per step | MB | kernel ms |", "|---|---|---:|---:|---:|"]

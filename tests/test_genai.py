@@ -176,13 +176,37 @@ def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_expor
             assert np.abs(actual - expected)[real].max() <= 1e-4 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_recurrent_builder_model_rotates_with_the_operator_unless_standard_ops(builder, arch, tmp_path, capsys):
+def with_rotary_on_half(source: Path, out: Path) -> Path:
+    """A copy of the builder folder whose rotary tables are half as wide: every operator turns
+    only the first half of each head's features (partial rotary, as Phi's)."""
+    shutil.copytree(source, out)
+    model = onnx.load(out / "model.onnx")
+    for table in model.graph.initializer:
+        if table.name in ("cos_cache", "sin_cache"):
+            half = onnx.numpy_helper.to_array(table)[:, : table.dims[1] // 2]
+            table.CopyFrom(onnx.numpy_helper.from_array(np.ascontiguousarray(half), table.name))
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, out / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    return out
+
+
+ROTATIONS = {  # the builder folder as each kind of rotation has it
+    "llama": lambda builder, tmp: builder("llama", "fp32"),
+    "qwen2": lambda builder, tmp: builder("qwen2", "fp32"),
+    "interleaved-first-layer": lambda builder, tmp: with_first_attention_attributes(
+        builder("llama", "fp32"), tmp / "interleaved", rotary_interleaved=1
+    ),
+    "partial": lambda builder, tmp: with_rotary_on_half(builder("llama", "fp32"), tmp / "partial"),
+}
+
+
+@pytest.mark.parametrize("rotation", list(ROTATIONS))
+def test_a_recurrent_builder_model_rotates_with_the_operator_unless_standard_ops(builder, rotation, tmp_path, capsys):
     """The recurrent rewrite of a GroupQueryAttention turns its queries and keys with
     com.microsoft.RotaryEmbedding on the operator's tables (two nodes a layer, where standard
     operators take two dozen), stepped through a left-padded batch to the logits of
-    --standard-ops; the fitting's torch evaluation of the graph runs the node as onnxruntime."""
-    source = builder(arch, "fp32") / "model.onnx"
+    --standard-ops: halves or interleaved pairs, every feature or the first half."""
+    source = ROTATIONS[rotation](builder, tmp_path) / "model.onnx"
     ids = np.random.default_rng(0).integers(3, 256, (2, 12)).astype(np.int64)
     mask = np.ones_like(ids)
     mask[1, :3] = 0
