@@ -501,7 +501,7 @@ def _packed(contents: list[list[int]], framing: _Framing, max_length: int) -> tu
     return [*passages, framing.passage(current)], cut
 
 
-def _examples(tokenizer, texts: list[str], max_length: int, pack: bool) -> tuple[list[list[int]], TextData]:
+def token_examples(tokenizer, texts: list[str], max_length: int, pack: bool) -> tuple[list[list[int]], TextData]:
     """Each example's token ids, and what was done to make them."""
     tokenizer.no_padding()
     tokenizer.no_truncation()
@@ -551,7 +551,7 @@ def _tokenize(texts, path: Path, tokenizer_path, graph: ir.Graph, max_length: in
             f"{path}: the model's input {unknown[0]!r} cannot be made from text (text gives {', '.join(TEXT_INPUTS)})"
         )
     padding = tokenizer.padding or {}
-    examples, text_data = _examples(tokenizer, texts, max_length, pack)
+    examples, text_data = token_examples(tokenizer, texts, max_length, pack)
     batches = []
     for group in similar_length_groups([len(ids) for ids in examples], batch_size):
         arrays = _padded([examples[i] for i in group], padding)

@@ -1,18 +1,21 @@
 """Pass key recall of SmolLM2-135M-Instruct through the torch/FX path: does the sparse exact
-cache (``sparse=G``) make a zero-shot hedgehog ``window=64`` conversion find a key the window
-alone loses (issue 68)?
+cache (``sparse=G``) make a hedgehog ``window=64`` conversion, zero-shot or calibrated, find a
+key the window alone loses (issue 68)?
 
     python bench/recall_fx.py --contexts 1024 --trials 1            # one trial per row: the seconds
     python bench/recall_fx.py --contexts 1024 2048 --trials 3 --until 04:35
 
 bench/recall.py's prompts and scoring (its Prompts, depths and key_found), on the transformers
 model in the cache (float32, sdpa attention) rewritten with ``attnrewrite.rewrite(model,
-to="hedgehog", window=64, sparse=G, example_inputs=...)``, nothing calibrated. Greedy decoding
-in torch without a KV cache: a full forward per new token (logits of the last position only),
-at most NEW_TOKENS tokens, stopped once the key is written or can no longer be (remaining
-tokens too few for its missing digits: the same verdict as decoding all of them). Trials run
-context by context, depth by depth, every row at each depth, and the JSON is written after
-each: ``--until HH:MM`` (UTC) stops before a trial that would start past it.
+to="hedgehog", window=64, sparse=G, example_inputs=...)``; the calibrated rows also pass
+``calibrate=`` the cache's calibration texts as the CLI's ``--calibrate calibration.txt
+--tokenizer tokenizer.json --max-length 512`` makes them (calibration.token_examples' packed
+passages), fitting through the sparse cache. Greedy decoding in torch without a KV cache: a
+full forward per new token (logits of the last position only), at most NEW_TOKENS tokens,
+stopped once the key is written or can no longer be (remaining tokens too few for its missing
+digits: the same verdict as decoding all of them). Trials run context by context, depth by
+depth, every row at each depth, and the JSON is written after each: ``--until HH:MM`` (UTC)
+stops before a trial that would start past it.
 
 Each row states its recurrent state per sequence at SmolLM2's sites as the ONNX decoder's
 grouped-query sites carry it (passes.recurrent.rewrite_memory; the sparse cache per key/value
@@ -47,7 +50,11 @@ ROWS = {
     "hedgehog window=64": {"window": 64, "sparse": 0},
     "hedgehog window=64 sparse=64": {"window": 64, "sparse": 64},
     "hedgehog window=64 sparse=128": {"window": 64, "sparse": 128},
+    "hedgehog window=64, calibrated": {"window": 64, "sparse": 0},
+    "hedgehog window=64 sparse=64, calibrated": {"window": 64, "sparse": 64},
 }
+CALIBRATED = {label for label in ROWS if label.endswith(", calibrated")}
+CALIBRATION_LENGTH = 512  # tokens a passage: the sparse cache takes keys from position 128 on
 # SmolLM2-135M's attention: 30 layers, 9 query heads sharing 3 key/value heads, head dim 64
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 KEY_DIGITS = 5
@@ -118,8 +125,23 @@ def last_logits(causal_lm):
     return LastLogits().eval()
 
 
-def models(cache: Path, labels: list[str], log=print) -> tuple[dict, dict]:
-    """({label: forward(input_ids) -> last logits}, {label: rewrite seconds})."""
+def calibration_examples(cache: Path, passages: int | None = None) -> list[tuple]:
+    """The calibration texts as (input_ids [1, L],) examples, packed as the CLI packs them (the
+    first ``passages`` of them; None: all)."""
+    import tokenizers
+    import torch
+
+    from attnrewrite import calibration
+
+    texts = [line for line in (cache / "calibration.txt").read_text().splitlines() if line.strip()]
+    tokenizer = tokenizers.Tokenizer.from_file(str(cache / "tokenizer.json"))
+    examples, _ = calibration.token_examples(tokenizer, texts, CALIBRATION_LENGTH, pack=True)
+    return [(torch.tensor([ids]),) for ids in examples[:passages]]
+
+
+def models(cache: Path, labels: list[str], passages: int | None = None, log=print) -> tuple[dict, dict]:
+    """({label: forward(input_ids) -> last logits}, {label: rewrite seconds}); the calibrated
+    rows fit on ``passages`` calibration passages (None: all)."""
     import torch
     import transformers
 
@@ -135,7 +157,8 @@ def models(cache: Path, labels: list[str], log=print) -> tuple[dict, dict]:
             made[label] = original
             continue
         start = time.perf_counter()
-        made[label] = attnrewrite.rewrite(original, to="hedgehog", example_inputs=(example,), **ROWS[label])
+        fitting = {"calibrate": calibration_examples(cache, passages)} if label in CALIBRATED else {}
+        made[label] = attnrewrite.rewrite(original, to="hedgehog", example_inputs=(example,), **ROWS[label], **fitting)
         sites = made[label].meta["attnrewrite"]["sites"]
         rewritten = sum(site["status"] == "rewritten" for site in sites)
         if rewritten != LAYERS:
@@ -220,13 +243,16 @@ def markdown(results: dict) -> str:
     contexts = sorted({int(n) for row in rows.values() for n in row.get("passkey", {})})
     per_token = kv_bytes_per_token()
     lines = [
-        "# Pass key through the torch/FX path: SmolLM2-135M-Instruct, zero-shot",
+        "# Pass key through the torch/FX path: SmolLM2-135M-Instruct, zero-shot and calibrated",
         "",
         f"{results['date']}, {results['processor']} ({results['cpus']} cpus, load {results['load_average_at_start']}, "
         f"one thread), commit {results['commit']}: `{results['command']}`. The transformers model in "
         "`$XDG_CACHE_HOME/attnrewrite-bench/smollm2/model` (float32, sdpa), rewritten by "
-        '`attnrewrite.rewrite(model, to="hedgehog", window=64, sparse=G, example_inputs=...)`, nothing '
-        f"calibrated; bench/recall.py's prompts (depths {recall.depths(results['trials'])}), greedy decoding "
+        '`attnrewrite.rewrite(model, to="hedgehog", window=64, sparse=G, example_inputs=...)`; the '
+        f"calibrated rows with `calibrate=` the first {results.get('calibration_passages')} packed passages of "
+        f"{CALIBRATION_LENGTH} tokens of the cache's calibration.txt (as `--calibrate calibration.txt --tokenizer "
+        f"tokenizer.json --max-length {CALIBRATION_LENGTH}` packs them), "
+        f"fitted through the sparse cache; bench/recall.py's prompts (depths {recall.depths(results['trials'])}), greedy decoding "
         f"without a cache, at most {results['new_tokens']} new tokens. state: the recurrent form's bytes per "
         "sequence at SmolLM2's grouped sites (sparse cache per key/value head) and the KV tokens they buy; as run: "
         "this torch graph's, whose sparse cache is per query head (the FX site sees k and v repeated to 9 heads).",
@@ -255,6 +281,7 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=recall.NEW_TOKENS)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="LABEL")
     parser.add_argument("--until", metavar="HH:MM", help="start no trial past this time (UTC)")
+    parser.add_argument("--calibration-passages", type=int, metavar="N", help="the calibrated rows' (default: all)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN)
     return parser.parse_args(argv)
@@ -268,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     measured = fidelity.machine()
     measured.pop("attnrewrite")  # this machine's path
     command = shown(shlex.join(["python", "bench/recall_fx.py", *sys.argv[1:]]))
-    made, rewrite_seconds = models(args.cache, args.rows)
+    made, rewrite_seconds = models(args.cache, args.rows, args.calibration_passages)
     results = {"date": datetime.date.today().isoformat(), **measured, "torch": torch.__version__}
     results |= {"command": command, "trials": args.trials, "new_tokens": args.new_tokens}
+    results["calibration_passages"] = len(calibration_examples(args.cache, args.calibration_passages))
     results["rows"] = {label: row_entry(label, rewrite_seconds) for label in args.rows}
     run_trials(args, made, recall.Prompts(args.cache), results)
     args.json.write_text(json.dumps(results, indent=2) + "\n")

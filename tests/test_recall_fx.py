@@ -34,3 +34,15 @@ def test_the_state_bytes_grow_by_the_sparse_cache_of_every_key_value_head():
     assert cached - window == recall_fx.LAYERS * recall_fx.KV_HEADS * 64 * pair
     as_run = recall_fx.row_entry("hedgehog window=64 sparse=64", {"hedgehog window=64 sparse=64": 0.0})
     assert as_run["state_bytes_as_run"] - window == recall_fx.LAYERS * recall_fx.HEADS * 64 * pair
+
+
+def test_the_calibrated_rows_fit_on_the_calibration_texts_packed_as_the_cli_packs_them(tmp_path):
+    from test_calibration import word_tokenizer
+
+    word_tokenizer(tmp_path / "tokenizer.json")
+    texts = [" ".join(f"w{(i + j) % 997}" for j in range(200)) for i in range(3)]
+    (tmp_path / "calibration.txt").write_text("\n".join(texts) + "\n\n")
+    examples = recall_fx.calibration_examples(tmp_path)
+    # 200 words a text: the first two share a passage of at most 512 tokens, the third its own
+    assert [tuple(ids.shape) for (ids,) in examples] == [(1, 400), (1, 200)]
+    assert examples[0][0][0, :3].tolist() == [3, 4, 5] and examples[1][0][0, 0].item() == 5  # "w0 w1 w2", "w2"
