@@ -139,9 +139,9 @@ def calibration_examples(cache: Path, passages: int | None = None) -> list[tuple
     return [(torch.tensor([ids]),) for ids in examples[:passages]]
 
 
-def models(cache: Path, labels: list[str], passages: int | None = None, log=print) -> tuple[dict, dict]:
+def models(cache: Path, labels: list[str], calibration: list[tuple], log=print) -> tuple[dict, dict]:
     """({label: forward(input_ids) -> last logits}, {label: rewrite seconds}); the calibrated
-    rows fit on ``passages`` calibration passages (None: all)."""
+    rows fit on the ``calibration`` examples."""
     import torch
     import transformers
 
@@ -157,7 +157,7 @@ def models(cache: Path, labels: list[str], passages: int | None = None, log=prin
             made[label] = original
             continue
         start = time.perf_counter()
-        fitting = {"calibrate": calibration_examples(cache, passages)} if label in CALIBRATED else {}
+        fitting = {"calibrate": calibration} if label in CALIBRATED else {}
         made[label] = attnrewrite.rewrite(original, to="hedgehog", example_inputs=(example,), **ROWS[label], **fitting)
         sites = made[label].meta["attnrewrite"]["sites"]
         rewritten = sum(site["status"] == "rewritten" for site in sites)
@@ -238,22 +238,38 @@ def row_entry(label: str, rewrite_seconds: dict) -> dict:
     }
 
 
+def fitting_said(rows: dict) -> str:
+    """The title's word for how this run's rewritten rows were fitted."""
+    fitted = {label in CALIBRATED for label in rows if ROWS[label] is not None}
+    if fitted == {True}:
+        return "calibrated"
+    return "zero-shot and calibrated" if True in fitted else "zero-shot"
+
+
+def calibration_said(results: dict) -> str:
+    """How the calibrated rows were fitted ("" for a run without them)."""
+    if "calibration_passages" not in results:
+        return ", nothing calibrated"
+    return (
+        f"; the calibrated rows with `calibrate=` the first {results['calibration_passages']} packed passages "
+        f"of {CALIBRATION_LENGTH} tokens of the cache's calibration.txt (as `--calibrate calibration.txt "
+        f"--tokenizer tokenizer.json --max-length {CALIBRATION_LENGTH}` packs them), fitted through the sparse cache"
+    )
+
+
 def markdown(results: dict) -> str:
     rows = results["rows"]
     contexts = sorted({int(n) for row in rows.values() for n in row.get("passkey", {})})
     per_token = kv_bytes_per_token()
     lines = [
-        "# Pass key through the torch/FX path: SmolLM2-135M-Instruct, zero-shot and calibrated",
+        f"# Pass key through the torch/FX path: SmolLM2-135M-Instruct, {fitting_said(rows)}",
         "",
         f"{results['date']}, {results['processor']} ({results['cpus']} cpus, load {results['load_average_at_start']}, "
         f"one thread), commit {results['commit']}: `{results['command']}`. The transformers model in "
         "`$XDG_CACHE_HOME/attnrewrite-bench/smollm2/model` (float32, sdpa), rewritten by "
-        '`attnrewrite.rewrite(model, to="hedgehog", window=64, sparse=G, example_inputs=...)`; the '
-        f"calibrated rows with `calibrate=` the first {results.get('calibration_passages')} packed passages of "
-        f"{CALIBRATION_LENGTH} tokens of the cache's calibration.txt (as `--calibrate calibration.txt --tokenizer "
-        f"tokenizer.json --max-length {CALIBRATION_LENGTH}` packs them), "
-        f"fitted through the sparse cache; bench/recall.py's prompts (depths {recall.depths(results['trials'])}), greedy decoding "
-        f"without a cache, at most {results['new_tokens']} new tokens. state: the recurrent form's bytes per "
+        '`attnrewrite.rewrite(model, to="hedgehog", window=64, sparse=G, example_inputs=...)`'
+        f"{calibration_said(results)}; bench/recall.py's prompts (depths {recall.depths(results['trials'])}), "
+        f"greedy decoding without a cache, at most {results['new_tokens']} new tokens. state: the recurrent form's bytes per "
         "sequence at SmolLM2's grouped sites (sparse cache per key/value head) and the KV tokens they buy; as run: "
         "this torch graph's, whose sparse cache is per query head (the FX site sees k and v repeated to 9 heads).",
         "",
@@ -281,7 +297,9 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=recall.NEW_TOKENS)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="LABEL")
     parser.add_argument("--until", metavar="HH:MM", help="start no trial past this time (UTC)")
-    parser.add_argument("--calibration-passages", type=int, metavar="N", help="the calibrated rows' (default: all)")
+    parser.add_argument(
+        "--calibration-passages", type=int, metavar="N", help="the calibrated rows fit on the first N (default: all)"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN)
     return parser.parse_args(argv)
@@ -295,10 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     measured = fidelity.machine()
     measured.pop("attnrewrite")  # this machine's path
     command = shown(shlex.join(["python", "bench/recall_fx.py", *sys.argv[1:]]))
-    made, rewrite_seconds = models(args.cache, args.rows, args.calibration_passages)
+    calibrated = CALIBRATED.intersection(args.rows)
+    calibration = calibration_examples(args.cache, args.calibration_passages) if calibrated else []
+    made, rewrite_seconds = models(args.cache, args.rows, calibration)
     results = {"date": datetime.date.today().isoformat(), **measured, "torch": torch.__version__}
     results |= {"command": command, "trials": args.trials, "new_tokens": args.new_tokens}
-    results["calibration_passages"] = len(calibration_examples(args.cache, args.calibration_passages))
+    if calibrated:
+        results["calibration_passages"] = len(calibration)
     results["rows"] = {label: row_entry(label, rewrite_seconds) for label in args.rows}
     run_trials(args, made, recall.Prompts(args.cache), results)
     args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -46,3 +46,13 @@ def test_the_calibrated_rows_fit_on_the_calibration_texts_packed_as_the_cli_pack
     # 200 words a text: the first two share a passage of at most 512 tokens, the third its own
     assert [tuple(ids.shape) for (ids,) in examples] == [(1, 400), (1, 200)]
     assert examples[0][0][0, :3].tolist() == [3, 4, 5] and examples[1][0][0, 0].item() == 5  # "w0 w1 w2", "w2"
+
+
+def test_the_page_says_how_the_rows_were_fitted():
+    zero_shot = {"hedgehog window=64": {}, "hedgehog window=64 sparse=64": {}}
+    assert recall_fx.fitting_said({recall_fx.ORIGINAL: {}, **zero_shot}) == "zero-shot"
+    assert recall_fx.fitting_said({"hedgehog window=64 sparse=64, calibrated": {}}) == "calibrated"
+    both = {**zero_shot, "hedgehog window=64, calibrated": {}}
+    assert recall_fx.fitting_said(both) == "zero-shot and calibrated"
+    assert recall_fx.calibration_said({}) == ", nothing calibrated"
+    assert "the first 16 packed passages of 512 tokens" in recall_fx.calibration_said({"calibration_passages": 16})
