@@ -185,8 +185,9 @@ def rewrite(source: Source, settings: Settings, report: Report | None = None) ->
     report.method = settings.method
     report.thresholds = {name: getattr(settings, name) for name in ("min_cosine", "min_agreement", "allow_exact")}
     _check_selection(settings)
-    with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
-        method, options = passes.method_and_options(settings.method, **settings.options)
+    if settings.state_budget is None:  # a budget builds them itself, with the settings it chooses
+        with stage("rewrite"):  # the method's Options, built once and handed on: a wrong option fails the rewrite
+            method, options = passes.method_and_options(settings.method, **settings.options)
     with stage("load"):
         model = source.load()
     if settings.state_budget is not None:

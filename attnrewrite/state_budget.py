@@ -112,7 +112,10 @@ def choose(method_name: str, given: dict[str, Any], sites: list[AttentionSite], 
 def fit(method_name: str, given: dict[str, Any], sites: list[AttentionSite], text: str, layers=None) -> Choice:
     """``choose`` over the ``sites`` found that a recurrent rewrite with ``given`` (and
     ``layers``) replaces, for the budget ``text`` (the CLI's and the API's one entry)."""
-    plan = decision.RunPlan.of(method_name, recurrent=True, layers=layers, **given)
+    knob = _KNOBS.get(passes.get_pass(method_name).NAME)
+    # the sites replaced, with the chosen setting at its least (another option may need it set)
+    least = {knob[0]: knob[1].least} if knob and knob[0] not in given else {}
+    plan = decision.RunPlan.of(method_name, recurrent=True, layers=layers, **given, **least)
     replaced = [site for site in sites if decision.refusal(site, plan) is None]
     return choose(method_name, given, replaced, Budget.parse(text))
 

@@ -231,12 +231,12 @@ def test_the_guard_keeps_the_calibrated_model_where_finetuning_does_no_better(de
         assert initializers(onnx.load(tmp_path / "tuned.onnx"))[name].tobytes() == value.tobytes(), name
 
 
-@pytest.mark.parametrize("int4", [False, True], ids=["fp32", "int4"])
-def test_a_finetuned_recurrent_model_equals_its_finetuned_parallel_twin(decoder_exports, int4, tmp_path):
+@pytest.mark.parametrize("int4, sparse", [(False, 0), (True, 0), (False, 3)], ids=["fp32", "int4", "sparse-cache"])
+def test_a_finetuned_recurrent_model_equals_its_finetuned_parallel_twin(decoder_exports, int4, sparse, tmp_path):
     """The same tokens fine-tune both alike (each batch a prefill from nothing): the recurrent
     model, a prefill then one token per call, gives the parallel model's logits. Llama: rotary
     embeddings and grouped heads between the projections and the site; at int4 (MatMulNBits)
-    the adapters beside the projections."""
+    the adapters beside the projections; with a sparse cache, fitted through its block loop."""
     name = "llama"
     spec = DECODERS[name]
     cached = str(decoder_exported(decoder_exports, name, "legacy").path)
@@ -245,6 +245,7 @@ def test_a_finetuned_recurrent_model_equals_its_finetuned_parallel_twin(decoder_
         cached, uncached = int4_copy(cached, tmp_path / "cached.onnx"), int4_copy(uncached, tmp_path / "uncached.onnx")
     data = tokens(spec.vocab, 16, 20, seed=1)
     settings = {"calibrate_steps": STEPS, "finetune": STEPS, "finetune_lr": 1e-4, "window": 4, "sinks": 1}
+    settings |= {"sparse": sparse} if sparse else {}
     recurrent_model = attnrewrite.rewrite(cached, "hedgehog", recurrent=True, calibrate=data, **settings)
     parallel = attnrewrite.rewrite(uncached, "hedgehog", calibrate=with_positions(spec, data), **settings)
     entry = read_record(recurrent_model)["finetune"]

@@ -150,8 +150,15 @@ def rewritten_session(path: Path, out: Path, method: list[str], *flags: str) -> 
 
 @pytest.mark.parametrize(
     "method",
-    [["linear"], ["hedgehog"], ["hedgehog", "-O", "window=4", "-O", "sinks=1"], ["favor"], ["aft"]],
-    ids=["linear", "hedgehog", "hedgehog-window", "favor", "aft"],
+    [
+        ["linear"],
+        ["hedgehog"],
+        ["hedgehog", "-O", "window=4", "-O", "sinks=1"],
+        ["hedgehog", "-O", "window=4", "-O", "sinks=1", "-O", "sparse=3"],
+        ["favor"],
+        ["aft"],
+    ],
+    ids=["linear", "hedgehog", "hedgehog-window", "hedgehog-sparse", "favor", "aft"],
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_builder_model_becomes_the_recurrent_model_of_the_transformers_export(
@@ -329,6 +336,7 @@ def test_genai_generates_from_the_parallel_folder_what_attnrewrite_generate_does
     [
         ("llama", "fp32", ["hedgehog"]),
         ("llama", "fp32", ["hedgehog", "-O", "window=4"]),
+        ("llama", "fp32", ["hedgehog", "-O", "window=4", "-O", "sparse=3"]),
         ("llama", "int4", ["hedgehog"]),
         ("qwen2", "fp32", ["favor"]),
         ("qwen2", "int4", ["linear"]),
@@ -338,6 +346,7 @@ def test_genai_generates_from_the_parallel_folder_what_attnrewrite_generate_does
     ids=[
         "llama-hedgehog",
         "llama-hedgehog-window",
+        "llama-hedgehog-sparse",
         "llama-int4",
         "qwen2-favor",
         "qwen2-int4",

@@ -19,7 +19,7 @@ from attnrewrite import check, cli, pipeline
 from attnrewrite.generate import forced_logits
 from attnrewrite.onnx.io import load_model
 
-CONFIGS = {"plain": {}, "window": {"window": 4, "sinks": 1}}
+CONFIGS = {"plain": {}, "window": {"window": 4, "sinks": 1}, "sparse": {"window": 4, "sinks": 1, "sparse": 3}}
 STEPS = 20  # calibration steps: enough to move every fitted value
 TOLERANCE = 1e-5  # relative to the logits' largest magnitude
 LENGTH, PREFILL = 14, 9  # the sequence compared on: 9 tokens at once, then 5 one at a time

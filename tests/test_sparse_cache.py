@@ -4,21 +4,25 @@ for linear, hedgehog and favor, with sinks, left padding and grouped heads; spar
 hybrid, bit for bit; a cache as large as the sequence is causal softmax; gradients flow; the
 recurrent form stepped (token by token, in uneven pieces) equals the parallel form, its state
 holding the cache per key/value head and counted in the state's bytes; padded keys never enter;
-the FX frontend rewrites a model with it; what it does not do (bidirectional sites, ONNX, attention
-weights) it refuses with a reason."""
+the ONNX forms (parallel, and the recurrent entry stepped) equal the torch forms; both frontends
+rewrite a model with it; what it does not do (bidirectional sites, attention weights) it refuses
+with a reason."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
+from attention_graphs import lowering_session
 from models import relative_error
 from test_fx_export import to_onnx, torch_output
 from test_fx_transformers import SEQ, build, exported, model_inputs
 from test_recurrent import (
     DV,
+    OPSET,
     SCHEDULES,
     B,
     D,
@@ -28,12 +32,14 @@ from test_recurrent import (
     pieces,
     recurrent_form,
     rows,
+    run_onnx_steps,
     sequence,
+    session_for,
+    state_dict,
 )
 
 import attnrewrite
 from attnrewrite import passes
-from attnrewrite.errors import AttnRewriteError
 from attnrewrite.fx import rewrite_graph_module
 from attnrewrite.passes import favor, hedgehog, linear, recurrent
 from attnrewrite.passes.options import OptionError
@@ -178,6 +184,53 @@ def test_torch_steps_equal_the_parallel_form(method, padding, grouping, schedule
     assert cache_keep.shape == (B, kept_k.shape[1], 3, 1) and cache_keep.sum() == cache_keep.numel()
 
 
+@pytest.mark.parametrize("grouping", ["ungrouped", "grouped"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("method", METHODS)
+def test_onnx_parallel_form_equals_the_torch_form(method, padding, grouping):
+    method, site = METHODS[method], site_of(grouping)
+    options = options_of(method, sinks=1, sparse=3)
+    parallel = fitted_parallel(method, site, options)
+    q, k, v, _, _, keep = query_key_values(site, padding)
+    keep = torch.ones(B, 1, LENGTH, 1) if keep is None else keep
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+    session = lowering_session(method.onnx_lowering(site, options, OPSET, state_dict(parallel)), rank=4)
+    (out,) = session.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "key_keep": keep.numpy()})
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("grouping", ["ungrouped", "grouped"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("method", METHODS)
+def test_onnx_steps_equal_the_parallel_form_and_the_torch_state(method, padding, grouping, schedule):
+    """The recurrent entry, stepped: the parallel form's outputs, and the torch module's state
+    after the whole sequence (the pairs compared where a slot holds one)."""
+    method, site = METHODS[method], site_of(grouping)
+    options = options_of(method, sinks=1, sparse=3)
+    parallel = fitted_parallel(method, site, options)
+    q, k, v, kept_k, kept_v, keep = query_key_values(site, padding)
+    schedule = [*SCHEDULES[schedule], LENGTH - sum(SCHEDULES[schedule])]
+    form = recurrent_form(site, options)
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+        module = form.torch_module(site, parallel)
+        state = module(q, kept_k, kept_v, keep, *module.initial_state(q, kept_v))[1:]
+    steps = run_onnx_steps(
+        session_for(site, options, state_dict(parallel)), site, options, schedule, (q, kept_k, kept_v, keep)
+    )
+    for piece, (out, *_) in zip(pieces(schedule), steps):
+        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
+    found = dict(zip((t.name for t in form.state(site)), steps[-1][1:]))
+    wanted = {t.name: x.numpy() for t, x in zip(form.state(site), state)}
+    np.testing.assert_array_equal(found["cache_keep"], wanted["cache_keep"])
+    held = wanted["cache_keep"] > 0
+    for name in ("cache_keys", "cache_values"):
+        np.testing.assert_array_equal(found[name] * held, wanted[name] * held, err_msg=name)
+    assert relative_error(found["kernel_state"], wanted["kernel_state"]) < 1e-5
+
+
 def test_state_holds_the_cache_per_key_value_head_and_counts_its_bytes():
     site = site_of("grouped")
     form = recurrent_form(site, options_of(hedgehog, sinks=1, sparse=5))
@@ -250,12 +303,23 @@ def test_refusals_say_why():
     with pytest.raises(OptionError, match="linear option sparse must be 0 without window"):
         passes.make_options(linear, sparse="2")
     assert passes.attention_weights_unavailable(linear, options).startswith("sparse=2: which keys the cache keeps")
-    reason = "sparse=2 has no ONNX form yet"
-    with pytest.raises(AttnRewriteError, match=reason):
-        linear.onnx_lowering(make_site(), options, 20)
-    with pytest.raises(AttnRewriteError, match=reason):
-        recurrent_form(make_site(), options).onnx_lowering(make_site(), 20)
+
+
+def test_onnx_rewrites_gpt2_with_a_cache():
+    """The ONNX frontend, window=2: a cache of every key is the original model; a small one is
+    neither the original nor the window without it."""
     args = model_inputs("gpt2")
     model = to_onnx(build("gpt2", "eager"), args, ["input_ids", "attention_mask"])
-    with pytest.raises(AttnRewriteError, match=reason):
-        attnrewrite.rewrite(model, to="linear", window=2, sparse=2)
+    feeds = {"input_ids": args[0].numpy(), "attention_mask": args[1].numpy()}
+
+    def rewritten(sparse):
+        result = attnrewrite.rewrite(model, to="linear", window=2, sparse=sparse)
+        assert sum(node.domain == "attnrewrite" for node in result.graph.node) == 2  # both layers
+        session = ort.InferenceSession(result.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)[0]
+
+    original = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    real = args[1].numpy() > 0
+    assert relative_error(rewritten(SEQ)[real], original[real]) < 1e-5
+    small, none = rewritten(1), rewritten(0)
+    assert relative_error(small, none) > 1e-4 and relative_error(small[real], original[real]) > 1e-4

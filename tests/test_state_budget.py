@@ -109,6 +109,23 @@ def test_the_cli_says_what_it_chose_and_the_model_keeps_it(llama_sites, capsys, 
     assert listed[-2] == said and listed[-1].startswith("state: 10.1 kB per sequence (10096 bytes over 2 layers)")
 
 
+def test_a_sparse_cache_given_beside_a_budget_is_counted_and_the_window_chosen_around_it(
+    llama_sites, capsys, tmp_path
+):
+    """sparse=4 needs a window, which the budget chooses: the cache's 2 x 2 x 4 pairs of 8 + 8
+    floats and a keep flag (1088 bytes) come out of the window's share, so window=8, not 10."""
+    cached, _ = llama_sites
+    args = [str(cached.path), "--to", "hedgehog", "-O", "sparse=4", "--recurrent", "--state-budget", "40tok"]
+    assert cli.main([*args, "-o", str(tmp_path / "out.onnx")]) == 0
+    said = "state budget 40tok (10.2 kB): chose window=8, a state of 10.1 kB per sequence (the KV cache of 39 tokens)"
+    assert f"note: {said}" in capsys.readouterr().out.splitlines()
+    record = read_record(onnx.load(tmp_path / "out.onnx"))
+    assert record["options"]["window"] == 8 and record["options"]["sparse"] == 4
+    assert record["state_memory"]["state_bytes"] == hedgehog_state(8) + 1088
+    assert cli.main([str(cached.path), "--list", *args[1:]]) == 0
+    assert said in capsys.readouterr().out.splitlines()
+
+
 def test_a_budget_without_a_recurrent_state_is_refused(llama_sites, capsys, tmp_path):
     cached, _ = llama_sites
     args = [str(cached.path), "--to", "hedgehog", "--state-budget", "40tok", "-o", str(tmp_path / "out.onnx")]

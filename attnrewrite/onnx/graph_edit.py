@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from attnrewrite.passes.lowering import DOMAIN, OnnxLowering
+from attnrewrite.passes.lowering import DOMAIN, OnnxLowering, nodes_with_branches
 
 INT64_MAX = np.iinfo(np.int64).max  # a Slice end: to the end of the axis
 
@@ -147,7 +147,7 @@ class FunctionRegistry:
 def _with_callees_renamed(proto: onnx.FunctionProto, renamed: dict[str, str]) -> onnx.FunctionProto:
     copy = onnx.FunctionProto()
     copy.CopyFrom(proto)
-    for node in copy.node:
+    for node in nodes_with_branches(copy.node):  # calls inside If branches and Loop bodies too
         if node.domain == DOMAIN and node.op_type in renamed:
             node.op_type = renamed[node.op_type]
     return copy

@@ -294,7 +294,7 @@ def onnx_lowering(
     if delta.uses_delta(options):
         return delta_rule_lowering(feature_map, site, opset_version, weights)
     terms = feature_map.onnx_phi(site, opset_version)
-    window = Window.of(options)
+    window = Window.of(options, site)
     if window is not None:
         entry = _windowed_favor_function(window, site, opset_version, terms.both)
     elif site.mask.causal:

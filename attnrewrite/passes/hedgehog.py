@@ -209,7 +209,7 @@ def onnx_lowering(
         return delta_rule_lowering(HedgehogFeatureMap(options), site, opset_version, weights)
     op = standard_opset(opset_version)
     HedgehogFeatures = _features_function(op, math.sqrt(site.scale))
-    window = Window.of(options)
+    window = Window.of(options, site)
 
     if window is not None:
         window_inputs, kernel = windowed_kernel(window, site, opset_version, WINDOW_UNIT)

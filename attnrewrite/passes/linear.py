@@ -137,7 +137,7 @@ def onnx_lowering(
     learnable module, which select the Learned<Entry> function that applies them)."""
     if delta.uses_delta(options):
         return delta_rule_lowering(LinearFeatureMap(options), site, opset_version, weights)
-    window = Window.of(options)
+    window = Window.of(options, site)
     if window is not None:
         functions = _windowed_functions(site, window, opset_version)
     else:

@@ -20,6 +20,7 @@ MIN_OPSET = 18  # bodies pass reduction axes as inputs (ReduceMax, ReduceSumSqua
 FLOAT = onnx.TensorProto.FLOAT
 BOOL = onnx.TensorProto.BOOL
 TO_THE_END = 2147483647  # a Slice end past any axis
+NODE_BUILT = "node_built"  # on a script function: the FunctionProtos it calls by name (written node by node)
 
 
 def standard_opset(version: int) -> Opset:
@@ -180,7 +181,10 @@ class FunctionNodes:
         self.outputs[name] = self.prefix + name
         self.nodes.append(onnx.helper.make_node("Identity", [value], [self.prefix + name]))
 
-    def graph(self, name: str, outputs: list[str]) -> onnx.GraphProto:
-        """The nodes as an If branch returning the values output() named ``outputs``, in order."""
+    def graph(self, name: str, outputs: list[str], inputs: tuple = ()) -> onnx.GraphProto:
+        """The nodes as an If branch returning the values output() named ``outputs``, in order;
+        with ``inputs`` ((name, element type, shape or None), as make_tensor_value_info takes
+        them) a Loop's body."""
         values = [onnx.helper.make_value_info(self.outputs[o], onnx.TypeProto()) for o in outputs]
-        return onnx.helper.make_graph(self.nodes, name, [], values)
+        taken = [onnx.helper.make_tensor_value_info(*value) for value in inputs]
+        return onnx.helper.make_graph(self.nodes, name, taken, values)

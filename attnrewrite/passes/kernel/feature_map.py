@@ -29,7 +29,15 @@ from attnrewrite.passes.kernel.parallel import (
     linear_attention_functions,
 )
 from attnrewrite.passes.layout import flatten_heads_function
-from attnrewrite.passes.lowering import ATTNREWRITE, built_once, standard_opset, weighted, with_callees
+from attnrewrite.passes.lowering import (
+    ATTNREWRITE,
+    NODE_BUILT,
+    built_once,
+    standard_opset,
+    unique_functions,
+    weighted,
+    with_callees,
+)
 from attnrewrite.passes.window.settings import KernelUnit, Window
 from attnrewrite.site import AttentionSite
 
@@ -114,7 +122,11 @@ class FeatureMap(abc.ABC):
 def entry_functions(entry: OnnxFunction, name: str | None = None) -> list[onnx.FunctionProto]:
     """``entry`` and every function it calls as FunctionProtos, callees first, the entry
     named ``name`` where given (a causal site's entry, say, beside its bidirectional twin)."""
-    functions = [f.to_function_proto() for f in with_callees(entry)]
+    functions = []
+    for function in with_callees(entry):  # what a shim calls by name first (onnx_sparse.NODE_BUILT)
+        functions += getattr(function, NODE_BUILT, [])
+        functions.append(function.to_function_proto())
+    functions = unique_functions(functions)
     if name is not None:
         functions[-1].name = name
     return functions

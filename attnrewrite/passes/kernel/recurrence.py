@@ -52,8 +52,6 @@ class KernelRecurrence(Recurrence):
         the kernel state with com.microsoft.LinearAttention (where the feature count and the
         value dim are known); the additive prefill stays the chunked form, faster on CPU
         (docs/cli.md), the delta rule's prefill runs the operator too."""
-        if self.window is not None:
-            self.window.onnx_refusal()
         feature_map = self.feature_map
         constants = feature_map.constants(site, weights)
         description = self.state(site)
@@ -71,7 +69,9 @@ class KernelRecurrence(Recurrence):
             site,
             opset_version,
             feature_map.state_unit,
-            self.window,
+            self.window
+            if not self.window or not self.window.sparse
+            else dataclasses.replace(self.window, groups=self.key_value_groups(site)),
             self.options.chunk,
             self.key_value_groups(site),
             mapped=QUERY_KEY_MAPS[0] in constants,

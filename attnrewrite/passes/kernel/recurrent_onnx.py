@@ -23,6 +23,7 @@ from attnrewrite.passes.kernel.feature_map import OnnxTerms
 from attnrewrite.passes.kernel.numerics import LOWEST_LOG_SCALE
 from attnrewrite.passes.kernel.query_key_maps import QUERY_KEY_MAPS
 from attnrewrite.passes.kernel.recurrent_state import (
+    CACHE_PARTS,
     KERNEL_STATE,
     LOG_SCALE,
     POSITION,
@@ -49,6 +50,7 @@ from attnrewrite.passes.lowering import (
     with_callees,
 )
 from attnrewrite.passes.recurrent import StateTensor
+from attnrewrite.passes.window.onnx_sparse import sparse_from_state_functions, sparse_from_state_outputs
 from attnrewrite.passes.window.onnx_state import (
     sinks_after_function,
     window_step_functions,
@@ -210,6 +212,9 @@ def entry_body(plan: EntryPlan) -> tuple[Body, list[str]]:
         one_token_or_more(body, plain_step, plain, outputs)
         return body, outputs
     rows = window_rows(body)  # outside the If: what both branches read and return alike
+    if plan.window.sparse:  # one form for every length: the cache changes only where a block leaves
+        sparse_windowed(body, rows)
+        return body, outputs
     branched = [name for name in outputs if name not in body.outputs]
     one_token_or_more(body, lambda b: windowed_step(b, rows), lambda b: windowed(b, rows), branched)
     return body, outputs
@@ -443,12 +448,48 @@ def windowed(b: Body, rows: WindowRows) -> None:
     functions = windowed_kernel_attention_from_state_functions(plan.opset_version, window, plan.site.scale, plan.unit)
     b.uses(*functions)
     b.output_flat(b.call(functions[-1], *inputs))
-    n = rows.new_rows
-    behind = b("Sub", b.ints(window.size - 1), b("Mod", rows.next_position, b.ints(window.size)))
-    absorb_first_rows(b, b("Add", n, behind), far_phi_k, v_x, far_key_log_scale)
-    kept_rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * window.size - 1).reshape(-1, 1)))
+    absorb_first_rows(b, b("Add", rows.new_rows, window_keep_after(b, rows)), far_phi_k, v_x, far_key_log_scale)
+
+
+def window_keep_after(b: Body, rows: WindowRows) -> str:
+    """The window's keep flags after the new rows, a state output: 0 on the rows behind the
+    next query's previous block, which have left the window. Returns their count ([1])."""
+    w = b.plan.window.size
+    behind = b("Sub", b.ints(w - 1), b("Mod", rows.next_position, b.ints(w)))
+    kept_rows = b("Constant", value=numpy_helper.from_array(np.arange(2 * w - 1).reshape(-1, 1)))
     in_reach = b("Cast", b("GreaterOrEqual", kept_rows, behind), to=FLOAT)
-    b.state_output(WINDOW_KEEP, b("Mul", b.rolled(rows.keep_x, n), in_reach))
+    b.state_output(WINDOW_KEEP, b("Mul", b.rolled(rows.keep_x, rows.new_rows), in_reach))
+    return behind
+
+
+def sparse_windowed(b: Body, rows: WindowRows) -> None:
+    """N tokens (one included) of the window with a sparse cache (window/onnx_sparse.py): the
+    cache's pairs are rows in front of the window's, and the blocks that leave by the next
+    position go into the cache or the kernel state."""
+    plan, window = b.plan, b.plan.window
+    pairs = [b("Concat", name, x, axis=-2) for name, x in zip(CACHE_PARTS, (rows.k_x, rows.v_x, rows.keep_x))]
+    k_x, v_x, keep_x = (b.per_query_head(x) for x in pairs)
+    terms = b.terms("q", k_x, keep_x)
+    weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
+    inputs = [weighted_q, b.map("q", "q"), b.map("k", k_x), v_x, terms[1]]
+    if plan.rescaled:
+        inputs.append(terms[3])
+    start = b("Sub", rows.position, b.ints(2 * window.size - 1))
+    inputs = [*(b.flat(x) for x in [*inputs, keep_x, *pairs]), start, *b.flat_state()]
+    if plan.rescaled:
+        inputs.append(b.flat(terms[2]))
+    if plan.unit.max_weighted:
+        inputs.append(b.flat(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[2]))))
+    if window.sinks:
+        inputs += sinks(b, rows)
+    functions = sparse_from_state_functions(plan.opset_version, window, plan.site.scale, plan.unit)
+    b.uses(*functions)
+    out, *after = b(functions[-1].name, *inputs, outputs=len(sparse_from_state_outputs(plan.unit)), domain=DOMAIN)
+    b.output_flat(out)
+    state_outputs(b, after[:-3])
+    for name, value in zip(CACHE_PARTS, after[-3:]):
+        b.state_output(name, b("Reshape", b("CastLike", value, name), b("Shape", name)))
+    window_keep_after(b, rows)
 
 
 def far_features(b: Body, phi_k: str, key_log_scale: str | None, start: str):

@@ -13,7 +13,8 @@ decide which keys are exact, so both lowerings lay them out alike.
 - torch_state.py, onnx_state.py: the causal hybrid continued from a state (decoders).
 - sparse_cache.py: a causal window's sparse exact cache (``sparse=G``): the pairs beyond the
   window the kernel state recalls worst, kept exactly; block by block, from no state or a
-  decoder's (its definition, and reference.sparse_cached_keys its plain simulation).
+  decoder's (its definition, and reference.sparse_cached_keys its plain simulation);
+  onnx_sparse.py its ONNX twin (one Loop over the blocks, parallel and from a state).
 
 A bidirectional window keeps no state per block and copies no block: one state for the whole
 sequence, [S, z] = sum_j phi_k_j [v_j, 1]^T (keys that are not kept: [v_j, 1] = 0), and the

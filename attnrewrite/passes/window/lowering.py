@@ -13,6 +13,7 @@ from attnrewrite.passes.lowering import ATTNREWRITE, FLOAT, built_once, standard
 from attnrewrite.passes.window.onnx_blocks import window_block_functions
 from attnrewrite.passes.window.onnx_causal import causal_paired_entry, causal_paired_window_functions
 from attnrewrite.passes.window.onnx_pairs import pair_layout_functions, paired_window_entry, paired_window_functions
+from attnrewrite.passes.window.onnx_sparse import sparse_window_entry
 from attnrewrite.passes.window.settings import WINDOW_FAR_CHUNK, KernelUnit, Window
 from attnrewrite.site import AttentionSite
 
@@ -27,10 +28,13 @@ class WindowedKernel(typing.NamedTuple):
 
 
 def windowed_kernel(window: Window, site: AttentionSite, opset_version: int, unit: KernelUnit) -> WindowedKernel:
-    """The window hybrid for a method whose kernel part is in ``unit``s, at ``site``."""
-    window.onnx_refusal()
+    """The window hybrid for a method whose kernel part is in ``unit``s, at ``site``; with a
+    sparse cache (causal sites only) its entry is onnx_sparse.py's."""
     causal = site.mask.causal
-    attention = windowed_kernel_attention_functions(opset_version, window, site.scale, causal, unit)[-1]
+    if causal and window.sparse:
+        attention = sparse_window_entry(opset_version, window, site.scale, unit)
+    else:
+        attention = windowed_kernel_attention_functions(opset_version, window, site.scale, causal, unit)[-1]
     return WindowedKernel(window_inputs_function(opset_version, window, causal), attention)
 
 

@@ -91,8 +91,8 @@ class WindowStepFunctions(typing.NamedTuple):
 def window_step_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> WindowStepFunctions:
     op = standard_opset(opset_version)
     return WindowStepFunctions(
-        _exact_softmax_sums_function(op, scale, (2 * window.size, window.sinks) if window.sinks else None),
-        _window_mix_function(op, unit.rescaled, unit.eps),
+        exact_softmax_sums_function(op, scale, (2 * window.size, window.sinks) if window.sinks else None),
+        window_mix_function(op, unit.rescaled, unit.eps),
     )
 
 
@@ -114,20 +114,20 @@ def _recurrent_window_functions(
 ) -> _RecurrentWindowPieces:
     op = standard_opset(opset_version)
     blocks = window_block_functions(op, window, aligned_to_start=True)  # its block moves only
-    layout, positioned_blocks, query_blocks, unblock = _positioned_layout_functions(op, window)
-    exact_keys = _recurrent_exact_keys_function(op, blocks, positioned_blocks, window, sinks)
+    layout, positioned_blocks, query_blocks, unblock = positioned_layout_functions(op, window)
+    exact_keys = recurrent_exact_keys_function(op, blocks, positioned_blocks, window, sinks)
     if rescaled:
         far_states = _recurrent_rescaled_far_states_function(opset_version, blocks, positioned_blocks)
     else:
         far_states = _recurrent_far_states_function(opset_version, positioned_blocks)
     kernel_sums = _kernel_sums_function(op)
-    mix = _window_mix_function(op, rescaled, eps)
-    local_sums = _exact_softmax_sums_function(op, scale)
+    mix = window_mix_function(op, rescaled, eps)
+    local_sums = exact_softmax_sums_function(op, scale)
     return _RecurrentWindowPieces(layout, query_blocks, exact_keys, local_sums, far_states, kernel_sums, mix, unblock)
 
 
 @built_once
-def _positioned_layout_functions(op, window: int):
+def positioned_layout_functions(op, window: int):
     """(PositionedLayout, PositionedBlocks, QueryBlocks, UnblockQueries): PositionedLayout's
     blocks, for keys of positions start .. start + n_keys - 1 whose last n rows are queries."""
 
@@ -167,7 +167,7 @@ def _positioned_layout_functions(op, window: int):
 
 
 @built_once
-def _recurrent_exact_keys_function(op, blocks: WindowBlockFunctions, positioned_blocks, window: int, sinks: int):
+def recurrent_exact_keys_function(op, blocks: WindowBlockFunctions, positioned_blocks, window: int, sinks: int):
     """RecurrentLocalKeys(k, v, keep, front, chunks, first), or with sinks
     RecurrentLocalAndSinkKeys(..., start, sink_keys, sink_values, sink_keep): the exact keys of
     each query block from ``first`` (torch_state.positioned_exact_keys), their values and which each query takes."""
@@ -245,7 +245,7 @@ def _local_key_pieces(op, blocks: WindowBlockFunctions, window: int):
 
 
 @built_once
-def _exact_softmax_sums_function(op, scale: float, sink_split: tuple[int, int] | None = None):
+def exact_softmax_sums_function(op, scale: float, sink_split: tuple[int, int] | None = None):
     """ExactSoftmaxSums(q4, k_x, v_x, kept): numerator, denominator and row max m_i of the
     softmax over each query block's exact keys, ``kept`` [..., rows, keys] float (1 where the
     query takes the key: it weights the exponentials as it is). With ``sink_split`` (the window's
@@ -354,7 +354,7 @@ def _recurrent_rescaled_far_states_function(opset_version: int, blocks: WindowBl
 
 
 @built_once
-def _window_mix_function(op, rescaled: bool, eps: float):
+def window_mix_function(op, rescaled: bool, eps: float):
     """WindowMix: both parts' sums, one normaliser; RescaledWindowMix first moves them to one
     unit by their log ratio, as CombineRescaled."""
 

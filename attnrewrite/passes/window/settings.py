@@ -11,7 +11,6 @@ import typing
 
 import numpy as np
 
-from attnrewrite.errors import AttnRewriteError
 from attnrewrite.passes.exact_part import ExactPart
 from attnrewrite.passes.kernel.numerics import DENOMINATOR_EPS, RESCALED_EPS
 from attnrewrite.passes.layout import fitted_heads
@@ -51,14 +50,6 @@ class Window:
         sparse = options.sparse
         groups = key_value_groups(site) if sparse and site is not None else 1
         return cls(options.window, options.window_next, options.sinks, sparse, groups)
-
-    def onnx_refusal(self) -> None:
-        """AttnRewriteError where this window has no ONNX form (a sparse cache: torch only)."""
-        if self.sparse:
-            raise AttnRewriteError(
-                f"sparse={self.sparse} has no ONNX form yet (its cache runs in torch only: the FX "
-                "frontend); rewrite ONNX models with sparse=0"
-            )
 
     def exact_part(self, causal: bool) -> ExactPart:
         """Where the hybrid is softmax attention itself. Bidirectional blocks are aligned to the
