@@ -109,9 +109,7 @@ def test_the_cli_says_what_it_chose_and_the_model_keeps_it(llama_sites, capsys, 
     assert listed[-2] == said and listed[-1].startswith("state: 10.1 kB per sequence (10096 bytes over 2 layers)")
 
 
-def test_a_sparse_cache_given_beside_a_budget_is_counted_and_the_window_chosen_around_it(
-    llama_sites, capsys, tmp_path
-):
+def test_a_sparse_cache_given_beside_a_budget_is_counted_and_the_window_chosen_around_it(llama_sites, capsys, tmp_path):
     """sparse=4 needs a window, which the budget chooses: the cache's 2 x 2 x 4 pairs of 8 + 8
     floats and a keep flag (1088 bytes) come out of the window's share, so window=8, not 10."""
     cached, _ = llama_sites
