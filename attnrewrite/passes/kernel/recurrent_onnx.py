@@ -50,7 +50,13 @@ from attnrewrite.passes.lowering import (
     with_callees,
 )
 from attnrewrite.passes.recurrent import StateTensor
-from attnrewrite.passes.window.onnx_sparse import sparse_from_state_functions, sparse_from_state_outputs
+from attnrewrite.passes.window.onnx_sparse import (
+    Candidates,
+    gathered_rows,
+    leave_block,
+    sparse_from_state_functions,
+    sparse_from_state_outputs,
+)
 from attnrewrite.passes.window.onnx_state import (
     sinks_after_function,
     window_step_functions,
@@ -212,10 +218,10 @@ def entry_body(plan: EntryPlan) -> tuple[Body, list[str]]:
         one_token_or_more(body, plain_step, plain, outputs)
         return body, outputs
     rows = window_rows(body)  # outside the If: what both branches read and return alike
-    if plan.window.sparse:  # one form for every length: the cache changes only where a block leaves
-        sparse_windowed(body, rows)
-        return body, outputs
     branched = [name for name in outputs if name not in body.outputs]
+    if plan.window.sparse:
+        one_token_or_more(body, lambda b: sparse_windowed_step(b, rows), lambda b: sparse_windowed(b, rows), branched)
+        return body, outputs
     one_token_or_more(body, lambda b: windowed_step(b, rows), lambda b: windowed(b, rows), branched)
     return body, outputs
 
@@ -463,7 +469,7 @@ def window_keep_after(b: Body, rows: WindowRows) -> str:
 
 
 def sparse_windowed(b: Body, rows: WindowRows) -> None:
-    """N tokens (one included) of the window with a sparse cache (window/onnx_sparse.py): the
+    """N tokens of the window with a sparse cache (window/onnx_sparse.py's block loop): the
     cache's pairs are rows in front of the window's, and the blocks that leave by the next
     position go into the cache or the kernel state."""
     plan, window = b.plan, b.plan.window
@@ -536,11 +542,12 @@ def absorb_first_rows(b: Body, count: str, far_phi_k: str, v_x: str, far_key_log
     state_outputs(b, new_state)
 
 
-def windowed_step(b: Body, rows: WindowRows) -> None:
+def windowed_step(b: Body, rows: WindowRows, at_block_end=None) -> None:
     """One token of the window hybrid: exact softmax over the window's kept rows and the
     sinks before its blocks, the kernel over the state alone, which holds every key before
     the query's previous block (the state is block-aligned); at a block's last position the
-    previous block joins the state (block_joins_state), the only features of keys computed."""
+    previous block joins the state (``at_block_end``, by default block_joins_state), the only
+    features of keys computed."""
     plan = b.plan
     mapped_q = b.map("q", "q")
     terms = b.query_terms(mapped_q)  # the key's features wait for its block to join the state
@@ -567,7 +574,61 @@ def windowed_step(b: Body, rows: WindowRows) -> None:
     if plan.site.rank == 3:
         mixed = b("Squeeze", mixed, b.ints(1))
     b.output("out", b.like_v(mixed))
-    block_joins_state(b, rows)
+    (at_block_end or block_joins_state)(b, rows)
+
+
+def sparse_windowed_step(b: Body, rows: WindowRows) -> None:
+    """One token of the window with a sparse cache: windowed_step with the cache's pairs as
+    more exact keys in front of the window's rows; at a block's last position the window's
+    first block leaves into the cache or the kernel state (block_leaves)."""
+    cached = [b("Concat", name, x, axis=-2) for name, x in zip(CACHE_PARTS, (rows.k_x, rows.v_x, rows.keep_x))]
+    with_cache = WindowRows(rows.new_keys, *cached, rows.position, rows.new_rows, rows.next_position)
+    windowed_step(b, with_cache, at_block_end=lambda inner, _: block_leaves(inner, rows))
+
+
+def block_leaves(b: Body, rows: WindowRows) -> None:
+    """At a block's last position the window's first block leaves (block_end): of its real keys
+    that are no sink and the cache's pairs, the G the kernel state recalls worst are the cache
+    after, the others join the state (onnx_sparse.leave_block)."""
+    plan, w = b.plan, b.plan.window.size
+
+    def leaves(inner: Body):
+        leaving = [
+            inner("Slice", x, inner.ints(0), inner.ints(w), inner.ints(-2)) for x in (rows.k_x, rows.v_x, rows.keep_x)
+        ]
+        pairs = [inner("Concat", name, x, axis=-2) for name, x in zip(CACHE_PARTS, leaving)]  # [B, Hkv, G + W, *]
+        k, v, keep = (inner.per_query_head(x) for x in pairs)
+        terms = inner.terms("q", k, keep)
+        start = inner("Sub", rows.position, inner.ints(2 * w - 1))  # the leaving block's first position
+        candidates = Candidates(
+            inner.flat(v),
+            inner.flat(terms[1]),
+            inner.flat(terms[3]) if plan.rescaled else None,
+            leaving_candidates(inner, pairs[2], start),
+        )
+        absorb = absorb_keys_functions(plan.opset_version)[1 if plan.rescaled else 0]
+        inner.uses(*(f.to_function_proto() for f in with_callees(absorb)))
+        held = inner("Squeeze", inner.flat(CACHE_PARTS[2]), inner.ints(-1))
+        held = inner("Greater", held, inner("Constant", value_float=0.0))
+        state, index, held = leave_block(inner, plan.window, plan.unit, absorb, candidates, inner.flat_state(), held)
+        state_outputs(inner, state)
+        for name, x in zip(CACHE_PARTS[:2], pairs[:2]):
+            kept = gathered_rows(inner, inner.flat(x), index)
+            inner.state_output(name, inner("Reshape", inner("CastLike", kept, name), inner("Shape", name)))
+        kept = inner("Unsqueeze", inner("Cast", held, to=FLOAT), inner.ints(-1))
+        inner.state_output(CACHE_PARTS[2], inner("Reshape", kept, inner("Shape", CACHE_PARTS[2])))
+
+    block_end(b, rows, leaves, CACHE_PARTS)
+
+
+def leaving_candidates(b: Body, pair_keep: str, start: str) -> str:
+    """[Gkv, G + W] bool, as leave_block reads it: which of the leaving block's rows (positions
+    start ..) may enter the cache, its real keys that are no sink, after G flags for the cache's
+    own pairs, which are never read (their slots say which hold one)."""
+    size, w = b.plan.window.sparse, b.plan.window.size
+    real = b("Greater", b("Squeeze", b.flat(pair_keep), b.ints(-1)), b("Constant", value_float=0.0))
+    position = b("Add", b("Constant", value=numpy_helper.from_array(np.arange(-size, w))), start)
+    return b("And", real, b("GreaterOrEqual", position, b.ints(b.plan.window.sinks)))
 
 
 def local_sums(b: Body, step, rows: WindowRows, mapped_q: str, grouped: bool) -> list[str]:
@@ -627,34 +688,45 @@ def step_sinks(b: Body, rows: WindowRows) -> tuple[str, str, str]:
 
 
 def block_joins_state(b: Body, rows: WindowRows) -> None:
-    """At a block's last position (the next one starts a block), the previous block (the
-    window's first W rows) joins the kernel state and its keep flags turn 0; else the state
-    is carried as it came."""
-    w = b.plan.window.size
-    carried_state = [KERNEL_STATE, *([LOG_SCALE] if b.plan.rescaled else [])]
-    names = [b.plan.state[name].output_name for name in [*carried_state, WINDOW_KEEP]]
+    """At a block's last position (the next one starts a block) the previous block (the
+    window's first W rows) joins the kernel state (block_end)."""
 
     def joins(inner: Body):
         first = [
-            inner("Slice", x, inner.ints(0), inner.ints(w), inner.ints(-2)) for x in (rows.k_x, rows.v_x, rows.keep_x)
+            inner("Slice", x, inner.ints(0), inner.ints(b.plan.window.size), inner.ints(-2))
+            for x in (rows.k_x, rows.v_x, rows.keep_x)
         ]
         k, v, keep = (inner.per_query_head(x) for x in first)
         terms = inner.terms("q", k, keep)
-        start = inner("Sub", rows.position, inner.ints(2 * w - 1))  # k_x's first row's
+        start = inner("Sub", rows.position, inner.ints(2 * b.plan.window.size - 1))  # k_x's first row's
         far_phi_k, far_log_scale = far_features(inner, terms[1], terms[3] if b.plan.rescaled else None, start)
-        absorb_first_rows(inner, inner.ints(w), far_phi_k, v, far_log_scale)
+        absorb_first_rows(inner, inner.ints(b.plan.window.size), far_phi_k, v, far_log_scale)
+
+    block_end(b, rows, joins)
+
+
+def block_end(b: Body, rows: WindowRows, leave: Callable[[Body], None], parts: tuple[str, ...] = ()) -> None:
+    """At a block's last position the window's first W rows leave it: ``leave`` writes the
+    kernel state after (and ``parts``, the other state parts it changes) and their keep flags
+    turn 0; else all of them are carried as they came."""
+    w = b.plan.window.size
+    carried_parts = [KERNEL_STATE, *([LOG_SCALE] if b.plan.rescaled else []), *parts]
+    names = [b.plan.state[name].output_name for name in [*carried_parts, WINDOW_KEEP]]
+
+    def leaves(inner: Body):
+        leave(inner)
         left = numpy_helper.from_array(np.repeat([[0.0], [1.0]], [w - 1, w], axis=0).astype(np.float32))
         kept = inner("Mul", inner.rolled(rows.keep_x, inner.ints(1)), inner("Constant", value=left))
         inner.state_output(WINDOW_KEEP, kept)
 
     def carried(inner: Body):
-        for name in carried_state:
+        for name in carried_parts:
             inner.state_output(name, name)
         inner.state_output(WINDOW_KEEP, inner.rolled(rows.keep_x, inner.ints(1)))
 
     at_block_end = b("Equal", b("Mod", rows.next_position, b.ints(w)), b.ints(0))
     branches = {
-        "then_branch": branch(b.plan, joins, "joins", names),
+        "then_branch": branch(b.plan, leaves, "joins", names),
         "else_branch": branch(b.plan, carried, "carried", names),
     }
     for name, value in zip(names, b("If", at_block_end, outputs=len(names), **branches)):

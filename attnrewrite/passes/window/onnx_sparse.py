@@ -76,18 +76,26 @@ def sparse_from_state_outputs(unit: KernelUnit) -> list[str]:
     return ["out", *state, "cache_k", "cache_v", "cache_keep"]
 
 
-class _Rows(typing.NamedTuple):
-    """The values the loop reads from its function (sparse_cache.CachedRows and the rest): every
-    row the cache can hold, per query head [G, S + chunks * W, *] (phi_k, log scales: the
-    kernel's view, zero / the lowest on sinks and padding), which of them may enter, per
-    key/value head [Gkv, S + chunks * W], the query blocks and their exact keys [G, blocks
-    from the first holding a query, ...]."""
+class Candidates(typing.NamedTuple):
+    """The rows a leave chooses among and folds from: per query head [G, R, *] their values,
+    features and log scales (None: a shared unit), and which of them may enter the cache, per
+    key/value head [Gkv, R] (kept keys that are no sink; none of the cache's own rows, whose
+    slots say which they hold)."""
 
-    k: str
     v: str
     phi_k: str
     key_log_scale: str | None
     candidate: str
+
+
+class _Rows(typing.NamedTuple):
+    """The values the loop reads from its function (sparse_cache.CachedRows and the rest): every
+    row the cache can hold, [G, S + chunks * W, *] (``pairs``: phi_k and log scales as the
+    kernel reads them, zero / the lowest on sinks and padding; ``k`` as the exact part reads
+    it), the query blocks and their exact keys [G, blocks from the first holding a query, ...]."""
+
+    pairs: Candidates
+    k: str
     queries: str
     phi_q: str
     query_log_scale: str | None
@@ -182,12 +190,15 @@ def sparse_from_state_functions(opset_version: int, window: Window, scale: float
     def query_rows(x):
         return None if x is None else b.call(query_blocks, x, front, chunks, first, n_keys)
 
-    rows = _Rows(
-        laid_out("k", p_k),
+    pairs = Candidates(
         laid_out("v", p_v),
         laid_out("phi_k", far("phi_k", 0.0)),
         laid_out("key_log_scale", far("key_log_scale", LOWEST_LOG_SCALE), LOWEST_LOG_SCALE) if rescaled else None,
         _candidates(b, laid_out, cached("pair_keep"), positioned("pair_keep"), n_keys, sinks),
+    )
+    rows = _Rows(
+        pairs,
+        laid_out("k", p_k),
         query_rows("q"),
         query_rows("phi_q"),
         query_rows("query_log_scale" if rescaled else None),
@@ -204,8 +215,8 @@ def sparse_from_state_functions(opset_version: int, window: Window, scale: float
     b.output("out", b.call(unblock, b("Transpose", out, perm=[1, 0, 2, 3]), front, first, n_keys, n))
     for name, value in zip(sparse_from_state_outputs(unit)[1:], carried.values()[:-2]):  # the state, not the slots
         b.output(name, value)
-    b.output("cache_k", _gathered(b, laid_out("pair_k", positioned("pair_k")), carried.index))
-    b.output("cache_v", _gathered(b, laid_out("pair_v", positioned("pair_v")), carried.index))
+    b.output("cache_k", gathered_rows(b, laid_out("pair_k", positioned("pair_k")), carried.index))
+    b.output("cache_v", gathered_rows(b, laid_out("pair_v", positioned("pair_v")), carried.index))
     b.output("cache_keep", b("Unsqueeze", b("Cast", carried.held, to=FLOAT), b.ints(-1)))
     inputs, outputs = sparse_from_state_inputs(window, unit), sparse_from_state_outputs(unit)
     entry = make_function("RecurrentSparseWindow", inputs, outputs, b.nodes, opset_version)
@@ -290,39 +301,58 @@ def _if_leaves(
         return inner.graph(f"{name}_{label}", present)
 
     branches = {
-        "then_branch": branch(lambda inner: _leave(inner, plan, rows, carried, absorb, first_row), "then"),
+        "then_branch": branch(
+            lambda inner: _leave(inner, plan.window, plan.unit, rows.pairs, carried, absorb, first_row), "then"
+        ),
         "else_branch": branch(lambda inner: carried, "else"),
     }
     return carried.with_values(b("If", condition, outputs=len(present), **branches))
 
 
-def _leave(b: FunctionNodes, plan: _Plan, rows: _Rows, carried: _Carried, absorb, first_row: str) -> _Carried:
+def leave_block(
+    b: FunctionNodes, window: Window, unit: KernelUnit, absorb, pairs: Candidates, state: list[str], held: str
+) -> tuple[list[str], str, str]:
+    """A decoding step's leave (recurrent_onnx.block_leaves): ``pairs`` [G, S + W, *] the
+    cache's S rows, then the W of the block leaving; ``state`` the flat kernel state [kv,
+    key_sum(, log_scale)]; ``held`` [Gkv, S] which slots hold a pair; ``absorb`` the
+    absorb_keys function of the unit. Returns (the state after, the new slots' rows [Gkv, S]
+    among the S + W, whether they hold one)."""
+    index = b("Expand", b("Constant", value=numpy_helper.from_array(np.arange(window.sparse))), b("Shape", held))
+    kv, key_sum, *log_scale = state
+    carried = _Carried(kv, key_sum, log_scale[0] if log_scale else None, index, held)
+    after = _leave(b, window, unit, pairs, carried, absorb, b.ints(window.sparse))
+    return after.values()[:-2], after.index, after.held
+
+
+def _leave(
+    b: FunctionNodes, window: Window, unit: KernelUnit, rows: Candidates, carried: _Carried, absorb, first_row: str
+) -> _Carried:
     """Of the leaving block's rows and the cache, the window.sparse pairs the state recalls
     worst stay, the others are folded into the state (sparse_cache._leave)."""
-    size, width = plan.window.sparse, plan.window.size
+    size, width = window.sparse, window.size
     row_after = b("Add", first_row, b.ints(width))
     block = b("Range", b("Squeeze", first_row), b("Squeeze", row_after), _scalar(b, 1))
     kv_heads = b("Shape", carried.index, end=1)
     index = b("Concat", carried.index, b("Expand", block, b("Concat", kv_heads, b.ints(width), axis=0)), axis=1)
     leaving = b("Slice", rows.candidate, first_row, row_after, b.ints(1))
     valid = b("Concat", carried.held, leaving, axis=1)
-    per_head = _per_query_head(b, plan, index)
-    phi_k, values = _gathered(b, rows.phi_k, per_head), _gathered(b, rows.v, per_head)
+    per_head = _per_query_head(b, window.groups, index)
+    phi_k, values = gathered_rows(b, rows.phi_k, per_head), gathered_rows(b, rows.v, per_head)
     # self-recall error ||phi_k S / (phi_k z + eps) - v||^2, the state as it is before the block folds
     normaliser = b("MatMul", phi_k, b("Unsqueeze", carried.key_sum, b.ints(-1)))
-    recalled = b("Div", b("MatMul", phi_k, carried.kv), b("Add", normaliser, b("Constant", value_float=plan.unit.eps)))
+    recalled = b("Div", b("MatMul", phi_k, carried.kv), b("Add", normaliser, b("Constant", value_float=unit.eps)))
     miss = b("Sub", recalled, values)
     errors = b("ReduceSum", b("Mul", miss, miss), b.ints(-1), keepdims=0)
-    if plan.groups > 1:  # summed over a key/value head's query heads
-        grouped = b("Reshape", errors, b("Concat", b.ints(-1, plan.groups), b("Shape", errors, start=1), axis=0))
+    if window.groups > 1:  # summed over a key/value head's query heads
+        grouped = b("Reshape", errors, b("Concat", b.ints(-1, window.groups), b("Shape", errors, start=1), axis=0))
         errors = b("ReduceSum", grouped, b.ints(1), keepdims=0)
     kept = _worst(b, errors, valid, size)
     folded = b("And", valid, b("Not", kept))
-    folded = b("Unsqueeze", _per_query_head(b, plan, folded), b.ints(-1))
+    folded = b("Unsqueeze", _per_query_head(b, window.groups, folded), b.ints(-1))
     phi_folded = b("Mul", phi_k, b("Cast", folded, to=FLOAT))
-    if plan.unit.rescaled:
+    if unit.rescaled:
         lowest = b("Constant", value_float=LOWEST_LOG_SCALE)
-        log_scale = b("Where", folded, _gathered(b, rows.key_log_scale, per_head), lowest)
+        log_scale = b("Where", folded, gathered_rows(b, rows.key_log_scale, per_head), lowest)
         kv, key_sum, new_scale = b.call(
             absorb, phi_folded, log_scale, values, carried.kv, carried.key_sum, carried.log_scale, outputs=3
         )
@@ -356,11 +386,11 @@ def _block_attention(b: FunctionNodes, plan: _Plan, rows: _Rows, carried: _Carri
     def take(x):
         return b("Gather", x, block, axis=1)
 
-    index = _per_query_head(b, plan, carried.index)
-    keys = b("Concat", take(rows.local_k), _gathered(b, rows.k, index), axis=1)
-    values = b("Concat", take(rows.local_v), _gathered(b, rows.v, index), axis=1)
+    index = _per_query_head(b, plan.groups, carried.index)
+    keys = b("Concat", take(rows.local_k), gathered_rows(b, rows.k, index), axis=1)
+    values = b("Concat", take(rows.local_v), gathered_rows(b, rows.pairs.v, index), axis=1)
     local_taken = take(rows.taken)
-    held = b("Unsqueeze", _per_query_head(b, plan, carried.held), b.ints(1))
+    held = b("Unsqueeze", _per_query_head(b, plan.groups, carried.held), b.ints(1))
     held = b("Expand", held, b("Concat", b("Shape", local_taken, end=2), b.ints(plan.window.sparse), axis=0))
     taken = b("Cast", b("Concat", local_taken, held, axis=-1), to=FLOAT)
     one = b.ints(1)
@@ -375,15 +405,15 @@ def _block_attention(b: FunctionNodes, plan: _Plan, rows: _Rows, carried: _Carri
     return b.call(plan.mix, num, den, row_max, far_num, far_den, far_log_scale, take(rows.query_log_scale), weight)
 
 
-def _per_query_head(b: FunctionNodes, plan: _Plan, x: str) -> str:
-    """x [Gkv, R] with each key/value head's row repeated for its query heads: [G, R]."""
-    if plan.groups == 1:
+def _per_query_head(b: FunctionNodes, groups: int, x: str) -> str:
+    """x [Gkv, R] with each key/value head's row repeated for its ``groups`` query heads: [G, R]."""
+    if groups == 1:
         return x
-    repeated = b("Expand", b("Unsqueeze", x, b.ints(1)), b.ints(1, plan.groups, 1))
+    repeated = b("Expand", b("Unsqueeze", x, b.ints(1)), b.ints(1, groups, 1))
     return b("Reshape", repeated, b("Concat", b.ints(-1), b("Shape", x, start=1), axis=0))
 
 
-def _gathered(b: FunctionNodes, x: str, index: str) -> str:
+def gathered_rows(b: FunctionNodes, x: str, index: str) -> str:
     """Rows ``index`` [G, R] of x [G, rows, F]."""
     expanded = b(
         "Expand", b("Unsqueeze", index, b.ints(-1)), b("Concat", b("Shape", index), b("Shape", x, start=2), axis=0)

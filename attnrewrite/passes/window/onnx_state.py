@@ -91,7 +91,10 @@ class WindowStepFunctions(typing.NamedTuple):
 def window_step_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> WindowStepFunctions:
     op = standard_opset(opset_version)
     return WindowStepFunctions(
-        exact_softmax_sums_function(op, scale, (2 * window.size, window.sinks) if window.sinks else None),
+        # the step's exact keys: the sparse cache's pairs (if any), the window's 2W rows, then the sinks
+        exact_softmax_sums_function(
+            op, scale, (window.sparse + 2 * window.size, window.sinks) if window.sinks else None
+        ),
         window_mix_function(op, unit.rescaled, unit.eps),
     )
 
