@@ -442,19 +442,31 @@ def windowed(b: Body, rows: WindowRows) -> None:
     start = b("Sub", rows.position, b.ints(2 * window.size - 1))
     terms = b.terms("q", k_x, keep_x)
     far_phi_k, far_key_log_scale = far_features(b, terms[1], terms[3] if plan.rescaled else None, start)
-    weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
-    inputs = [weighted_q, b.map("q", "q"), far_phi_k, b.map("k", k_x), v_x, keep_x]
+    inputs = [weighted(b, terms[0]), b.map("q", "q"), far_phi_k, b.map("k", k_x), v_x, keep_x]
     inputs = [*(b.flat(x) for x in inputs), start, *b.flat_state()]
     if plan.rescaled:
         inputs += [b.flat(terms[2]), b.flat(far_key_log_scale)]
-    if plan.unit.max_weighted:
-        inputs.append(b.flat(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[2]))))
-    if window.sinks:
-        inputs += sinks(b, rows)
+    inputs += row_weights_and_sinks(b, terms, rows)
     functions = windowed_kernel_attention_from_state_functions(plan.opset_version, window, plan.site.scale, plan.unit)
     b.uses(*functions)
     b.output_flat(b.call(functions[-1], *inputs))
     absorb_first_rows(b, b("Add", rows.new_rows, window_keep_after(b, rows)), far_phi_k, v_x, far_key_log_scale)
+
+
+def weighted(b: Body, phi_q: str) -> str:
+    """phi_q times the kernel part's weight w_h = exp(linear_log_weight)."""
+    return b("Mul", phi_q, b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
+
+
+def row_weights_and_sinks(b: Body, terms: list[str], rows: WindowRows) -> list[str]:
+    """A windowed prefill's last inputs: beta_h for each query row (max weighted units), then
+    the sinks (sinks())."""
+    extra = []
+    if b.plan.unit.max_weighted:
+        extra.append(b.flat(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[2]))))
+    if b.plan.window.sinks:
+        extra += sinks(b, rows)
+    return extra
 
 
 def window_keep_after(b: Body, rows: WindowRows) -> str:
@@ -476,18 +488,14 @@ def sparse_windowed(b: Body, rows: WindowRows) -> None:
     pairs = [b("Concat", name, x, axis=-2) for name, x in zip(CACHE_PARTS, (rows.k_x, rows.v_x, rows.keep_x))]
     k_x, v_x, keep_x = (b.per_query_head(x) for x in pairs)
     terms = b.terms("q", k_x, keep_x)
-    weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
-    inputs = [weighted_q, b.map("q", "q"), b.map("k", k_x), v_x, terms[1]]
+    inputs = [weighted(b, terms[0]), b.map("q", "q"), b.map("k", k_x), v_x, terms[1]]
     if plan.rescaled:
         inputs.append(terms[3])
     start = b("Sub", rows.position, b.ints(2 * window.size - 1))
     inputs = [*(b.flat(x) for x in [*inputs, keep_x, *pairs]), start, *b.flat_state()]
     if plan.rescaled:
         inputs.append(b.flat(terms[2]))
-    if plan.unit.max_weighted:
-        inputs.append(b.flat(b("Expand", b("Cast", "local_max_weight", to=FLOAT), b("Shape", terms[2]))))
-    if window.sinks:
-        inputs += sinks(b, rows)
+    inputs += row_weights_and_sinks(b, terms, rows)
     functions = sparse_from_state_functions(plan.opset_version, window, plan.site.scale, plan.unit)
     b.uses(*functions)
     out, *after = b(functions[-1].name, *inputs, outputs=len(sparse_from_state_outputs(plan.unit)), domain=DOMAIN)
@@ -557,7 +565,7 @@ def windowed_step(b: Body, rows: WindowRows, at_block_end=None) -> None:
     # head's keys as kept, so nothing kept is repeated (learned key maps are per query head)
     grouped = plan.groups > 1 and not plan.mapped
     local = local_sums(b, step, rows, mapped_q, grouped)
-    weighted_q = b("Mul", terms[0], b("Exp", b("Cast", "linear_log_weight", to=FLOAT)))
+    weighted_q = weighted(b, terms[0])
     read = b.as_block(b("MatMul", weighted_q, KERNEL_STATE))  # the far keys': all in the state
     minus_one = b.ints(-1)
     far = [
