@@ -26,11 +26,13 @@ from test_recurrent import (
     SCHEDULES,
     B,
     D,
+    H,
     fitted_parallel,
     grouped_site,
     make_site,
     pieces,
     recurrent_form,
+    recurrent_model,
     rows,
     run_onnx_steps,
     sequence,
@@ -229,6 +231,25 @@ def test_onnx_steps_equal_the_parallel_form_and_the_torch_state(method, padding,
     for name in ("cache_keys", "cache_values"):
         np.testing.assert_array_equal(found[name] * held, wanted[name] * held, err_msg=name)
     assert relative_error(found["kernel_state"], wanted["kernel_state"]) < 1e-5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_onnx_steps_with_heads_folded_into_the_batch(method):
+    """A [batch * heads, N, d] site (no head axis), left-padded, stepped token by token: the
+    parallel form's outputs."""
+    method, site = METHODS[method], make_site(rank=3)
+    options = options_of(method, sinks=1, sparse=3)
+    parallel = fitted_parallel(method, site, options)
+    q, k, v, keep = sequence(True, LENGTH, lead=(B * H,))
+    with torch.no_grad():
+        expected = parallel(q, k, v, keep).numpy()
+    form = recurrent_form(site, options)
+    lowering = form.onnx_lowering(site, OPSET, state_dict(parallel))
+    model = recurrent_model(lowering, form.state(site), rank=3)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    schedule = [1] * LENGTH
+    for piece, (out, *_) in zip(pieces(schedule), run_onnx_steps(session, site, options, schedule, (q, k, v, keep))):
+        assert relative_error(out, expected[..., piece, :]) < 1e-5, piece
 
 
 def test_state_holds_the_cache_per_key_value_head_and_counts_its_bytes():
