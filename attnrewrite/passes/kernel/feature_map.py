@@ -123,7 +123,7 @@ def entry_functions(entry: OnnxFunction, name: str | None = None) -> list[onnx.F
     """``entry`` and every function it calls as FunctionProtos, callees first, the entry
     named ``name`` where given (a causal site's entry, say, beside its bidirectional twin)."""
     functions = []
-    for function in with_callees(entry):  # what a shim calls by name first (onnx_sparse.NODE_BUILT)
+    for function in with_callees(entry):  # a shim's node-built callees first (NODE_BUILT: onnx_sparse.py's)
         functions += getattr(function, NODE_BUILT, [])
         functions.append(function.to_function_proto())
     functions = unique_functions(functions)

@@ -52,7 +52,9 @@ class KernelRecurrence(Recurrence):
         the kernel state with com.microsoft.LinearAttention (where the feature count and the
         value dim are known); the additive prefill stays the chunked form, faster on CPU
         (docs/cli.md), the delta rule's prefill runs the operator too."""
-        feature_map = self.feature_map
+        feature_map, window = self.feature_map, self.window
+        if window is not None and window.sparse:  # its cache is shared by a key/value head's query heads
+            window = dataclasses.replace(window, groups=self.key_value_groups(site))
         constants = feature_map.constants(site, weights)
         description = self.state(site)
         features, columns = feature_map.feature_count(site), site.value_dim
@@ -69,9 +71,7 @@ class KernelRecurrence(Recurrence):
             site,
             opset_version,
             feature_map.state_unit,
-            self.window
-            if not self.window or not self.window.sparse
-            else dataclasses.replace(self.window, groups=self.key_value_groups(site)),
+            window,
             self.options.chunk,
             self.key_value_groups(site),
             mapped=QUERY_KEY_MAPS[0] in constants,
