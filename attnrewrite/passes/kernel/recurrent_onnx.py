@@ -550,7 +550,7 @@ def absorb_first_rows(b: Body, count: str, far_phi_k: str, v_x: str, far_key_log
     state_outputs(b, new_state)
 
 
-def windowed_step(b: Body, rows: WindowRows, at_block_end=None) -> None:
+def windowed_step(b: Body, rows: WindowRows, at_block_end: Callable[[Body], None] | None = None) -> None:
     """One token of the window hybrid: exact softmax over the window's kept rows and the
     sinks before its blocks, the kernel over the state alone, which holds every key before
     the query's previous block (the state is block-aligned); at a block's last position the
@@ -582,7 +582,10 @@ def windowed_step(b: Body, rows: WindowRows, at_block_end=None) -> None:
     if plan.site.rank == 3:
         mixed = b("Squeeze", mixed, b.ints(1))
     b.output("out", b.like_v(mixed))
-    (at_block_end or block_joins_state)(b, rows)
+    if at_block_end is None:
+        block_joins_state(b, rows)
+    else:
+        at_block_end(b)
 
 
 def sparse_windowed_step(b: Body, rows: WindowRows) -> None:
@@ -591,7 +594,7 @@ def sparse_windowed_step(b: Body, rows: WindowRows) -> None:
     first block leaves into the cache or the kernel state (block_leaves)."""
     cached = [b("Concat", name, x, axis=-2) for name, x in zip(CACHE_PARTS, (rows.k_x, rows.v_x, rows.keep_x))]
     with_cache = WindowRows(rows.new_keys, *cached, rows.position, rows.new_rows, rows.next_position)
-    windowed_step(b, with_cache, at_block_end=lambda inner, _: block_leaves(inner, rows))
+    windowed_step(b, with_cache, at_block_end=lambda inner: block_leaves(inner, rows))
 
 
 def block_leaves(b: Body, rows: WindowRows) -> None:
