@@ -619,9 +619,10 @@ def block_leaves(b: Body, rows: WindowRows) -> None:
         )
         absorb = absorb_keys_functions(plan.opset_version)[1 if plan.rescaled else 0]
         inner.uses(*(f.to_function_proto() for f in with_callees(absorb)))
-        held = inner("Squeeze", inner.flat(CACHE_PARTS[2]), inner.ints(-1))
-        held = inner("Greater", held, inner("Constant", value_float=0.0))
-        state, index, held = leave_block(inner, plan.window, plan.unit, absorb, candidates, inner.flat_state(), held)
+        cache_keep = inner.flat(CACHE_PARTS[2])
+        state, index, held = leave_block(
+            inner, plan.window, plan.unit, absorb, candidates, inner.flat_state(), cache_keep
+        )
         state_outputs(inner, state)
         for name, x in zip(CACHE_PARTS[:2], pairs[:2]):
             kept = gathered_rows(inner, inner.flat(x), index)

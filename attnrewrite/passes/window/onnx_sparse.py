@@ -236,8 +236,13 @@ def _last_leave(b: FunctionNodes, plan: _Plan, rows: _Rows, carried: _Carried, a
     width, zero = plan.window.size, b.ints(0)
     tail = b("Sub", b("Mul", chunks, b.ints(width)), b("Add", front, n_keys))
     leaves = b("Squeeze", b("And", b("Equal", tail, zero), b("GreaterOrEqual", chunks, b.ints(2))))
-    first_row = b("Add", b.ints(plan.window.sparse), b("Mul", b("Sub", chunks, b.ints(2)), b.ints(width)))
-    return _if_leaves(b, plan, rows, carried, absorb, leaves, first_row, "last")
+    return _if_leaves(b, plan, rows, carried, absorb, leaves, _leaving_row(b, plan.window, chunks), "last")
+
+
+def _leaving_row(b: FunctionNodes, window: Window, block: str) -> str:
+    """[1]: the first laid-out row (after the cache's S) of block ``block`` - 2, the block that
+    leaves the window when block ``block``'s queries come (after the last: the next query's)."""
+    return b("Add", b.ints(window.sparse), b("Mul", b("Sub", block, b.ints(2)), b.ints(window.size)))
 
 
 def _candidates(b: FunctionNodes, laid_out, cached_keep: str, pair_keep: str, n_keys: str, sinks: int) -> str:
@@ -262,11 +267,8 @@ def _block_loop(b: FunctionNodes, plan: _Plan, rows: _Rows, carried: _Carried, a
     block = body("Add", "block_i", b("Squeeze", first))
     names = carried.present()
     incoming = carried.with_values([f"block_{name}_in" for name in names])
-    first_row = body(
-        "Add", body.ints(plan.window.sparse), body("Mul", body("Sub", block, body.ints(2)), body.ints(plan.window.size))
-    )
     leaves = body("GreaterOrEqual", block, _scalar(body, 2))
-    after = _if_leaves(body, plan, rows, incoming, absorb, leaves, first_row, "leaves")
+    after = _if_leaves(body, plan, rows, incoming, absorb, leaves, _leaving_row(body, plan.window, block), "leaves")
     out = _block_attention(body, plan, rows, after, "block_i")
     body.output("cond_out", body("Identity", "block_cond"))
     for name in names:
@@ -310,14 +312,14 @@ def _if_leaves(
 
 
 def leave_block(
-    b: FunctionNodes, window: Window, unit: KernelUnit, absorb, pairs: Candidates, state: list[str], held: str
+    b: FunctionNodes, window: Window, unit: KernelUnit, absorb, pairs: Candidates, state: list[str], cache_keep: str
 ) -> tuple[list[str], str, str]:
     """A decoding step's leave (recurrent_onnx.block_leaves): ``pairs`` [G, S + W, *] the
     cache's S rows, then the W of the block leaving; ``state`` the flat kernel state [kv,
-    key_sum(, log_scale)]; ``held`` [Gkv, S] which slots hold a pair; ``absorb`` the
+    key_sum(, log_scale)]; ``cache_keep`` [Gkv, S, 1] the cache's keep flags; ``absorb`` the
     absorb_keys function of the unit. Returns (the state after, the new slots' rows [Gkv, S]
     among the S + W, whether they hold one)."""
-    index = b("Expand", b("Constant", value=numpy_helper.from_array(np.arange(window.sparse))), b("Shape", held))
+    index, held = _incoming_slots(b, cache_keep, window.sparse)
     kv, key_sum, *log_scale = state
     carried = _Carried(kv, key_sum, log_scale[0] if log_scale else None, index, held)
     after = _leave(b, window, unit, pairs, carried, absorb, b.ints(window.sparse))
