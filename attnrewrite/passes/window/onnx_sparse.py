@@ -69,9 +69,11 @@ def sparse_from_state_inputs(window: Window, unit: KernelUnit) -> list[str]:
     return inputs
 
 
-def sparse_from_state_outputs(unit: KernelUnit) -> list[str]:
-    """Its outputs: out [G, N', Dv], the kernel state after every block that has left by the
-    next position, the cache then ([Gkv, S, *]; keep 1.0 in a held slot)."""
+def sparse_from_state_outputs(unit: KernelUnit, state_after: bool = True) -> list[str]:
+    """Its outputs: out [G, N', Dv], then (``state_after``) the kernel state after every block
+    that has left by the next position and the cache ([Gkv, S, *]; keep 1.0 in a held slot)."""
+    if not state_after:
+        return ["out"]
     state = ["kernel_state_after", "normaliser_after", *(["log_scale_after"] if unit.rescaled else [])]
     return ["out", *state, "cache_k", "cache_v", "cache_keep"]
 
@@ -143,9 +145,12 @@ class _Plan(typing.NamedTuple):
 
 
 @built_once
-def sparse_from_state_functions(opset_version: int, window: Window, scale: float, unit: KernelUnit) -> list:
+def sparse_from_state_functions(
+    opset_version: int, window: Window, scale: float, unit: KernelUnit, state_after: bool = True
+) -> list:
     """RecurrentSparseWindow (sparse_cache.sparse_attention_from_state) after the functions it
-    calls, all FunctionProtos."""
+    calls, all FunctionProtos; without ``state_after`` SparseWindowOutputs, the outputs alone
+    (the parallel form's: no last leave, no cache gathered)."""
     op = standard_opset(opset_version)
     size, width, sinks = window.sparse, window.size, window.sinks
     layout, positioned_blocks, query_blocks, unblock = positioned_layout_functions(op, width)
@@ -153,11 +158,9 @@ def sparse_from_state_functions(opset_version: int, window: Window, scale: float
     exact_keys = recurrent_exact_keys_function(op, blocks, positioned_blocks, width, sinks)
     absorb = absorb_keys_functions(opset_version)[1 if unit.rescaled else 0]
     plan = _Plan(window, unit, window_mix_function(op, unit.rescaled, unit.eps), exact_softmax_sums_function(op, scale))
-    callees = [layout, positioned_blocks, query_blocks, unblock, exact_keys, absorb, plan.mix, plan.sums]
     without_sinks = without_sinks_from_function(opset_version, sinks) if sinks else None
-    if sinks:
-        callees.append(without_sinks)
-
+    callees = [layout, positioned_blocks, query_blocks, unblock, exact_keys, absorb, plan.mix, plan.sums]
+    callees += [without_sinks] if sinks else []
     b = FunctionNodes()
     count = b.ints(size)
     n_rows, n = b("Shape", "k", start=1, end=2), b("Shape", "q", start=1, end=2)
@@ -210,16 +213,17 @@ def sparse_from_state_functions(opset_version: int, window: Window, scale: float
     index, held = _incoming_slots(b, cached("pair_keep"), size)
     carried = _Carried("kernel_state", "normaliser", "log_scale" if rescaled else None, index, held)
     carried, out = _block_loop(b, plan, rows, carried, absorb, chunks, first)
-    carried = _last_leave(b, plan, rows, carried, absorb, front, chunks, n_keys)
-
     b.output("out", b.call(unblock, b("Transpose", out, perm=[1, 0, 2, 3]), front, first, n_keys, n))
-    for name, value in zip(sparse_from_state_outputs(unit)[1:], carried.values()[:-2]):  # the state, not the slots
-        b.output(name, value)
-    b.output("cache_k", gathered_rows(b, laid_out("pair_k", positioned("pair_k")), carried.index))
-    b.output("cache_v", gathered_rows(b, laid_out("pair_v", positioned("pair_v")), carried.index))
-    b.output("cache_keep", b("Unsqueeze", b("Cast", carried.held, to=FLOAT), b.ints(-1)))
-    inputs, outputs = sparse_from_state_inputs(window, unit), sparse_from_state_outputs(unit)
-    entry = make_function("RecurrentSparseWindow", inputs, outputs, b.nodes, opset_version)
+    if state_after:
+        carried = _last_leave(b, plan, rows, carried, absorb, front, chunks, n_keys)
+        for name, value in zip(sparse_from_state_outputs(unit)[1:], carried.values()[:-2]):  # the state, not the slots
+            b.output(name, value)
+        b.output("cache_k", gathered_rows(b, laid_out("pair_k", positioned("pair_k")), carried.index))
+        b.output("cache_v", gathered_rows(b, laid_out("pair_v", positioned("pair_v")), carried.index))
+        b.output("cache_keep", b("Unsqueeze", b("Cast", carried.held, to=FLOAT), b.ints(-1)))
+    name = "RecurrentSparseWindow" if state_after else "SparseWindowOutputs"
+    inputs, outputs = sparse_from_state_inputs(window, unit), sparse_from_state_outputs(unit, state_after)
+    entry = make_function(name, inputs, outputs, b.nodes, opset_version)
     return [*(f.to_function_proto() for f in with_callees(*callees)), entry]
 
 
@@ -453,7 +457,7 @@ def sparse_windowed_kernel_functions(opset_version: int, window: Window, scale: 
     op = standard_opset(opset_version)
     flatten = flatten_heads_function(opset_version)
     per_head, key_keep = per_head_function(op, flatten), key_keep_function(opset_version)
-    from_state = sparse_from_state_functions(opset_version, window, scale, unit)
+    from_state = sparse_from_state_functions(opset_version, window, scale, unit, state_after=False)
     size, groups, sinks = window.sparse, window.groups, window.sinks
     b = FunctionNodes()
 
@@ -463,7 +467,7 @@ def sparse_windowed_kernel_functions(opset_version: int, window: Window, scale: 
     def after_empty_cache(x):  # the cache's S rows in front: empty (none held, none may enter)
         return b("Pad", x, b.ints(0, size, 0, 0, 0, 0), b("Constant", value_float=0.0))
 
-    def first_of_group(x):  # [G, R, *] -> [Gkv, R, *]: a key/value head's keys are its query heads' own
+    def first_of_group(x):  # [G, R, 1] -> [Gkv, R, 1]: a key/value head's keep flags are its query heads'
         if groups == 1:
             return x
         shape = b("Concat", b.ints(-1, groups), b("Shape", x, start=1), axis=0)
@@ -479,7 +483,8 @@ def sparse_windowed_kernel_functions(opset_version: int, window: Window, scale: 
     inputs = [b("Mul", flat("phi_q"), weight), flat("q"), rows["k"], rows["v"], after_empty_cache(phi_k)]
     if unit.rescaled:
         inputs.append(after_empty_cache(flat("key_log_scale")))
-    inputs += [rows["keep"], *(first_of_group(rows[name]) for name in ("k", "v", "keep")), b.ints(0)]
+    # pair_k and pair_v only make the cache's outputs, which SparseWindowOutputs has not
+    inputs += [rows["keep"], rows["k"], rows["v"], first_of_group(rows["keep"]), b.ints(0)]
     heads, features = b("Shape", phi_k, end=1), b("Shape", phi_k, start=2)
     inputs += [zeros(heads, features, b("Shape", v, start=2)), zeros(heads, features)]
     if unit.rescaled:
@@ -492,8 +497,7 @@ def sparse_windowed_kernel_functions(opset_version: int, window: Window, scale: 
         for x in (k, v, keep):
             padded = b("Pad", x, b.ints(0, 0, 0, 0, sinks, 0), b("Constant", value_float=0.0))
             inputs.append(b("Slice", padded, b.ints(0), b.ints(sinks), b.ints(1)))
-    outputs = len(sparse_from_state_outputs(unit))
-    out = b(from_state[-1].name, *inputs, outputs=outputs, domain=DOMAIN)[0]
+    out = b(from_state[-1].name, *inputs, domain=DOMAIN)
     b.output("out", b("Reshape", out, b("Concat", b("Shape", "q", end=-1), b("Shape", "v", start=-1), axis=0)))
     entry = make_function("SparseWindowedKernelAttention", causal_entry_inputs(unit), ["out"], b.nodes, opset_version)
     callees = [f.to_function_proto() for f in with_callees(flatten, per_head, key_keep)]
